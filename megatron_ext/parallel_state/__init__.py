@@ -1,0 +1,92 @@
+"""Adapter to ``megatron.core.parallel_state``: the CP group, rank, size and node topology.
+
+Order of preference for the context-parallel group:
+1. megatron-core's CP group when its model-parallel state is initialized;
+2. otherwise the default process group, when ``torch.distributed`` is initialized;
+3. otherwise no group: ``get_cp_group()`` returns None (a single process, CP = 1),
+   and ``require_cp_group()`` raises with the fix.
+"""
+
+import os
+from typing import Optional
+
+import torch.distributed as dist
+
+
+def _megatron_parallel_state():
+    try:
+        from megatron.core import parallel_state as mpu
+    except Exception:  # megatron-core is optional for the engine itself
+        return None
+    return mpu
+
+
+def megatron_initialized() -> bool:
+    mpu = _megatron_parallel_state()
+    return bool(mpu is not None and mpu.model_parallel_is_initialized())
+
+
+def get_cp_group() -> Optional["dist.ProcessGroup"]:
+    """The CP process group, or None when no process group exists (one process)."""
+    if megatron_initialized():
+        return _megatron_parallel_state().get_context_parallel_group()
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def require_cp_group() -> "dist.ProcessGroup":
+    group = get_cp_group()
+    if group is None:
+        raise RuntimeError(
+            "context parallelism was requested but no process group exists: call "
+            "megatron.core.parallel_state.initialize_model_parallel(context_parallel_size=...) "
+            "or torch.distributed.init_process_group(...) first, or pass cp_group=..."
+        )
+    return group
+
+
+def group_size(group: Optional["dist.ProcessGroup"]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional["dist.ProcessGroup"]) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def get_cp_world_size() -> int:
+    return group_size(get_cp_group())
+
+
+def get_cp_rank() -> int:
+    return group_rank(get_cp_group())
+
+
+def get_cp_global_ranks(group: Optional["dist.ProcessGroup"] = None) -> list:
+    """Global ranks of the CP group, in CP-rank order."""
+    group = get_cp_group() if group is None else group
+    if group is None:
+        return [0]
+    return dist.get_process_group_ranks(group)
+
+
+def get_tp_world_size() -> int:
+    if megatron_initialized():
+        return _megatron_parallel_state().get_tensor_model_parallel_world_size()
+    return 1
+
+
+def local_world_size() -> int:
+    """Processes per node (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node)."""
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def cp_spans_nodes(group: Optional["dist.ProcessGroup"] = None) -> bool:
+    """Whether the CP group crosses a node boundary (ranks are assumed node-major)."""
+    per_node = local_world_size()
+    nodes = {rank // per_node for rank in get_cp_global_ranks(group)}
+    return len(nodes) > 1
