@@ -8,17 +8,16 @@ Order of preference for the context-parallel group:
 """
 
 import os
+import sys
 from typing import Optional
 
 import torch.distributed as dist
 
 
 def _megatron_parallel_state():
-    try:
-        from megatron.core import parallel_state as mpu
-    except Exception:  # megatron-core is optional for the engine itself
-        return None
-    return mpu
+    # Only a megatron-core that is already imported can be initialized; looking it up
+    # in sys.modules keeps the engine from paying megatron's import time.
+    return sys.modules.get("megatron.core.parallel_state")
 
 
 def megatron_initialized() -> bool:

@@ -1,0 +1,21 @@
+"""The block-diagonal CP engine: knows nothing of Megatron models."""
+
+from . import state
+from .batch import blockdiag_cp_step, doc_ids_from_cu_seqlens, doc_ids_from_eod, shard_batch
+from .runtime import BlockDiagCPError, BlockDiagCPState, blockdiag_cp_attention
+from .state import (
+    configure_cp_varlen,
+    cp_attn_fire_count,
+    cp_varlen_runtime_config,
+    normalize_attn_backend,
+    normalize_kv_exchange,
+    normalize_layout,
+    reset_cp_attn_fire_count,
+)
+
+__all__ = [
+    "BlockDiagCPError", "BlockDiagCPState", "blockdiag_cp_attention", "blockdiag_cp_step",
+    "configure_cp_varlen", "cp_attn_fire_count", "cp_varlen_runtime_config",
+    "doc_ids_from_cu_seqlens", "doc_ids_from_eod", "normalize_attn_backend",
+    "normalize_kv_exchange", "normalize_layout", "reset_cp_attn_fire_count", "shard_batch", "state",
+]

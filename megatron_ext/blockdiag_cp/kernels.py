@@ -1,0 +1,205 @@
+"""Attention kernels over the plan's varlen segments: dense (torch SDPA), flash varlen, TE thd.
+
+Every kernel has one contract, the flash varlen one:
+    q [Nq, Hq, D], k/v [Nk, Hkv, D], cu_seqlens_q/k [n+1] int32 -> out [Nq, Hq, D]
+segment i's queries attend its keys with bottom-right causal alignment (the last
+query sees the last key), which is right for a document whose keys begin on an
+earlier rank. Hq % Hkv == 0 (GQA).
+
+``te`` and ``flash`` are imported lazily and are only ever "available" on CUDA
+with fp16/bf16 inputs; each availability check returns (ok, reason) and never
+raises.
+"""
+
+import importlib
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+# Largest bool mask (elements) the dense kernel builds for one query block.
+_DENSE_MASK_BUDGET = 1 << 22
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Device-side view of KernelSegments for one call."""
+
+    cu_seqlens_q: torch.Tensor  # int32 on the kernel's device
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    q_lens: Tuple[int, ...]  # host copies, so the dense loop needs no device sync
+    k_lens: Tuple[int, ...]
+
+
+# ---------------------------------------------------------------------------
+# dense
+# ---------------------------------------------------------------------------
+
+
+def dense_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0.0):
+    """One SDPA per segment; only an (nq x nk) block mask where keys start earlier."""
+    outs = []
+    gqa = q.shape[1] != k.shape[1]
+    for qs, ks, vs in zip(q.split(seg.q_lens), k.split(seg.k_lens), v.split(seg.k_lens)):
+        qs, ks, vs = qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)  # [H, n, D]
+        outs.append(_causal_bottom_right(qs, ks, vs, softmax_scale, dropout_p, gqa).transpose(0, 1))
+    if not outs:
+        return q.new_zeros(q.shape)
+    return torch.cat(outs, dim=0)
+
+
+def _causal_bottom_right(q, k, v, scale, dropout_p, gqa):
+    nq, nk = q.shape[-2], k.shape[-2]
+    if nq == nk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              dropout_p=dropout_p, enable_gqa=gqa)
+    # Keys begin before the first query: query j sees keys [0, nk - nq + j]. Block the
+    # queries so no mask exceeds the budget (never O(local_len x S) at once).
+    block = max(1, min(nq, _DENSE_MASK_BUDGET // max(nk, 1)))
+    outs = []
+    for start in range(0, nq, block):
+        stop = min(nq, start + block)
+        visible = nk - nq + stop  # keys the block's last query sees
+        rows = torch.arange(start, stop, device=q.device).unsqueeze(1) + (nk - nq)
+        mask = torch.arange(visible, device=q.device).unsqueeze(0) <= rows  # [block, visible]
+        outs.append(F.scaled_dot_product_attention(
+            q[..., start:stop, :], k[..., :visible, :], v[..., :visible, :], attn_mask=mask,
+            scale=scale, dropout_p=dropout_p, enable_gqa=gqa))
+    return torch.cat(outs, dim=-2)
+
+
+# ---------------------------------------------------------------------------
+# flash
+# ---------------------------------------------------------------------------
+
+
+def _flash_attn_func() -> Optional[Callable]:
+    try:
+        return importlib.import_module("flash_attn").flash_attn_varlen_func
+    except Exception:
+        return None
+
+
+def _torch_varlen_func() -> Optional[Callable]:
+    try:
+        return importlib.import_module("torch.nn.attention.varlen").varlen_attn
+    except Exception:
+        return None
+
+
+def flash_impl_name() -> Optional[str]:
+    if _flash_attn_func() is not None:
+        return "flash_attn"
+    if _torch_varlen_func() is not None:
+        return "torch_varlen_attn"
+    return None
+
+
+def flash_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0.0):
+    fn = _flash_attn_func()
+    if fn is not None:
+        # flash-attn >= 2.1: causal with seqlen_q != seqlen_k is bottom-right aligned.
+        return fn(q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k,
+                  dropout_p=dropout_p, softmax_scale=softmax_scale, causal=True)
+    fn = _torch_varlen_func()
+    params = inspect.signature(fn).parameters
+    kwargs = {"scale": softmax_scale}
+    if "window_size" in params:  # torch >= 2.12: (-1, 0) is causal, bottom-right aligned
+        kwargs["window_size"] = (-1, 0)
+    else:  # torch 2.10/2.11 spell it is_causal
+        kwargs["is_causal"] = True
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return fn(q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k,
+              **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# te
+# ---------------------------------------------------------------------------
+
+_TE_MODULES: Dict[tuple, torch.nn.Module] = {}
+
+
+def _te_pytorch():
+    try:
+        return importlib.import_module("transformer_engine.pytorch")
+    except Exception:
+        return None
+
+
+def te_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0.0):
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    key = (hq, hkv, d, float(softmax_scale), float(dropout_p), q.device, q.dtype)
+    module = _TE_MODULES.get(key)
+    if module is None:
+        te = _te_pytorch()
+        module = te.DotProductAttention(
+            num_attention_heads=hq, kv_channels=d, num_gqa_groups=hkv,
+            attention_dropout=dropout_p, qkv_format="thd",
+            attn_mask_type="padding_causal_bottom_right", softmax_scale=softmax_scale,
+        ).to(device=q.device)
+        _TE_MODULES[key] = module
+    out = module(q, k, v, qkv_format="thd", attn_mask_type="padding_causal_bottom_right",
+                 cu_seqlens_q=seg.cu_seqlens_q, cu_seqlens_kv=seg.cu_seqlens_k,
+                 max_seqlen_q=seg.max_seqlen_q, max_seqlen_kv=seg.max_seqlen_k)
+    return out.view(q.shape[0], hq, d)
+
+
+# ---------------------------------------------------------------------------
+# availability
+# ---------------------------------------------------------------------------
+
+
+def _installed(backend: str) -> Tuple[bool, str]:
+    if backend == "dense":
+        return True, "torch SDPA is always available"
+    if backend == "te":
+        return (True, "TransformerEngine importable") if _te_pytorch() is not None else (
+            False, "TransformerEngine is not installed (pip install megatron-ext[te])")
+    name = flash_impl_name()
+    return (True, f"{name} importable") if name else (
+        False, "neither flash-attn nor torch.nn.attention.varlen is available")
+
+
+def static_availability(backend: str, device: torch.device) -> Tuple[bool, str]:
+    """What can be known before seeing q: installed, and a CUDA device."""
+    ok, reason = KERNEL_INSTALLED[backend]()
+    if not ok or backend == "dense":
+        return ok, reason
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False, f"{backend} needs CUDA (device is {torch.device(device).type})"
+    return True, reason
+
+
+def call_availability(backend: str, q: torch.Tensor, dropout_p: float) -> Tuple[bool, str]:
+    """What depends on the call: dtype, device, dropout."""
+    if backend == "dense":
+        return True, "dense takes any dtype"
+    if q.device.type != "cuda":
+        return False, f"{backend} needs CUDA tensors (got {q.device.type})"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False, f"{backend} needs fp16/bf16 inputs (got {str(q.dtype).replace('torch.', '')})"
+    if backend == "flash" and dropout_p > 0 and flash_impl_name() == "torch_varlen_attn":
+        return False, "torch varlen_attn has no attention dropout"
+    return True, "ok"
+
+
+# Indirection points that tests replace to control availability and kernels per rank.
+KERNEL_INSTALLED: Dict[str, Callable[[], Tuple[bool, str]]] = {
+    name: (lambda name=name: _installed(name)) for name in ("te", "flash", "dense")
+}
+KERNELS: Dict[str, Callable] = {"te": te_varlen, "flash": flash_varlen, "dense": dense_varlen}
+
+
+def default_softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,41 @@
+"""An independent single-process reference: dense per-document causal attention.
+
+Builds the full [S, S] mask from document ids on global positions and runs plain
+softmax attention in the input's dtype; shares no code with megatron_ext.
+"""
+
+import torch
+
+
+def doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[R, S, S] bool: query i may attend key j (same non-zero document, j <= i)."""
+    ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)
+    S = ids.shape[-1]
+    # A document is a maximal run of equal ids: the same id in two runs is two documents.
+    change = torch.ones_like(ids, dtype=torch.bool)
+    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    run = torch.cumsum(change.long(), dim=-1)
+    same = run.unsqueeze(-1) == run.unsqueeze(-2)
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    return same & causal & (ids.unsqueeze(-1) > 0)
+
+
+def reference_attention(q, k, v, doc_ids, scale=None):
+    """q: [S, b, Hq, D], k/v: [S, b, Hkv, D] -> [S, b, Hq, D]; padding rows give zeros."""
+    S, b, hq, d = q.shape
+    rep = hq // k.shape[2]
+    k = k.repeat_interleave(rep, dim=2)
+    v = v.repeat_interleave(rep, dim=2)
+    scale = d ** -0.5 if scale is None else scale
+    mask = doc_mask(doc_ids)  # [R, S, S]
+    mask = mask.expand(b, S, S) if mask.shape[0] == 1 else mask
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # fully masked (padding) rows
+    return torch.einsum("bhst,tbhd->sbhd", probs, v)
+
+
+def runs_to_doc_ids(runs):
+    """[(doc_id, length), ...] -> LongTensor [S]."""
+    return torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in runs])
