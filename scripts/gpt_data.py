@@ -20,7 +20,12 @@ import pathlib
 import struct
 import sys
 import sysconfig
+import warnings
 from typing import Iterable, List, Optional, Sequence, Tuple
+
+# megatron-core warns at import time that it falls back to torch without TE/Apex
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA_CACHE = REPO_ROOT / "data_cache"

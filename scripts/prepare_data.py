@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         prefix = gpt_data.strip_prefix(args.output_prefix)
         gpt_data.write_indexed_dataset(files, prefix, progress=not args.no_progress)
     docs, tokens = gpt_data.validate_indexed_dataset(prefix)
-    print(f"wrote {prefix}.bin/.idx: {docs} documents, {tokens} tokens "
+    print(f"dataset {prefix}.bin/.idx: {docs} documents, {tokens} tokens "
           f"(vocab {gpt_data.PADDED_VOCAB_SIZE}, eod {gpt_data.EOD})")
     return 0
 

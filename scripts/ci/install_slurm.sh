@@ -36,4 +36,4 @@ for cmd in "${need[@]}"; do
     command -v "$cmd" >/dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ] || {
         echo "install_slurm: $cmd still missing after install" >&2; exit 1; }
 done
-echo "install_slurm: done ($(sinfo --version 2>/dev/null || echo slurm))"
+echo "install_slurm: done ($(dpkg-query -W -f='${Package} ${Version}' slurm-wlm 2>/dev/null))"
