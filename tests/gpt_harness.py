@@ -1,0 +1,127 @@
+"""Helpers for GPTModel tests on CPU/gloo: parallel-state setup, models, an independent reference.
+
+Runs inside dist_pool workers. The reference core attention is plain dense math
+from reference.py over the FULL sequence's document ids (single process, no CP).
+"""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from reference import reference_attention
+
+EOD = 3
+VOCAB = 64
+
+
+def ensure_mpu(tp: int, cp: int):
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        if (mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()) == (tp, cp):
+            return mpu
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    return mpu
+
+
+class _RefDocs(threading.local):
+    pass
+
+
+_REF = {"doc_ids": None}
+
+
+def make_reference_core_attention():
+    from megatron.core.transformer.module import MegatronModule
+
+    class ReferenceCoreAttention(MegatronModule):
+        """Dense per-document causal attention over the full sequence (no CP)."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config=config)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            out = reference_attention(query, key, value, _REF["doc_ids"])
+            return out.reshape(out.shape[0], out.shape[1], -1)
+
+    return ReferenceCoreAttention
+
+
+def config(cp: int, tp: int = 1, layers: int = 2, hidden: int = 32, heads: int = 4, groups: int = 2,
+           **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        ffn_hidden_size=2 * hidden, context_parallel_size=cp, tensor_model_parallel_size=tp,
+        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+        attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, **kw)
+
+
+def gpt_model(cfg, spec, seq_len: int, seed: int = 1, position_embedding_type="learned_absolute"):
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(seed)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
+                    max_sequence_length=seq_len, position_embedding_type=position_embedding_type,
+                    share_embeddings_and_output_weights=False)
+
+
+def reference_model(cfg_kwargs, seq_len, seed=1, **kw):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_ext.layers.specs import _torch_norms
+
+    spec = _torch_norms(get_gpt_layer_local_spec())
+    spec.submodules.self_attention.submodules.core_attention = make_reference_core_attention()
+    return gpt_model(config(cp=1, **cfg_kwargs), spec, seq_len, seed, **kw)
+
+
+def make_batch(S: int, b: int, seed: int):
+    """Random tokens with EOD-separated documents; the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, VOCAB, (b, S + 1), generator=g)
+    eod = torch.rand(b, S + 1, generator=g) < 0.08
+    tokens[eod] = EOD
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": torch.ones(b, S)}
+
+
+def reference_loss_and_grads(ref, batch, doc_ids):
+    """Mean token loss and parameter grads of the full sequence on one process."""
+    from megatron_ext.blockdiag_cp import doc_ids_from_eod
+
+    _REF["doc_ids"] = doc_ids
+    S = batch["tokens"].shape[1]
+    pos = torch.arange(S).unsqueeze(0).expand_as(batch["tokens"])
+    losses = ref(batch["tokens"], pos, None, labels=batch["labels"])
+    loss = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    ref.zero_grad()
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+def cp_loss(model, local, state, total_tokens):
+    from megatron_ext.layers import packed_seq_params_for
+
+    losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                   packed_seq_params=packed_seq_params_for(state))
+    return (losses * local["loss_mask"]).sum() / total_tokens
+
+
+def cp_reduced_grads(model, group):
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=group)
+        grads[n] = g
+    return grads
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))

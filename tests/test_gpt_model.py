@@ -1,0 +1,147 @@
+"""A megatron-core GPTModel with BlockDiagCPAttention, trained one step with CP on gloo.
+
+Loss and every parameter gradient (summed over CP ranks) equal the same weights run
+on one process with an independent per-document reference attention.
+"""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gpt_harness as H
+from dist_pool import WorkerPool
+
+TOL = 1e-5
+S = 64
+
+
+def _cp_model(cp, tp=1, **kw):
+    from megatron_ext.layers import get_gpt_layer_spec_with_blockdiag_cp
+
+    return H.gpt_model(H.config(cp=cp, tp=tp, **kw), get_gpt_layer_spec_with_blockdiag_cp(use_te=False), S)
+
+
+def one_step_matches_reference(layouts, exchanges, b=1):
+    import megatron_ext.blockdiag_cp as bdcp
+
+    mpu = H.ensure_mpu(tp=1, cp=2)
+    group = mpu.get_context_parallel_group()
+    model = _cp_model(cp=2)
+    ref = H.reference_model({}, S)
+    ref.load_state_dict(model.state_dict())
+    batch = H.make_batch(S, b, seed=11)
+    ref_loss, ref_grads = H.reference_loss_and_grads(
+        ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
+    out = {}
+    for layout in layouts:
+        for exchange in exchanges:
+            local, state = bdcp.shard_batch(batch, cp_group=group, layout=layout, eod_token=H.EOD,
+                                            attn_backend="dense", kv_exchange=exchange)
+            model.zero_grad()
+            with bdcp.blockdiag_cp_step(state):
+                loss = H.cp_loss(model, local, state, batch["loss_mask"].sum())
+                loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=group)
+            grads = H.cp_reduced_grads(model, group)
+            out[(layout, exchange)] = (H.rel(total, ref_loss),
+                                       max(H.rel(grads[n], ref_grads[n]) for n in ref_grads),
+                                       state.report()["kv_exchange"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+@pytest.mark.timeout(600)
+def test_gpt_one_step_every_layout_and_exchange(pool2):
+    results = pool2.run(one_step_matches_reference, ("contiguous", "zigzag", "balanced"),
+                        ("allgather", "halo", "a2a"))
+    for per_rank in results:
+        for key, (loss_err, grad_err, _) in per_rank.items():
+            assert loss_err < TOL and grad_err < TOL, (key, loss_err, grad_err)
+
+
+@pytest.mark.timeout(300)
+def test_gpt_batch_of_two_rows(pool2):
+    for per_rank in pool2.run(one_step_matches_reference, ("zigzag",), ("a2a",), 2):
+        for key, (loss_err, grad_err, _) in per_rank.items():
+            assert loss_err < TOL and grad_err < TOL, (key, loss_err, grad_err)
+
+
+def _reentrant_checkpoint(function, distribute_saved_activations, *args):
+    # megatron's tensor_parallel.checkpoint saves CUDA RNG state; on CPU use torch's
+    # reentrant checkpoint, which recomputes inside backward exactly like it.
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+
+
+def recompute_cases():
+    """Thread-backward and interleaved-microbatch recompute, each against the reference."""
+    from megatron.core import tensor_parallel
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    mpu = H.ensure_mpu(tp=1, cp=2)
+    group = mpu.get_context_parallel_group()
+    original = tensor_parallel.checkpoint
+    tensor_parallel.checkpoint = _reentrant_checkpoint
+    try:
+        model = _cp_model(cp=2, recompute_granularity="selective", recompute_modules=["core_attn"])
+        model.train()
+        ref = H.reference_model({}, S)
+        ref.load_state_dict(model.state_dict())
+        out = {}
+
+        # 1. backward (with recompute) on a thread other than the one that published the state
+        batch = H.make_batch(S, 1, seed=21)
+        ref_loss, ref_grads = H.reference_loss_and_grads(
+            ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
+        local, state = bdcp.shard_batch(batch, cp_group=group, layout="balanced", eod_token=H.EOD,
+                                        attn_backend="dense", kv_exchange="a2a")
+        model.zero_grad()
+        bdcp.reset_cp_attn_fire_count()
+        with bdcp.blockdiag_cp_step(state):
+            loss = H.cp_loss(model, local, state, batch["loss_mask"].sum())
+            worker = threading.Thread(target=loss.backward)
+            worker.start()
+            worker.join()
+        fires = bdcp.cp_attn_fire_count()
+        grads = H.cp_reduced_grads(model, group)
+        out["thread"] = (max(H.rel(grads[n], ref_grads[n]) for n in ref_grads), fires)
+
+        # 2. forward A, forward B, backward A (recompute, outside any step), backward B
+        batches = [H.make_batch(S, 1, seed=s) for s in (31, 32)]
+        refs = [H.reference_loss_and_grads(ref, bt, bdcp.doc_ids_from_eod(bt["tokens"], H.EOD))
+                for bt in batches]
+        losses = []
+        model.zero_grad()
+        for bt in batches:
+            local, state = bdcp.shard_batch(bt, cp_group=group, layout="contiguous", eod_token=H.EOD,
+                                            attn_backend="dense", kv_exchange="halo")
+            with bdcp.blockdiag_cp_step(state):
+                losses.append(H.cp_loss(model, local, state, bt["loss_mask"].sum()))
+        losses[0].backward()
+        grads_a = H.cp_reduced_grads(model, group)
+        model.zero_grad()
+        losses[1].backward()
+        grads_b = H.cp_reduced_grads(model, group)
+        out["interleaved"] = (max(H.rel(grads_a[n], refs[0][1][n]) for n in grads_a),
+                              max(H.rel(grads_b[n], refs[1][1][n]) for n in grads_b))
+        return out
+    finally:
+        tensor_parallel.checkpoint = original
+
+
+@pytest.mark.timeout(300)
+def test_recompute_on_another_thread_and_interleaved_microbatches(pool2):
+    for per_rank in pool2.run(recompute_cases):
+        grad_err, fires = per_rank["thread"]
+        assert grad_err < TOL
+        assert fires == 4, "2 layers x (forward + recompute) must each fire once"
+        assert max(per_rank["interleaved"]) < TOL, per_rank["interleaved"]
