@@ -16,8 +16,8 @@ from .state import normalize_layout
 
 
 def layout_granularity(layout: str, cp: int) -> int:
-    """The padded length must be a multiple of this."""
-    return 2 * cp if normalize_layout(layout) == "zigzag" else cp
+    """The padded length must be a multiple of this (1 for a single rank: no padding)."""
+    return 2 * cp if normalize_layout(layout) == "zigzag" and cp > 1 else cp
 
 
 def padded_length(seq_len: int, layout: str, cp: int) -> int:
@@ -54,7 +54,7 @@ def build_layout(name: str, doc_ids: torch.Tensor, cp: int) -> Layout:
     name = normalize_layout(name)
     padded = doc_ids.shape[-1]
     assert padded % layout_granularity(name, cp) == 0, (padded, name, cp)
-    if name == "contiguous":
+    if name == "contiguous" or cp == 1:
         positions = torch.arange(padded).view(cp, -1)
     elif name == "zigzag":
         positions = _zigzag_positions(padded, cp)

@@ -1,0 +1,63 @@
+"""Single-process rules: doc ids from EOD / cu_seqlens, shard_batch, CP = 1 with a state, layouts."""
+
+import pytest
+import torch
+
+import megatron_ext.blockdiag_cp as bdcp
+from megatron_ext.blockdiag_cp.layout import build_layout, padded_length, position_work
+from reference import reference_attention
+
+
+def test_doc_ids_from_eod_eod_belongs_to_the_document_it_ends():
+    tokens = torch.tensor([[5, 9, 0, 7, 0, 0, 8]])
+    assert bdcp.doc_ids_from_eod(tokens, 0).tolist() == [[1, 1, 1, 2, 2, 3, 4]]
+
+
+def test_doc_ids_from_cu_seqlens():
+    assert bdcp.doc_ids_from_cu_seqlens([0, 2, 5], total_len=7).tolist() == [1, 1, 2, 2, 2, 0, 0]
+    with pytest.raises(ValueError, match="non-decreasing"):
+        bdcp.doc_ids_from_cu_seqlens([0, 3, 2])
+
+
+def test_shard_batch_single_process_pads_and_masks():
+    tokens = torch.arange(10).view(1, 10)
+    out, state = bdcp.shard_batch({"tokens": tokens, "labels": tokens + 1}, eod_token=4,
+                                  attn_backend="dense")
+    assert state.cp == 1 and state.padded_len == 10 and out["tokens"].tolist() == tokens.tolist()
+    assert out["position_ids"].tolist() == [list(range(10))]
+    with pytest.raises(ValueError, match="length 3"):
+        bdcp.shard_batch({"tokens": tokens, "doc_ids": torch.ones(3, dtype=torch.long)})
+
+
+def test_cp1_state_applies_the_document_rule():
+    doc_ids = torch.tensor([1] * 5 + [2] * 7 + [0] * 3 + [3] * 4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(19, 2, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    state = bdcp.BlockDiagCPState.build(doc_ids, attn_backend="dense")
+    with bdcp.blockdiag_cp_step(state):
+        out = bdcp.blockdiag_cp_attention(q, k, v)
+    assert torch.allclose(out, reference_attention(q, k, v, doc_ids), atol=1e-12)
+    assert state.report()["attn_backend"] == "dense" and state.report()["kv_exchange_reason"]
+
+
+def test_no_state_cp1_is_plain_causal():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(9, 1, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    out = bdcp.blockdiag_cp_attention(q, k, v)
+    assert torch.allclose(out, reference_attention(q, k, v, torch.ones(9, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("name", ["contiguous", "zigzag", "balanced"])
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_layouts_partition_the_sequence_equally(name, cp):
+    lengths = torch.randint(1, 200, (60,), generator=torch.Generator().manual_seed(cp))
+    ids = torch.repeat_interleave(torch.arange(1, 61), lengths)
+    P = padded_length(ids.numel(), name, cp)
+    ids = torch.nn.functional.pad(ids, (0, P - ids.numel())).unsqueeze(0)
+    lay = build_layout(name, ids, cp)
+    assert lay.positions.shape == (cp, P // cp)
+    assert sorted(lay.positions.flatten().tolist()) == list(range(P))
+    assert all(bool((row[1:] > row[:-1]).all()) for row in lay.positions)
+    if name == "balanced":
+        work = position_work(ids)[lay.positions].sum(1).double()
+        assert float(work.max() / work.mean()) <= 1.05
