@@ -15,6 +15,7 @@ import lazily, so the argument checks of pretrain_gpt.py stay fast.
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import os
 import pathlib
 import struct
@@ -282,7 +283,7 @@ def ensure_megatron_helpers() -> None:
     try:
         from megatron.core.datasets.utils import compile_helpers
         compile_helpers()
-        from megatron.core.datasets import helpers_cpp  # noqa: F401,F811
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
     except Exception as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(
             "megatron-core's compiled dataset helpers (megatron/core/datasets/helpers_cpp) are "

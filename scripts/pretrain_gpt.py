@@ -14,6 +14,7 @@ own *.py files, tokenized to bytes once and cached under data_cache/.
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=d["hidden_dropout"])
     g.add_argument("--attention-dropout", type=float, default=d["attention_dropout"])
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                   default="learned_absolute",
+                   help="rope re-slices megatron's table for our CP layout (micro batch 1)")
+    g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--bf16", dest="bf16", action="store_true", default=None,
                    help="bf16 compute (default on GPU; CPUs here have no bf16 hardware)")
     g.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 compute")
@@ -229,6 +234,9 @@ def validate_args(args, world_size: int) -> None:
                          f"--tensor-model-parallel-size {tp}")
     if args.seq_length < cp:
         raise UsageError(f"--seq-length {args.seq_length} is shorter than the CP size {cp}")
+    if args.position_embedding_type == "rope" and args.micro_batch_size != 1:
+        raise UsageError("--position-embedding-type rope restarts positions per document, which "
+                         "needs --micro-batch-size 1 (documents differ between batch rows)")
     if args.save_interval is not None and args.save_interval < 1:
         raise UsageError(f"--save-interval must be >= 1, got {args.save_interval}")
     if args.lr_warmup_iters is None:
@@ -338,46 +346,6 @@ def init_distributed(args):
 # Model
 # ======================================================================================
 
-# --- INTERIM (remove once megatron_ext.layers exists) --------------------------------
-try:
-    from megatron_ext.layers import get_gpt_layer_spec_with_blockdiag_cp
-except ImportError:
-    get_gpt_layer_spec_with_blockdiag_cp = None
-
-
-def _interim_local_spec():
-    """megatron-core's local spec with a CPU-capable causal core attention (CP = 1 only).
-
-    Megatron's local DotProductAttention allocates from a CUDA buffer; this stands in
-    until ``megatron_ext.layers`` provides BlockDiagCPAttention.
-    """
-    import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.module import MegatronModule
-
-    class _CausalSDPA(MegatronModule):
-        def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                     attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                     pg_collection=None):
-            super().__init__(config=config)
-            assert config.context_parallel_size == 1
-            self.softmax_scale = softmax_scale
-
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None):
-            s, b, hq, dh = query.shape
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-            if k.shape[1] != hq:
-                k = k.repeat_interleave(hq // k.shape[1], dim=1)
-                v = v.repeat_interleave(hq // v.shape[1], dim=1)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale)
-            return out.permute(2, 0, 1, 3).reshape(s, b, hq * dh)
-
-    spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = _CausalSDPA
-    return spec
-# --- end INTERIM ---------------------------------------------------------------------
 
 
 def build_model(args, device):
@@ -406,13 +374,10 @@ def build_model(args, device):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
-    if get_gpt_layer_spec_with_blockdiag_cp is not None:
-        spec = get_gpt_layer_spec_with_blockdiag_cp()
-    else:
-        if args.context_parallel_size > 1:
-            raise RuntimeError("context parallelism needs megatron_ext.layers "
-                               "(get_gpt_layer_spec_with_blockdiag_cp), which is not importable")
-        spec = _interim_local_spec()
+    from megatron_ext.layers import get_gpt_layer_spec_with_blockdiag_cp, use_blockdiag_rope
+
+    # megatron-core's GPT layer spec (TE modules when TE imports) with BlockDiagCPAttention
+    spec = get_gpt_layer_spec_with_blockdiag_cp()
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -422,10 +387,14 @@ def build_model(args, device):
         post_process=True,
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        # megatron's RoPE slices positions for its own CP layout (and is CUDA-only here);
-        # learned absolute embeddings index the position ids our shard_batch slices.
-        position_embedding_type="learned_absolute",
+        # learned absolute: embeddings indexed by the position ids shard_batch slices;
+        # rope: megatron's table re-sliced by our layout (use_blockdiag_rope below)
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
     )
+    if args.position_embedding_type == "rope":
+        # positions restart at each document, like the dataset's reset_position_ids
+        use_blockdiag_rope(model, reset_position_ids=True)
     return model.to(device)
 
 
@@ -621,20 +590,12 @@ def get_micro_batch(args, ctx, dataset, consumed_samples: int, micro: int, devic
             for key in ("tokens", "labels", "loss_mask", "position_ids")}
 
 
-def _engine():
-    """megatron_ext.blockdiag_cp if its shard_batch exists yet, else None (CP = 1 only)."""
-    try:
-        import megatron_ext.blockdiag_cp as bdcp
-        bdcp.shard_batch, bdcp.blockdiag_cp_step  # noqa: B018
-        return bdcp
-    except (ImportError, AttributeError):
-        return None
-
-
 def train_step(args, ctx, model, optimizer, dataset, consumed_samples, iteration):
     import torch
     import torch.distributed as dist
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    import megatron_ext.blockdiag_cp as bdcp
 
     device = ctx.device
     micro_batches = [get_micro_batch(args, ctx, dataset, consumed_samples, m, device)
@@ -648,24 +609,20 @@ def train_step(args, ctx, model, optimizer, dataset, consumed_samples, iteration
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     reports = []
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.bf16 else _null()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.bf16 else contextlib.nullcontext()
     for mb in micro_batches:
-        if ctx.engine is not None:
-            batch, state = ctx.engine.shard_batch(
-                mb, cp_group=None, layout=args.cp_layout_canonical, eod_token=gpt_data.EOD,
-                attn_backend=args.cp_attn_backend_canonical,
-                kv_exchange=args.cp_kv_exchange_canonical, strict=args.cp_attn_backend_strict)
-            step_ctx = ctx.engine.blockdiag_cp_step(state)
-        else:
-            batch, state, step_ctx = mb, None, _null()
-        with step_ctx:
+        # this CP rank's slice of the sequence + the step state (plan, resolved knobs)
+        batch, state = bdcp.shard_batch(
+            mb, cp_group=None, layout=args.cp_layout_canonical, eod_token=gpt_data.EOD,
+            attn_backend=args.cp_attn_backend_canonical,
+            kv_exchange=args.cp_kv_exchange_canonical, strict=args.cp_attn_backend_strict)
+        with bdcp.blockdiag_cp_step(state):  # forward and backward run inside
             with autocast:
                 losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
             local_sum = (losses.float() * batch["loss_mask"].float()).sum()
             (local_sum / global_count).backward()
         loss_sum += local_sum.detach().double()
-        if state is not None:
-            reports.append(state.report())
+        reports.append(state.report())
 
     # Gradients: CP ranks hold partial gradients of the same weights (sum), DP ranks
     # hold gradients of different samples; the loss is already divided by the global
@@ -703,17 +660,7 @@ def train_step(args, ctx, model, optimizer, dataset, consumed_samples, iteration
     return loss, grad_norm, lr, reports
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def summarize_reports(args, reports):
-    if not reports:
-        return "cp: off (CP=1, engine not available)"
     r = reports[0]
     sent = sum(x.get("bytes_sent") or 0 for x in reports) * args.num_layers
     recv = sum(x.get("bytes_received") or 0 for x in reports) * args.num_layers
@@ -752,7 +699,6 @@ def train(args, ctx):
     import torch
     import torch.distributed as dist
 
-    t_start = time.time()
     random.seed(args.seed)
     import numpy as np
     np.random.seed(args.seed)
@@ -880,10 +826,6 @@ def main(argv=None) -> int:
         ctx.dp_cp_group = mpu.get_data_parallel_group(with_context_parallel=True)
         ctx.dp_cp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
         ctx.tp_group = mpu.get_tensor_model_parallel_group()
-        ctx.engine = _engine()
-        if ctx.engine is None and args.context_parallel_size > 1:
-            raise RuntimeError("--context-parallel-size > 1 needs megatron_ext.blockdiag_cp."
-                               "shard_batch, which is not importable")
         log(f"{LOG_PREFIX} torch {torch.__version__} threads {torch.get_num_threads()} | "
             f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} | "
             f"cp knobs: attn_backend={args.cp_attn_backend_canonical} "
