@@ -108,10 +108,15 @@ def flash_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float 
                   dropout_p=dropout_p, softmax_scale=softmax_scale, causal=True)
     fn = _torch_varlen_func()
     params = inspect.signature(fn).parameters
-    kwargs = {"scale": softmax_scale}
-    if "window_size" in params:  # torch >= 2.12: (-1, 0) is causal, bottom-right aligned
+    kwargs = {}
+    if "scale" in params:
+        kwargs["scale"] = softmax_scale
+    elif abs(softmax_scale * math.sqrt(q.shape[-1]) - 1.0) > 1e-12:
+        # The first varlen_attn (is_causal spelling) has no scale, always 1/sqrt(D): fold the ratio into q.
+        q = q * (softmax_scale * math.sqrt(q.shape[-1]))
+    if "window_size" in params:  # later torch: (-1, 0) is causal, bottom-right aligned
         kwargs["window_size"] = (-1, 0)
-    else:  # torch 2.10/2.11 spell it is_causal
+    else:  # the first varlen_attn spells it is_causal
         kwargs["is_causal"] = True
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:

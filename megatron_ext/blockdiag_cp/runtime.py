@@ -99,6 +99,7 @@ class BlockDiagCPState:
         self.kv_exchange_reason = kv_exchange_reason
         self.strict = strict
         self.available = available  # backend -> every rank can run it (this step)
+        self._backend_explicit = False  # build(): attn_backend was passed (fallbacks log WARNING, not INFO)
         self.comm_stats: Dict[str, int] = {}
         self.kv_row_bytes: Optional[int] = None
         self.kernel_failures: list = []
@@ -183,11 +184,13 @@ class BlockDiagCPState:
             _log_once(logging.WARNING if kv_exchange is not None else logging.INFO,
                       f"blockdiag-cp: kv exchange halo -> a2a: {plan.exchange.halo_reason}")
 
-        return cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=shape[1],
-                   plan=plan, attn_backend_requested=backend_req, attn_backend=backend,
-                   attn_backend_reason=backend_reason, kv_exchange_requested=exchange_req,
-                   kv_exchange=exchange, kv_exchange_reason=exchange_reason, strict=strict,
-                   available=available)
+        state = cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=shape[1],
+                    plan=plan, attn_backend_requested=backend_req, attn_backend=backend,
+                    attn_backend_reason=backend_reason, kv_exchange_requested=exchange_req,
+                    kv_exchange=exchange, kv_exchange_reason=exchange_reason, strict=strict,
+                    available=available)
+        state._backend_explicit = attn_backend is not None
+        return state
 
     @property
     def padded_len(self) -> int:
@@ -374,7 +377,7 @@ def _call_backend(state: BlockDiagCPState, q) -> str:
         nxt = ATTN_BACKEND_VALUES[ATTN_BACKEND_VALUES.index(backend) + 1]
         while not state.available[nxt]:
             nxt = ATTN_BACKEND_VALUES[ATTN_BACKEND_VALUES.index(nxt) + 1]
-        level = logging.WARNING if state.attn_backend_requested == backend else logging.INFO
+        level = logging.WARNING if state._backend_explicit else logging.INFO  # as in build()
         _log_once(level, f"blockdiag-cp: attention backend {backend} -> {nxt} for this call: {reason}")
         state.attn_backend_reason = f"fell back to {nxt}: {backend}: {reason}"
         state.attn_backend = backend = nxt
@@ -427,6 +430,10 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
     fn = kernels.KERNELS[backend]
 
     def run(qp, kp, vp):
+        if qp.shape[0] == 0:
+            # Every query of this rank is padding: no kernel call (varlen kernels are not promised to
+            # take zero segments); _GuardedKernel still returns zero grads so backward collectives run.
+            return qp.new_zeros(qp.shape)
         return fn(qp, kp.contiguous(), vp.contiguous(), seg, scale, dropout_p)
 
     out_packed = _GuardedKernel.apply(q_packed, k_packed, v_packed, run, state, backend)
