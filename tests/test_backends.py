@@ -1,0 +1,566 @@
+"""Attention backends on real gloo groups: the te -> flash -> dense chain, strict mode, kernel
+failures, the fire counter, call-time fallback, and the flash / TE kernel doubles.
+
+Availability is controlled per rank inside the worker functions by replacing
+``kernels.KERNEL_INSTALLED`` / ``kernels.static_availability`` /
+``kernels.call_availability`` / ``kernels.KERNELS`` (always restored). The
+flash and TE doubles (tests/flash_double.py) check OUR metadata and plumbing on
+CPU, not the real CUDA kernels; scripts/gpu_check.py runs those on a GPU.
+"""
+
+import contextlib
+import logging
+import math
+
+import pytest
+import torch
+
+from cases import make_doc_ids
+from dist_pool import WorkerPool
+from reference import reference_attention
+
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+EXCHANGES = ("allgather", "halo", "a2a")
+TOL = 1e-5
+LOGGER = "megatron_ext.blockdiag_cp"
+KV_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                  "batch_isend_irecv")
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """pools(n) -> a gloo WorkerPool of n ranks, spawned once for this module."""
+    made = {}
+
+    def get(n):
+        if n not in made:
+            made[n] = WorkerPool(n)
+        return made[n]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+# ---------------------------------------------------------------------------
+# worker-side helpers (run on every rank)
+# ---------------------------------------------------------------------------
+
+
+def _rank():
+    return torch.distributed.get_rank()
+
+
+@contextlib.contextmanager
+def availability(missing=(), *, device_blind=True, call_ok=()):
+    """This rank's kernels: ``missing`` are "not installed", te/flash otherwise installed.
+
+    device_blind: static availability ignores the device (what a CUDA machine with the
+    library would say); False keeps the real check ("needs CUDA" on this CPU).
+    call_ok: backends whose call-time check passes for fp32/fp64 CPU tensors (doubles).
+    Everything replaced is restored on exit.
+    """
+    from megatron_ext.blockdiag_cp import kernels
+
+    saved_installed, saved_kernels = dict(kernels.KERNEL_INSTALLED), dict(kernels.KERNELS)
+    saved_static, saved_call = kernels.static_availability, kernels.call_availability
+    for name in ("te", "flash"):
+        if missing is not None:
+            kernels.KERNEL_INSTALLED[name] = (
+                lambda name=name: (False, f"{name} is not installed on this test rank")
+                if name in missing else (True, f"{name} installed (test)"))
+    if device_blind:
+        kernels.static_availability = lambda backend, device: kernels.KERNEL_INSTALLED[backend]()
+    if call_ok:
+        kernels.call_availability = lambda backend, q, p: (
+            (True, "test double takes CPU tensors") if backend in call_ok else saved_call(backend, q, p))
+    try:
+        yield kernels
+    finally:
+        kernels.KERNEL_INSTALLED.clear()
+        kernels.KERNEL_INSTALLED.update(saved_installed)
+        kernels.KERNELS.clear()
+        kernels.KERNELS.update(saved_kernels)
+        kernels.static_availability, kernels.call_availability = saved_static, saved_call
+
+
+@contextlib.contextmanager
+def captured_logs():
+    """Records of the engine's logger at every level; the log-once memory starts empty."""
+    from megatron_ext.blockdiag_cp import runtime
+
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger(LOGGER)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    runtime._LOGGED.clear()
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        runtime._LOGGED.clear()
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """Count this rank's K/V collectives (the exchange calls them through torch.distributed)."""
+    import torch.distributed as dist
+
+    counts = {name: 0 for name in KV_COLLECTIVES}
+    saved = {name: getattr(dist, name) for name in KV_COLLECTIVES}
+
+    def wrap(name):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+        return counted
+
+    for name in KV_COLLECTIVES:
+        setattr(dist, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _inputs(case, S, b, hq, hkv, d, seed=7):
+    cp = torch.distributed.get_world_size()
+    doc_ids = make_doc_ids(case, S, cp)
+    if doc_ids.dim() == 2 and doc_ids.shape[0] != b:
+        raise ValueError("per-row doc ids need b rows")
+    S = doc_ids.shape[-1]
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(S, b, hq, d), (S, b, hkv, d), (S, b, hkv, d), (S, b, hq, d)]
+    q, k, v, w = (torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes)
+    return doc_ids, q, k, v, w
+
+
+def _rel(a, b):
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _step(state, q, k, v, w, calls=1, scale=None):
+    """One step: forward ``calls`` times, backward through all of them; returns (out, local grads)."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+    with bdcp.blockdiag_cp_step(state):
+        outs = [bdcp.blockdiag_cp_attention(*local, softmax_scale=scale) for _ in range(calls)]
+        (sum(outs) * state.shard(w)).sum().backward()
+    return outs[0], local
+
+
+def _errors(state, out, local, ref, ref_in, calls=1):
+    return [_rel(out, state.shard(ref))] + [
+        _rel(t.grad, calls * state.shard(r.grad)) for t, r in zip(local, ref_in)]
+
+
+def _reference(doc_ids, q, k, v, w, scale=None):
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*ref_in, doc_ids, scale=scale)
+    (ref * w).sum().backward()
+    return ref, ref_in
+
+
+# ---------------------------------------------------------------------------
+# the chain: te -> flash -> dense, agreed across ranks
+# ---------------------------------------------------------------------------
+
+
+def w_resolve(missing_by_rank, attn_backend, device_blind=True, builds=2):
+    from megatron_ext.blockdiag_cp import BlockDiagCPState
+
+    ids = torch.tensor([1] * 10 + [2] * 6 + [3] * 8)
+    with availability(missing_by_rank.get(_rank(), ()), device_blind=device_blind), \
+            captured_logs() as records:
+        reports = [BlockDiagCPState.build(ids, attn_backend=attn_backend, device="cpu").report()
+                   for _ in range(builds)]
+    first = reports[0]
+    return {"requested": first["attn_backend_requested"], "backend": first["attn_backend"],
+            "reason": first["attn_backend_reason"],
+            "stable": all(r["attn_backend"] == first["attn_backend"] for r in reports),
+            "logs": [(rec.levelno, rec.getMessage()) for rec in records]}
+
+
+CHAIN = [
+    # id, cp, {rank: missing backends}, requested, expected backend, reason text per rank kind
+    ("all_have_te", 2, {}, None, "te", None),
+    ("te_missing_everywhere", 2, {0: ("te",), 1: ("te",)}, None, "flash", "not installed"),
+    ("te_missing_on_rank1", 2, {1: ("te",)}, None, "flash", "unavailable on another CP rank"),
+    ("te_missing_on_rank2_of4", 4, {2: ("te",)}, "te", "flash", "unavailable on another CP rank"),
+    ("only_dense", 2, {0: ("te", "flash"), 1: ("te", "flash")}, None, "dense", "not installed"),
+    ("te_and_flash_missing_on_different_ranks", 4, {1: ("te",), 3: ("flash",)}, None, "dense",
+     "unavailable on another CP rank"),
+    ("explicit_flash_all_have_it", 2, {0: ("te",), 1: ("te",)}, "flash", "flash", None),
+    ("explicit_dense", 2, {}, "dense", "dense", None),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,cp,missing,requested,expected,reason", CHAIN, ids=[c[0] for c in CHAIN])
+def test_chain_resolves_identically_on_every_rank(pools, name, cp, missing, requested, expected, reason):
+    results = pools(cp).run(w_resolve, missing, requested)
+    assert [r["backend"] for r in results] == [expected] * cp, results
+    assert all(r["stable"] for r in results)
+    assert all(r["requested"] == (requested or "te") for r in results)
+    for rank, r in enumerate(results):
+        if reason is None:  # no fallback: the reason is the backend's own, nothing logged
+            assert "fell back" not in r["reason"] and r["logs"] == [], r
+            continue
+        assert r["reason"].startswith(f"fell back to {expected}:"), r
+        if missing.get(rank):  # the rank that lacks a backend names its own cause
+            assert "not installed on this test rank" in r["reason"], r
+        else:
+            assert reason in r["reason"], r
+
+
+@pytest.mark.timeout(60)
+def test_reason_names_missing_cuda(pools):
+    # Both libraries "installed" but the real static check sees a CPU device.
+    results = pools(2).run(w_resolve, {}, None, False)
+    for r in results:
+        assert r["backend"] == "dense"
+        assert "te: te needs CUDA (device is cpu)" in r["reason"], r
+        assert "flash: flash needs CUDA (device is cpu)" in r["reason"], r
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("requested,level", [(None, logging.INFO), ("te", logging.WARNING),
+                                             ("transformer-engine", logging.WARNING)])
+def test_fallback_logged_once_info_for_default_warning_for_explicit(pools, requested, level):
+    results = pools(2).run(w_resolve, {0: ("te",), 1: ("te",)}, requested, True, 3)
+    for r in results:
+        assert r["backend"] == "flash"
+        assert len(r["logs"]) == 1, r["logs"]  # three builds, one record
+        got_level, message = r["logs"][0]
+        assert got_level == level, r["logs"]
+        assert "attention backend te -> flash" in message and "not installed" in message
+
+
+# ---------------------------------------------------------------------------
+# strict mode
+# ---------------------------------------------------------------------------
+
+
+def w_strict(missing_by_rank, attn_backend, run_step=False):
+    import megatron_ext.blockdiag_cp as bdcp
+    from flash_double import CALLS, flash_kernel_double
+
+    doc_ids, q, k, v, w = _inputs("short", 48, 1, 2, 1, 4)
+    with availability(missing_by_rank.get(_rank(), ()), call_ok=("flash",)) as kernels, \
+            counted_collectives() as counts:
+        kernels.KERNELS["flash"] = flash_kernel_double
+        try:
+            state = bdcp.BlockDiagCPState.build(doc_ids, attn_backend=attn_backend, kv_exchange="a2a",
+                                                strict=True)
+        except bdcp.BlockDiagCPError as exc:
+            return {"raised": str(exc), "counts": dict(counts)}
+        result = {"raised": None, "backend": state.attn_backend}
+        if run_step:
+            CALLS.clear()
+            ref, ref_in = _reference(doc_ids, q, k, v, w)
+            out, local = _step(state, q, k, v, w)
+            result.update(errors=_errors(state, out, local, ref, ref_in), double_calls=len(CALLS),
+                          backend_after=state.attn_backend)
+        result["counts"] = dict(counts)
+        return result
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("requested", ["te", None])
+def test_strict_raises_on_every_rank_before_any_kv_collective(pools, requested):
+    results = pools(4).run(w_strict, {3: ("te",)}, requested)
+    for r in results:
+        assert r["raised"] and "strict mode" in r["raised"] and "'te'" in r["raised"], r
+        assert sum(r["counts"].values()) == 0, r  # no K/V collective was issued
+
+
+@pytest.mark.timeout(60)
+def test_strict_passes_when_every_rank_has_the_backend(pools):
+    results = pools(2).run(w_strict, {0: ("te",), 1: ("te",)}, "flash", True)
+    for r in results:
+        assert r["raised"] is None and r["backend"] == r["backend_after"] == "flash", r
+        assert r["double_calls"] >= 1 and max(r["errors"]) < TOL, r
+        assert r["counts"]["all_to_all_single"] >= 1, r  # the exchange ran
+
+
+# ---------------------------------------------------------------------------
+# kernel failure after the exchange
+# ---------------------------------------------------------------------------
+
+
+class _BoomInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected backward failure")
+
+
+def w_kernel_failure(fail_rank, phase, exchange):
+    import megatron_ext.blockdiag_cp as bdcp
+
+    doc_ids, q, k, v, w = _inputs("short", 64, 1, 4, 2, 8)
+    outcome, failures = None, None
+    with availability(("te", "flash")) as kernels, counted_collectives() as counts:
+        dense = kernels.KERNELS["dense"]
+
+        def failing(q_, k_, v_, seg, scale, dropout_p=0.0):
+            if phase == "forward":
+                raise RuntimeError("injected forward failure")
+            return _BoomInBackward.apply(dense(q_, k_, v_, seg, scale, dropout_p))
+
+        if _rank() == fail_rank:
+            kernels.KERNELS["dense"] = failing
+        state = bdcp.BlockDiagCPState.build(doc_ids, kv_exchange=exchange, layout="zigzag")
+        try:
+            _step(state, q, k, v, w)
+            outcome = "no error"
+        except bdcp.BlockDiagCPError as exc:
+            outcome = str(exc)
+        failures = list(state.kernel_failures)
+        exchanged = sum(counts.values())
+    # The group is still aligned: a clean step right after gives the right answer.
+    ref, ref_in = _reference(doc_ids, q, k, v, w)
+    with availability(("te", "flash")):
+        state = bdcp.BlockDiagCPState.build(doc_ids, kv_exchange=exchange, layout="zigzag")
+        out, local = _step(state, q, k, v, w)
+    return {"outcome": outcome, "failures": failures, "exchanged": exchanged,
+            "after": max(_errors(state, out, local, ref, ref_in))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("exchange", ["allgather", "a2a"])
+def test_kernel_failure_on_one_rank_raises_on_every_rank(pools, phase, exchange):
+    fail_rank = 1
+    results = pools(2).run(w_kernel_failure, fail_rank, phase, exchange, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["outcome"].startswith("an attention kernel failed on at least one CP rank"), r
+        assert r["exchanged"] >= 1, r  # the failure came after the K/V exchange
+        if rank == fail_rank:
+            assert len(r["failures"]) == 1 and f"failed in {phase} on CP rank {fail_rank}" in r["failures"][0]
+            assert f"injected {phase} failure" in r["outcome"], r
+        else:
+            assert r["failures"] == [] and "this rank's kernels succeeded" in r["outcome"], r
+        assert r["after"] < TOL, r
+
+
+# ---------------------------------------------------------------------------
+# fire counter
+# ---------------------------------------------------------------------------
+
+
+def w_fire_counter(calls):
+    import megatron_ext.blockdiag_cp as bdcp
+
+    doc_ids, q, k, v, w = _inputs("short", 32, 1, 2, 2, 4)
+    bdcp.reset_cp_attn_fire_count()
+    start = bdcp.cp_attn_fire_count()
+    with availability(("te", "flash")):
+        state = bdcp.BlockDiagCPState.build(doc_ids)
+        _step(state, q, k, v, w, calls=calls)
+    counted = bdcp.cp_attn_fire_count()
+    bdcp.reset_cp_attn_fire_count()
+    return start, counted, bdcp.cp_attn_fire_count()
+
+
+@pytest.mark.timeout(60)
+def test_fire_counter_counts_every_call_and_resets(pools):
+    for start, counted, after in pools(2).run(w_fire_counter, 3):
+        assert (start, counted, after) == (0, 3, 0)
+
+
+# ---------------------------------------------------------------------------
+# call-time fallback: statically available, but the call is fp32 on CPU
+# ---------------------------------------------------------------------------
+
+
+def w_call_fallback(attn_backend, strict):
+    import megatron_ext.blockdiag_cp as bdcp
+
+    doc_ids, q, k, v, w = _inputs("short", 64, 1, 4, 2, 8)
+    q, k, v, w = (t.float() for t in (q, k, v, w))
+    with availability(()), captured_logs() as records, counted_collectives() as counts:
+        state = bdcp.BlockDiagCPState.build(doc_ids, attn_backend=attn_backend, strict=strict,
+                                            kv_exchange="a2a")
+        before = state.attn_backend
+        try:
+            out, local = _step(state, q, k, v, w, calls=2)
+        except bdcp.BlockDiagCPError as exc:
+            return {"raised": str(exc), "counts": dict(counts)}
+    ref, ref_in = _reference(doc_ids, q.double(), k.double(), v.double(), w.double())
+    return {"raised": None, "before": before, "after": state.attn_backend,
+            "reason": state.report()["attn_backend_reason"],
+            "errors": _errors(state, out, local, ref, ref_in, calls=2),
+            "logs": [(rec.levelno, rec.getMessage()) for rec in records]}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("requested,level", [(None, logging.INFO), ("flash", logging.WARNING)])
+def test_call_time_fallback_to_dense_on_every_rank(pools, requested, level):
+    results = pools(2).run(w_call_fallback, requested, False)
+    for r in results:
+        assert r["raised"] is None
+        assert r["before"] == (requested or "te") and r["after"] == "dense", r
+        assert "needs CUDA tensors" in r["reason"], r
+        assert max(r["errors"]) < 1e-4, r  # fp32 vs the fp64 reference
+        messages = [m for _, m in r["logs"]]
+        assert messages and all("for this call" in m for m in messages), r
+        assert len(messages) == len(set(messages)), r  # two calls, each fallback logged once
+        assert messages[-1].startswith("blockdiag-cp: attention backend flash -> dense"), r
+        assert {lvl for lvl, _ in r["logs"]} == {level}, r
+    assert len({r["reason"] for r in results}) == 1
+
+
+@pytest.mark.timeout(60)
+def test_call_time_fallback_is_an_error_in_strict_mode(pools):
+    results = pools(2).run(w_call_fallback, "flash", True)
+    for r in results:
+        assert r["raised"] and "strict mode" in r["raised"] and "needs CUDA tensors" in r["raised"], r
+        assert sum(r["counts"].values()) == 0, r
+
+
+# ---------------------------------------------------------------------------
+# kernel doubles: the flash and TE contracts in plain torch
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def installed_double(setup):
+    """Install one double; yields the backend name to request."""
+    import flash_double as fd
+
+    fd.CALLS.clear()
+    if setup == "flash_kernel":  # kernels.KERNELS["flash"] replaced outright
+        with availability(("te",), call_ok=("flash",)) as kernels:
+            kernels.KERNELS["flash"] = fd.flash_kernel_double
+            yield "flash"
+        return
+    if setup.startswith("flash_lib_"):  # kernels.flash_varlen runs, over a fake library function
+        api = setup[len("flash_lib_"):]
+        with availability(("te",), call_ok=("flash",)) as kernels:
+            saved = kernels._flash_attn_func, kernels._torch_varlen_func
+            if api == "flash_attn":
+                kernels._flash_attn_func = lambda: fd.fake_flash_attn_varlen_func
+            else:
+                kernels._flash_attn_func = lambda: None
+                kernels._torch_varlen_func = lambda: fd.TORCH_VARLEN_FAKES[api]
+            try:
+                yield "flash"
+            finally:
+                kernels._flash_attn_func, kernels._torch_varlen_func = saved
+        return
+    if setup == "te":  # kernels.te_varlen runs, over a fake transformer_engine.pytorch
+        saved_modules = fd.install_fake_te()
+        # missing=None keeps the real "installed" check: it must find the fake module.
+        with availability(None, call_ok=("te",)) as kernels:
+            kernels._TE_MODULES.clear()
+            try:
+                yield "te"
+            finally:
+                kernels._TE_MODULES.clear()
+                fd.uninstall_fake_te(saved_modules)
+        return
+    raise KeyError(setup)
+
+
+def w_double(setup, case, S, b, hq, hkv, d, layouts, exchanges, scale=None):
+    import megatron_ext.blockdiag_cp as bdcp
+    import flash_double as fd
+    from megatron_ext.blockdiag_cp import kernels
+
+    doc_ids, q, k, v, w = _inputs(case, S, b, hq, hkv, d)
+    ref, ref_in = _reference(doc_ids, q, k, v, w, scale)
+    results = {}
+    extra = {}
+    with installed_double(setup) as backend:
+        for layout in layouts:
+            for exchange in exchanges:
+                state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange,
+                                                    attn_backend=backend)
+                out, local = _step(state, q, k, v, w, scale=scale)
+                report = state.report()
+                has_queries = bool((state.doc_ids[:, state.local_positions] > 0).any())
+                results[(layout, exchange)] = (_errors(state, out, local, ref, ref_in),
+                                               report["attn_backend"], report["kernel_failures"],
+                                               has_queries)
+        extra["calls"] = [c["kind"] for c in fd.CALLS]
+        extra["steps_with_queries"] = sum(r[3] for r in results.values())
+        if setup == "te":
+            extra["reason"] = report["attn_backend_reason"]
+            extra["constructed"] = list(fd.FakeDotProductAttention.CONSTRUCTED)
+            extra["forwards"] = len(fd.FakeDotProductAttention.FORWARDS)
+            extra["cached_modules"] = len(kernels._TE_MODULES)
+    return results, extra
+
+
+def _check_double(results, backend, kind=None, combos=9):
+    for rank, (per_rank, extra) in enumerate(results):
+        assert len(per_rank) == combos
+        for key, (errs, got, failures, _) in per_rank.items():
+            assert failures == [], (rank, key, failures)
+            assert got == backend, (rank, key, got)  # no silent fallback to dense
+            assert max(errs) < TOL, (rank, key, errs)
+        if kind is not None:  # the double ran once per step in which this rank had queries
+            assert extra["calls"] == [kind] * extra["steps_with_queries"], (rank, extra["calls"])
+
+
+DOUBLE_CASES = [  # case, b, hq, hkv, d: per-row doc ids (b2) and shared ids folded into heads
+    ("b2", 2, 4, 2, 8),
+    ("short", 2, 4, 2, 8),
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("case,b,hq,hkv,d", DOUBLE_CASES, ids=[c[0] for c in DOUBLE_CASES])
+def test_flash_double_every_layout_and_exchange(pools, cp, case, b, hq, hkv, d):
+    results = pools(cp).run(w_double, "flash_kernel", case, 96, b, hq, hkv, d, LAYOUTS, EXCHANGES)
+    _check_double(results, "flash", "kernel")
+
+
+@pytest.mark.timeout(120)
+def test_flash_double_all_padding_ranks_never_call_the_kernel(pools):
+    # pad_tail at cp=4: whole shards are padding; the double refuses a call with no segments.
+    results = pools(4).run(w_double, "flash_kernel", "pad_tail", 96, 1, 4, 2, 8, LAYOUTS, EXCHANGES)
+    _check_double(results, "flash", "kernel")
+    assert any(not r[3] for per_rank, _ in results for r in per_rank.values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("api", ["flash_attn", "is_causal", "window", "window_gqa"])
+def test_flash_varlen_adapts_to_each_library_spelling(pools, api):
+    # kernels.flash_varlen itself runs; a custom scale checks the is_causal spelling's q folding.
+    expected = "flash_attn" if api == "flash_attn" else f"torch_varlen_{api}"
+    results = pools(2).run(w_double, f"flash_lib_{api}", "b2", 64, 2, 4, 2, 8, ("zigzag", "balanced"),
+                           ("allgather", "a2a"), 0.29)
+    _check_double(results, "flash", expected, combos=4)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("case,b,hq,hkv,d", DOUBLE_CASES, ids=[c[0] for c in DOUBLE_CASES])
+def test_te_double_runs_te_varlen_end_to_end(pools, cp, case, b, hq, hkv, d):
+    results = pools(cp).run(w_double, "te", case, 96, b, hq, hkv, d, LAYOUTS, EXCHANGES)
+    _check_double(results, "te")
+    rows = 2 if case == "b2" else 1
+    g = b // rows  # shared doc ids fold the batch into the head dimension
+    for per_rank, extra in results:
+        assert extra["reason"] == "TransformerEngine importable"
+        assert extra["steps_with_queries"] == 9
+        # One module for all 9 layout x exchange steps: cached per (heads, groups, dim, scale, ...).
+        assert extra["cached_modules"] == 1 and len(extra["constructed"]) == 1, extra
+        assert extra["forwards"] == 9, extra
+        assert extra["constructed"][0] == {
+            "num_attention_heads": g * hq, "kv_channels": d, "num_gqa_groups": g * hkv,
+            "attention_dropout": 0.0, "qkv_format": "thd", "attn_mask_type": "padding_causal_bottom_right",
+            "softmax_scale": 1.0 / math.sqrt(d), "cp_group": None}, extra
