@@ -41,23 +41,17 @@ VOCAB_MULTIPLE = 128
 PADDED_VOCAB_SIZE = -(-(NUM_BYTES + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # 384
 
 
-def _tokenizer_base():
-    try:
-        from megatron.core.tokenizers import MegatronTokenizerBase
-    except Exception:  # pragma: no cover - megatron-core too old / missing
-        return object
-    return MegatronTokenizerBase
-
-
-class ByteTokenizer(_tokenizer_base()):
+class ByteTokenizer:
     """Byte-level tokenizer: ids 0..255 are bytes, 256 is EOD; vocab padded to 384.
 
-    Has what megatron-core's GPT datasets read from a tokenizer: ``vocab_size``,
-    ``eod`` and ``unique_identifiers`` (part of the dataset cache hash). No pad id:
-    megatron then pads short samples with its own sentinel and masks their loss.
+    Has what megatron-core's GPT datasets read from a tokenizer (the interface of
+    ``MegatronTokenizerBase``, duck-typed so that importing this module stays free of
+    torch/megatron): ``vocab_size``, ``eod`` and ``unique_identifiers`` (part of the
+    dataset cache hash). No pad id: megatron then pads short samples with its own
+    sentinel and masks their loss.
     """
 
-    def __init__(self):  # the base class wants (path, config); nothing to load here
+    def __init__(self):
         self.path = None
         self.unique_identifiers = {
             "class": "ByteTokenizer", "vocab_size": PADDED_VOCAB_SIZE, "eod": EOD}

@@ -182,9 +182,30 @@ def world_from_env():
     return rank, world, local, local_world
 
 
+def _knob_module():
+    """megatron_ext.blockdiag_cp.state, loaded without the engine package's heavy imports.
+
+    state.py is a dependency-free leaf; loading it on its own keeps a bad flag's exit
+    to well under a second (no torch/megatron import before the error).
+    """
+    import importlib.util
+    loaded = sys.modules.get("megatron_ext.blockdiag_cp.state")
+    if loaded is not None:
+        return loaded
+    pkg = importlib.util.find_spec("megatron_ext")
+    path = pathlib.Path(pkg.origin).parent / "blockdiag_cp" / "state.py" if pkg else None
+    if path is None or not path.is_file():
+        from megatron_ext.blockdiag_cp import state
+        return state
+    spec = importlib.util.spec_from_file_location("_megatron_ext_cp_knobs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def validate_args(args, world_size: int) -> None:
     """Every check that needs no process group; raises UsageError."""
-    from megatron_ext.blockdiag_cp import state as cp_state
+    cp_state = _knob_module()
 
     for flag, fn in (("--cp-attn-backend", cp_state.normalize_attn_backend),
                      ("--cp-kv-exchange", cp_state.normalize_kv_exchange),
@@ -789,8 +810,29 @@ def train(args, ctx):
     return history
 
 
+def _die_with_launcher() -> None:
+    """Under torchrun, die when the launcher dies (even by SIGKILL), like srun's tasks.
+
+    torchrun starts workers in their own sessions; if torchrun itself is SIGKILLed
+    they would otherwise run on, orphaned, and keep writing checkpoints.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+    except Exception:
+        pass
+
+
 def main(argv=None) -> int:
     t0 = time.time()
+    _die_with_launcher()
     parser = build_parser()
     args = parser.parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
@@ -803,6 +845,11 @@ def main(argv=None) -> int:
         resolve_data_paths(args)
     except gpt_data.DataPathError as exc:
         sys.stderr.write(f"{LOG_PREFIX} rank {rank}: error: {exc}\n")
+        sys.stderr.flush()
+        if world > 1:
+            # torchrun tears the whole group down at the first failed rank; give the
+            # other ranks (which run this same check) a moment to report it too.
+            time.sleep(2)
         return 1
 
     import torch
