@@ -6,14 +6,43 @@ rows the plan's kernel segments index. Each records the bytes it moved in the
 traffic is measured, not modelled.
 """
 
+import os
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+# Opt-in: run the K/V collectives on CPU copies of device tensors. For gloo groups whose ranks
+# share one GPU (NCCL refuses two ranks on one device; gloo's send/recv hands the raw device
+# pointer to its TCP transport). Costs a device->host and a host->device copy per collective.
+STAGE_COLLECTIVES_ENV = "MEGATRON_EXT_STAGE_COLLECTIVES_ON_CPU"
+
+
+def stage_collectives_on_cpu() -> bool:
+    return os.environ.get(STAGE_COLLECTIVES_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _staged(fn, t: torch.Tensor, *args):
+    """fn(t, *args), through a CPU copy of t when staging is on and t is not on the CPU."""
+    if t.device.type != "cpu" and stage_collectives_on_cpu():
+        return fn(t.cpu(), *args).to(t.device)
+    return fn(t, *args)
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _gather_rows(kv: torch.Tensor, group) -> torch.Tensor:
+    out = kv.new_empty((dist.get_world_size(group) * kv.shape[0],) + tuple(kv.shape[1:]))
+    dist.all_gather_into_tensor(out, kv, group=group)  # flat output: gloo refuses stacked
+    return out
+
+
+def _scatter_rows(grad: torch.Tensor, group) -> torch.Tensor:
+    out = grad.new_empty((grad.shape[0] // dist.get_world_size(group),) + tuple(grad.shape[1:]))
+    dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=group)
+    return out
 
 
 class _AllGatherKV(torch.autograd.Function):
@@ -22,24 +51,18 @@ class _AllGatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, group):
         ctx.group = group
-        cp = dist.get_world_size(group)
-        kv = kv.contiguous()
-        out = kv.new_empty((cp * kv.shape[0],) + tuple(kv.shape[1:]))  # [cp * L, b, F]
-        dist.all_gather_into_tensor(out, kv, group=group)  # flat output: gloo refuses stacked
-        return out
+        return _staged(_gather_rows, kv.contiguous(), group)  # [cp * L, b, F]
 
     @staticmethod
     def backward(ctx, grad):
-        cp = dist.get_world_size(ctx.group)
-        grad = grad.contiguous()
-        out = grad.new_empty((grad.shape[0] // cp,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None
+        return _staged(_scatter_rows, grad.contiguous(), ctx.group), None
 
 
 def _sparse_transport(send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
                       group, use_p2p: bool) -> torch.Tensor:
     """Move ``send`` (rows grouped by destination) and return rows grouped by source."""
+    if send.device.type != "cpu" and stage_collectives_on_cpu():
+        return _sparse_transport(send.cpu(), send_counts, recv_counts, group, use_p2p).to(send.device)
     recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
     if not use_p2p:
         dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts,
