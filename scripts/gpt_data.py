@@ -16,9 +16,11 @@ import contextlib
 import fcntl
 import hashlib
 import importlib
+import importlib.util
 import os
 import pathlib
 import struct
+import subprocess
 import sys
 import sysconfig
 import warnings
@@ -266,23 +268,47 @@ def default_dataset_prefix(progress: bool = True, cache_dir: Optional[pathlib.Pa
 def ensure_megatron_helpers() -> None:
     """megatron-core's dataset index builder needs its C++ ``helpers_cpp`` extension.
 
-    The megatron-core wheels ship it prebuilt; a source install may not. Then compile it
-    once (needs a C++ compiler, make and pybind11).
+    The megatron-core wheels ship it prebuilt (checked: 0.16.1, cp311 manylinux), so
+    normally this only imports it. A source install without it gets it compiled once
+    from the shipped ``helpers.cpp`` into data_cache/ (the wheel has no Makefile for
+    megatron's own ``compile_helpers()``); that needs a C++ compiler and pybind11.
     """
     try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-        return
-    except ImportError as first:
-        error = first
-    try:
-        from megatron.core.datasets.utils import compile_helpers
-        compile_helpers()
         importlib.import_module("megatron.core.datasets.helpers_cpp")
+        return
+    except ImportError as exc:
+        error = exc
+    try:
+        path = _compile_helpers()
+        spec = importlib.util.spec_from_file_location("megatron.core.datasets.helpers_cpp", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["megatron.core.datasets.helpers_cpp"] = module
     except Exception as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(
             "megatron-core's compiled dataset helpers (megatron/core/datasets/helpers_cpp) are "
             f"missing ({error}) and compiling them failed ({exc}); install a megatron-core wheel, "
-            "or g++, make and `pip install pybind11`") from exc
+            "or a C++ compiler and `pip install pybind11`") from exc
+
+
+def _compile_helpers() -> str:
+    import megatron.core.datasets as mcd
+    import pybind11
+
+    src = pathlib.Path(mcd.__file__).parent / "helpers.cpp"
+    out_dir = DATA_CACHE / "megatron_helpers"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / ("helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
+    with open(out_dir / ".lock", "w") as lock:  # one compile, however many ranks ask
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            tmp = out.with_suffix(f".tmp{os.getpid()}")
+            cxx = os.environ.get("CXX", "c++")
+            subprocess.run([cxx, "-O3", "-Wall", "-shared", "-std=c++11", "-fPIC",
+                            f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+                            str(src), "-o", str(tmp)], check=True, capture_output=True, text=True)
+            os.replace(tmp, out)
+    return str(out)
 
 
 def build_gpt_dataset(prefixes: Sequence[str], tokenizer: ByteTokenizer, seq_length: int,
