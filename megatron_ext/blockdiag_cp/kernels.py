@@ -46,8 +46,9 @@ def dense_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float 
     outs = []
     gqa = q.shape[1] != k.shape[1]
     for qs, ks, vs in zip(q.split(seg.q_lens), k.split(seg.k_lens), v.split(seg.k_lens)):
-        qs, ks, vs = qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)  # [H, n, D]
-        outs.append(_causal_bottom_right(qs, ks, vs, softmax_scale, dropout_p, gqa).transpose(0, 1))
+        # [1, H, n, D]: SDPA's fused CPU kernel takes 4-D inputs only (3-D falls back to math)
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
+        outs.append(_causal_bottom_right(qs, ks, vs, softmax_scale, dropout_p, gqa)[0].transpose(0, 1))
     if not outs:
         return q.new_zeros(q.shape)
     return torch.cat(outs, dim=0)

@@ -264,8 +264,21 @@ class BlockDiagCPState:
             q_lens, k_lens = seg.lengths()
             dev = kernels.Segments(seg.cu_seqlens_q.to(device), seg.cu_seqlens_k.to(device),
                                    seg.max_seqlen_q, seg.max_seqlen_k, tuple(q_lens), tuple(k_lens))
-            self._device_index[key] = (seg.q_index.to(device), seg.k_index.to(device), dev)
+            # None marks an identity index (every row used, in order): no gather copy needed.
+            self._device_index[key] = (_non_identity(seg.q_index, self.local_len * self.rows, device),
+                                       _non_identity(seg.k_index, self.local_len * self.rows, device)
+                                       if kind == "sparse" else seg.k_index.to(device), dev)
         return self._device_index[key]
+
+
+def _non_identity(index: torch.Tensor, rows: int, device) -> Optional[torch.Tensor]:
+    if index.numel() == rows and bool((index == torch.arange(rows)).all()):
+        return None
+    return index.to(device)
+
+
+def _gather(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
 
 
 def _resolve_backend(requested: str, available: Dict[str, bool], static: Dict[str, tuple],
@@ -407,25 +420,29 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
     L, b, hq, d = q.shape
     hkv = k.shape[2]
     R = state.rows
-    kv = torch.cat([k, v], dim=-1)  # [L, b, Hkv, 2D]: one collective for both
-    state.kv_row_bytes = kv[0].numel() * kv.element_size()
-    if state.cp == 1:
-        kind, buf = "sparse", kv
-    elif state.kv_exchange == "allgather":
-        kind = "allgather"
-        buf = allgather_kv(kv.view(L, b, -1), state.group, state.comm_stats)
-    else:
-        kind = "sparse"
-        ex = state.plan.exchange
-        buf = needed_kv(kv.view(L, b, -1), ex.send_index, ex.counts, state.rank, state.group,
-                        use_p2p=state.kv_exchange == "halo", stats=state.comm_stats)
-    q_index, k_index, seg = state._segments_for(kind, q.device)
     # Rows with their own doc ids flatten into tokens; shared ids fold the batch into heads.
     g = b // R
     q_flat = q.reshape(L * R, g * hq, d)
-    buf_flat = buf.reshape(buf.shape[0] * R, g * hkv, 2 * d)
-    q_packed = q_flat.index_select(0, q_index)  # [Nq, g*Hq, D]
-    k_packed, v_packed = buf_flat.index_select(0, k_index).split(d, dim=-1)  # [Nk, g*Hkv, D]
+    state.kv_row_bytes = 2 * k[0].numel() * k.element_size()
+    if state.cp == 1:
+        # Nothing to exchange: gather K and V directly, skipping the fused copy.
+        q_index, k_index, seg = state._segments_for("sparse", q.device)
+        k_packed = _gather(k.reshape(L * R, g * hkv, d), k_index)
+        v_packed = _gather(v.reshape(L * R, g * hkv, d), k_index)
+    else:
+        kv = torch.cat([k, v], dim=-1).view(L, b, -1)  # [L, b, Hkv * 2D]: one collective for both
+        if state.kv_exchange == "allgather":
+            kind = "allgather"
+            buf = allgather_kv(kv, state.group, state.comm_stats)
+        else:
+            kind = "sparse"
+            ex = state.plan.exchange
+            buf = needed_kv(kv, ex.send_index, ex.counts, state.rank, state.group,
+                            use_p2p=state.kv_exchange == "halo", stats=state.comm_stats)
+        q_index, k_index, seg = state._segments_for(kind, q.device)
+        buf_flat = buf.reshape(buf.shape[0] * R, g * hkv, 2 * d)
+        k_packed, v_packed = _gather(buf_flat, k_index).split(d, dim=-1)  # [Nk, g*Hkv, D]
+    q_packed = _gather(q_flat, q_index)  # [Nq, g*Hq, D]
 
     fn = kernels.KERNELS[backend]
 
@@ -437,7 +454,8 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
         return fn(qp, kp.contiguous(), vp.contiguous(), seg, scale, dropout_p)
 
     out_packed = _GuardedKernel.apply(q_packed, k_packed, v_packed, run, state, backend)
-    out = q_flat.new_zeros(q_flat.shape).index_copy(0, q_index, out_packed.to(q.dtype))
+    out_packed = out_packed.to(q.dtype)
+    out = out_packed if q_index is None else q_flat.new_zeros(q_flat.shape).index_copy(0, q_index, out_packed)
     return out.view(L, b, hq, d)
 
 
