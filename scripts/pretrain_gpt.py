@@ -702,7 +702,14 @@ def write_curve(out_dir: str, history, args) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h[0] for h in history], [h[1] for h in history], lw=1)
+    its, losses = [h[0] for h in history], [h[1] for h in history]
+    ax.plot(its, losses, lw=0.8, alpha=0.5, label="loss")
+    k = max(1, min(20, len(losses) // 10))
+    if k > 1:  # trailing moving average: the trend under the per-batch noise
+        avg = [sum(losses[max(0, i - k + 1):i + 1]) / (i + 1 - max(0, i - k + 1))
+               for i in range(len(losses))]
+        ax.plot(its, avg, lw=1.8, label=f"{k}-iteration mean")
+    ax.legend()
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")
     ax.set_title(f"GPT {args.num_layers}L h{args.hidden_size} seq {args.seq_length}, "
@@ -879,8 +886,12 @@ def main(argv=None) -> int:
             f"kv_exchange={args.cp_kv_exchange_canonical} layout={args.cp_layout_canonical} "
             f"strict={args.cp_attn_backend_strict}", ctx)
         train(args, ctx)
-    except BaseException:
-        sys.stderr.write(f"{LOG_PREFIX} rank {ctx.rank}: failed:\n{traceback.format_exc()}")
+    except BaseException as exc:
+        from megatron_ext.blockdiag_cp import BlockDiagCPError
+        if isinstance(exc, BlockDiagCPError):  # a configuration problem: the message says it all
+            sys.stderr.write(f"{LOG_PREFIX} rank {ctx.rank}: error: {exc}\n")
+        else:
+            sys.stderr.write(f"{LOG_PREFIX} rank {ctx.rank}: failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         os._exit(1)  # do not wait in a collective for ranks that will never arrive
     import torch.distributed as dist

@@ -243,3 +243,19 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path, tiny_data):
     for it, loss in resumed_lines.items():  # what the resumed process itself printed
         assert loss == pytest.approx(ref[it], rel=1e-6), (it, loss, ref[it])
     assert ref[N_ITERS] < ref[1] - 0.5  # and it learned something
+
+
+@pytest.mark.timeout(180)
+def test_strict_backend_fallback_is_an_error_on_every_rank(tiny_data):
+    pytest.importorskip("torch")
+    import importlib.util
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed: 'te' does not fall back here")
+    res = subprocess.run([*_torchrun(2), str(SCRIPT), *TINY, "--data-path", tiny_data,
+                          "--train-iters", "2", "--cp-attn-backend", "te",
+                          "--cp-attn-backend-strict"],
+                         env=_env(), capture_output=True, text=True, timeout=150)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: error: strict mode", out), out
