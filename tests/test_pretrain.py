@@ -228,6 +228,11 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path, tiny_data):
         os.kill(pid, signal.SIGKILL)
     assert survivors == [], f"worker processes survived torchrun's SIGKILL: {survivors}"
 
+    # a crash in the middle of writing the next checkpoint leaves only a temp folder
+    half = b / f"iter_{pointer + SAVE_EVERY:07d}.tmp"
+    half.mkdir(exist_ok=True)
+    (half / "rank_00000.pt").write_bytes(b"half-written")
+
     # C: resume B from its latest checkpoint
     res = subprocess.run([*common, "--save", str(b), "--load", str(b)], env=_env(),
                          capture_output=True, text=True, timeout=200)
@@ -243,6 +248,8 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path, tiny_data):
     for it, loss in resumed_lines.items():  # what the resumed process itself printed
         assert loss == pytest.approx(ref[it], rel=1e-6), (it, loss, ref[it])
     assert ref[N_ITERS] < ref[1] - 0.5  # and it learned something
+    assert not list(b.glob("*.tmp")), "a stale temp checkpoint folder survived the next save"
+    assert int((b / "latest_checkpointed_iteration.txt").read_text()) == N_ITERS
 
 
 @pytest.mark.timeout(180)
