@@ -1,0 +1,69 @@
+"""Document-length mixes for the benchmarks: deterministic doc ids [S] (1-based, no padding).
+
+- ``short``: many short documents, lengths uniform in [64, 1024];
+- ``heavy_tail``: lognormal lengths (median 512, sigma 1.2, clipped to [16, S/2])
+  plus one document of exactly S/2 at a seeded place, so every S has a few very
+  long documents next to many short ones;
+- ``single``: one document of length S.
+
+Every mix depends only on (mix, S, seed): all ranks build the same ids.
+"""
+
+import math
+from typing import List
+
+import torch
+
+MIXES = ("short", "heavy_tail", "single")
+SEQ_LENS = (4096, 8192, 16384, 32768)
+
+
+def _fill(lengths_iter, S: int) -> List[int]:
+    out, n = [], 0
+    for length in lengths_iter:
+        length = min(int(length), S - n)
+        out.append(length)
+        n += length
+        if n >= S:
+            return out
+    raise AssertionError("length generator ran dry")
+
+
+def doc_lengths(mix: str, S: int, seed: int = 0) -> List[int]:
+    g = torch.Generator().manual_seed(1000 * seed + {"short": 1, "heavy_tail": 2, "single": 3}[mix])
+    if mix == "single":
+        return [S]
+    if mix == "short":
+        def gen():
+            while True:
+                yield int(torch.randint(64, 1025, (1,), generator=g))
+        return _fill(gen(), S)
+    if mix == "heavy_tail":
+        half = S // 2
+        rest = S - half
+
+        def gen():
+            while True:
+                x = math.exp(math.log(512) + 1.2 * float(torch.randn(1, generator=g)))
+                yield max(16, min(half, int(x)))
+        others = _fill(gen(), rest)
+        where = int(torch.randint(0, len(others) + 1, (1,), generator=g))
+        return others[:where] + [half] + others[where:]
+    raise KeyError(f"unknown mix {mix!r}; known: {MIXES}")
+
+
+def make_doc_ids(mix: str, S: int, seed: int = 0) -> torch.Tensor:
+    lengths = doc_lengths(mix, S, seed)
+    assert sum(lengths) == S, (mix, S, sum(lengths))
+    return torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
+
+
+def describe(mix: str, S: int, seed: int = 0) -> dict:
+    lengths = doc_lengths(mix, S, seed)
+    return {"num_docs": len(lengths), "max_doc": max(lengths), "min_doc": min(lengths)}
+
+
+if __name__ == "__main__":
+    for m in MIXES:
+        for s in SEQ_LENS:
+            print(m, s, describe(m, s))

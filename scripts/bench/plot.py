@@ -1,0 +1,177 @@
+"""PNG plots of bench/results.jsonl (matplotlib, Agg backend).
+
+    comm_bytes.png   bytes per exchange/layout against the lower bound (largest S)
+    balance.png      work max/mean per layout, per mix, per cp (largest S)
+    speed.png        fwd+bwd seconds of ours against the baselines, per (mix, S)
+    memory.png       peak tensor memory vs S, ours against the baselines (short mix)
+"""
+
+import os
+import sys
+from collections import defaultdict
+from typing import Dict, List
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MIX_ORDER = ["short", "heavy_tail", "single"]
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+EXCHANGES = ("allgather", "halo", "a2a")
+COLORS = {"allgather": "#c44e52", "halo": "#55a868", "a2a": "#4c72b0", "lower bound": "#222222"}
+
+
+def _mixes(rows):
+    return [m for m in MIX_ORDER if any(r["mix"] == m for r in rows)]
+
+
+def plot_comm(rows: List[Dict], out_dir: str) -> str:
+    comm = [r for r in rows if r["suite"] == "comm"]
+    if not comm:
+        return ""
+    S = max(r["S"] for r in comm)
+    comm = [r for r in comm if r["S"] == S]
+    idx = {(r["mix"], r["cp"], r["layout"], r["exchange"]): r for r in comm}
+    mixes, cps = _mixes(comm), sorted({r["cp"] for r in comm})
+    fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 4.5), squeeze=False)
+    for ax, mix in zip(axes[0], mixes):
+        labels, x = [], 0
+        width = 0.2
+        for cp in cps:
+            for layout in LAYOUTS:
+                if (mix, cp, layout, "a2a") not in idx:
+                    continue
+                for i, ex in enumerate(EXCHANGES):
+                    r = idx.get((mix, cp, layout, ex))
+                    if r:
+                        hatch = "//" if ex == "halo" and r["exchange_resolved"] != "halo" else None
+                        ax.bar(x + (i - 1.5) * width, max(r["bytes_max"], 1) / 1024, width,
+                               color=COLORS[ex], hatch=hatch, label=ex if x == 0 else None)
+                lb = idx[(mix, cp, layout, "a2a")]["lower_bound_bytes"]
+                ax.bar(x + 1.5 * width, max(lb, 1) / 1024, width, color=COLORS["lower bound"],
+                       label="lower bound" if x == 0 else None)
+                labels.append(f"cp{cp}\n{layout[:6]}")
+                x += 1
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("largest per-rank K/V KiB per layer")
+        ax.set_title(f"{mix}, S={S} (hatched halo = fell back to a2a)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle("K/V bytes moved per attention call, measured by the exchange "
+                 f"({comm[0]['kv_row_bytes']} B per K/V row)")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "comm_bytes.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_balance(rows: List[Dict], out_dir: str) -> str:
+    bal = [r for r in rows if r["suite"] == "balance"]
+    if not bal:
+        return ""
+    Ss = sorted({r["S"] for r in bal})
+    mixes, cps = _mixes(bal), sorted({r["cp"] for r in bal})
+    idx = {(r["mix"], r["S"], r["cp"], r["layout"]): r["work_max_over_mean"] for r in bal}
+    fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 4.2), squeeze=False)
+    for ax, mix in zip(axes[0], mixes):
+        for j, layout in enumerate(LAYOUTS):
+            xs, ys = [], []
+            for i, (S, cp) in enumerate((S, cp) for S in Ss for cp in cps):
+                v = idx.get((mix, S, cp, layout))
+                if v is not None:
+                    xs.append(i + (j - 1) * 0.27)
+                    ys.append(v)
+            ax.bar(xs, ys, 0.27, label=layout)
+        ticks = [f"{S // 1024}k\ncp{cp}" for S in Ss for cp in cps]
+        ax.set_xticks(range(len(ticks)))
+        ax.set_xticklabels(ticks, fontsize=6)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(1.05, color="k", lw=0.8, ls="--", label="target 1.05 (balanced)")
+        ax.set_ylim(0.9, max(1.2, max(idx.values()) * 1.05))
+        ax.set_title(mix)
+        ax.set_ylabel("causal work max / mean across ranks")
+        ax.legend(fontsize=7)
+    fig.suptitle("Load balance per layout (ideal 1.0)")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "balance.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _label(r) -> str:
+    if r["baseline"] == "ours":
+        return f"ours {r['layout'][:6]}/{r['exchange']}"
+    return r["baseline"]
+
+
+def plot_speed(rows: List[Dict], out_dir: str) -> str:
+    sp = [r for r in rows if r["suite"] == "speed"]
+    if not sp:
+        return ""
+    groups = defaultdict(list)
+    for r in sp:
+        groups[(r["mix"], r["S"])].append(r)
+    keys = sorted(groups, key=lambda k: (k[1], MIX_ORDER.index(k[0])))
+    fig, axes = plt.subplots(len(keys), 1, figsize=(11, 2.6 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        rs = groups[key]
+        order = sorted(rs, key=lambda r: (r["baseline"] != "ours", r["layout"], r["exchange"]))
+        colors = ["#4c72b0" if r["baseline"] == "ours" else
+                  {"single_process": "#8172b2", "per_doc_ideal": "#55a868",
+                   "allgather_full_mask": "#c44e52"}[r["baseline"]] for r in order]
+        ax.barh(range(len(order)), [r["seconds"] for r in order], color=colors)
+        ax.set_yticks(range(len(order)))
+        ax.set_yticklabels([_label(r) for r in order], fontsize=7)
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_title(f"{key[0]}, S={key[1]}: fwd+bwd seconds (median, slowest rank; ours at cp=2)", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "speed.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(rows: List[Dict], out_dir: str) -> str:
+    mem = [r for r in rows if r["suite"] == "memory" and r["mix"] == "short"]
+    if not mem:
+        return ""
+    series = defaultdict(dict)
+    for r in mem:
+        series[_label(r)][r["S"]] = r["peak_bytes"]
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for name, pts in sorted(series.items()):
+        Ss = sorted(pts)
+        style = dict(lw=2.2, marker="s") if not name.startswith("ours") else dict(lw=0.9, marker="o", alpha=0.8)
+        ax.plot(Ss, [pts[s] / 2**20 for s in Ss], label=name, **style)
+    Ss = sorted({r["S"] for r in mem})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(Ss)
+    ax.set_xticklabels([str(s) for s in Ss])
+    ax.set_xlabel("S (tokens)")
+    ax.set_ylabel("peak tensor MiB per rank (build + fwd + bwd)")
+    ax.set_title("Peak memory vs S, short mix (ours at cp=2)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "memory.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(rows: List[Dict], out_dir: str) -> List[str]:
+    return [p for p in (plot_comm(rows, out_dir), plot_balance(rows, out_dir),
+                        plot_speed(rows, out_dir), plot_memory(rows, out_dir)) if p]
+
+
+if __name__ == "__main__":
+    from summary import load
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "..", "bench", "results.jsonl")
+    print("\n".join(plot_all(load(path), os.path.dirname(os.path.abspath(path)))))

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Run the benchmark suites and write results.jsonl, PNG plots and SUMMARY.md.
+
+    python scripts/bench/run_all.py                       # full CPU suite -> bench/
+    python scripts/bench/run_all.py --quick               # smoke run -> bench/quick/
+    python scripts/bench/run_all.py --suites comm,balance # a subset (rows of other suites kept)
+    python scripts/bench/run_all.py --suites gpu          # CUDA only (scripts/gpu_check.sh)
+
+Suites: comm, balance (same runs: one engine call per config on a cp-process gloo
+group), speed, memory (same runs: cp=2 fwd+bwd timings, one profiled iteration each),
+model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without CUDA).
+One JSON object per measurement; re-running some suites replaces only their rows.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+for _p in (HERE, REPO_ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu")
+DEFAULT_SUITES = ("comm", "balance", "speed", "memory", "model")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small smoke run (about two minutes)")
+    p.add_argument("--suites", default=",".join(DEFAULT_SUITES),
+                   help=f"comma list of {', '.join(ALL_SUITES)} (default: all but gpu)")
+    p.add_argument("--out", default=None, help="output folder (default bench/, bench/quick/ with --quick)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per speed config (default 3)")
+    p.add_argument("--comm-real-kernel", action="store_true",
+                   help="run the real dense kernel in the comm suite too (slow at cp=8; bytes are equal)")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    args.suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    unknown = sorted(set(args.suites) - set(ALL_SUITES))
+    if unknown:
+        p.error(f"unknown suite(s) {unknown}; choose from {', '.join(ALL_SUITES)}")
+    if args.out is None:
+        args.out = os.path.join(REPO_ROOT, "bench", "quick" if args.quick else "")
+    args.out = os.path.abspath(args.out)
+    return args
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _load(path: str):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # inherited by the worker processes
+    import logging
+
+    logging.getLogger("megatron_ext.blockdiag_cp").setLevel(logging.ERROR)
+    import torch
+
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.perf_counter()
+    rows, timings = [], {}
+    suites = set(args.suites)
+
+    if suites & {"comm", "balance"}:
+        import comm_balance
+
+        t0 = time.perf_counter()
+        if args.quick:
+            got = comm_balance.run(cps=(2, 4), seq_lens=(4096,), log=_log, real_kernel=args.comm_real_kernel)
+        else:
+            got = comm_balance.run(log=_log, real_kernel=args.comm_real_kernel)
+        rows += [r for r in got if r["suite"] in suites]
+        timings["comm+balance"] = time.perf_counter() - t0
+
+    if suites & {"speed", "memory"}:
+        import speed
+
+        t0 = time.perf_counter()
+        plan = speed.QUICK_PLAN if args.quick else speed.DEFAULT_PLAN
+        reps = args.reps or (2 if args.quick else 3)
+        got = speed.run(plan=plan, reps=reps, log=_log)
+        rows += [r for r in got if r["suite"] in suites]
+        timings["speed+memory"] = time.perf_counter() - t0
+
+    if "model" in suites:
+        import model
+
+        t0 = time.perf_counter()
+        rows += model.run(iters=6 if args.quick else 16, log_interval=2 if args.quick else 4, log=_log)
+        timings["model"] = time.perf_counter() - t0
+
+    if "gpu" in suites:
+        import gpu
+
+        t0 = time.perf_counter()
+        rows += gpu.run(log=_log)
+        timings["gpu"] = time.perf_counter() - t0
+
+    wall = time.perf_counter() - t_start
+    meta = {"suite": "meta", "mix": "-", "S": None, "cp": None, "layout": "-", "exchange": "-",
+            "backend": "-", "suites": sorted(suites), "quick": args.quick, "wall_seconds": wall,
+            "suite_seconds": timings, "host": platform.node(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    path = os.path.join(args.out, "results.jsonl")
+    kept = [r for r in _load(path) if r.get("suite") not in suites and r.get("suite") != "meta"]
+    with open(path, "w") as f:
+        for r in kept + rows + [meta]:
+            f.write(json.dumps(r, sort_keys=False) + "\n")
+    _log(f"wrote {len(rows)} rows ({len(kept)} kept from earlier runs) to {path} in {wall:.0f}s: "
+         + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
+
+    all_rows = _load(path)
+    if not args.no_plots:
+        import plot
+
+        for p in plot.plot_all(all_rows, args.out):
+            _log(f"plot {p}")
+    import summary
+
+    with open(os.path.join(args.out, "SUMMARY.md"), "w") as f:
+        f.write(summary.render(all_rows))
+    _log(f"summary {os.path.join(args.out, 'SUMMARY.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
