@@ -342,5 +342,5 @@ def build_gpt_dataset(prefixes: Sequence[str], tokenizer: ByteTokenizer, seq_len
         create_attention_mask=False,
     )
     train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [num_samples, None, None], lambda: True, config).build()
+        GPTDataset, [num_samples, 0, 0], lambda: True, config).build()
     return train
