@@ -801,7 +801,8 @@ def train(args, ctx):
         log(f"{LOG_PREFIX} saved checkpoint {path}", ctx)
     train_time = time.time() - train_t0
     if ctx.rank == 0:
-        out_dir = args.save or str(REPO_ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S"))
+        run_name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        out_dir = args.save or str(REPO_ROOT / "runs" / run_name)
         png = write_curve(out_dir, history, args)
         first = history[0][1] if history else float("nan")
         last = history[-1][1] if history else float("nan")
