@@ -861,7 +861,7 @@ def main(argv=None) -> int:
         return 1
 
     import torch
-    if "OMP_NUM_THREADS" not in os.environ or local_world > 1:
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets 1; an explicit value wins
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(max(1, cores // max(1, local_world)))
     ctx = Ctx()
