@@ -6,7 +6,7 @@ order). Sorting keeps every document's local queries adjacent in local order,
 which is what the plan's varlen segments rely on.
 """
 
-import heapq
+import math
 from dataclasses import dataclass
 from typing import List
 
@@ -105,24 +105,52 @@ def _segments(doc_ids: torch.Tensor) -> List[tuple]:
     return [(a, b, bool(padding[a])) for a, b in zip(starts[:-1], starts[1:])]
 
 
+# Split thresholds tried by the balanced layout (fraction of a rank's work share a
+# document may carry whole); the best candidate wins.
+_SPLIT_THRESHOLDS = (1.0, 0.5, 0.25)
+_BALANCE_GOAL = 1.05
+
+
 def _balanced_positions(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     """Equal tokens per rank, causal work as equal as possible, few documents split.
 
-    1. Documents longer than half a rank's share are split zigzag-style (2m
-       chunks, rank i of m takes chunks i and 2m-1-i) over the m ranks with the
-       most room: the zigzag pairing equalises their work exactly.
-    2. The remaining documents, largest work first, go whole to the rank with the
-       least work that still has room (LPT scheduling).
-    3. What does not fit whole is cut into contiguous pieces that fill the
-       remaining room; padding fills last (it costs no work).
+    Tries a few split thresholds and keeps the candidate whose max/mean work is
+    within the goal (or closest to it) with the least K/V traffic.
+    """
+    best = None
+    for theta in _SPLIT_THRESHOLDS:
+        positions = _balanced_candidate(doc_ids, cp, theta)
+        work = position_work(doc_ids)[positions].sum(1).to(torch.float64)
+        imbalance = float(work.max() / work.mean()) if float(work.mean()) > 0 else 1.0
+        traffic = int(needed_remote_counts(doc_ids, positions).max())
+        key = (max(imbalance, _BALANCE_GOAL), traffic)
+        if best is None or key < best[0]:
+            best = (key, positions)
+    return best[1]
+
+
+def _balanced_candidate(doc_ids: torch.Tensor, cp: int, theta: float) -> torch.Tensor:
+    """One balanced assignment.
+
+    1. A document whose tokens exceed a rank's share, or whose work exceeds
+       ``theta`` of it, is split zigzag-style (2m chunks, rank i of m takes
+       chunks i and 2m-1-i) over the m ranks with the most room: the pairing
+       equalises its work exactly.
+    2. The other documents (and padding runs), largest work first, go whole to
+       the rank that keeps max(work / share, tokens / share) smallest; tokens may
+       overflow a little here.
+    3. The ranks' documents are laid end to end (largest first within a rank)
+       and cut at exact multiples of the per-rank length, so only a few small
+       documents straddle a boundary, as in the contiguous layout.
     """
     P = doc_ids.shape[-1]
     L = P // cp
-    work = position_work(doc_ids).to(torch.float64)
-    cum = torch.cat([torch.zeros(1, dtype=torch.float64), work.cumsum(0)])
+    cum = torch.cat([torch.zeros(1, dtype=torch.float64),
+                     position_work(doc_ids).to(torch.float64).cumsum(0)]).tolist()
+    target = max(cum[-1] / cp, 1e-9)
 
     def span_work(a: int, b: int) -> float:
-        return float(cum[b] - cum[a])
+        return cum[b] - cum[a]
 
     owned: List[List[range]] = [[] for _ in range(cp)]
     room = [L] * cp
@@ -134,55 +162,74 @@ def _balanced_positions(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
             room[rank] -= b - a
             load[rank] += span_work(a, b)
 
-    segments = _segments(doc_ids)
-    docs = [(a, b) for a, b, pad in segments if not pad]
-    pads = [(a, b) for a, b, pad in segments if pad]
-    large = sorted((d for d in docs if d[1] - d[0] > L // 2), key=lambda d: d[0] - d[1])
-    small = sorted((d for d in docs if d[1] - d[0] <= L // 2),
-                   key=lambda d: (-span_work(*d), d[0]))
-
-    leftovers: List[tuple] = []
-    for a, b in large:
-        n = b - a
-        m = min(cp, max(2, -(-n // L)))
-        ranks = sorted(range(cp), key=lambda r: (-room[r], load[r]))[:m]
-        if sum(room[r] for r in ranks) < n or any(room[r] < -(-n // m) for r in ranks):
-            leftovers.append((a, b))
+    whole = []
+    for a, b, pad in sorted(_segments(doc_ids), key=lambda s: -span_work(s[0], s[1])):
+        n, w = b - a, span_work(a, b)
+        if pad or (n <= L and w <= theta * target):
+            whole.append((a, b))
             continue
+        m = min(cp, max(2, -(-n // L), math.ceil(w / (theta * target) - 1e-9)))
+        ranks = sorted(sorted(range(cp), key=lambda r: (-room[r], load[r]))[:m], key=lambda r: load[r])
         bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
-        for i, rank in enumerate(sorted(ranks, key=lambda r: load[r])):
-            give(rank, bounds[i], bounds[i + 1])
-            give(rank, bounds[2 * m - 1 - i], bounds[2 * m - i])
+        pairs = [((bounds[i], bounds[i + 1]), (bounds[2 * m - 1 - i], bounds[2 * m - i]))
+                 for i in range(m)]
+        if any(room[r] < (h[1] - h[0]) + (t[1] - t[0]) for r, (h, t) in zip(ranks, pairs)):
+            whole.append((a, b))  # no room to zigzag it: step 3 cuts it where it lands
+            continue
+        for rank, (head, tail) in zip(ranks, pairs):
+            give(rank, *head)
+            give(rank, *tail)
 
-    heap = [(load[r], r) for r in range(cp)]
-    heapq.heapify(heap)
-    for a, b in small:
-        n = b - a
-        skipped = []
-        placed = False
-        while heap:
-            _, r = heapq.heappop(heap)
-            if room[r] >= n:
-                give(r, a, b)
-                heapq.heappush(heap, (load[r], r))
-                placed = True
-                break
-            skipped.append(r)
-        for r in skipped:
-            heapq.heappush(heap, (load[r], r))
-        if not placed:
-            leftovers.append((a, b))
+    bins: List[List[tuple]] = [[] for _ in range(cp)]
+    tokens = [L - r for r in room]
+    work = list(load)
+    for a, b in whole:
+        n, w = b - a, span_work(a, b)
+        r = min(range(cp), key=lambda r: max((work[r] + w) / target, (tokens[r] + n) / L))
+        bins[r].append((a, b))
+        tokens[r] += n
+        work[r] += w
 
-    # Fill what is left: pieces of the remaining documents, then padding, into the
-    # ranks with room, lowest load first (a document's later pieces carry more work).
-    for a, b in sorted(leftovers) + pads:
+    rank = 0
+    for a, b in (d for docs in bins for d in sorted(docs, key=lambda d: d[0] - d[1])):
         while a < b:
-            r = min((r for r in range(cp) if room[r] > 0), key=lambda r: (load[r], -room[r]))
-            take = min(room[r], b - a)
-            give(r, a, a + take)
+            while room[rank] == 0:
+                rank += 1
+            take = min(room[rank], b - a)
+            give(rank, a, a + take)
             a += take
-
     assert all(x == 0 for x in room), room
     rows = [torch.cat([torch.arange(rg.start, rg.stop) for rg in ranges]).sort().values
             for ranges in owned]
     return torch.stack(rows)
+
+
+def needed_mask(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[P] bool: positions whose K/V the given queries need (union over rows).
+
+    ``positions`` ascending: a document's queries are adjacent, and the document
+    needs [its start, its last query], one interval per document.
+    """
+    R, P = doc_ids.shape
+    diff = torch.zeros(P + 1, dtype=torch.int32)
+    for row in range(R):
+        q = positions[doc_ids[row, positions] > 0]
+        if q.numel() == 0:
+            continue
+        s = starts[row, q]
+        last = torch.ones_like(q, dtype=torch.bool)
+        last[:-1] = s[1:] != s[:-1]
+        ones = torch.ones(int(last.sum()), dtype=torch.int32)
+        diff.index_add_(0, s[last], ones)
+        diff.index_add_(0, q[last] + 1, -ones)
+    return diff.cumsum(0)[:P] > 0
+
+
+def needed_remote_counts(doc_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[cp] K/V positions each rank's queries need and it does not own (the lower bound)."""
+    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
+    starts = document_starts(ids)
+    owner = torch.empty(ids.shape[-1], dtype=torch.long)
+    owner[positions.reshape(-1)] = torch.arange(positions.shape[0]).repeat_interleave(positions.shape[1])
+    return torch.stack([(needed_mask(ids, starts, positions[r]) & (owner != r)).sum()
+                        for r in range(positions.shape[0])])

@@ -19,7 +19,7 @@ from typing import List, Tuple
 
 import torch
 
-from .layout import Layout, document_starts
+from .layout import Layout, document_starts, needed_mask
 
 
 @dataclass(frozen=True)
@@ -72,18 +72,6 @@ class StepPlan:
         return int(counts[self.rank].sum()), int(counts[:, self.rank].sum())
 
 
-def _needed_mask(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[P] bool: positions whose K/V the given queries need (union over rows)."""
-    R, P = doc_ids.shape
-    diff = torch.zeros(P + 1, dtype=torch.long)
-    for row in range(R):
-        real = doc_ids[row, positions] > 0
-        q = positions[real]
-        diff.index_add_(0, starts[row, q], torch.ones_like(q))
-        diff.index_add_(0, q + 1, -torch.ones_like(q))
-    return diff.cumsum(0)[:P] > 0
-
-
 def _runs_predecessor_owners(positions: torch.Tensor, owner: torch.Tensor) -> set:
     """Owners of the position just before each contiguous run of ``positions``."""
     pos = positions.tolist()
@@ -111,7 +99,7 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int) -> StepPlan:
     recv_positions: List[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * cp
     halo_ok, halo_reason = True, "every straddling document comes from the neighbouring shard"
     for dst in range(cp):
-        needed = _needed_mask(doc_ids, starts, layout.positions[dst])
+        needed = needed_mask(doc_ids, starts, layout.positions[dst])
         remote = torch.nonzero(needed & (owner != dst)).flatten()
         src_of = owner[remote]
         needed_remote[dst] = remote.numel()
