@@ -564,3 +564,41 @@ def test_te_double_runs_te_varlen_end_to_end(pools, cp, case, b, hq, hkv, d):
             "num_attention_heads": g * hq, "kv_channels": d, "num_gqa_groups": g * hkv,
             "attention_dropout": 0.0, "qkv_format": "thd", "attn_mask_type": "padding_causal_bottom_right",
             "softmax_scale": 1.0 / math.sqrt(d), "cp_group": None}, extra
+
+
+# ---------------------------------------------------------------------------
+# scripts/gpu_check.py must not rot: its dry run takes the same code path on CPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_gpu_check_dry_run(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "gpu_check.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "MEGATRON_EXT_STAGE_COLLECTIVES_ON_CPU")}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_check.py"), "--dry-run",
+                           "--block-megatron", "--out", str(out)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    by_check = {}
+    for line in lines:
+        by_check.setdefault(line["check"], []).append(line)
+    assert all(line["passed"] for line in lines), [line for line in lines if not line["passed"]]
+    env_line = by_check["env"][0]
+    assert env_line["engine_imported_megatron"] == [] and env_line["megatron_core_installed"] is False
+    assert by_check["te"][0]["status"] == "not_run"  # no TransformerEngine here: said so, not faked
+    accuracy = by_check["accuracy"]
+    assert len(accuracy) == 2 * 2 * 9 * 2  # cp x cases x layout-exchange x backends
+    assert {(a["cp"], a["layout"], a["exchange"], a["backend"]) for a in accuracy} == {
+        (cp, lay, ex, be) for cp in (2, 4) for lay in LAYOUTS for ex in EXCHANGES for be in ("flash", "dense")}
+    assert all(a["resolved"] == [a["backend"]] and a["dry_run"] for a in accuracy)
+    assert {e["backend"] for e in by_check["engine_cp1"]} == {"flash", "dense"}
+    assert len(by_check["timing"]) == 1 + 3 + 3
+    assert by_check["summary"][0]["passed"] and by_check["summary"][0]["te_checked"] is False
