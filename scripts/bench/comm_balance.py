@@ -34,10 +34,15 @@ def measure_worker(mix: str, S: int, layouts=LAYOUTS, exchanges=EXCHANGES,
     real code, only the O(local_len x doc) attention arithmetic is skipped, which
     at cp=8 on two cores would cost minutes and changes no byte.
     """
+    import logging
+
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp import kernels
 
     from mixes import make_doc_ids
+
+    # halo -> a2a fallbacks are recorded in the rows (exchange_resolved / exchange_reason)
+    logging.getLogger("megatron_ext.blockdiag_cp").setLevel(logging.ERROR)
 
     doc_ids = make_doc_ids(mix, S)
     out = {}

@@ -26,6 +26,17 @@ def _mixes(rows):
     return [m for m in MIX_ORDER if any(r["mix"] == m for r in rows)]
 
 
+_FLOOR_KIB = 0.03
+
+
+def _bar(ax, x, nbytes, width, **kw):
+    if nbytes == 0:
+        ax.bar(x, 0, width, **kw)  # keeps the legend entry
+        ax.text(x, _FLOOR_KIB * 1.15, "0", ha="center", fontsize=6)
+    else:
+        ax.bar(x, nbytes / 1024, width, **kw)
+
+
 def plot_comm(rows: List[Dict], out_dir: str) -> str:
     comm = [r for r in rows if r["suite"] == "comm"]
     if not comm:
@@ -46,17 +57,18 @@ def plot_comm(rows: List[Dict], out_dir: str) -> str:
                     r = idx.get((mix, cp, layout, ex))
                     if r:
                         hatch = "//" if ex == "halo" and r["exchange_resolved"] != "halo" else None
-                        ax.bar(x + (i - 1.5) * width, max(r["bytes_max"], 1) / 1024, width,
-                               color=COLORS[ex], hatch=hatch, label=ex if x == 0 else None)
+                        _bar(ax, x + (i - 1.5) * width, r["bytes_max"], width,
+                             color=COLORS[ex], hatch=hatch, label=ex if x == 0 else None)
                 lb = idx[(mix, cp, layout, "a2a")]["lower_bound_bytes"]
-                ax.bar(x + 1.5 * width, max(lb, 1) / 1024, width, color=COLORS["lower bound"],
-                       label="lower bound" if x == 0 else None)
+                _bar(ax, x + 1.5 * width, lb, width, color=COLORS["lower bound"],
+                     label="lower bound" if x == 0 else None)
                 labels.append(f"cp{cp}\n{layout[:6]}")
                 x += 1
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_yscale("log")
-        ax.set_ylabel("largest per-rank K/V KiB per layer")
+        ax.set_ylim(bottom=_FLOOR_KIB)
+        ax.set_ylabel("largest per-rank K/V KiB per layer (0 drawn as '0')")
         ax.set_title(f"{mix}, S={S} (hatched halo = fell back to a2a)", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("K/V bytes moved per attention call, measured by the exchange "

@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--suites", default=",".join(DEFAULT_SUITES),
                    help=f"comma list of {', '.join(ALL_SUITES)} (default: all but gpu)")
     p.add_argument("--out", default=None, help="output folder (default bench/, bench/quick/ with --quick)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per speed config (default 3)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per speed config (default 4, --quick 2)")
     p.add_argument("--comm-real-kernel", action="store_true",
                    help="run the real dense kernel in the comm suite too (slow at cp=8; bytes are equal)")
     p.add_argument("--no-plots", action="store_true")
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
 
         t0 = time.perf_counter()
         plan = speed.QUICK_PLAN if args.quick else speed.DEFAULT_PLAN
-        reps = args.reps or (2 if args.quick else 3)
+        reps = args.reps or (2 if args.quick else 4)
         got = speed.run(plan=plan, reps=reps, log=_log)
         rows += [r for r in got if r["suite"] in suites]
         timings["speed+memory"] = time.perf_counter() - t0
