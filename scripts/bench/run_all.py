@@ -28,14 +28,14 @@ for _p in (HERE, REPO_ROOT):
         sys.path.insert(0, _p)
 
 ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu")
-DEFAULT_SUITES = ("comm", "balance", "speed", "memory", "model")
+DEFAULT_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu")  # gpu: a skipped row without CUDA
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small smoke run (about two minutes)")
     p.add_argument("--suites", default=",".join(DEFAULT_SUITES),
-                   help=f"comma list of {', '.join(ALL_SUITES)} (default: all but gpu)")
+                   help=f"comma list of {', '.join(ALL_SUITES)} (default: all; gpu records a skipped row without CUDA)")
     p.add_argument("--out", default=None, help="output folder (default bench/, bench/quick/ with --quick)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per speed config (default 4, --quick 2)")
     p.add_argument("--comm-real-kernel", action="store_true",
@@ -56,6 +56,17 @@ def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _git(*args) -> str:
+    """The engine under test is whatever is on disk: record the commit and local edits."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - no git: record nothing
+        return ""
+
+
 def _load(path: str):
     if not os.path.exists(path):
         return []
@@ -74,6 +85,8 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
+    git_head = _git("rev-parse", "HEAD")
+    engine_dirty = _git("status", "--porcelain", "megatron_ext").splitlines()
     rows, timings = [], {}
     suites = set(args.suites)
 
@@ -113,7 +126,8 @@ def main(argv=None) -> int:
         timings["gpu"] = time.perf_counter() - t0
 
     wall = time.perf_counter() - t_start
-    meta = {"suite": "meta", "mix": "-", "S": None, "cp": None, "layout": "-", "exchange": "-",
+    meta = {"git_head": git_head, "engine_uncommitted": engine_dirty,
+            "suite": "meta", "mix": "-", "S": None, "cp": None, "layout": "-", "exchange": "-",
             "backend": "-", "suites": sorted(suites), "quick": args.quick, "wall_seconds": wall,
             "suite_seconds": timings, "host": platform.node(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
