@@ -61,3 +61,21 @@ def test_layouts_partition_the_sequence_equally(name, cp):
     if name == "balanced":
         work = position_work(ids)[lay.positions].sum(1).double()
         assert float(work.max() / work.mean()) <= 1.05
+
+
+def test_dense_path_honours_attention_dropout():
+    doc_ids = torch.tensor([1] * 12 + [2] * 20)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(32, 1, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    state = bdcp.BlockDiagCPState.build(doc_ids, attn_backend="dense")
+    with bdcp.blockdiag_cp_step(state):
+        clean = bdcp.blockdiag_cp_attention(q, k, v)
+        torch.manual_seed(0)
+        dropped = bdcp.blockdiag_cp_attention(q, k, v, dropout_p=0.5)
+        torch.manual_seed(0)
+        again = bdcp.blockdiag_cp_attention(q, k, v, dropout_p=0.5)
+        mean = sum(bdcp.blockdiag_cp_attention(q, k, v, dropout_p=0.5) for _ in range(100)) / 100
+    assert not torch.allclose(dropped, clean) and torch.equal(dropped, again)
+    # Inverted dropout keeps the expectation: the average over many draws nears the clean output.
+    assert float((mean - clean).abs().max()) < 0.35 * float(clean.abs().max())
+    assert torch.allclose(clean, reference_attention(q, k, v, doc_ids))
