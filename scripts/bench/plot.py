@@ -135,10 +135,13 @@ def plot_speed(rows: List[Dict], out_dir: str) -> str:
         colors = ["#4c72b0" if r["baseline"] == "ours" else
                   {"single_process": "#8172b2", "per_doc_ideal": "#55a868",
                    "allgather_full_mask": "#c44e52"}[r["baseline"]] for r in order]
-        ax.barh(range(len(order)), [r["seconds"] for r in order], color=colors)
+        secs = [r["seconds"] for r in order]
+        ax.barh(range(len(order)), secs, color=colors)
+        for i, v in enumerate(secs):
+            ax.text(v, i, f" {v:.2f}", va="center", fontsize=6)
+        ax.set_xlim(0, max(secs) * 1.12)
         ax.set_yticks(range(len(order)))
         ax.set_yticklabels([_label(r) for r in order], fontsize=7)
-        ax.set_xscale("log")
         ax.invert_yaxis()
         ax.set_title(f"{key[0]}, S={key[1]}: fwd+bwd seconds (median, slowest rank; ours at cp=2)", fontsize=9)
     fig.tight_layout()

@@ -285,7 +285,7 @@ def render(rows: List[Dict]) -> str:
                    + (" (quick)" if m.get("quick") else "") + "."
                    + (f" Engine at commit `{m['git_head'][:10]}`" if m.get("git_head") else "")
                    + (f" with uncommitted engine edits: {', '.join(m['engine_uncommitted'])}"
-                      if m.get("engine_uncommitted") else "") + "\n")
+                      if m.get("engine_uncommitted") else "") + ("." if m.get("git_head") else "") + "\n")
     out.append("## Targets\n")
     comm_targets(rows, out)
     balance_targets(rows, out)
