@@ -79,3 +79,15 @@ def test_dense_path_honours_attention_dropout():
     # Inverted dropout keeps the expectation: the average over many draws nears the clean output.
     assert float((mean - clean).abs().max()) < 0.35 * float(clean.abs().max())
     assert torch.allclose(clean, reference_attention(q, k, v, doc_ids))
+
+
+def test_layer_with_cp_config_and_no_process_group_says_how_to_fix():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.layers import BlockDiagCPAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                            context_parallel_size=2, use_cpu_initialization=True)
+    with pytest.raises(RuntimeError, match="no process group exists"):
+        BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")

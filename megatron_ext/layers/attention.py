@@ -69,6 +69,8 @@ class BlockDiagCPAttention(MegatronModule):
     def _check_cp_size(self) -> None:
         group = self._group()
         size = ps.group_size(group)
+        if group is None and self.config.context_parallel_size > 1:
+            ps.require_cp_group()  # raises: CP asked for, no process group
         if group is not None and size != self.config.context_parallel_size:
             raise BlockDiagCPError(
                 f"TransformerConfig.context_parallel_size={self.config.context_parallel_size} but the "
