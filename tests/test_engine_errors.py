@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dist_pool import WorkerPool
+from dist_pool import WorkerPool, catch as _catch
 
 
 @pytest.fixture(scope="module")
@@ -11,14 +11,6 @@ def pool():
     p = WorkerPool(2)
     yield p
     p.close()
-
-
-def _catch(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def build_with(per_rank_ids):

@@ -5,17 +5,9 @@ import torch
 import torch.distributed as dist
 
 import gpt_harness as H
-from dist_pool import WorkerPool
+from dist_pool import WorkerPool, catch as _catch
 
 S = 64
-
-
-def _catch(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def tp2_cp2_loss():
