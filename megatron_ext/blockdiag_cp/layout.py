@@ -6,6 +6,7 @@ order). Sorting keeps every document's local queries adjacent in local order,
 which is what the plan's varlen segments rely on.
 """
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import List
@@ -107,7 +108,7 @@ def _segments(doc_ids: torch.Tensor) -> List[tuple]:
 
 # Split thresholds tried by the balanced layout (fraction of a rank's work share a
 # document may carry whole); the best candidate wins.
-_SPLIT_THRESHOLDS = (1.0, 0.5, 0.25)
+_SPLIT_THRESHOLDS = (1.0, 0.75, 0.5, 0.35, 0.25)
 _BALANCE_GOAL = 1.05
 
 
@@ -118,8 +119,8 @@ def _balanced_positions(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     within the goal (or closest to it) with the least K/V traffic.
     """
     best = None
-    for theta in _SPLIT_THRESHOLDS:
-        positions = _balanced_candidate(doc_ids, cp, theta)
+    for theta, by_need in itertools.product(_SPLIT_THRESHOLDS, (False, True)):
+        positions = _balanced_candidate(doc_ids, cp, theta, by_need)
         work = position_work(doc_ids)[positions].sum(1).to(torch.float64)
         imbalance = float(work.max() / work.mean()) if float(work.mean()) > 0 else 1.0
         traffic = int(needed_remote_counts(doc_ids, positions).max())
@@ -129,13 +130,14 @@ def _balanced_positions(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     return best[1]
 
 
-def _balanced_candidate(doc_ids: torch.Tensor, cp: int, theta: float) -> torch.Tensor:
+def _balanced_candidate(doc_ids: torch.Tensor, cp: int, theta: float, by_need: bool) -> torch.Tensor:
     """One balanced assignment.
 
     1. A document whose tokens exceed a rank's share, or whose work exceeds
-       ``theta`` of it, is split zigzag-style (2m chunks, rank i of m takes
-       chunks i and 2m-1-i) over the m ranks with the most room: the pairing
-       equalises its work exactly.
+       ``theta`` of a rank's work share (``by_need``: of the work the neediest
+       rank still misses), is split zigzag-style (2m chunks, rank i of m takes
+       chunks i and 2m-1-i) over m ranks (``by_need``: the fewest neediest ranks
+       whose missing work covers it): the pairing equalises its work exactly.
     2. The other documents (and padding runs), largest work first, go whole to
        the rank that keeps max(work / share, tokens / share) smallest; tokens may
        overflow a little here.
@@ -165,11 +167,20 @@ def _balanced_candidate(doc_ids: torch.Tensor, cp: int, theta: float) -> torch.T
     whole = []
     for a, b, pad in sorted(_segments(doc_ids), key=lambda s: -span_work(s[0], s[1])):
         n, w = b - a, span_work(a, b)
-        if pad or (n <= L and w <= theta * target):
+        needs = sorted(range(cp), key=lambda r: (load[r] - target, -room[r]))  # most work missing first
+        share = max(target - load[needs[0]], 0.0) if by_need else target
+        if pad or (n <= L and w <= theta * share):
             whole.append((a, b))
             continue
-        m = min(cp, max(2, -(-n // L), math.ceil(w / (theta * target) - 1e-9)))
-        ranks = sorted(sorted(range(cp), key=lambda r: (-room[r], load[r]))[:m], key=lambda r: load[r])
+        if by_need:  # the fewest ranks whose missing work covers it (at least two, enough room)
+            m, covered = 0, 0.0
+            while m < cp and (m < 2 or covered < w or m * L < n):
+                covered += max(target - load[needs[m]], 0.0)
+                m += 1
+            ranks = sorted(needs[:m], key=lambda r: load[r])
+        else:  # enough ranks that each carries at most theta of a share
+            m = min(cp, max(2, -(-n // L), math.ceil(w / (theta * target) - 1e-9)))
+            ranks = sorted(sorted(range(cp), key=lambda r: (-room[r], load[r]))[:m], key=lambda r: load[r])
         bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
         pairs = [((bounds[i], bounds[i + 1]), (bounds[2 * m - 1 - i], bounds[2 * m - i]))
                  for i in range(m)]
