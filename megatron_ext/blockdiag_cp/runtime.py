@@ -104,7 +104,6 @@ class BlockDiagCPState:
         self.kv_row_bytes: Optional[int] = None
         self.kernel_failures: list = []
         self._dropout = 0.0
-        self._device_segments: Dict[tuple, kernels.Segments] = {}
         self._device_index: Dict[tuple, tuple] = {}
 
     # -- public contract ---------------------------------------------------
