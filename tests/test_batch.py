@@ -91,3 +91,19 @@ def test_layer_with_cp_config_and_no_process_group_says_how_to_fix():
                             context_parallel_size=2, use_cpu_initialization=True)
     with pytest.raises(RuntimeError, match="no process group exists"):
         BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
+
+
+def test_rope_positions_reset_per_row():
+    from megatron_ext.layers import BlockDiagRotaryEmbedding, rope_positions
+
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 3], [1, 2, 2, 2, 2, 2]])
+    state = bdcp.BlockDiagCPState.build(doc_ids, attn_backend="dense")
+    assert rope_positions(state, reset_position_ids=True).tolist() == [
+        [0, 0], [1, 0], [2, 1], [0, 2], [1, 3], [0, 4]]
+    rope = BlockDiagRotaryEmbedding(kv_channels=4, rotary_percent=1.0, use_cpu_initialization=True)
+    rope.reset_position_ids = True
+    table = rope.get_emb(6)
+    with bdcp.blockdiag_cp_step(state):
+        emb = rope(6)
+    assert emb.shape == (6, 2, 1, 4)
+    assert torch.equal(emb[4, 0, 0], table[1, 0, 0]) and torch.equal(emb[4, 1, 0], table[3, 0, 0])

@@ -14,20 +14,18 @@ from ..blockdiag_cp.state import current_blockdiag_state
 
 
 def rope_positions(state, reset_position_ids: bool = False) -> torch.Tensor:
-    """[local_len] the position each of this rank's tokens is rotated by.
+    """The position each of this rank's tokens is rotated by.
 
-    Global padded positions, or with ``reset_position_ids`` the position inside
-    the document (Megatron's reset-position-ids rule; doc ids must then be shared
-    by all batch rows).
+    [local_len] global padded positions; with ``reset_position_ids`` the position
+    inside the document (Megatron's reset-position-ids rule): [local_len], or
+    [local_len, b] when the batch rows have their own doc ids.
     """
     positions = state.local_positions
     if not reset_position_ids:
         return positions
-    if state.rows != 1:
-        raise ValueError("reset_position_ids with RoPE needs doc ids shared by every batch row "
-                         f"(the state has {state.rows} rows)")
-    starts = document_starts(state.doc_ids)[0]
-    return positions - starts[positions]
+    starts = document_starts(state.doc_ids)[:, positions]  # [R, local_len]
+    within = positions.unsqueeze(0) - starts
+    return within[0] if state.rows == 1 else within.t().contiguous()
 
 
 class BlockDiagRotaryEmbedding(RotaryEmbedding):
@@ -47,9 +45,11 @@ class BlockDiagRotaryEmbedding(RotaryEmbedding):
         state = current_blockdiag_state()
         if state is None or state.cp == 1 and not self.reset_position_ids:
             return self.get_emb(max_seq_len, offset)
-        positions = rope_positions(state, self.reset_position_ids)
-        table = self.get_emb(max(state.padded_len, max_seq_len), offset)
-        return table.index_select(0, positions.to(table.device))
+        positions = rope_positions(state, self.reset_position_ids).to(self.inv_freq.device)
+        table = self.get_emb(max(state.padded_len, max_seq_len), offset)  # [P, 1, 1, dim]
+        emb = table.index_select(0, positions.reshape(-1))
+        # Per-row positions broadcast over heads: [s, b, 1, dim] against q/k [s, b, h, d].
+        return emb if positions.dim() == 1 else emb.view(positions.shape[0], positions.shape[1], 1, -1)
 
 
 def use_blockdiag_rope(model, reset_position_ids: bool = False):
