@@ -145,3 +145,39 @@ def test_recompute_on_another_thread_and_interleaved_microbatches(pool2):
         assert grad_err < TOL
         assert fires == 4, "2 layers x (forward + recompute) must each fire once"
         assert max(per_rank["interleaved"]) < TOL, per_rank["interleaved"]
+
+
+def rope_model_matches_reference(layouts):
+    """GPTModel with RoPE under CP: each layout rotates tokens by their global positions."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.layers import get_gpt_layer_spec_with_blockdiag_cp, use_blockdiag_rope
+
+    mpu = H.ensure_mpu(tp=1, cp=2)
+    group = mpu.get_context_parallel_group()
+    model = use_blockdiag_rope(H.gpt_model(H.config(cp=2), get_gpt_layer_spec_with_blockdiag_cp(use_te=False),
+                                           S, position_embedding_type="rope"))
+    # The reference runs outside any step: the same embedding class gives the plain (cp=1) table.
+    ref = use_blockdiag_rope(H.reference_model({}, S, position_embedding_type="rope"))
+    ref.load_state_dict(model.state_dict())
+    batch = H.make_batch(S, 1, seed=41)
+    ref_loss, ref_grads = H.reference_loss_and_grads(ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
+    out = {}
+    for layout in layouts:
+        local, state = bdcp.shard_batch(batch, cp_group=group, layout=layout, eod_token=H.EOD,
+                                        attn_backend="dense", kv_exchange="a2a")
+        model.zero_grad()
+        with bdcp.blockdiag_cp_step(state):
+            loss = H.cp_loss(model, local, state, batch["loss_mask"].sum())
+            loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        grads = H.cp_reduced_grads(model, group)
+        out[layout] = (H.rel(total, ref_loss), max(H.rel(grads[n], ref_grads[n]) for n in ref_grads))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_rope_gpt_every_layout(pool2):
+    for per_rank in pool2.run(rope_model_matches_reference, ("contiguous", "zigzag", "balanced")):
+        for layout, (loss_err, grad_err) in per_rank.items():
+            assert loss_err < TOL and grad_err < TOL, (layout, loss_err, grad_err)
