@@ -114,16 +114,17 @@ def allgather_kv(kv: torch.Tensor, group, stats: Optional[Dict] = None) -> torch
     return out
 
 
-def needed_kv(kv: torch.Tensor, send_index: List[torch.Tensor], counts: torch.Tensor, rank: int,
+def needed_kv(kv: torch.Tensor, send_index: torch.Tensor, counts: torch.Tensor, rank: int,
               group, use_p2p: bool, stats: Optional[Dict] = None) -> torch.Tensor:
     """[L, b, F] -> [L + received, b, F]: local rows, then the received ones grouped by source.
 
+    ``send_index``: local rows to send, grouped by destination (on kv's device).
     ``counts[src, dst]`` is the global send table (identical on every rank), so
     whether anything moves at all is decided the same way everywhere.
     """
     send_counts = counts[rank].tolist()
     recv_counts = counts[:, rank].tolist()
-    index = torch.cat(send_index).to(kv.device)
+    index = send_index
     stats = {} if stats is None else stats
     if int(counts.sum()) == 0:
         stats["bytes_sent"] = stats["bytes_received"] = 0

@@ -256,6 +256,13 @@ class BlockDiagCPState:
 
     # -- internals ---------------------------------------------------------
 
+    def _send_index_on(self, device: torch.device) -> torch.Tensor:
+        """Local rows this rank sends, grouped by destination; moved to the device once per step."""
+        key = ("send", str(device))
+        if key not in self._device_index:
+            self._device_index[key] = torch.cat(self.plan.exchange.send_index).to(device)
+        return self._device_index[key]
+
     def _segments_for(self, kind: str, device: torch.device):
         key = (kind, str(device))
         if key not in self._device_index:
@@ -435,9 +442,8 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
             buf = allgather_kv(kv, state.group, state.comm_stats)
         else:
             kind = "sparse"
-            ex = state.plan.exchange
-            buf = needed_kv(kv, ex.send_index, ex.counts, state.rank, state.group,
-                            use_p2p=state.kv_exchange == "halo", stats=state.comm_stats)
+            buf = needed_kv(kv, state._send_index_on(kv.device), state.plan.exchange.counts, state.rank,
+                            state.group, use_p2p=state.kv_exchange == "halo", stats=state.comm_stats)
         q_index, k_index, seg = state._segments_for(kind, q.device)
         buf_flat = buf.reshape(buf.shape[0] * R, g * hkv, 2 * d)
         k_packed, v_packed = _gather(buf_flat, k_index).split(d, dim=-1)  # [Nk, g*Hkv, D]
