@@ -9,7 +9,7 @@ which is what the plan's varlen segments rely on.
 import itertools
 import math
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -118,19 +118,25 @@ def _balanced_positions(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     Tries a few split thresholds and keeps the candidate whose max/mean work is
     within the goal (or closest to it) with the least K/V traffic.
     """
+    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
+    pos_work = position_work(ids)
+    cum = torch.cat([torch.zeros(1, dtype=torch.float64), pos_work.to(torch.float64).cumsum(0)]).tolist()
+    segments = _segments(ids)
+    starts = document_starts(ids)
     best = None
     for theta, by_need in itertools.product(_SPLIT_THRESHOLDS, (False, True)):
-        positions = _balanced_candidate(doc_ids, cp, theta, by_need)
-        work = position_work(doc_ids)[positions].sum(1).to(torch.float64)
+        positions = _balanced_candidate(cum, segments, cp, theta, by_need)
+        work = pos_work[positions].sum(1).to(torch.float64)
         imbalance = float(work.max() / work.mean()) if float(work.mean()) > 0 else 1.0
-        traffic = int(needed_remote_counts(doc_ids, positions).max())
+        traffic = int(needed_remote_counts(ids, positions, starts).max())
         key = (max(imbalance, _BALANCE_GOAL), traffic)
         if best is None or key < best[0]:
             best = (key, positions)
     return best[1]
 
 
-def _balanced_candidate(doc_ids: torch.Tensor, cp: int, theta: float, by_need: bool) -> torch.Tensor:
+def _balanced_candidate(cum: List[float], segments: List[tuple], cp: int, theta: float,
+                        by_need: bool) -> torch.Tensor:
     """One balanced assignment.
 
     1. A document whose tokens exceed a rank's share, or whose work exceeds
@@ -145,10 +151,8 @@ def _balanced_candidate(doc_ids: torch.Tensor, cp: int, theta: float, by_need: b
        and cut at exact multiples of the per-rank length, so only a few small
        documents straddle a boundary, as in the contiguous layout.
     """
-    P = doc_ids.shape[-1]
+    P = len(cum) - 1  # cum: prefix sums of per-position work, [P + 1]
     L = P // cp
-    cum = torch.cat([torch.zeros(1, dtype=torch.float64),
-                     position_work(doc_ids).to(torch.float64).cumsum(0)]).tolist()
     target = max(cum[-1] / cp, 1e-9)
 
     def span_work(a: int, b: int) -> float:
@@ -165,7 +169,7 @@ def _balanced_candidate(doc_ids: torch.Tensor, cp: int, theta: float, by_need: b
             load[rank] += span_work(a, b)
 
     whole = []
-    for a, b, pad in sorted(_segments(doc_ids), key=lambda s: -span_work(s[0], s[1])):
+    for a, b, pad in sorted(segments, key=lambda s: -span_work(s[0], s[1])):
         n, w = b - a, span_work(a, b)
         needs = sorted(range(cp), key=lambda r: (load[r] - target, -room[r]))  # most work missing first
         share = max(target - load[needs[0]], 0.0) if by_need else target
@@ -236,10 +240,11 @@ def needed_mask(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Te
     return diff.cumsum(0)[:P] > 0
 
 
-def needed_remote_counts(doc_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def needed_remote_counts(doc_ids: torch.Tensor, positions: torch.Tensor,
+                         starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[cp] K/V positions each rank's queries need and it does not own (the lower bound)."""
     ids = doc_ids.reshape(-1, doc_ids.shape[-1])
-    starts = document_starts(ids)
+    starts = document_starts(ids) if starts is None else starts
     owner = torch.empty(ids.shape[-1], dtype=torch.long)
     owner[positions.reshape(-1)] = torch.arange(positions.shape[0]).repeat_interleave(positions.shape[1])
     return torch.stack([(needed_mask(ids, starts, positions[r]) & (owner != r)).sum()
