@@ -4,7 +4,6 @@ Runs inside dist_pool workers. The reference core attention is plain dense math
 from reference.py over the FULL sequence's document ids (single process, no CP).
 """
 
-import threading
 
 import torch
 import torch.distributed as dist
@@ -24,10 +23,6 @@ def ensure_mpu(tp: int, cp: int):
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     return mpu
-
-
-class _RefDocs(threading.local):
-    pass
 
 
 _REF = {"doc_ids": None}
@@ -94,8 +89,6 @@ def make_batch(S: int, b: int, seed: int):
 
 def reference_loss_and_grads(ref, batch, doc_ids):
     """Mean token loss and parameter grads of the full sequence on one process."""
-    from megatron_ext.blockdiag_cp import doc_ids_from_eod
-
     _REF["doc_ids"] = doc_ids
     S = batch["tokens"].shape[1]
     pos = torch.arange(S).unsqueeze(0).expand_as(batch["tokens"])
@@ -112,6 +105,22 @@ def cp_loss(model, local, state, total_tokens):
     losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
                    packed_seq_params=packed_seq_params_for(state))
     return (losses * local["loss_mask"]).sum() / total_tokens
+
+
+def cp_step_errors(model, batch, group, layout, exchange, ref_loss, ref_grads):
+    """One CP step of ``model``; (loss rel. error, max grad rel. error, state) vs the reference."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    local, state = bdcp.shard_batch(batch, cp_group=group, layout=layout, eod_token=EOD,
+                                    attn_backend="dense", kv_exchange=exchange)
+    model.zero_grad()
+    with bdcp.blockdiag_cp_step(state):
+        loss = cp_loss(model, local, state, batch["loss_mask"].sum())
+        loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = cp_reduced_grads(model, group)
+    return rel(total, ref_loss), max(rel(grads[n], ref_grads[n]) for n in ref_grads), state
 
 
 def cp_reduced_grads(model, group):

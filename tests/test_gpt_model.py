@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gpt_harness as H
 from dist_pool import WorkerPool
@@ -37,18 +36,9 @@ def one_step_matches_reference(layouts, exchanges, b=1):
     out = {}
     for layout in layouts:
         for exchange in exchanges:
-            local, state = bdcp.shard_batch(batch, cp_group=group, layout=layout, eod_token=H.EOD,
-                                            attn_backend="dense", kv_exchange=exchange)
-            model.zero_grad()
-            with bdcp.blockdiag_cp_step(state):
-                loss = H.cp_loss(model, local, state, batch["loss_mask"].sum())
-                loss.backward()
-            total = loss.detach().clone()
-            dist.all_reduce(total, group=group)
-            grads = H.cp_reduced_grads(model, group)
-            out[(layout, exchange)] = (H.rel(total, ref_loss),
-                                       max(H.rel(grads[n], ref_grads[n]) for n in ref_grads),
-                                       state.report()["kv_exchange"])
+            loss_err, grad_err, state = H.cp_step_errors(model, batch, group, layout, exchange,
+                                                         ref_loss, ref_grads)
+            out[(layout, exchange)] = (loss_err, grad_err, state.report()["kv_exchange"])
     return out
 
 
@@ -161,19 +151,8 @@ def rope_model_matches_reference(layouts):
     ref.load_state_dict(model.state_dict())
     batch = H.make_batch(S, 1, seed=41)
     ref_loss, ref_grads = H.reference_loss_and_grads(ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
-    out = {}
-    for layout in layouts:
-        local, state = bdcp.shard_batch(batch, cp_group=group, layout=layout, eod_token=H.EOD,
-                                        attn_backend="dense", kv_exchange="a2a")
-        model.zero_grad()
-        with bdcp.blockdiag_cp_step(state):
-            loss = H.cp_loss(model, local, state, batch["loss_mask"].sum())
-            loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        grads = H.cp_reduced_grads(model, group)
-        out[layout] = (H.rel(total, ref_loss), max(H.rel(grads[n], ref_grads[n]) for n in ref_grads))
-    return out
+    return {layout: H.cp_step_errors(model, batch, group, layout, "a2a", ref_loss, ref_grads)[:2]
+            for layout in layouts}
 
 
 @pytest.mark.timeout(300)
