@@ -4,8 +4,10 @@ from . import state
 from .batch import blockdiag_cp_step, doc_ids_from_cu_seqlens, doc_ids_from_eod, shard_batch
 from .runtime import BlockDiagCPError, BlockDiagCPState, blockdiag_cp_attention
 from .state import (
+    configure_cp_layout,
     configure_cp_varlen,
     cp_attn_fire_count,
+    cp_layout_runtime_config,
     cp_varlen_runtime_config,
     normalize_attn_backend,
     normalize_kv_exchange,
@@ -15,7 +17,7 @@ from .state import (
 
 __all__ = [
     "BlockDiagCPError", "BlockDiagCPState", "blockdiag_cp_attention", "blockdiag_cp_step",
-    "configure_cp_varlen", "cp_attn_fire_count", "cp_varlen_runtime_config",
+    "configure_cp_layout", "configure_cp_varlen", "cp_attn_fire_count", "cp_layout_runtime_config", "cp_varlen_runtime_config",
     "doc_ids_from_cu_seqlens", "doc_ids_from_eod", "normalize_attn_backend",
     "normalize_kv_exchange", "normalize_layout", "reset_cp_attn_fire_count", "shard_batch", "state",
 ]

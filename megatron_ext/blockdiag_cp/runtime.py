@@ -21,8 +21,9 @@ from .layout import Layout, build_layout, padded_length
 from .plan import StepPlan, build_plan
 from .state import (
     ATTN_BACKEND_VALUES,
-    _CP_ATTN_FIRE_COUNT,
     _CP_BLOCKDIAG_STATE,
+    _count_cp_attn_fire,
+    cp_layout_runtime_config,
     cp_varlen_runtime_config,
     normalize_attn_backend,
     normalize_kv_exchange,
@@ -118,7 +119,7 @@ class BlockDiagCPState:
         """
         config = cp_varlen_runtime_config()
         # Unknown knobs raise here, identically on every rank, before any collective.
-        layout_name = normalize_layout(config["layout"] if layout is None else layout)
+        layout_name = normalize_layout(cp_layout_runtime_config()["layout"] if layout is None else layout)
         backend_req = normalize_attn_backend(config["attn_backend"] if attn_backend is None else attn_backend)
         exchange_req = normalize_kv_exchange(config["kv_exchange"] if kv_exchange is None else kv_exchange)
         group = ps.get_cp_group() if cp_group is None else cp_group
@@ -408,7 +409,7 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
     q: [local_len, b, Hq, D]; k, v: [local_len, b, Hkv, D] -> [local_len, b, Hq, D].
     ``state`` overrides the published one (pipeline schedules pass it explicitly).
     """
-    _CP_ATTN_FIRE_COUNT.increment()
+    _count_cp_attn_fire()
     state = _CP_BLOCKDIAG_STATE.get() if state is None else state
     scale = kernels.default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     if state is None:

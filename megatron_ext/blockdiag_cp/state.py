@@ -1,17 +1,26 @@
-"""Runtime knobs, the thread-shared step-state holder and the attention fire counter.
+"""Runtime knobs and activation-checkpoint-safe state for block-diagonal CP.
 
 A dependency-free leaf: nothing here imports torch or the rest of the project, so
-any module (and any test) can read and set the knobs without pulling in CUDA code.
+any consumer (the kernel-side ``configure_cp_varlen`` entry point, a policy-side
+config parser, the pretrain script's flag validation) derives the accepted values
+from the same tables and can never disagree on synonyms or defaults.
 
 Knob values are cleaned (strip, lower case, '-' -> '_') and looked up in a
 synonym table; ``None``, ``""``, ``"auto"`` and ``"default"`` mean the default.
+The configured knobs live in plain module globals holding canonical strings
+(``_CP_ATTN_BACKEND``, ``_CP_KV_EXCHANGE``, ``_CP_LAYOUT``): readers look them up
+at call time (``state._CP_ATTN_BACKEND``), never bind them by ``from ... import``.
+
+The one intended difference from the upstream module this documents: the default
+attention backend is ``te`` (TransformerEngine fused attention, the Megatron
+default), falling back te -> flash -> dense; the layout knob is ours.
 """
 
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 # ---------------------------------------------------------------------------
-# Knob tables
+# Knob tables (dict order is the fallback order: te -> flash -> dense)
 # ---------------------------------------------------------------------------
 
 ATTN_BACKEND_DEFAULT = "te"
@@ -20,9 +29,7 @@ ATTN_BACKEND_SYNONYMS: Dict[str, Tuple[str, ...]] = {
     "flash": ("flash", "flash_attn", "flash_attention", "flash_attention_2", "fa2"),
     "dense": ("dense", "sdpa", "torch_sdpa"),
 }
-# Fallback order: the requested backend resolves to the first available one from
-# its own position onwards (te -> flash -> dense).
-ATTN_BACKEND_VALUES: Tuple[str, ...] = ("te", "flash", "dense")
+ATTN_BACKEND_VALUES: Tuple[str, ...] = tuple(ATTN_BACKEND_SYNONYMS)
 
 KV_EXCHANGE_DEFAULT = "allgather"
 KV_EXCHANGE_SYNONYMS: Dict[str, Tuple[str, ...]] = {
@@ -30,7 +37,7 @@ KV_EXCHANGE_SYNONYMS: Dict[str, Tuple[str, ...]] = {
     "halo": ("halo", "neighbor", "needed", "needed_only"),
     "a2a": ("a2a", "a2av", "all_to_all", "alltoall", "needed_a2a"),
 }
-KV_EXCHANGE_VALUES: Tuple[str, ...] = ("allgather", "halo", "a2a")
+KV_EXCHANGE_VALUES: Tuple[str, ...] = tuple(KV_EXCHANGE_SYNONYMS)
 
 LAYOUT_DEFAULT = "zigzag"
 LAYOUT_SYNONYMS: Dict[str, Tuple[str, ...]] = {
@@ -38,18 +45,15 @@ LAYOUT_SYNONYMS: Dict[str, Tuple[str, ...]] = {
     "zigzag": ("zigzag", "zig_zag", "megatron", "load_balanced_zigzag"),
     "balanced": ("balanced", "load_balanced", "doc_balanced", "document_balanced"),
 }
-LAYOUT_VALUES: Tuple[str, ...] = ("contiguous", "zigzag", "balanced")
+LAYOUT_VALUES: Tuple[str, ...] = tuple(LAYOUT_SYNONYMS)
 
 _DEFAULT_WORDS = ("", "auto", "default")
 
-
-def _reverse(synonyms: Dict[str, Tuple[str, ...]]) -> Dict[str, str]:
-    return {alias: canonical for canonical, aliases in synonyms.items() for alias in aliases}
-
-
-_ATTN_BACKEND_REVERSE: Dict[str, str] = _reverse(ATTN_BACKEND_SYNONYMS)
-_KV_EXCHANGE_REVERSE: Dict[str, str] = _reverse(KV_EXCHANGE_SYNONYMS)
-_LAYOUT_REVERSE: Dict[str, str] = _reverse(LAYOUT_SYNONYMS)
+_ATTN_BACKEND_REVERSE: Dict[str, str] = {
+    syn: canon for canon, syns in ATTN_BACKEND_SYNONYMS.items() for syn in syns}
+_KV_EXCHANGE_REVERSE: Dict[str, str] = {
+    syn: canon for canon, syns in KV_EXCHANGE_SYNONYMS.items() for syn in syns}
+_LAYOUT_REVERSE: Dict[str, str] = {syn: canon for canon, syns in LAYOUT_SYNONYMS.items() for syn in syns}
 
 
 def _clean(value: Any) -> str:
@@ -60,148 +64,133 @@ def _clean(value: Any) -> str:
 def _normalize(value: Any, reverse: Dict[str, str], default: str, knob: str) -> str:
     if value is None:
         return default
+    accepted = ", ".join(sorted(reverse))
     if not isinstance(value, str):
-        raise ValueError(f"{knob} must be a string, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{knob} must be a string, got {value!r} ({type(value).__name__}); "
+                         f"accepted values: {accepted} (or None/'auto'/'default' for {default!r})")
     cleaned = _clean(value)
     if cleaned in _DEFAULT_WORDS:
         return default
     if cleaned not in reverse:
-        accepted = ", ".join(sorted(reverse))
-        raise ValueError(
-            f"unknown {knob} {value!r}; accepted values: {accepted} "
-            f"(or None/'auto'/'default' for {default!r})"
-        )
+        raise ValueError(f"unknown {knob} {value!r}; accepted values: {accepted} "
+                         f"(or None/'auto'/'default' for {default!r})")
     return reverse[cleaned]
 
 
 def normalize_attn_backend(value: Any) -> str:
-    """Canonical attention backend ('te', 'flash' or 'dense') for any accepted spelling."""
-    return _normalize(value, _ATTN_BACKEND_REVERSE, ATTN_BACKEND_DEFAULT, "attention backend")
+    """Canonicalize an attention-backend knob to one of ``ATTN_BACKEND_VALUES`` (None/''/auto/default: te)."""
+    return _normalize(value, _ATTN_BACKEND_REVERSE, ATTN_BACKEND_DEFAULT, "attn_backend")
 
 
 def normalize_kv_exchange(value: Any) -> str:
-    """Canonical K/V exchange ('allgather', 'halo' or 'a2a') for any accepted spelling."""
-    return _normalize(value, _KV_EXCHANGE_REVERSE, KV_EXCHANGE_DEFAULT, "kv exchange")
+    """Canonicalize a KV-exchange knob to one of ``KV_EXCHANGE_VALUES`` (None/''/auto/default: allgather)."""
+    return _normalize(value, _KV_EXCHANGE_REVERSE, KV_EXCHANGE_DEFAULT, "kv_exchange")
 
 
 def normalize_layout(value: Any) -> str:
-    """Canonical layout ('contiguous', 'zigzag' or 'balanced') for any accepted spelling."""
-    return _normalize(value, _LAYOUT_REVERSE, LAYOUT_DEFAULT, "cp layout")
+    """Canonicalize a layout knob to one of ``LAYOUT_VALUES`` (None/''/auto/default: zigzag)."""
+    return _normalize(value, _LAYOUT_REVERSE, LAYOUT_DEFAULT, "layout")
 
 
 # ---------------------------------------------------------------------------
 # Thread-shared holder
 # ---------------------------------------------------------------------------
 
-_UNSET = object()
-
 
 class _ThreadSharedVar:
-    """A ContextVar-like cell whose value is visible from every thread.
+    """A ``contextvars.ContextVar``-style get/set/reset holder visible ACROSS threads.
 
     Activation recompute runs the forward again inside backward, on autograd's
-    worker thread, where a ``contextvars.ContextVar`` set on the main thread reads
-    nothing. ``set`` returns a token; ``reset(token)`` restores the value that was
-    current before that ``set`` (so nested publishes unwind correctly).
+    worker thread, where a ContextVar set on the main thread reads its default
+    (None) and would silently drop the CP state mid-recompute. Training steps are
+    sequential, so one shared slot with token-based restore (nesting unwinds
+    correctly) is safe; backward only ever reads it. Two threads running steps on
+    one process at once are not supported (``BlockDiagCPState.build`` refuses it).
     """
-
-    def __init__(self, name: str, default: Any = None):
-        self.name = name
-        self._default = default
-        self._value = _UNSET
-        self._lock = threading.Lock()
-
-    def get(self, default: Any = _UNSET) -> Any:
-        value = self._value
-        if value is _UNSET:
-            return self._default if default is _UNSET else default
-        return value
-
-    def set(self, value: Any) -> Tuple["_ThreadSharedVar", Any]:
-        with self._lock:
-            token = (self, self._value)
-            self._value = value
-        return token
-
-    def reset(self, token: Tuple["_ThreadSharedVar", Any]) -> None:
-        owner, previous = token
-        if owner is not self:
-            raise ValueError(f"token was created by {owner.name!r}, not {self.name!r}")
-        with self._lock:
-            self._value = previous
-
-    def __repr__(self) -> str:
-        return f"_ThreadSharedVar({self.name!r}, value={self.get()!r})"
-
-
-class _FireCounter:
-    """Thread-safe count of block-diagonal attention calls (forward and recompute)."""
 
     def __init__(self):
-        self._count = 0
+        self._value = None
         self._lock = threading.Lock()
 
-    def increment(self) -> int:
+    def get(self) -> Any:
+        """Return the current value (None when unset)."""
+        return self._value
+
+    def set(self, value: Any) -> Any:
+        """Set the value; returns a token (the previous value) for :meth:`reset`."""
         with self._lock:
-            self._count += 1
-            return self._count
+            previous, self._value = self._value, value
+        return previous
 
-    def get(self) -> int:
-        return self._count
-
-    def reset(self) -> None:
+    def reset(self, token: Any) -> None:
+        """Restore the value captured by a previous :meth:`set`."""
         with self._lock:
-            self._count = 0
+            self._value = token
+
+    def __repr__(self) -> str:
+        return f"_ThreadSharedVar(value={self._value!r})"
 
 
-_CP_ATTN_BACKEND = _ThreadSharedVar("cp_attn_backend", default=ATTN_BACKEND_DEFAULT)
-_CP_KV_EXCHANGE = _ThreadSharedVar("cp_kv_exchange", default=KV_EXCHANGE_DEFAULT)
-_CP_LAYOUT = _ThreadSharedVar("cp_layout", default=LAYOUT_DEFAULT)
-_CP_ATTN_FIRE_COUNT = _FireCounter()
-# The published BlockDiagCPState of the current step (None outside a step).
-_CP_BLOCKDIAG_STATE = _ThreadSharedVar("cp_blockdiag_state", default=None)
+# ---------------------------------------------------------------------------
+# Configured knobs, fire counter and the published step state
+# ---------------------------------------------------------------------------
 
-_UNCHANGED = object()
+_CP_ATTN_BACKEND = ATTN_BACKEND_DEFAULT
+_CP_KV_EXCHANGE = KV_EXCHANGE_DEFAULT
+_CP_LAYOUT = LAYOUT_DEFAULT
+# A plain one-element list, as documented (``_CP_ATTN_FIRE_COUNT[0] += 1`` works);
+# our own increments take the lock so concurrent recomputes never lose a count.
+_CP_ATTN_FIRE_COUNT: list = [0]
+_FIRE_COUNT_LOCK = threading.Lock()
+# The BlockDiagCPState published by ``blockdiag_cp_step`` (None outside a step).
+_CP_BLOCKDIAG_STATE = _ThreadSharedVar()
 
 
-def configure_cp_varlen(attn_backend: Any = _UNCHANGED, kv_exchange: Any = _UNCHANGED,
-                        layout: Any = _UNCHANGED) -> Dict[str, str]:
-    """Set the runtime knobs; both values are validated before either changes.
+def configure_cp_varlen(attn_backend: str = ATTN_BACKEND_DEFAULT,
+                        kv_exchange: str = KV_EXCHANGE_DEFAULT) -> None:
+    """Configure the block-diagonal CP attention path from parsed runtime config.
 
-    An argument left out keeps its current value; ``None``/'auto'/'default'
-    restores the default. Returns the resulting config.
+    Both values are validated before either changes; called with no arguments it
+    restores the defaults (te, allgather).
     """
-    new_backend = None if attn_backend is _UNCHANGED else normalize_attn_backend(attn_backend)
-    new_exchange = None if kv_exchange is _UNCHANGED else normalize_kv_exchange(kv_exchange)
-    new_layout = None if layout is _UNCHANGED else normalize_layout(layout)
-    if new_backend is not None:
-        _CP_ATTN_BACKEND.set(new_backend)
-    if new_exchange is not None:
-        _CP_KV_EXCHANGE.set(new_exchange)
-    if new_layout is not None:
-        _CP_LAYOUT.set(new_layout)
-    return cp_varlen_runtime_config()
+    global _CP_ATTN_BACKEND, _CP_KV_EXCHANGE
+    backend = normalize_attn_backend(attn_backend)
+    exchange = normalize_kv_exchange(kv_exchange)
+    _CP_ATTN_BACKEND, _CP_KV_EXCHANGE = backend, exchange
 
 
 def cp_varlen_runtime_config() -> Dict[str, str]:
-    """The knobs in force: {'attn_backend': ..., 'kv_exchange': ..., 'layout': ...}."""
-    return {
-        "attn_backend": _CP_ATTN_BACKEND.get(),
-        "kv_exchange": _CP_KV_EXCHANGE.get(),
-        "layout": _CP_LAYOUT.get(),
-    }
+    """Return the currently configured settings: {"attn_backend": ..., "kv_exchange": ...}."""
+    return {"attn_backend": _CP_ATTN_BACKEND, "kv_exchange": _CP_KV_EXCHANGE}
+
+
+def configure_cp_layout(layout: str = LAYOUT_DEFAULT) -> None:
+    """Configure the CP layout (who owns which positions); no argument restores zigzag."""
+    global _CP_LAYOUT
+    _CP_LAYOUT = normalize_layout(layout)
+
+
+def cp_layout_runtime_config() -> Dict[str, str]:
+    """Return the currently configured layout: {"layout": ...}."""
+    return {"layout": _CP_LAYOUT}
 
 
 def cp_attn_fire_count() -> int:
-    """How many times block-diagonal attention ran (recompute included) since the last reset."""
-    return _CP_ATTN_FIRE_COUNT.get()
+    """Number of block-diagonal CP attention calls (recompute included) since the last reset."""
+    return _CP_ATTN_FIRE_COUNT[0]
 
 
 def reset_cp_attn_fire_count() -> None:
-    _CP_ATTN_FIRE_COUNT.reset()
+    """Zero the CP-attention fire counter (call before each forward)."""
+    with _FIRE_COUNT_LOCK:
+        _CP_ATTN_FIRE_COUNT[0] = 0
 
 
-def current_blockdiag_state(default: Optional[Any] = None) -> Optional[Any]:
-    """The step state published by ``blockdiag_cp_step``, or ``default``."""
-    value = _CP_BLOCKDIAG_STATE.get()
-    return default if value is None else value
+def _count_cp_attn_fire() -> None:
+    with _FIRE_COUNT_LOCK:
+        _CP_ATTN_FIRE_COUNT[0] += 1
+
+
+def current_blockdiag_state() -> Any:
+    """The step state published by ``blockdiag_cp_step`` (None outside a step)."""
+    return _CP_BLOCKDIAG_STATE.get()
