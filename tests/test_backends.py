@@ -87,7 +87,7 @@ def availability(missing=(), *, device_blind=True, call_ok=()):
 @contextlib.contextmanager
 def captured_logs():
     """Records of the engine's logger at every level; the log-once memory starts empty."""
-    from megatron_ext.blockdiag_cp import runtime
+    from megatron_ext.blockdiag_cp import backend
 
     records = []
     handler = logging.Handler(logging.DEBUG)
@@ -96,13 +96,13 @@ def captured_logs():
     old_level = logger.level
     logger.setLevel(logging.DEBUG)
     logger.addHandler(handler)
-    runtime._LOGGED.clear()
+    backend._LOGGED.clear()
     try:
         yield records
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-        runtime._LOGGED.clear()
+        backend._LOGGED.clear()
 
 
 @contextlib.contextmanager

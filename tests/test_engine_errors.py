@@ -77,12 +77,13 @@ def bad_qkv_and_knobs():
 @pytest.mark.timeout(120)
 def test_bad_qkv_knobs_group_and_missing_state(pool):
     for rank, out in enumerate(pool.run(bad_qkv_and_knobs)):
-        assert out["knob"][0] == "ValueError" and "'ring'" in out["knob"][1]
-        assert out["layout"][0] == "ValueError" and "accepted values" in out["layout"][1]
+        # Knob errors are agreed like every other input error: BlockDiagCPError on every rank.
+        assert out["knob"][0] == "BlockDiagCPError" and "'ring'" in out["knob"][1]
+        assert out["layout"][0] == "BlockDiagCPError" and "accepted values" in out["layout"][1]
         assert "local_len" in out["len"][1]
         assert "disagree" in out["kv"][1]
         assert "multiple" in out["gqa"][1]
         assert "rows" in out["rows"][1]
         if rank == 0:
             assert "size 1" in out["group"][1] and "cp=2" in out["group"][1]
-        assert "no step state is published" in out["no_state"][1]
+        assert "no step state" in out["no_state"][1]

@@ -2,9 +2,13 @@
 
 from . import state
 from .batch import blockdiag_cp_step, doc_ids_from_cu_seqlens, doc_ids_from_eod, shard_batch
-from .runtime import BlockDiagCPError, BlockDiagCPState, blockdiag_cp_attention
+from .agreement import BlockDiagCPError
+from .attention_op import blockdiag_cp_attention
+from .resolve import resolve_step_state
+from .step import BlockDiagCPState
 from .state import (
     configure_cp_layout,
+    configure_cp_thd_partition,
     configure_cp_varlen,
     cp_attn_fire_count,
     cp_layout_runtime_config,
@@ -17,7 +21,7 @@ from .state import (
 
 __all__ = [
     "BlockDiagCPError", "BlockDiagCPState", "blockdiag_cp_attention", "blockdiag_cp_step",
-    "configure_cp_layout", "configure_cp_varlen", "cp_attn_fire_count", "cp_layout_runtime_config", "cp_varlen_runtime_config",
+    "configure_cp_layout", "configure_cp_thd_partition", "configure_cp_varlen", "cp_attn_fire_count", "cp_layout_runtime_config", "cp_varlen_runtime_config",
     "doc_ids_from_cu_seqlens", "doc_ids_from_eod", "normalize_attn_backend",
-    "normalize_kv_exchange", "normalize_layout", "reset_cp_attn_fire_count", "shard_batch", "state",
+    "normalize_kv_exchange", "normalize_layout", "reset_cp_attn_fire_count", "resolve_step_state", "shard_batch", "state",
 ]

@@ -1,12 +1,14 @@
 """Document ids from EOD tokens or cu_seqlens, shard_batch(), and the step context."""
 
 import contextlib
+import threading
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from .runtime import BlockDiagCPState, agree_on_kernel_failures
+from .agreement import BlockDiagCPError, agree_on_kernel_failures
 from .state import _CP_BLOCKDIAG_STATE
+from .step import BlockDiagCPState
 
 _SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "doc_ids")
 
@@ -76,12 +78,27 @@ def shard_batch(batch: Dict, cp_group=None, layout=None, eod_token=None, attn_ba
 def blockdiag_cp_step(state: BlockDiagCPState):
     """Publish ``state`` for every attention layer (and recompute thread) of one step.
 
-    Forward and backward both run inside. On a clean exit the ranks agree on
-    kernel failures (one tiny all-reduce) and raise together if any rank failed.
+    Forward and backward run inside (a backward that runs later, outside, is fine
+    too when the model got ``packed_seq_params_for(state)``). On a clean exit the
+    ranks agree on kernel failures (one tiny all-reduce) and raise together if any
+    rank failed. One step at a time per process: the published state is
+    process-wide, so a step entered from a second thread while another thread's
+    step is open is refused.
     """
+    me = threading.get_ident()
+    current = _CP_BLOCKDIAG_STATE.get()
+    owner = getattr(current, "_published_by", None)
+    if current is not None and owner not in (None, me):
+        raise BlockDiagCPError(
+            "blockdiag_cp_step entered from a second thread while another thread's step is open; the "
+            "published step state is process-wide (autograd's recompute thread must read it), so "
+            "block-diagonal CP runs one step at a time per process")
+    previous_owner = getattr(state, "_published_by", None)
+    state._published_by = me
     token = _CP_BLOCKDIAG_STATE.set(state)
     try:
         yield state
     finally:
         _CP_BLOCKDIAG_STATE.reset(token)
-    agree_on_kernel_failures(state)
+        state._published_by = previous_owner
+    agree_on_kernel_failures(state.group, state.cp)

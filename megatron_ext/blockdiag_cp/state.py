@@ -47,6 +47,15 @@ LAYOUT_SYNONYMS: Dict[str, Tuple[str, ...]] = {
 }
 LAYOUT_VALUES: Tuple[str, ...] = tuple(LAYOUT_SYNONYMS)
 
+# How a THD batch was cut across the CP ranks (Megatron's two partitions); "auto" decides from
+# cu_seqlens_q_padded (see megatron_ext.blockdiag_cp.resolve). Ours, beside the documented knobs.
+THD_PARTITION_DEFAULT = "auto"
+THD_PARTITION_SYNONYMS: Dict[str, Tuple[str, ...]] = {
+    "per_document": ("per_document", "document", "te", "dual_chunk_swap", "thd"),
+    "per_sequence": ("per_sequence", "sequence", "zigzag", "pack", "inter_document_masking"),
+}
+THD_PARTITION_VALUES: Tuple[str, ...] = (THD_PARTITION_DEFAULT,) + tuple(THD_PARTITION_SYNONYMS)
+
 _DEFAULT_WORDS = ("", "auto", "default")
 
 _ATTN_BACKEND_REVERSE: Dict[str, str] = {
@@ -54,6 +63,8 @@ _ATTN_BACKEND_REVERSE: Dict[str, str] = {
 _KV_EXCHANGE_REVERSE: Dict[str, str] = {
     syn: canon for canon, syns in KV_EXCHANGE_SYNONYMS.items() for syn in syns}
 _LAYOUT_REVERSE: Dict[str, str] = {syn: canon for canon, syns in LAYOUT_SYNONYMS.items() for syn in syns}
+_THD_PARTITION_REVERSE: Dict[str, str] = {
+    syn: canon for canon, syns in THD_PARTITION_SYNONYMS.items() for syn in syns}
 
 
 def _clean(value: Any) -> str:
@@ -90,6 +101,11 @@ def normalize_kv_exchange(value: Any) -> str:
 def normalize_layout(value: Any) -> str:
     """Canonicalize a layout knob to one of ``LAYOUT_VALUES`` (None/''/auto/default: zigzag)."""
     return _normalize(value, _LAYOUT_REVERSE, LAYOUT_DEFAULT, "layout")
+
+
+def normalize_thd_partition(value: Any) -> str:
+    """Canonicalize the THD partition knob: 'auto', 'per_document' (TE's) or 'per_sequence'."""
+    return _normalize(value, _THD_PARTITION_REVERSE, THD_PARTITION_DEFAULT, "thd_partition")
 
 
 # ---------------------------------------------------------------------------
@@ -138,6 +154,7 @@ class _ThreadSharedVar:
 _CP_ATTN_BACKEND = ATTN_BACKEND_DEFAULT
 _CP_KV_EXCHANGE = KV_EXCHANGE_DEFAULT
 _CP_LAYOUT = LAYOUT_DEFAULT
+_CP_THD_PARTITION = THD_PARTITION_DEFAULT
 # A plain one-element list, as documented (``_CP_ATTN_FIRE_COUNT[0] += 1`` works);
 # our own increments take the lock so concurrent recomputes never lose a count.
 _CP_ATTN_FIRE_COUNT: list = [0]
@@ -173,6 +190,12 @@ def configure_cp_layout(layout: str = LAYOUT_DEFAULT) -> None:
 def cp_layout_runtime_config() -> Dict[str, str]:
     """Return the currently configured layout: {"layout": ...}."""
     return {"layout": _CP_LAYOUT}
+
+
+def configure_cp_thd_partition(partition: str = THD_PARTITION_DEFAULT) -> None:
+    """How THD batches were cut across CP ranks: 'per_document' (TE), 'per_sequence', or 'auto'."""
+    global _CP_THD_PARTITION
+    _CP_THD_PARTITION = normalize_thd_partition(partition)
 
 
 def cp_attn_fire_count() -> int:

@@ -14,16 +14,22 @@ from megatron.core.utils import divide
 
 from .. import parallel_state as ps
 from ..blockdiag_cp import BlockDiagCPError, blockdiag_cp_attention
-from ..blockdiag_cp.state import current_blockdiag_state
+from ..blockdiag_cp.resolve import resolve_step_state
+
+# Causal within each document is what the plan computes; Megatron's padding_causal (THD, SFT)
+# is the same here, padding being positions outside every document.
+SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
 class BlockDiagCPAttention(MegatronModule):
     """Per-document causal core attention; with CP > 1 it exchanges K/V over the CP group.
 
     Drop-in for megatron-core's ``DotProductAttention``: same constructor, same
-    forward, query [sq, b, np, hn] -> output [sq, b, np * hn]. The step state comes
-    from ``packed_seq_params.blockdiag_state`` when present (so recompute sees its
-    own microbatch), else from the state published by ``blockdiag_cp_step``.
+    forward, query [sq, b, np, hn] -> output [sq, b, np * hn] (THD: [t, np, hn] ->
+    [t, np * hn]). The step state is resolved per microbatch, in this order: ours
+    in ``packed_seq_params.blockdiag_state``; one built from THD ``packed_seq_params``;
+    one derived from Megatron's per-document causal ``attention_mask``; the state
+    published by ``blockdiag_cp_step``. Self-attention with a causal mask type only.
     """
 
     def __init__(
@@ -40,6 +46,11 @@ class BlockDiagCPAttention(MegatronModule):
         super().__init__(config=config)
         self.config = config
         self.layer_number = max(1, layer_number)
+        self._check_mask_type(attn_mask_type)
+        if attention_type != "self":
+            raise BlockDiagCPError(
+                f"BlockDiagCPAttention is self-attention only (attention_type={attention_type!r}); "
+                "use megatron's own core attention for cross attention")
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.cp_comm_type = cp_comm_type  # accepted for spec compatibility; the plan decides
@@ -77,6 +88,15 @@ class BlockDiagCPAttention(MegatronModule):
                 f"CP process group has {size} ranks; initialize parallel_state with "
                 f"context_parallel_size={self.config.context_parallel_size} or fix the config")
 
+    @staticmethod
+    def _check_mask_type(attn_mask_type) -> None:
+        if attn_mask_type is not None and attn_mask_type not in SUPPORTED_MASK_TYPES:
+            raise BlockDiagCPError(
+                f"BlockDiagCPAttention computes causal attention within each document; "
+                f"attn_mask_type={attn_mask_type} is not supported (supported: "
+                f"{', '.join(t.name for t in SUPPORTED_MASK_TYPES)}). Bidirectional (no_mask, padding) "
+                "and arbitrary masks need megatron's own core attention")
+
     def forward(
         self,
         query: Tensor,
@@ -89,22 +109,22 @@ class BlockDiagCPAttention(MegatronModule):
     ) -> Tensor:
         if attention_bias is not None:
             raise BlockDiagCPError("attention_bias is not supported by BlockDiagCPAttention")
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            raise BlockDiagCPError(
-                "BlockDiagCPAttention takes sbhd tensors; pass packed_seq_params_for(state) "
-                "(megatron_ext.layers) instead of THD packed_seq_params")
-        state = getattr(packed_seq_params, "blockdiag_state", None) or current_blockdiag_state()
+        self._check_mask_type(attn_mask_type)
         group = self._group()
         self._check_cp_size()
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:  # megatron squeezed the batch dim: [t, h, d] -> [t, 1, h, d]
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        state = resolve_step_state(packed_seq_params, attention_mask, cp_group=group,
+                                   local_tokens=query.shape[0], batch=query.shape[1], device=query.device)
         if state is not None and state.cp > 1:
             self._check_state_group(state, group)
         dropout_p = self.attention_dropout_p if self.training else 0.0
-        if state is None and attention_mask is not None and ps.group_size(group) == 1:
-            out = self._masked_attention(query, key, value, attention_mask, dropout_p)
-        else:
-            out = blockdiag_cp_attention(query, key, value, softmax_scale=self.softmax_scale,
-                                         dropout_p=dropout_p, state=state, cp_group=group)
+        out = blockdiag_cp_attention(query, key, value, softmax_scale=self.softmax_scale,
+                                     dropout_p=dropout_p, state=state, cp_group=group)
         sq, b, np_, hn = out.shape
+        if thd:
+            return out.reshape(sq, np_ * hn)  # [t, np * hn]; megatron adds the batch dim back
         return out.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
 
     @staticmethod
@@ -114,17 +134,6 @@ class BlockDiagCPAttention(MegatronModule):
         if group is None or dist.get_process_group_ranks(state.group) != dist.get_process_group_ranks(group):
             theirs = "no group" if group is None else dist.get_process_group_ranks(group)
             raise BlockDiagCPError(
-                f"the published state was built for CP ranks {dist.get_process_group_ranks(state.group)} "
+                f"the step state was built for CP ranks {dist.get_process_group_ranks(state.group)} "
                 f"but this layer's CP group is {theirs}; build the state with this model's CP group "
                 "(shard_batch(..., cp_group=parallel_state.get_context_parallel_group()))")
-
-    def _masked_attention(self, q, k, v, attention_mask, dropout_p):
-        # CP = 1 without a state, with megatron's mask (True = masked out) plus causality.
-        sq, sk = q.shape[0], k.shape[0]
-        allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        allowed = allowed & ~attention_mask.to(torch.bool)  # [b or 1, 1, sq, sk]
-        qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=allowed, scale=self.softmax_scale, dropout_p=dropout_p,
-            enable_gqa=q.shape[2] != k.shape[2])
-        return torch.nan_to_num(out).permute(2, 0, 1, 3)

@@ -10,7 +10,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from ..blockdiag_cp.layout import document_starts
-from ..blockdiag_cp.state import current_blockdiag_state
+from ..blockdiag_cp.resolve import resolve_step_state
 
 
 def rope_positions(state, reset_position_ids: bool = False) -> torch.Tensor:
@@ -42,7 +42,7 @@ class BlockDiagRotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]  # [s, 1, 1, dim]
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        state = current_blockdiag_state()
+        state = resolve_step_state()
         if state is None or state.cp == 1 and not self.reset_position_ids:
             return self.get_emb(max_seq_len, offset)
         positions = rope_positions(state, self.reset_position_ids).to(self.inv_freq.device)

@@ -1,0 +1,345 @@
+"""One state resolver for every consumer, and the documents of Megatron's own data paths.
+
+``resolve_step_state`` is the only reader of the published holder. Precedence:
+
+1. the microbatch's own state: ours in ``packed_seq_params.blockdiag_state``, or
+   one built from THD ``packed_seq_params`` (cached on that object);
+2. one derived from Megatron's attention mask (cached per mask tensor);
+3. the state ``blockdiag_cp_step`` published.
+
+Both derived states are built once per microbatch (the first layer's forward)
+and reused by every other layer and by recompute in backward.
+
+Megatron's mask (``_get_ltor_masks_and_position_ids``, True = masked out),
+rows cut zigzag by ``get_batch_on_this_cp_rank``, keys full::
+
+    rank r holds rows of chunks r and 2cp-1-r        keys: all S
+    row p sees exactly [start(p), p]  ->  start(p) = its first visible key
+
+Each rank finds its rows' starts, one all-gather shares them, and the starts
+give the documents (a document begins where start(p) == p).
+
+THD (``qkv_format="thd"``): documents from ``cu_seqlens_q`` (real lengths) and
+``cu_seqlens_q_padded`` (padded extents; the gap is padding). Two partitions
+reach a THD layer with CP:
+
+- per document (TransformerEngine's ``thd_get_partitioned_indices``; SFT,
+  Megatron-Bridge, megatron-core's per-document balancing): every padded extent
+  a multiple of 2cp, cut in 2cp chunks, rank r holds chunks r and 2cp-1-r of
+  every document -> layout ``thd``;
+- per sequence (megatron-core 0.19 inter-document masking,
+  ``use_per_sequence_balancing=True``): the whole pack cut zigzag -> layout
+  ``zigzag``.
+
+Megatron-LM builds the per-sequence case without ``cu_seqlens_q_padded`` (its
+GPTDataset makes none) and the per-document case with it, extents padded to
+2cp; ``auto`` follows that. Padded extents that are not multiples of 2cp are
+ambiguous (a per-sequence cut, or a per-document batch padded wrongly): they
+need the explicit knob (``configure_cp_thd_partition``).
+"""
+
+import threading
+import weakref
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel_state as ps
+from . import state as knobs
+from .agreement import BlockDiagCPError, group_ranks
+from .step import BlockDiagCPState, DocumentSource, ReplicatedDocIds
+
+
+def _zigzag_rows(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions of the rows megatron's get_batch_on_this_cp_rank gives ``rank``."""
+    if cp == 1:
+        return torch.arange(seq_len)
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+# ---------------------------------------------------------------------------
+# Megatron's attention mask
+# ---------------------------------------------------------------------------
+
+_MASK_CHECK_BUDGET = 1 << 24  # mask elements compared per block (bounded temporary memory)
+
+
+class MegatronMaskSource(DocumentSource):
+    """Documents from a per-document causal mask [b or 1, 1, local rows, S], True = masked out."""
+
+    layout = "zigzag"
+    description = "Megatron's attention mask (rows already sliced zigzag by get_batch_on_this_cp_rank)"
+    errors = {
+        1: "attention_mask must be a bool tensor [b or 1, 1, local rows, S] (True = masked out, as "
+           "megatron builds it); got {detail}",
+        2: "attention_mask rows do not match CP: {detail}; with CP each rank holds S / cp query rows "
+           "(megatron's get_batch_on_this_cp_rank slices them zigzag) and S must be a multiple of 2 * cp",
+        3: "attention_mask is not per-document causal: {detail}. BlockDiagCPAttention supports masks in "
+           "which every query sees exactly the keys from its document's start to itself (megatron's "
+           "_get_ltor_masks_and_position_ids, with or without reset_attention_mask); for any other mask "
+           "use megatron's own attention without CP",
+        4: "attention_mask batch ({detail}) must be 1 or the micro batch size",
+    }
+    must_agree = {
+        "same_seq_len": "attention_mask differs across the CP ranks (key length S); every CP rank must "
+                        "get the same micro batch, sliced by get_batch_on_this_cp_rank",
+        "same_mask_batch": "attention_mask differs across the CP ranks (batch dimension); every CP rank "
+                           "must get the same micro batch",
+    }
+
+    def __init__(self, mask: torch.Tensor, cp: int, rank: int, batch: Optional[int] = None):
+        self.mask, self.cp, self.rank, self.batch = mask, cp, rank, batch
+        self.starts: Optional[torch.Tensor] = None  # [B, local rows] first visible key of each row
+
+    def local_facts(self):
+        code, detail = self._check()
+        mask = self.mask
+        good_shape = isinstance(mask, torch.Tensor) and mask.dim() == 4
+        facts = {"input_error": code,
+                 "same_seq_len": mask.shape[-1] if good_shape else -1,
+                 "same_mask_batch": mask.shape[0] if good_shape else -1}
+        return facts, detail
+
+    def _check(self):
+        mask, cp = self.mask, self.cp
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4 \
+                or mask.shape[1] != 1:
+            what = (f"{mask.dtype} of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor)
+                    else type(mask).__name__)
+            return 1, what
+        B, _, rows, S = mask.shape
+        if self.batch is not None and B not in (1, self.batch):
+            return 4, f"{B} vs micro batch {self.batch}"
+        if (cp > 1 and S % (2 * cp) != 0) or rows * cp != S:
+            return 2, f"{rows} rows on this rank, S = {S}, cp = {cp}"
+        positions = _zigzag_rows(S, cp, self.rank).to(mask.device)  # [rows]
+        # First visible key of each row (argmin finds the first False); then the exact check.
+        starts = mask.view(torch.uint8)[:, 0].argmin(dim=-1)  # [B, rows]
+        keys = torch.arange(S, device=mask.device)
+        block = max(1, _MASK_CHECK_BUDGET // max(1, B * S))
+        for a in range(0, rows, block):
+            b = min(rows, a + block)
+            expected = (keys < starts[:, a:b, None]) | (keys > positions[None, a:b, None])  # [B, blk, S]
+            bad = mask[:, 0, a:b] != expected
+            if bool(bad.any()):
+                row_b, row = [int(x) for x in torch.nonzero(bad.any(-1))[0]]
+                p = int(positions[a + row])
+                seen = torch.nonzero(~mask[row_b, 0, a + row]).flatten().tolist()
+                shown = seen if len(seen) <= 8 else seen[:4] + ["..."] + seen[-3:]
+                return 3, (f"batch row {row_b}, query position {p} sees keys {shown}, expected one "
+                           f"contiguous run ending at {p}")
+        self.starts = starts.to("cpu", torch.int64)
+        return 0, ""
+
+    def doc_ids(self, group, cp, rank):
+        B, rows = self.starts.shape
+        S = rows * cp
+        if cp > 1:
+            nccl = dist.get_backend(group) == "nccl"
+            local = self.starts.reshape(-1)
+            local = local.cuda() if nccl else local
+            gathered = local.new_empty(cp * local.numel())
+            dist.all_gather_into_tensor(gathered, local, group=group)  # sizes agreed in the build
+            per_rank = gathered.cpu().view(cp, B, rows)
+            starts = torch.empty(B, S, dtype=torch.int64)
+            for r in range(cp):
+                starts[:, _zigzag_rows(S, cp, r)] = per_rank[r]
+        else:
+            starts = self.starts
+        # Every rank checks the same gathered starts, so every rank raises alike.
+        pos = torch.arange(S)
+        ok = (starts <= pos) & (starts[:, :1] == 0)
+        ok[:, 1:] &= (starts[:, 1:] == pos[1:]) | (starts[:, 1:] == starts[:, :-1])
+        if not bool(ok.all()):
+            row, p = [int(x) for x in torch.nonzero(~ok)[0]]
+            raise BlockDiagCPError(
+                f"the attention masks of the CP ranks do not form one per-document causal mask (batch "
+                f"row {row}, position {p} starts its document at {int(starts[row, p])}); every CP rank "
+                "must hold its zigzag rows of the same micro batch (megatron's get_batch_on_this_cp_rank)")
+        return torch.cumsum((starts == pos).to(torch.int64), dim=-1)  # [B, S], 1-based
+
+
+# ---------------------------------------------------------------------------
+# THD packed sequences
+# ---------------------------------------------------------------------------
+
+
+class ThdSource(ReplicatedDocIds):
+    """Documents from THD cu_seqlens (global, identical on every CP rank) and this rank's token count."""
+
+    description = "a THD batch (partitioned by Megatron before attention)"
+    errors = dict(ReplicatedDocIds.errors)
+    errors.update({
+        11: "THD cu_seqlens: {detail}; cu_seqlens_q (and cu_seqlens_q_padded) must be 1-D int32, start "
+            "at 0 and be non-decreasing, with every padded extent at least its document's length",
+        12: "THD token count: {detail}",
+        13: "THD partition: {detail}",
+    })
+    must_agree = dict(ReplicatedDocIds.must_agree)
+    must_agree["same_thd_partition"] = ("THD batches were partitioned differently across the CP ranks "
+                                        "(per-document vs per-sequence); set configure_cp_thd_partition "
+                                        "alike on every rank")
+
+    def __init__(self, packed_seq_params, local_tokens: int, cp: int, partition: str):
+        super().__init__(None)
+        self.params, self.local_tokens, self.cp, self.partition_knob = \
+            packed_seq_params, local_tokens, cp, partition
+        self.partition: Optional[str] = None
+
+    def local_facts(self):
+        code, detail = self._thd_check()
+        if code:
+            return {"input_error": code, "same_rows": 0, "same_seq_len": 0, "same_doc_hash": 0,
+                    "same_thd_partition": 0}, detail
+        facts, detail = super().local_facts()
+        facts["same_thd_partition"] = 1 if self.partition == "per_document" else 2
+        return facts, detail
+
+    def _thd_check(self):
+        p, cp = self.params, self.cp
+        cu_q = p.cu_seqlens_q
+        cu_padded = getattr(p, "cu_seqlens_q_padded", None)
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_q_padded", cu_padded)):
+            if cu is None and name == "cu_seqlens_q_padded":
+                continue
+            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32 or cu.numel() < 2:
+                what = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else repr(cu)
+                return 11, f"{name} is {what}"
+        q = cu_q.to("cpu", torch.int64)
+        padded = q if cu_padded is None else cu_padded.to("cpu", torch.int64)
+        for name, cu in (("cu_seqlens_q", q), ("cu_seqlens_q_padded", padded)):
+            if int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
+                return 11, f"{name} = {_short(cu)} does not start at 0 or decreases"
+        if padded.numel() != q.numel() or bool((padded.diff() < q.diff()).any()):
+            return 11, (f"cu_seqlens_q_padded {_short(padded)} does not hold cu_seqlens_q {_short(q)} "
+                        "(one extent per document, each at least the document's length)")
+        total = self.local_tokens * cp
+        if total != int(padded[-1]):
+            return 12, (f"this rank holds {self.local_tokens} tokens, so the pack has {total} over cp={cp}, "
+                        f"but the padded documents end at {int(padded[-1])}; q/k/v must hold exactly this "
+                        "rank's share of the padded pack")
+        extents = padded.diff()
+        multiple = bool((extents % (2 * cp) == 0).all()) if cp > 1 else True
+        knob = self.partition_knob
+        if cp == 1:
+            self.partition = "per_document"
+        elif knob == "per_document" or (knob == "auto" and cu_padded is not None):
+            if not multiple:
+                bad = int(torch.nonzero(extents % (2 * cp)).flatten()[0])
+                hint = ("" if knob == "per_document" else
+                        "; if the batch was cut zigzag over the whole pack (megatron-core inter-document "
+                        "masking, use_per_sequence_balancing=True), set "
+                        "configure_cp_thd_partition('per_sequence')")
+                return 13, (f"document {bad} has padded extent {int(extents[bad])}, not a multiple of "
+                            f"2 * cp = {2 * cp}: TransformerEngine's per-document partition needs every "
+                            f"document padded to a multiple of 2 * cp{hint}")
+            self.partition = "per_document"
+        else:
+            if total % (2 * cp):
+                return 13, (f"a per-sequence (zigzag) cut needs the pack length {total} to be a multiple "
+                            f"of 2 * cp = {2 * cp}")
+            self.partition = "per_sequence"
+        self.layout = "thd" if self.partition == "per_document" and cp > 1 else "zigzag"
+        lengths = q.diff()
+        ids = torch.zeros(total, dtype=torch.int64)
+        doc = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)
+        within = torch.arange(doc.numel()) - torch.repeat_interleave(q[:-1], lengths)
+        ids[torch.repeat_interleave(padded[:-1], lengths) + within] = doc
+        self.raw = ids
+        return 0, ""
+
+
+def _short(cu: torch.Tensor) -> str:
+    values = cu.tolist()
+    return str(values) if len(values) <= 8 else f"[{values[0]}, {values[1]}, ..., {values[-1]}] ({len(values)})"
+
+
+# ---------------------------------------------------------------------------
+# The resolver and its per-microbatch caches
+# ---------------------------------------------------------------------------
+
+
+def _knob_key(group):
+    return (group_ranks(group), knobs._CP_ATTN_BACKEND, knobs._CP_KV_EXCHANGE, knobs._CP_LAYOUT,
+            knobs._CP_THD_PARTITION)
+
+
+class _MaskStateCache:
+    """Mask tensor -> the state derived from it, for the life of that mask.
+
+    Keyed by the mask's memory (data pointer, shape, strides, version counter)
+    while a weak reference shows the mask is alive, so its memory cannot have
+    been reused: recompute sees a detached alias of the same mask (reentrant
+    checkpoint detaches its inputs) and still hits; an in-place edit bumps the
+    version and misses. Entries die with their masks.
+    """
+
+    def __init__(self):
+        self._entries: List[tuple] = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(mask: torch.Tensor, group) -> tuple:
+        return (mask.data_ptr(), tuple(mask.shape), mask.stride(), mask._version, str(mask.device),
+                _knob_key(group))
+
+    def get(self, mask, group) -> Optional[BlockDiagCPState]:
+        key = self._key(mask, group)
+        with self._lock:
+            self._entries = [e for e in self._entries if e[0]() is not None]
+            for ref, entry_key, state in self._entries:
+                if entry_key == key:
+                    return state
+        return None
+
+    def put(self, mask, group, state) -> None:
+        with self._lock:
+            self._entries.append((weakref.ref(mask), self._key(mask, group), state))
+
+
+_MASK_STATES = _MaskStateCache()
+
+
+def state_from_mask(attention_mask: torch.Tensor, group, batch: Optional[int] = None,
+                    device=None) -> BlockDiagCPState:
+    """The step state of a micro batch given by Megatron's per-document causal mask (cached)."""
+    state = _MASK_STATES.get(attention_mask, group)
+    if state is None:
+        cp, rank = ps.group_size(group), ps.group_rank(group)
+        state = BlockDiagCPState.from_source(MegatronMaskSource(attention_mask, cp, rank, batch),
+                                             cp_group=group, device=device)
+        _MASK_STATES.put(attention_mask, group, state)
+    return state
+
+
+def state_from_thd(packed_seq_params, local_tokens: int, group, device=None) -> BlockDiagCPState:
+    """The step state of a THD micro batch (cached on its packed_seq_params)."""
+    group = getattr(packed_seq_params, "cp_group", None) or group
+    key = (_knob_key(group), local_tokens)
+    cached = getattr(packed_seq_params, "_blockdiag_cp_state", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    source = ThdSource(packed_seq_params, local_tokens, ps.group_size(group), knobs._CP_THD_PARTITION)
+    state = BlockDiagCPState.from_source(source, cp_group=group, device=device)
+    packed_seq_params._blockdiag_cp_state = (key, state)
+    return state
+
+
+def resolve_step_state(packed_seq_params=None, attention_mask=None, *, cp_group=None,
+                       local_tokens: Optional[int] = None, batch: Optional[int] = None,
+                       device=None) -> Optional[BlockDiagCPState]:
+    """The state this microbatch's consumer uses: its own > mask-derived > published (or None)."""
+    own = getattr(packed_seq_params, "blockdiag_state", None)
+    if own is not None:
+        return own
+    group = ps.get_cp_group() if cp_group is None else cp_group
+    if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd":
+        if local_tokens is None:
+            raise BlockDiagCPError("THD packed_seq_params need the local token count (q.shape[0])")
+        return state_from_thd(packed_seq_params, local_tokens, group, device=device)
+    if attention_mask is not None:
+        return state_from_mask(attention_mask, group, batch=batch, device=device)
+    return knobs.current_blockdiag_state()

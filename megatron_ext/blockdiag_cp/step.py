@@ -1,0 +1,366 @@
+"""The per-step state: documents, layout, plan and the knobs every CP rank agreed on.
+
+``BlockDiagCPState.build`` is the one place a step is set up, whatever the
+documents come from (a ``DocumentSource``: replicated doc ids from ``shard_batch``,
+Megatron's attention mask, THD ``cu_seqlens``). It takes the source's local
+facts, this process's knobs and kernel availability, and its pending kernel
+failures into ONE agreement all-reduce; every rank then raises the same error or
+takes the same decisions from the same reduced vector, lays out and plans the
+step on the host, and never enters a K/V collective its peers skip.
+"""
+
+import logging
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .. import parallel_state as ps
+from . import kernels
+from . import state as knobs
+from .agreement import (
+    BUILD_GUARD,
+    PENDING_KERNEL_FAILURES,
+    BlockDiagCPError,
+    agree,
+    doc_ids_fingerprint,
+    group_ranks,
+    kernel_failure_error,
+)
+from .backend import log_once, resolve_backend
+from .layout import Layout, build_layout, padded_length
+from .plan import StepPlan, build_plan
+from .state import (
+    ATTN_BACKEND_VALUES,
+    KV_EXCHANGE_VALUES,
+    LAYOUT_VALUES,
+    normalize_attn_backend,
+    normalize_kv_exchange,
+    normalize_layout,
+)
+
+# ---------------------------------------------------------------------------
+# Document sources
+# ---------------------------------------------------------------------------
+
+
+class DocumentSource:
+    """Where a step's documents come from.
+
+    ``local_facts`` returns what this rank knows before talking to anyone:
+    ``input_error`` (0 = fine; otherwise a code of ``errors``) and the facts all
+    ranks must share (shapes, fingerprints). After the agreement, ``doc_ids``
+    returns the [R, S] int64 full-sequence ids (it may run one collective of its
+    own, identical on every rank). ``layout`` forces a layout (None: the knob's).
+    """
+
+    layout: Optional[str] = None
+    errors: Dict[int, str] = {}
+    must_agree: Dict[str, str] = {}  # fact -> the error when CP ranks disagree on it
+    description = "the document source"
+
+    def local_facts(self) -> Tuple[Dict[str, int], str]:
+        raise NotImplementedError
+
+    def doc_ids(self, group, cp: int, rank: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ReplicatedDocIds(DocumentSource):
+    """Every rank holds the same full-sequence ids ([S] or [b, S], 0 = padding)."""
+
+    errors = {
+        1: "doc_ids must be an integer tensor (got {detail}); build them with "
+           "megatron_ext.blockdiag_cp.doc_ids_from_eod(tokens, eod_token) or pass int64 ids",
+        2: "doc_ids must have shape [S] or [b, S] (got {detail})",
+        3: "doc_ids must be >= 0 (0 = padding, documents 1-based) and fit in int64; found {detail}",
+        4: "doc_ids must have at least one position (got {detail})",
+    }
+    must_agree = {
+        "same_doc_hash": "doc_ids differ across the CP ranks (content); every CP rank must pass the same "
+                         "full-sequence doc ids: build them from the unsharded batch, e.g. with shard_batch()",
+        "same_rows": "doc_ids differ across the CP ranks (rows); pass the same [S] or [b, S] ids on every rank",
+        "same_seq_len": "doc_ids differ across the CP ranks (length); pass the same full-sequence ids on "
+                        "every rank",
+    }
+    description = "replicated doc ids"
+
+    def __init__(self, doc_ids):
+        self.raw = doc_ids
+        self.ids: Optional[torch.Tensor] = None
+
+    def local_facts(self):
+        code, detail = self._check()
+        facts = {"input_error": code, "same_rows": 0, "same_seq_len": 0, "same_doc_hash": 0}
+        if code == 0:
+            facts.update(same_rows=self.ids.shape[0], same_seq_len=self.ids.shape[1],
+                         same_doc_hash=doc_ids_fingerprint(self.ids))
+        return facts, detail
+
+    def _check(self) -> Tuple[int, str]:
+        ids = self.raw
+        if not isinstance(ids, torch.Tensor):
+            return 1, type(ids).__name__
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            return 1, str(ids.dtype)
+        if ids.dim() not in (1, 2):
+            return 2, str(tuple(ids.shape))
+        if ids.shape[-1] == 0:
+            return 4, str(tuple(ids.shape))
+        # Unsigned ids convert first: torch has no comparisons for uint64; values past 2**63 wrap negative.
+        ids = ids.detach().to("cpu", torch.int64)
+        if bool((ids < 0).any()):
+            return 3, f"min {int(ids.min())}" + (" (an unsigned id above 2**63 - 1)"
+                                                  if not self.raw.is_signed() else "")
+        self.ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+        return 0, ""
+
+    def doc_ids(self, group, cp, rank):
+        return self.ids
+
+
+_KNOBS = (("layout", LAYOUT_VALUES), ("kv_exchange", KV_EXCHANGE_VALUES),
+          ("attn_backend", ATTN_BACKEND_VALUES), ("strict", (False, True)))
+
+
+class BlockDiagCPState:
+    """Immutable per-step state: group, layout, doc ids, plan and the resolved knobs."""
+
+    def __init__(self, *, group, cp: int, rank: int, layout: Layout, doc_ids: torch.Tensor,
+                 seq_len: int, plan: StepPlan, attn_backend_requested: str, attn_backend: str,
+                 attn_backend_reason: str, kv_exchange_requested: str, kv_exchange: str,
+                 kv_exchange_reason: str, strict: bool, available: Dict[str, bool],
+                 backend_explicit: bool = False):
+        self.group = group
+        self.cp = cp
+        self.rank = rank
+        self.layout = layout
+        self.doc_ids = doc_ids  # [R, P] padded, int64
+        self.seq_len = seq_len
+        self.plan = plan
+        self.attn_backend_requested = attn_backend_requested
+        self.attn_backend = attn_backend
+        self.attn_backend_reason = attn_backend_reason
+        self.kv_exchange_requested = kv_exchange_requested
+        self.kv_exchange = kv_exchange
+        self.kv_exchange_reason = kv_exchange_reason
+        self.strict = strict
+        self.available = available  # backend -> every rank can run it (this step)
+        self.backend_explicit = backend_explicit  # fallbacks log WARNING (explicit) or INFO (default)
+        self.comm_stats: Dict[str, int] = {}
+        self.kv_row_bytes: Optional[int] = None
+        self.kernel_failures: list = []
+        self._device_index: Dict[tuple, tuple] = {}
+
+    # -- public contract ---------------------------------------------------
+
+    @classmethod
+    def build(cls, doc_ids, cp_group=None, layout=None, attn_backend=None, kv_exchange=None,
+              strict=False, device=None) -> "BlockDiagCPState":
+        """Validate, agree across the CP group, lay out and plan one step.
+
+        ``doc_ids``: the full-sequence document ids ([S] or [b, S]), identical on
+        every CP rank. ``device`` is where the kernels will run (default: CUDA
+        when available); it only decides which kernels can be considered.
+        """
+        return cls.from_source(ReplicatedDocIds(doc_ids), cp_group=cp_group, layout=layout,
+                               attn_backend=attn_backend, kv_exchange=kv_exchange, strict=strict,
+                               device=device)
+
+    @classmethod
+    def from_source(cls, source: DocumentSource, cp_group=None, layout=None, attn_backend=None,
+                    kv_exchange=None, strict=False, device=None) -> "BlockDiagCPState":
+        group = ps.get_cp_group() if cp_group is None else cp_group
+        cp, rank = ps.group_size(group), ps.group_rank(group)
+        ranks = group_ranks(group)
+        BUILD_GUARD.enter(ranks)
+        try:
+            return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device)
+        finally:
+            BUILD_GUARD.exit(ranks)
+
+    @classmethod
+    def _build(cls, source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device):
+        if device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # Knob errors are local facts too: a bad knob on one rank must not leave the others waiting.
+        requested, knob_error = {}, ""
+        for knob, raw, normalize in (
+                ("layout", knobs._CP_LAYOUT if layout is None else layout, normalize_layout),
+                ("kv_exchange", knobs._CP_KV_EXCHANGE if kv_exchange is None else kv_exchange,
+                 normalize_kv_exchange),
+                ("attn_backend", knobs._CP_ATTN_BACKEND if attn_backend is None else attn_backend,
+                 normalize_attn_backend)):
+            try:
+                requested[knob] = normalize(raw)
+            except ValueError as exc:
+                knob_error = knob_error or str(exc)
+        requested["strict"] = bool(strict)
+        if source.layout is not None and requested.get("layout") != source.layout:
+            if layout is not None:  # asked for explicitly: refuse
+                knob_error = knob_error or (
+                    f"layout {layout!r} cannot apply to {source.description}: the batch was already "
+                    f"sliced {source.layout!r}; drop the layout argument or pass layout={source.layout!r}")
+            elif "layout" in requested:  # the process-wide knob: it is for shard_batch, not this path
+                log_once(logging.INFO, f"blockdiag-cp: layout knob {requested['layout']!r} does not apply "
+                                       f"to {source.description}; using {source.layout!r}")
+            requested["layout"] = source.layout
+
+        facts, detail = source.local_facts()
+        static = {b: kernels.static_availability(b, device) for b in ATTN_BACKEND_VALUES}
+        facts["knob_error"] = 1 if knob_error else 0
+        for knob, values in _KNOBS:
+            facts[knob] = values.index(requested[knob]) if knob in requested else -1
+        for b in ATTN_BACKEND_VALUES:
+            facts["unavailable_" + b] = 0 if static[b][0] else 1
+        facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
+        agreed = agree(facts, group, cp)
+
+        if agreed.max("pending_failures") > 0:
+            raise kernel_failure_error(PENDING_KERNEL_FAILURES.take(),
+                                       "in an earlier forward/backward (raised at this step's build)")
+        if agreed.max("knob_error"):
+            raise BlockDiagCPError(knob_error or "an invalid CP knob on another CP rank (see its error)")
+        worst = agreed.max("input_error")
+        if worst > 0:
+            mine = facts["input_error"] == worst
+            message = source.errors[worst].format(detail=detail if mine else "see that rank's error")
+            raise BlockDiagCPError(message if mine else "invalid input on another CP rank: " + message)
+        differ = agreed.disagreeing(knob for knob, _ in _KNOBS)
+        if differ:
+            described = ", ".join(
+                f"{knob} ({' vs '.join(repr(v) for v in sorted({values[agreed.min(knob)], values[agreed.max(knob)]}, key=str))})"
+                for knob, values in _KNOBS if knob in differ)
+            raise BlockDiagCPError(
+                f"CP knobs differ across the CP ranks: {described}; configure every rank alike "
+                "(the same --cp-* flags / configure_cp_varlen / configure_cp_layout / shard_batch arguments)")
+        for fact, message in source.must_agree.items():
+            if not agreed.agreed(fact):
+                raise BlockDiagCPError(message)
+
+        ids = source.doc_ids(group, cp, rank)  # [R, S]; may gather (identically on every rank)
+        seq_len = ids.shape[1]
+        layout_name = requested["layout"]
+        padded = padded_length(seq_len, layout_name, cp)
+        ids = torch.nn.functional.pad(ids, (0, padded - seq_len))
+        lay = build_layout(layout_name, ids, cp)
+        plan = build_plan(ids, lay, rank)
+
+        available = {b: agreed.max("unavailable_" + b) == 0 for b in ATTN_BACKEND_VALUES}
+        backend_req = requested["attn_backend"]
+        backend, backend_reason = resolve_backend(backend_req, available, static,
+                                                  explicit=attn_backend is not None)
+        if strict and backend != backend_req:
+            raise BlockDiagCPError(
+                f"strict mode: attention backend {backend_req!r} cannot run on every CP rank "
+                f"({backend_reason}); install it, pick another --cp-attn-backend, or drop strict")
+
+        exchange_req = requested["kv_exchange"]
+        exchange, exchange_reason = exchange_req, "as requested"
+        if cp == 1:
+            exchange_reason = "single rank: nothing to exchange"
+        elif exchange_req == "halo" and not plan.exchange.halo_ok:
+            exchange, exchange_reason = "a2a", "halo not applicable: " + plan.exchange.halo_reason
+            if strict:
+                raise BlockDiagCPError(f"strict mode: kv exchange 'halo' falls back to 'a2a' "
+                                       f"({exchange_reason}); use --cp-kv-exchange a2a or drop strict")
+            log_once(logging.WARNING if kv_exchange is not None else logging.INFO,
+                     f"blockdiag-cp: kv exchange halo -> a2a: {plan.exchange.halo_reason}")
+
+        return cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=seq_len,
+                   plan=plan, attn_backend_requested=backend_req, attn_backend=backend,
+                   attn_backend_reason=backend_reason, kv_exchange_requested=exchange_req,
+                   kv_exchange=exchange, kv_exchange_reason=exchange_reason, strict=strict,
+                   available=available, backend_explicit=attn_backend is not None)
+
+    @property
+    def padded_len(self) -> int:
+        return self.layout.padded_len
+
+    @property
+    def local_len(self) -> int:
+        return self.layout.local_len
+
+    @property
+    def local_positions(self) -> torch.Tensor:
+        return self.layout.positions[self.rank]
+
+    @property
+    def rows(self) -> int:
+        return self.doc_ids.shape[0]
+
+    def shard(self, x: torch.Tensor, seq_dim: int = 0) -> torch.Tensor:
+        """Zero-pad x along seq_dim to padded_len and return this rank's tokens (local order)."""
+        n = x.shape[seq_dim]
+        if n not in (self.seq_len, self.padded_len):
+            raise ValueError(f"shard: x has {n} positions along dim {seq_dim}, but the state was "
+                             f"built for sequence length {self.seq_len} (padded {self.padded_len})")
+        if n != self.padded_len:
+            pad_shape = list(x.shape)
+            pad_shape[seq_dim] = self.padded_len - n
+            x = torch.cat([x, x.new_zeros(pad_shape)], dim=seq_dim)
+        return x.index_select(seq_dim, self.local_positions.to(x.device))
+
+    def report(self) -> Dict:
+        plan = self.plan
+        kind = "allgather" if self.kv_exchange == "allgather" else "sparse"
+        sent_pos, recv_pos = plan.positions_moved(kind) if self.cp > 1 else (0, 0)
+        work = plan.work_per_rank.to(torch.float64)
+        mean = float(work.mean())
+        lower = int(plan.needed_remote[self.rank])
+        row = self.kv_row_bytes
+        return {
+            "attn_backend_requested": self.attn_backend_requested,
+            "attn_backend": self.attn_backend,
+            "attn_backend_reason": self.attn_backend_reason,
+            "kv_exchange_requested": self.kv_exchange_requested,
+            "kv_exchange": self.kv_exchange,
+            "kv_exchange_reason": self.kv_exchange_reason,
+            "layout": self.layout.name,
+            "cp": self.cp,
+            "rank": self.rank,
+            "strict": self.strict,
+            "seq_len": self.seq_len,
+            "padded_len": self.padded_len,
+            "local_len": self.local_len,
+            "positions_sent": sent_pos,
+            "positions_received": recv_pos,
+            "lower_bound_positions": lower,
+            # Bytes are those the exchange measured on its last call (None before one).
+            "bytes_sent": self.comm_stats.get("bytes_sent"),
+            "bytes_received": self.comm_stats.get("bytes_received"),
+            "lower_bound_bytes": None if row is None else lower * row,
+            "kv_row_bytes": row,
+            "work_per_rank": plan.work_per_rank.tolist(),
+            "work_max_over_mean": float(work.max()) / mean if mean > 0 else 1.0,
+            "kernel_failures": list(self.kernel_failures),
+        }
+
+    # -- device-side plan, cached per step -----------------------------------
+
+    def send_index_on(self, device: torch.device) -> torch.Tensor:
+        """Local rows this rank sends, grouped by destination; moved to the device once per step."""
+        key = ("send", str(device))
+        if key not in self._device_index:
+            self._device_index[key] = torch.cat(self.plan.exchange.send_index).to(device)
+        return self._device_index[key]
+
+    def segments_on(self, kind: str, device: torch.device):
+        """(q_index or None, k_index or None, kernels.Segments) for an exchange kind, on the device."""
+        key = (kind, str(device))
+        if key not in self._device_index:
+            seg = self.plan.segments[kind]
+            q_lens, k_lens = seg.lengths()
+            dev = kernels.Segments(seg.cu_seqlens_q.to(device), seg.cu_seqlens_k.to(device),
+                                   seg.max_seqlen_q, seg.max_seqlen_k, tuple(q_lens), tuple(k_lens))
+            # None marks an identity index (every row used, in order): no gather copy needed.
+            self._device_index[key] = (_non_identity(seg.q_index, self.local_len * self.rows, device),
+                                       _non_identity(seg.k_index, self.local_len * self.rows, device)
+                                       if kind == "sparse" else seg.k_index.to(device), dev)
+        return self._device_index[key]
+
+
+def _non_identity(index: torch.Tensor, rows: int, device) -> Optional[torch.Tensor]:
+    if index.numel() == rows and bool((index == torch.arange(rows)).all()):
+        return None
+    return index.to(device)
+
