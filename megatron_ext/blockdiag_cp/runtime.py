@@ -18,7 +18,8 @@ from .. import parallel_state as ps
 from . import kernels
 from .exchange import allgather_kv, needed_kv
 from .layout import Layout, build_layout, padded_length
-from .plan import StepPlan, build_plan
+from .cost import default_cost_model
+from .plan import StepPlan, build_plan, segment_kind
 from .state import (
     ATTN_BACKEND_VALUES,
     _CP_ATTN_FIRE_COUNT,
@@ -110,11 +111,14 @@ class BlockDiagCPState:
 
     @classmethod
     def build(cls, doc_ids, cp_group=None, layout=None, attn_backend=None, kv_exchange=None,
-              strict=False, device=None) -> "BlockDiagCPState":
+              strict=False, device=None, cost_model=None, prepared=None) -> "BlockDiagCPState":
         """Validate, agree across the CP group, lay out and plan one step.
 
         ``device`` is where the kernels will run (default: CUDA when available);
         it only decides which kernels can be considered before q is seen.
+        ``cost_model`` steers the balanced layout (default: NVLink on one node, IB
+        across nodes); ``prepared`` (``prepare_plan``'s result, built ahead of time)
+        skips re-planning when it was made for these ids, group, rank and layout.
         """
         config = cp_varlen_runtime_config()
         # Unknown knobs raise here, identically on every rank, before any collective.
@@ -167,10 +171,20 @@ class BlockDiagCPState:
                 f"strict mode: attention backend {backend_req!r} cannot run on every CP rank "
                 f"({backend_reason}); install it, pick another --cp-attn-backend, or drop strict")
 
-        padded = padded_length(shape[1], layout_name, cp)
-        ids = torch.nn.functional.pad(ids, (0, padded - shape[1]))
-        lay = build_layout(layout_name, ids, cp)
-        plan = build_plan(ids, lay, rank)
+        # --- issue 10: plan ahead / cost-aware layout (only the exchange in use is planned eagerly) ---
+        if prepared is not None and prepared.matches(ids, cp, rank, layout_name):
+            ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
+        else:
+            if prepared is not None:
+                _log_once(logging.WARNING, "blockdiag-cp: the prepared plan was made for other doc ids, "
+                                           "group size, rank or layout; planning in line")
+            if cost_model is None:
+                cost_model = default_cost_model(group)
+            padded = padded_length(shape[1], layout_name, cp)
+            ids = torch.nn.functional.pad(ids, (0, padded - shape[1]))
+            lay = build_layout(layout_name, ids, cp, cost_model=cost_model)
+            plan = build_plan(ids, lay, rank, kinds=(segment_kind(exchange_req) if cp > 1 else "sparse",))
+        # --- end issue 10 ---
 
         exchange, exchange_reason = exchange_req, "as requested"
         if cp == 1:
