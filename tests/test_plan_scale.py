@@ -186,3 +186,38 @@ def test_gloo_build_uses_the_same_plan_as_prepare_plan_and_plan_summary():
                 assert all(per_rank.values()), (layout, per_rank)
     finally:
         pool.close()
+
+
+def test_planner_cli_on_a_tiny_indexed_dataset(tmp_path, capsys):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from gpt_data import write_indexed_dataset
+
+    from megatron_ext.plan.__main__ import main, sample_sequences
+
+    g = torch.Generator().manual_seed(4)
+    files = []
+    for i, n in enumerate(torch.randint(5, 700, (30,), generator=g).tolist()):
+        f = tmp_path / f"doc{i}.txt"
+        f.write_bytes(bytes(torch.randint(0, 256, (n,), generator=g).tolist()))
+        files.append(f)
+    prefix = str(tmp_path / "tiny")
+    write_indexed_dataset(files, prefix, progress=False)
+    png = tmp_path / "plan.png"
+    assert main(["--data-path", prefix, "--seq-length", "2048", "--cp", "4", "--link", "ib",
+                 "--samples", "1", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.exists() and png.stat().st_size > 0
+    # The printed K/V bytes of the needed-only exchange equal plan_summary on the same sample.
+    tokens = next(sample_sequences(prefix, 2048, 1, 0))
+    assert tokens.shape == (2048,)
+    ids = bdcp.doc_ids_from_eod(torch.from_numpy(tokens).unsqueeze(0), 256)[0]
+    for layout in ("contiguous", "zigzag", "balanced"):
+        s = bdcp.plan_summary(ids, 4, layout=layout, cost_model=CostModel.preset("ib"))
+        mib = max(s["needed_positions_per_rank"]) * 2 * 8 * 128 * 2 / 2**20
+        line = next(l for l in out.splitlines() if l.split()[:2] == [layout, "a2a"])
+        assert float(line.split()[2]) == pytest.approx(mib, abs=0.006), line
+    with pytest.raises(SystemExit):
+        main(["--data-path", str(tmp_path / "missing"), "--seq-length", "8", "--cp", "2"])
