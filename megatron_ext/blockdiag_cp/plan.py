@@ -14,12 +14,14 @@ exchange delivers:
   by source rank in rank order, ascending global position within a source.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .layout import Layout, document_starts, needed_mask
+from .intervals import needed_intervals, overlap_counts, rank_keys, ranges
+from .layout import Layout, document_starts
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class StepPlan:
     needed_remote: torch.Tensor  # [cp] positions each rank needs and does not own (lower bound)
     work_per_rank: torch.Tensor  # [cp] query-key pairs (summed over rows)
     exchange: ExchangeTables
-    segments: dict  # exchange kind ("allgather" | "sparse") -> KernelSegments
+    segments: Mapping  # exchange kind ("allgather" | "sparse") -> KernelSegments, built lazily
 
     def positions_moved(self, kind: str) -> Tuple[int, int]:
         """(sent, received) K/V positions of this rank per attention call."""
@@ -72,65 +74,115 @@ class StepPlan:
         return int(counts[self.rank].sum()), int(counts[:, self.rank].sum())
 
 
-def _runs_predecessor_owners(positions: torch.Tensor, owner: torch.Tensor) -> set:
-    """Owners of the position just before each contiguous run of ``positions``."""
-    pos = positions.tolist()
-    preds = set()
-    for i, p in enumerate(pos):
-        if p > 0 and (i == 0 or pos[i - 1] != p - 1):
-            preds.add(int(owner[p - 1]))
-    return preds
+class _Segments(Mapping):
+    """exchange kind -> KernelSegments, built on first access (only the exchange in use pays)."""
+
+    def __init__(self, make):
+        self._make = make
+        self._built: Dict[str, KernelSegments] = {}
+
+    def __getitem__(self, kind: str) -> KernelSegments:
+        if kind not in SEGMENT_KINDS:
+            raise KeyError(f"unknown segment kind {kind!r}; known: {SEGMENT_KINDS}")
+        if kind not in self._built:
+            self._built[kind] = self._make(kind)
+        return self._built[kind]
+
+    def __iter__(self):
+        return iter(SEGMENT_KINDS)
+
+    def __len__(self) -> int:
+        return len(SEGMENT_KINDS)
 
 
-def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int) -> StepPlan:
-    """doc_ids: [R, P] int64 (padded); all tables are global except this rank's indices."""
+SEGMENT_KINDS = ("allgather", "sparse")
+
+
+def segment_kind(kv_exchange: str) -> str:
+    """The segments an exchange reads: allgather's rank-major buffer, or the needed-only one."""
+    return "allgather" if kv_exchange == "allgather" else "sparse"
+
+
+def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
+               kinds: Sequence[str] = SEGMENT_KINDS) -> StepPlan:
+    """doc_ids: [R, P] int64 (padded); all tables are global except this rank's indices.
+
+    ``kinds``: the segment kinds built now; any other is built on first access.
+    """
     R, P = doc_ids.shape
     cp, L = layout.cp, layout.local_len
-    owner = layout.owner()
-    local_index = layout.local_index()
+    positions = layout.positions
+    flat = positions.reshape(-1)
     starts = document_starts(doc_ids)
 
     pos_work = torch.where(doc_ids > 0, torch.arange(P) - starts + 1, torch.zeros_like(starts)).sum(0)
-    work_per_rank = pos_work[layout.positions].sum(1)
+    work_per_rank = pos_work[flat].view(cp, L).sum(1)
 
-    counts = torch.zeros(cp, cp, dtype=torch.long)
-    needed_remote = torch.zeros(cp, dtype=torch.long)
-    send_index: List[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * cp
-    recv_positions: List[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * cp
-    halo_ok, halo_reason = True, "every straddling document comes from the neighbouring shard"
-    for dst in range(cp):
-        needed = needed_mask(doc_ids, starts, layout.positions[dst])
-        remote = torch.nonzero(needed & (owner != dst)).flatten()
-        src_of = owner[remote]
-        needed_remote[dst] = remote.numel()
-        counts[:, dst] = torch.bincount(src_of, minlength=cp)
-        if remote.numel():
-            preds = _runs_predecessor_owners(layout.positions[dst], owner)
-            strays = sorted(set(src_of.unique().tolist()) - preds)
-            if strays and halo_ok:
-                halo_ok = False
-                halo_reason = (f"rank {dst} needs K/V from rank(s) {strays}, which own no shard "
-                               f"adjacent to its own (a document straddles more than one boundary)")
-        for src in range(cp):
-            mine = remote[src_of == src]
-            if src == rank:
-                send_index[dst] = local_index[mine]
-            if dst == rank:
-                recv_positions[src] = mine
+    # What every rank needs, as disjoint intervals; counts are their overlaps with each owner.
+    keys = rank_keys(positions, P)
+    dst, a, b = needed_intervals(doc_ids, starts, positions)
+    counts, lo, hi = overlap_counts(dst, a, b, keys, cp, P)
+    needed_remote = counts.sum(0)
 
+    # This rank as the source: its local rows inside every other rank's intervals.
+    empty = torch.empty(0, dtype=torch.long)
+    send_index: List[torch.Tensor] = [empty] * cp
+    recv_positions: List[torch.Tensor] = [empty] * cp
+    out = dst != rank
+    if bool(out.any()):
+        n = (hi[out, rank] - lo[out, rank])
+        local = ranges(lo[out, rank] - rank * L, n)
+        per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, dst[out], n)
+        send_index = list(torch.split(local, per_dst.tolist()))
+    # This rank as the destination: every other owner's positions inside its own intervals.
+    mine = dst == rank
+    if bool(mine.any()):
+        n = (hi[mine] - lo[mine]).t().contiguous()  # [cp, n_mine], source-major
+        n[rank] = 0
+        got = flat[ranges(lo[mine].t().reshape(-1), n.reshape(-1))]
+        recv_positions = list(torch.split(got, n.sum(1).tolist()))
+
+    halo_ok, halo_reason = _halo_check(positions, counts, P)
     exchange = ExchangeTables(counts, send_index, recv_positions, halo_ok, halo_reason)
 
-    # Buffer slot of every global position this rank may read, per exchange kind.
-    allgather_slot = owner * L + local_index
-    sparse_slot = torch.full((P,), -1, dtype=torch.long)
-    sparse_slot[layout.positions[rank]] = torch.arange(L)
-    received = torch.cat(recv_positions) if recv_positions else torch.empty(0, dtype=torch.long)
-    sparse_slot[received] = L + torch.arange(received.numel())
-    segments = {
-        "allgather": _segments(doc_ids, starts, layout.positions[rank], allgather_slot),
-        "sparse": _segments(doc_ids, starts, layout.positions[rank], sparse_slot),
-    }
+    def make(kind: str) -> KernelSegments:
+        if kind == "allgather":
+            slot = torch.empty(P, dtype=torch.long)
+            slot[flat] = torch.arange(cp * L)  # rank-major buffer: owner * L + local index
+        else:
+            slot = torch.full((P,), -1, dtype=torch.long)
+            slot[positions[rank]] = torch.arange(L)
+            received = torch.cat(recv_positions)
+            slot[received] = L + torch.arange(received.numel())
+        return _segments(doc_ids, starts, positions[rank], slot)
+
+    segments = _Segments(make)
+    for kind in kinds:
+        segments[kind]
     return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, segments)
+
+
+def _halo_check(positions: torch.Tensor, counts: torch.Tensor, P: int) -> Tuple[bool, str]:
+    """Halo works when every rank's sources own the position just before one of its runs."""
+    cp, L = positions.shape
+    flat = positions.reshape(-1)
+    owner = torch.empty(P, dtype=torch.long)
+    rank_of = torch.arange(cp).repeat_interleave(L)
+    owner[flat] = rank_of
+    run_start = torch.ones_like(flat, dtype=torch.bool)
+    run_start[1:] = flat[1:] != flat[:-1] + 1
+    run_start[::L] = True
+    run_start &= flat > 0
+    adjacent = torch.zeros(cp, cp, dtype=torch.bool)  # [dst, src]
+    adjacent[rank_of[run_start], owner[flat[run_start] - 1]] = True
+    strays = (counts.t() > 0) & ~adjacent  # [dst, src]
+    bad = torch.nonzero(strays.any(1)).flatten()
+    if bad.numel() == 0:
+        return True, "every straddling document comes from the neighbouring shard"
+    dst = int(bad[0])
+    srcs = torch.nonzero(strays[dst]).flatten().tolist()
+    return False, (f"rank {dst} needs K/V from rank(s) {srcs}, which own no shard "
+                   f"adjacent to its own (a document straddles more than one boundary)")
 
 
 def _segments(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor,
@@ -153,7 +205,7 @@ def _segments(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tens
         key_start = starts[row, positions[first]]
         n_k = last_pos + 1 - key_start
         q_parts.append(local[real] * R + row)
-        k_pos = _ranges(key_start, n_k)
+        k_pos = ranges(key_start, n_k)
         k_slot = slot[k_pos]
         assert bool((k_slot >= 0).all()), "plan bug: a needed key is not delivered"
         k_parts.append(k_slot * R + row)
@@ -170,13 +222,6 @@ def _segments(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tens
                           int(q_lens_t.max()), int(k_lens_t.max()))
 
 
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenation of arange(s, s + n) for each (s, n)."""
-    total = int(lengths.sum())
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - offsets, lengths) + torch.arange(total)
-
-
 def segment_pairs(n_q: torch.Tensor, n_k: torch.Tensor) -> torch.Tensor:
     """Query-key pairs of bottom-right causal segments."""
     return n_q * (n_k - n_q) + n_q * (n_q + 1) // 2
@@ -187,4 +232,4 @@ def lower_bound_positions(plan: StepPlan) -> int:
 
 
 __all__ = ["StepPlan", "KernelSegments", "ExchangeTables", "build_plan", "segment_pairs",
-           "lower_bound_positions"]
+           "segment_kind", "lower_bound_positions", "SEGMENT_KINDS"]

@@ -44,6 +44,7 @@ LAYOUT_SYNONYMS: Dict[str, Tuple[str, ...]] = {
     "contiguous": ("contiguous", "sequential", "contig", "block"),
     "zigzag": ("zigzag", "zig_zag", "megatron", "load_balanced_zigzag"),
     "balanced": ("balanced", "load_balanced", "doc_balanced", "document_balanced"),
+    "thd": ("thd", "te_thd", "dual_chunk_swap", "per_document", "per_document_zigzag"),
 }
 LAYOUT_VALUES: Tuple[str, ...] = tuple(LAYOUT_SYNONYMS)
 

@@ -27,8 +27,9 @@ from .agreement import (
     kernel_failure_error,
 )
 from .backend import log_once, resolve_backend
+from .cost import default_cost_model
 from .layout import Layout, build_layout, padded_length
-from .plan import StepPlan, build_plan
+from .plan import StepPlan, build_plan, segment_kind
 from .state import (
     ATTN_BACKEND_VALUES,
     KV_EXCHANGE_VALUES,
@@ -155,31 +156,39 @@ class BlockDiagCPState:
 
     @classmethod
     def build(cls, doc_ids, cp_group=None, layout=None, attn_backend=None, kv_exchange=None,
-              strict=False, device=None) -> "BlockDiagCPState":
+              strict=False, device=None, cost_model=None, prepared=None) -> "BlockDiagCPState":
         """Validate, agree across the CP group, lay out and plan one step.
 
         ``doc_ids``: the full-sequence document ids ([S] or [b, S]), identical on
         every CP rank. ``device`` is where the kernels will run (default: CUDA
         when available); it only decides which kernels can be considered.
+        ``cost_model`` steers the balanced layout (default: NVLink on one node, IB
+        across nodes); ``prepared`` (``prepare_plan``'s result, built ahead of
+        time) skips the host planning when it was made for these ids, rank and
+        layout: only the agreement all-reduce is left on the critical path.
         """
         return cls.from_source(ReplicatedDocIds(doc_ids), cp_group=cp_group, layout=layout,
                                attn_backend=attn_backend, kv_exchange=kv_exchange, strict=strict,
-                               device=device)
+                               device=device, cost_model=cost_model, prepared=prepared)
 
     @classmethod
     def from_source(cls, source: DocumentSource, cp_group=None, layout=None, attn_backend=None,
-                    kv_exchange=None, strict=False, device=None) -> "BlockDiagCPState":
+                    kv_exchange=None, strict=False, device=None, cost_model=None,
+                    prepared=None) -> "BlockDiagCPState":
+        """``build`` for any ``DocumentSource`` (Megatron's mask, THD cu_seqlens, replicated ids)."""
         group = ps.get_cp_group() if cp_group is None else cp_group
         cp, rank = ps.group_size(group), ps.group_rank(group)
         ranks = group_ranks(group)
         BUILD_GUARD.enter(ranks)
         try:
-            return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device)
+            return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
+                              cost_model, prepared)
         finally:
             BUILD_GUARD.exit(ranks)
 
     @classmethod
-    def _build(cls, source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device):
+    def _build(cls, source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
+               cost_model, prepared):
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # Knob errors are local facts too: a bad knob on one rank must not leave the others waiting.
@@ -213,6 +222,9 @@ class BlockDiagCPState:
         for b in ATTN_BACKEND_VALUES:
             facts["unavailable_" + b] = 0 if static[b][0] else 1
         facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
+        if requested.get("layout") == "balanced":  # the cost model decides where the balanced cuts fall
+            cost_model = default_cost_model(group) if cost_model is None else cost_model
+            facts["cost_model"] = hash((cost_model.seconds_per_pair, cost_model.seconds_per_position))
         agreed = agree(facts, group, cp)
 
         if agreed.max("pending_failures") > 0:
@@ -226,6 +238,10 @@ class BlockDiagCPState:
             message = source.errors[worst].format(detail=detail if mine else "see that rank's error")
             raise BlockDiagCPError(message if mine else "invalid input on another CP rank: " + message)
         differ = agreed.disagreeing(knob for knob, _ in _KNOBS)
+        if "cost_model" in facts and not agreed.agreed("cost_model"):
+            raise BlockDiagCPError(
+                "the balanced layout's cost model differs across the CP ranks; pass the same "
+                "cost_model (or --cp-cost-model) on every rank")
         if differ:
             described = ", ".join(
                 f"{knob} ({' vs '.join(repr(v) for v in sorted({values[agreed.min(knob)], values[agreed.max(knob)]}, key=str))})"
@@ -240,10 +256,18 @@ class BlockDiagCPState:
         ids = source.doc_ids(group, cp, rank)  # [R, S]; may gather (identically on every rank)
         seq_len = ids.shape[1]
         layout_name = requested["layout"]
-        padded = padded_length(seq_len, layout_name, cp)
-        ids = torch.nn.functional.pad(ids, (0, padded - seq_len))
-        lay = build_layout(layout_name, ids, cp)
-        plan = build_plan(ids, lay, rank)
+        if prepared is not None and prepared.matches(ids, cp, rank, layout_name):
+            ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
+        else:
+            if prepared is not None:  # never an error: one rank alone would raise after the agreement
+                log_once(logging.WARNING, "blockdiag-cp: the prepared plan was made for other doc ids, "
+                                          "group size, rank or layout; planning in line")
+            padded = padded_length(seq_len, layout_name, cp)
+            ids = torch.nn.functional.pad(ids, (0, padded - seq_len))
+            lay = build_layout(layout_name, ids, cp, cost_model=cost_model)
+            # Only the exchange in use is planned now; the other kind is built if ever read.
+            plan = build_plan(ids, lay, rank,
+                              kinds=(segment_kind(requested["kv_exchange"]) if cp > 1 else "sparse",))
 
         available = {b: agreed.max("unavailable_" + b) == 0 for b in ATTN_BACKEND_VALUES}
         backend_req = requested["attn_backend"]

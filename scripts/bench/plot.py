@@ -4,6 +4,7 @@
     balance.png      work max/mean per layout, per mix, per cp (largest S)
     speed.png        fwd+bwd seconds of ours against the baselines, per (mix, S)
     memory.png       peak tensor memory vs S, ours against the baselines (short mix)
+    scale.png        modeled / ideal attention time vs cp per layout (scale suite, largest S)
 """
 
 import os
@@ -179,9 +180,48 @@ def plot_memory(rows: List[Dict], out_dir: str) -> str:
     return path
 
 
+SCALE_LAYOUTS = ("contiguous", "zigzag", "balanced", "allgather", "te_thd")
+
+
+def plot_scale(rows: List[Dict], out_dir: str) -> str:
+    sc = [r for r in rows if r["suite"] == "scale"]
+    if not sc:
+        return ""
+    S = max(r["S"] for r in sc)
+    mixes = sorted({r["mix"] for r in sc})
+    links = [l for l in ("nvlink", "ib") if any(r["link"] == l for r in sc)]
+    fig, axes = plt.subplots(len(links), len(mixes), figsize=(4.2 * len(mixes), 3.4 * len(links)),
+                             squeeze=False)
+    for i, link in enumerate(links):
+        for j, mix in enumerate(mixes):
+            ax = axes[i][j]
+            for layout in SCALE_LAYOUTS:
+                pts = sorted((r["cp"], r["modeled_over_ideal"]) for r in sc
+                             if (r["S"], r["mix"], r["link"], r["layout"]) == (S, mix, link, layout))
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=layout)
+            bound = sorted((r["cp"], r["modeled_over_ideal"] / r["modeled_over_bound"]) for r in sc
+                           if (r["S"], r["mix"], r["link"], r["layout"]) == (S, mix, link, "balanced"))
+            if bound:
+                ax.plot([p[0] for p in bound], [p[1] for p in bound], "k--", label="lower bound")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{mix}, S={S // 1024}k, {link}")
+            ax.set_xlabel("cp")
+            ax.set_ylabel("modeled / ideal")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "scale.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(rows: List[Dict], out_dir: str) -> List[str]:
     return [p for p in (plot_comm(rows, out_dir), plot_balance(rows, out_dir),
-                        plot_speed(rows, out_dir), plot_memory(rows, out_dir)) if p]
+                        plot_speed(rows, out_dir), plot_memory(rows, out_dir),
+                        plot_scale(rows, out_dir)) if p]
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 
 Suites: comm, balance (same runs: one engine call per config on a cp-process gloo
 group), speed, memory (same runs: cp=2 fwd+bwd timings, one profiled iteration each),
-model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without CUDA).
+model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without CUDA),
+scale (plan only, no processes: layout + plan cost and modeled time at 32k-1M tokens, cp 8-64).
 One JSON object per measurement; re-running some suites replaces only their rows.
 """
 
@@ -27,8 +28,8 @@ for _p in (HERE, REPO_ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu")
-DEFAULT_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu")  # gpu: a skipped row without CUDA
+ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale")
+DEFAULT_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale")  # gpu: a skipped row without CUDA
 
 
 def parse_args(argv=None):
@@ -117,6 +118,16 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows += model.run(iters=6 if args.quick else 16, log_interval=2 if args.quick else 4, log=_log)
         timings["model"] = time.perf_counter() - t0
+
+    if "scale" in suites:
+        import scale
+
+        t0 = time.perf_counter()
+        if args.quick:
+            rows += scale.run(seq_lens=(32768, 131072), cps=(8, 16), log=_log)
+        else:
+            rows += scale.run(log=_log)
+        timings["scale"] = time.perf_counter() - t0
 
     if "gpu" in suites:
         import gpu

@@ -274,6 +274,56 @@ def other(rows: List[Dict], out: List[str]) -> None:
         out.append("")
 
 
+def scale_section(rows: List[Dict], out: List[str]) -> None:
+    sc = [r for r in rows if r["suite"] == "scale"]
+    if not sc:
+        return
+    import json
+
+    import scale
+
+    out.append("## Scale (plan only, issue 10)\n")
+    out.append("Balanced at the issue's target points (NVLink: work max/mean <= 1.05 and modeled <= 1.2x "
+               "ideal; IB: modeled <= 1.6x ideal; never worse than contiguous or zigzag). `bound` is "
+               "prepare.modeled_lower_bound over the ideal.\n")
+    out.append("| S | cp | link | mix | max/mean | modeled/ideal | bound/ideal | modeled/bound | <= peers | target |")
+    out.append("|---:|---:|---|---|---:|---:|---:|---:|---|---|")
+    for t in scale.targets(rows):
+        out.append(f"| {t['S']} | {t['cp']} | {t['link']} | {t['mix']} | {t['work_max_over_mean']:.3f} | "
+                   f"{t['modeled_over_ideal']:.3f} | {t['bound_over_ideal']:.3f} | {t['modeled_over_bound']:.3f} | "
+                   f"{_mark(t['not_worse_than_peers'])} | {_mark(t['held'])} (<= {t['limit']}) |")
+    out.append("")
+    before_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                               "scale_before.json")
+    if os.path.exists(before_path):
+        before = {(r["S"], r["cp"], r["layout"]): r for r in json.load(open(before_path))}
+        out.append("Before -> after, lognormal mix, one rank's layout + plan on one core, modeled/ideal over IB "
+                   "(before: the engine before issue 10, measured on this machine, bench/scale_before.json):\n")
+        out.append("| S, cp | layout | plan ms before | plan ms after | modeled/ideal before | after |")
+        out.append("|---|---|---:|---:|---:|---:|")
+        for (S, cp, layout), b in sorted(before.items()):
+            a = [r for r in sc if (r["S"], r["cp"], r["layout"], r["mix"], r["link"]) ==
+                 (S, cp, layout, "lognormal", "ib")]
+            if not a:
+                continue
+            a = a[0]
+            out.append(f"| {S // 1024}k, {cp} | {layout} | {b['layout_ms'] + b['plan_ms']:.0f} | "
+                       f"{1e3 * a['plan_seconds']:.0f} | {b['modeled_over_ideal_ib']:.2f} | "
+                       f"{a['modeled_over_ideal']:.2f} |")
+        out.append("")
+    out.append("Plan ms (layout + plan, last rank, one core), worst over mixes and links:\n")
+    layouts = [l for l in ("contiguous", "zigzag", "balanced", "te_thd") if any(r["layout"] == l for r in sc)]
+    out.append("| S | cp | " + " | ".join(layouts) + " |")
+    out.append("|---:|---:|" + "---:|" * len(layouts))
+    for S, cp in sorted({(r["S"], r["cp"]) for r in sc}):
+        cells = []
+        for l in layouts:
+            v = [r["plan_seconds"] for r in sc if (r["S"], r["cp"], r["layout"]) == (S, cp, l)]
+            cells.append(f"{1e3 * max(v):.0f}" if v else "-")
+        out.append(f"| {S} | {cp} | " + " | ".join(cells) + " |")
+    out.append("")
+
+
 def render(rows: List[Dict]) -> str:
     out = ["# Benchmark summary", ""]
     meta = [r for r in rows if r["suite"] == "meta"]
@@ -296,6 +346,7 @@ def render(rows: List[Dict]) -> str:
     balance(rows, out)
     speed(rows, out)
     other(rows, out)
+    scale_section(rows, out)
     return "\n".join(out) + "\n"
 
 

@@ -1,0 +1,163 @@
+"""Plan ahead and plan to look: the host half of ``BlockDiagCPState.build``, without a group.
+
+``prepare_plan`` runs exactly the padding, layout and plan code one rank runs
+in a real step, from the replicated doc ids alone (no process group, no
+device), so a data loader or a background thread can build the next
+micro-batch's plan while the current step runs; ``BlockDiagCPState.build(...,
+prepared=)`` then only does the agreement all-reduce. ``plan_summary`` runs the
+same code and reports what a layout costs: work balance, K/V positions per
+rank for the needed-only and all-gather exchanges, and the cost model's
+modeled / ideal / lower-bound time.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .cost import CostModel, resolve_cost_model
+from .layout import Layout, build_layout, padded_length
+from .plan import SEGMENT_KINDS, StepPlan, build_plan
+from . import state as knobs
+from .state import normalize_layout
+
+
+@dataclass(frozen=True)
+class PreparedPlan:
+    """What one rank's build needs from the host: padded ids, layout and plan."""
+
+    doc_ids: torch.Tensor  # [R, P] int64, padded
+    seq_len: int  # S before padding
+    cp: int
+    rank: int
+    layout: Layout
+    plan: StepPlan
+    cost_model: CostModel
+    layout_seconds: float
+    plan_seconds: float  # layout + plan, this rank's host time
+
+    def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str) -> bool:
+        """Planned for these [R, S] ids, this group size, rank and layout."""
+        return (self.cp == cp and self.rank == rank and self.layout.name == layout_name
+                and tuple(doc_ids.shape) == (self.doc_ids.shape[0], self.seq_len)
+                and torch.equal(self.doc_ids[:, :self.seq_len], doc_ids))
+
+
+def _as_rows(doc_ids) -> torch.Tensor:
+    if not isinstance(doc_ids, torch.Tensor) or doc_ids.is_floating_point() or doc_ids.dtype == torch.bool:
+        raise ValueError(f"doc_ids must be an integer tensor of shape [S] or [b, S], got {doc_ids!r:.80}")
+    if doc_ids.dim() not in (1, 2) or doc_ids.shape[-1] == 0:
+        raise ValueError(f"doc_ids must have shape [S] or [b, S] with S > 0, got {tuple(doc_ids.shape)}")
+    ids = doc_ids.detach().to("cpu", torch.int64)
+    if bool((ids < 0).any()):
+        raise ValueError(f"doc_ids must be >= 0 (0 = padding, documents 1-based); found {int(ids.min())}")
+    return ids.unsqueeze(0) if ids.dim() == 1 else ids
+
+
+def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
+                 cost_model: Optional[CostModel] = None,
+                 kinds: Sequence[str] = SEGMENT_KINDS) -> PreparedPlan:
+    """Pad, lay out and plan one step for ``rank`` of ``cp`` (host only, no collective).
+
+    ``layout`` None: the configured knob (``configure_cp_varlen``); ``kinds``: the
+    segment kinds built now (the others are built on first access).
+    """
+    if int(cp) < 1 or not 0 <= int(rank) < int(cp):
+        raise ValueError(f"prepare_plan: need cp >= 1 and 0 <= rank < cp, got cp={cp}, rank={rank}")
+    name = normalize_layout(knobs._CP_LAYOUT if layout is None else layout)
+    cost = resolve_cost_model(cost_model)
+    ids = _as_rows(doc_ids)
+    S = ids.shape[1]
+    t0 = time.perf_counter()
+    padded = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
+    lay = build_layout(name, padded, cp, cost_model=cost)
+    t1 = time.perf_counter()
+    plan = build_plan(padded, lay, rank, kinds=kinds)
+    t2 = time.perf_counter()
+    return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0)
+
+
+def modeled_lower_bound(doc_ids: torch.Tensor, cp: int, local_len: int, cost_model: CostModel) -> float:
+    """Seconds no layout with equal tokens per rank can beat under ``cost_model`` (one row of ids).
+
+    The largest of: (1) the ideal, total work / cp; (2) the mean over ranks of
+    work plus traffic, where a document of n > L positions is held by ranks whose
+    k-th (by last position) needs at least n - k*L earlier keys; (3) per document,
+    the rank holding its last position: owning a of its positions it does at
+    least n + a(a-1)/2 pairs and receives n - a keys (or all n(n+1)/2 pairs when
+    it owns the whole document).
+    """
+    ids = doc_ids.reshape(-1, doc_ids.shape[-1])[0]
+    change = torch.ones(ids.numel(), dtype=torch.bool)
+    change[1:] = ids[1:] != ids[:-1]
+    starts = torch.nonzero(change).flatten()
+    n = torch.cat([starts[1:], torch.tensor([ids.numel()])]) - starts
+    n = n[ids[starts] > 0].double()
+    tp, tq = cost_model.seconds_per_pair, cost_model.seconds_per_position
+    if n.numel() == 0:
+        return 0.0
+    L = float(local_len)
+    work = n * (n + 1) / 2
+    ideal = float(work.sum()) / cp * tp
+    m = torch.ceil(n / L)
+    traffic = (m - 1) * n - L * m * (m - 1) / 2  # sum over k >= 1 of max(0, n - k L)
+    mean = (float(work.sum()) * tp + float(traffic.sum()) * tq) / cp
+    # (3): convex in a; the continuous minimum sits at a = tq / tp + 1/2.
+    best_split = torch.full_like(n, math.inf)
+    a_hi = torch.minimum(n - 1, torch.full_like(n, L))
+    star = tq / tp + 0.5
+    for a in (torch.floor(torch.full_like(n, star)), torch.ceil(torch.full_like(n, star)), a_hi,
+              torch.ones_like(n)):
+        a = torch.minimum(torch.clamp(a, min=1.0), a_hi)
+        cost = (n + a * (a - 1) / 2) * tp + (n - a) * tq
+        best_split = torch.where(a_hi >= 1, torch.minimum(best_split, cost), best_split)
+    whole = torch.where(n <= L, work * tp, torch.full_like(n, math.inf))
+    per_doc = torch.minimum(whole, best_split)
+    return max(ideal, mean, float(per_doc.max()))
+
+
+def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
+                 cost_model: Optional[CostModel] = None, rank: Optional[int] = None) -> dict:
+    """What a layout costs for these doc ids at ``cp`` ranks: no process group, no device.
+
+    Runs ``prepare_plan`` for ``rank`` (default: the last rank) with the
+    needed-only exchange's segments, exactly as a real build does, and times it.
+    Counts are per attention call of one layer; seconds come from ``cost_model``
+    (default: ``cost.default_cost_model()``, NVLink without a process group).
+    """
+    cost = resolve_cost_model(cost_model)
+    rank = cp - 1 if rank is None else rank
+    prep = prepare_plan(doc_ids, cp, rank, layout=layout, cost_model=cost, kinds=("sparse",))
+    plan, lay = prep.plan, prep.layout
+    work = plan.work_per_rank.double()
+    needed = plan.needed_remote
+    allgather = torch.full((cp,), (cp - 1) * lay.local_len, dtype=torch.long)
+    mean = float(work.mean())
+    modeled = cost.modeled_seconds(work, needed)
+    modeled_allgather = cost.modeled_seconds(work, allgather)
+    ideal = cost.ideal_seconds(work)
+    bound = modeled_lower_bound(prep.doc_ids, cp, lay.local_len, cost) if prep.doc_ids.shape[0] == 1 else ideal
+    return {
+        "layout": lay.name, "cp": cp, "rank": rank, "seq_len": prep.seq_len,
+        "padded_len": lay.padded_len, "local_len": lay.local_len,
+        "positions": lay.positions,  # [cp, local_len] global padded positions per rank
+        "work_per_rank": plan.work_per_rank.tolist(),
+        "work_max_over_mean": float(work.max()) / mean if mean > 0 else 1.0,
+        "needed_positions_per_rank": needed.tolist(),
+        "allgather_positions_per_rank": allgather.tolist(),
+        "halo_ok": plan.exchange.halo_ok,
+        "cost_model": cost.name,
+        "layout_seconds": prep.layout_seconds,
+        "plan_seconds": prep.plan_seconds,
+        "modeled_seconds": modeled,
+        "modeled_allgather_seconds": modeled_allgather,
+        "ideal_seconds": ideal,
+        "lower_bound_seconds": bound,
+        "modeled_over_ideal": modeled / ideal if ideal > 0 else 1.0,
+        "modeled_over_bound": modeled / bound if bound > 0 else 1.0,
+    }
+
+
+__all__ = ["PreparedPlan", "prepare_plan", "plan_summary", "modeled_lower_bound"]

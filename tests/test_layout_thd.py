@@ -1,0 +1,70 @@
+"""The THD layout: TransformerEngine's per-document DualChunkSwap partition from doc ids."""
+
+import pytest
+import torch
+
+import megatron_ext.blockdiag_cp as bdcp
+from megatron_ext.blockdiag_cp.layout import build_layout, thd_padded_cu_seqlens
+from megatron_ext.blockdiag_cp.state import normalize_layout
+
+
+def _brute_force(extents, cp, rank):
+    """Rank r's tokens, chunk by chunk: chunks r and 2cp-1-r of every padded document."""
+    out, start = [], 0
+    for ext in extents:
+        c = ext // (2 * cp)
+        for chunk in (rank, 2 * cp - 1 - rank):
+            out += list(range(start + chunk * c, start + (chunk + 1) * c))
+        start += ext
+    return out
+
+
+def test_matches_transformer_engines_documented_example():
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    assert bdcp.thd_partitioned_indices(cu, 16, 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
+    assert bdcp.thd_partitioned_indices(cu, 16, 2, 1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_partition_equals_brute_force_and_the_layout(cp):
+    g = torch.Generator().manual_seed(cp)
+    real = torch.randint(1, 50, (6,), generator=g).tolist()
+    extents = [-(-n // (2 * cp)) * (2 * cp) for n in real]
+    cu = torch.tensor([0] + extents).cumsum(0)
+    total = int(cu[-1])
+    ids = torch.cat([torch.cat([torch.full((n,), i + 1), torch.zeros(e - n, dtype=torch.long)])
+                     for i, (n, e) in enumerate(zip(real, extents))])
+    assert torch.equal(thd_padded_cu_seqlens(ids, cp), cu)
+    lay = build_layout("thd", ids.unsqueeze(0), cp)
+    for rank in range(cp):
+        want = _brute_force(extents, cp, rank)
+        assert bdcp.thd_partitioned_indices(cu, total, cp, rank).tolist() == want
+        if cp > 1:
+            assert lay.positions[rank].tolist() == want
+
+
+def test_knob_synonyms():
+    for alias in ("thd", "te_thd", "dual-chunk-swap", "per_document"):
+        assert normalize_layout(alias) == "thd"
+
+
+def test_bad_extents_and_rows_raise_clear_errors():
+    ids = torch.tensor([1] * 6 + [2] * 2).unsqueeze(0)  # document 1 has extent 6 at cp = 2
+    with pytest.raises(ValueError, match=r"document 1 .*extent 6.*multiple of 2\*cp = 4"):
+        build_layout("thd", ids, 2)
+    with pytest.raises(ValueError, match="one row of doc ids"):
+        build_layout("thd", torch.ones(2, 8, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="multiples of 2\\*cp"):
+        bdcp.thd_partitioned_indices(torch.tensor([0, 6, 8]), 8, 2, 0)
+
+
+def test_cp1_state_with_thd_layout_runs_the_document_rule():
+    from reference import reference_attention
+
+    ids = torch.tensor([1] * 5 + [0] + [2] * 4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(10, 1, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    state = bdcp.BlockDiagCPState.build(ids, layout="thd", attn_backend="dense")
+    with bdcp.blockdiag_cp_step(state):
+        out = bdcp.blockdiag_cp_attention(q, k, v)
+    assert torch.allclose(out, reference_attention(q, k, v, ids), atol=1e-12)

@@ -1,0 +1,223 @@
+"""Issue 10: the interval planner equals the old one, plan_summary counts what it claims,
+prepare_plan is the plan a real build uses, the cost model follows its formulas."""
+
+import pytest
+import torch
+
+import megatron_ext.blockdiag_cp as bdcp
+from dist_pool import WorkerPool
+from megatron_ext.blockdiag_cp.cost import CostModel
+from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.plan import build_plan
+from plan_reference import reference_build_plan
+
+
+def _random_ids(R, S, g, hole=0.1, max_doc=40):
+    rows = []
+    for _ in range(R):
+        lengths = torch.randint(1, max_doc, (S,), generator=g)
+        ids = torch.repeat_interleave(torch.arange(1, S + 1), lengths)[:S]
+        rows.append(torch.where(torch.rand(S, generator=g) < hole, torch.zeros_like(ids), ids))
+    return torch.stack(rows)
+
+
+def _thd_ids(lengths, cp):
+    """Documents padded at their end to a multiple of 2*cp, as THD packs them."""
+    parts = []
+    for i, n in enumerate(lengths):
+        ext = -(-n // (2 * cp)) * (2 * cp)
+        parts += [torch.full((n,), i + 1), torch.zeros(ext - n, dtype=torch.long)]
+    return torch.cat(parts).unsqueeze(0)
+
+
+def _assert_same_plan(new, old):
+    assert torch.equal(new.needed_remote, old["needed_remote"])
+    assert torch.equal(new.work_per_rank, old["work_per_rank"])
+    ex = old["exchange"]
+    assert torch.equal(new.exchange.counts, ex["counts"])
+    assert len(new.exchange.send_index) == len(ex["send_index"])
+    assert all(torch.equal(a, b) for a, b in zip(new.exchange.send_index, ex["send_index"]))
+    assert all(torch.equal(a, b) for a, b in zip(new.exchange.recv_positions, ex["recv_positions"]))
+    assert (new.exchange.halo_ok, new.exchange.halo_reason) == (ex["halo_ok"], ex["halo_reason"])
+    for kind in ("allgather", "sparse"):
+        s, o = new.segments[kind], old["segments"][kind]
+        assert all(torch.equal(a, b) for a, b in zip(
+            (s.q_index, s.k_index, s.cu_seqlens_q, s.cu_seqlens_k), o[:4])), kind
+        assert (s.max_seqlen_q, s.max_seqlen_k) == o[4:], kind
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_interval_plan_equals_the_old_planner(seed):
+    g = torch.Generator().manual_seed(seed)
+    for R, cp in ((1, 2), (1, 3), (2, 4), (3, 8), (1, 8), (1, 1)):
+        S = int(torch.randint(5, 260, (1,), generator=g))
+        for name in ("contiguous", "zigzag", "balanced"):
+            ids = _random_ids(R, S, g)
+            ids = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
+            lay = build_layout(name, ids, cp)
+            for rank in range(cp):
+                _assert_same_plan(build_plan(ids, lay, rank), reference_build_plan(ids, lay, rank))
+        if R == 1 and cp > 1:
+            ids = _thd_ids(torch.randint(1, 30, (7,), generator=g).tolist(), cp)
+            lay = build_layout("thd", ids, cp)
+            for rank in range(cp):
+                _assert_same_plan(build_plan(ids, lay, rank), reference_build_plan(ids, lay, rank))
+
+
+def test_lazy_segments_build_only_what_is_asked():
+    ids = _random_ids(1, 200, torch.Generator().manual_seed(3))
+    plan = build_plan(ids, build_layout("contiguous", ids, 4), 1, kinds=("sparse",))
+    assert list(plan.segments._built) == ["sparse"]
+    assert plan.segments["allgather"].num_segments > 0 and set(plan.segments) == {"allgather", "sparse"}
+    with pytest.raises(KeyError, match="unknown segment kind"):
+        plan.segments["ring"]
+
+
+def _brute_force(ids_row, positions):
+    """Per rank: causal pairs and remote keys needed, position by position from the doc ids."""
+    P = len(ids_row)
+    start = [0] * P
+    for p in range(1, P):
+        start[p] = start[p - 1] if ids_row[p] == ids_row[p - 1] else p
+    work, need = [], []
+    for row in positions.tolist():
+        mine, needed, w = set(row), set(), 0
+        for p in row:
+            if ids_row[p] > 0:
+                w += p - start[p] + 1
+                needed.update(range(start[p], p + 1))
+        work.append(w)
+        need.append(len(needed - mine))
+    return work, need
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced", "thd"])
+@pytest.mark.parametrize("link", ["nvlink", "ib"])
+def test_plan_summary_counts_equal_a_brute_force_count_from_its_positions(layout, link):
+    g = torch.Generator().manual_seed(11)
+    cp = 4
+    if layout == "thd":
+        ids = _thd_ids(torch.randint(1, 90, (9,), generator=g).tolist(), cp)[0]
+    else:
+        ids = _random_ids(1, 700, g, max_doc=160)[0]
+    summary = bdcp.plan_summary(ids, cp, layout=layout, cost_model=CostModel.preset(link))
+    positions = summary["positions"]
+    P = summary["padded_len"]
+    assert positions.shape == (cp, P // cp) and sorted(positions.flatten().tolist()) == list(range(P))
+    padded = torch.nn.functional.pad(ids, (0, P - ids.numel())).tolist()
+    work, need = _brute_force(padded, positions)
+    assert summary["work_per_rank"] == work
+    assert summary["needed_positions_per_rank"] == need
+    assert summary["allgather_positions_per_rank"] == [(cp - 1) * P // cp] * cp
+    cm = CostModel.preset(link)
+    modeled = max(w * cm.seconds_per_pair + n * cm.seconds_per_position for w, n in zip(work, need))
+    assert summary["modeled_seconds"] == pytest.approx(modeled, rel=1e-12)
+    assert summary["ideal_seconds"] == pytest.approx(sum(work) / cp * cm.seconds_per_pair, rel=1e-12)
+    assert summary["ideal_seconds"] <= summary["lower_bound_seconds"] * (1 + 1e-12)
+    assert summary["lower_bound_seconds"] <= summary["modeled_seconds"] * (1 + 1e-12)
+    assert summary["plan_seconds"] > 0
+
+
+def test_balanced_is_never_worse_than_contiguous_or_zigzag_under_its_cost_model():
+    g = torch.Generator().manual_seed(5)
+    for link in ("nvlink", "ib"):
+        cm = CostModel.preset(link)
+        for _ in range(3):
+            lengths = torch.exp(6 + 1.2 * torch.randn(40, generator=g)).long().clamp(1, 4000)
+            ids = torch.repeat_interleave(torch.arange(1, 41), lengths)
+            got = {lay: bdcp.plan_summary(ids, 8, lay, cm)["modeled_seconds"]
+                   for lay in ("balanced", "contiguous", "zigzag")}
+            assert got["balanced"] <= min(got["contiguous"], got["zigzag"]) * (1 + 1e-9), got
+
+
+def test_cost_model_presets_follow_the_formulas():
+    cm = CostModel.preset("ib", heads=32, kv_heads=8, head_dim=128)
+    assert cm.seconds_per_pair == pytest.approx(14 * 32 * 128 / 500e12)
+    assert cm.seconds_per_position == pytest.approx(2 * (2 * 8 * 128 * 2) / 50e9)
+    assert CostModel.preset("nvlink").seconds_per_position == pytest.approx(2 * (2 * 8 * 128 * 2) / 400e9)
+    assert bdcp.default_cost_model().name.startswith("nvlink")  # no process group: one node
+    with pytest.raises(ValueError, match="unknown link"):
+        CostModel.preset("ethernet")
+
+
+def test_cp1_build_uses_the_prepared_plan():
+    ids = _random_ids(2, 90, torch.Generator().manual_seed(2))
+    prep = bdcp.prepare_plan(ids, 1, 0, layout="zigzag")
+    state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", attn_backend="dense", prepared=prep)
+    assert state.plan is prep.plan and state.layout is prep.layout
+    inline = bdcp.BlockDiagCPState.build(ids, layout="zigzag", attn_backend="dense")
+    assert torch.equal(inline.layout.positions, prep.layout.positions)
+    s, o = inline.plan.segments["sparse"], prep.plan.segments["sparse"]
+    assert torch.equal(s.k_index, o.k_index) and torch.equal(s.cu_seqlens_q, o.cu_seqlens_q)
+    # A plan prepared for other ids is not used: the build plans in line.
+    other = bdcp.BlockDiagCPState.build(ids.flip(-1), layout="zigzag", attn_backend="dense", prepared=prep)
+    assert other.plan is not prep.plan
+
+
+def _build_with_and_without_prepared(layout, exchange):
+    import megatron_ext.blockdiag_cp as bdcp
+
+    cp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    ids = _random_ids(1, 301, torch.Generator().manual_seed(9), max_doc=80)[0]
+    prep = bdcp.prepare_plan(ids, cp, rank, layout=layout, kinds=("sparse",))
+    built = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                        prepared=prep)
+    inline = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense")
+    summary = bdcp.plan_summary(ids, cp, layout=layout, rank=rank)
+    a, b = inline.plan, prep.plan
+    return {
+        "prepared_used": built.plan is prep.plan,
+        "positions": torch.equal(inline.layout.positions, summary["positions"]),
+        "counts": torch.equal(a.exchange.counts, b.exchange.counts),
+        "send": all(torch.equal(x, y) for x, y in zip(a.exchange.send_index, b.exchange.send_index)),
+        "recv": all(torch.equal(x, y) for x, y in zip(a.exchange.recv_positions, b.exchange.recv_positions)),
+        "segments": torch.equal(a.segments["sparse"].k_index, b.segments["sparse"].k_index),
+        "needed": a.needed_remote.tolist() == summary["needed_positions_per_rank"],
+        "work": a.work_per_rank.tolist() == summary["work_per_rank"],
+    }
+
+
+@pytest.mark.timeout(120)
+def test_gloo_build_uses_the_same_plan_as_prepare_plan_and_plan_summary():
+    pool = WorkerPool(2)
+    try:
+        for layout in ("balanced", "zigzag"):
+            for per_rank in pool.run(_build_with_and_without_prepared, layout, "a2a"):
+                assert all(per_rank.values()), (layout, per_rank)
+    finally:
+        pool.close()
+
+
+def test_planner_cli_on_a_tiny_indexed_dataset(tmp_path, capsys):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from gpt_data import write_indexed_dataset
+
+    from megatron_ext.plan.__main__ import main, sample_sequences
+
+    g = torch.Generator().manual_seed(4)
+    files = []
+    for i, n in enumerate(torch.randint(5, 700, (30,), generator=g).tolist()):
+        f = tmp_path / f"doc{i}.txt"
+        f.write_bytes(bytes(torch.randint(0, 256, (n,), generator=g).tolist()))
+        files.append(f)
+    prefix = str(tmp_path / "tiny")
+    write_indexed_dataset(files, prefix, progress=False)
+    png = tmp_path / "plan.png"
+    assert main(["--data-path", prefix, "--seq-length", "2048", "--cp", "4", "--link", "ib",
+                 "--samples", "1", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.exists() and png.stat().st_size > 0
+    # The printed K/V bytes of the needed-only exchange equal plan_summary on the same sample.
+    tokens = next(sample_sequences(prefix, 2048, 1, 0))
+    assert tokens.shape == (2048,)
+    ids = bdcp.doc_ids_from_eod(torch.from_numpy(tokens).unsqueeze(0), 256)[0]
+    for layout in ("contiguous", "zigzag", "balanced"):
+        s = bdcp.plan_summary(ids, 4, layout=layout, cost_model=CostModel.preset("ib"))
+        mib = max(s["needed_positions_per_rank"]) * 2 * 8 * 128 * 2 / 2**20
+        line = next(l for l in out.splitlines() if l.split()[:2] == [layout, "a2a"])
+        assert float(line.split()[2]) == pytest.approx(mib, abs=0.006), line
+    with pytest.raises(SystemExit):
+        main(["--data-path", str(tmp_path / "missing"), "--seq-length", "8", "--cp", "2"])
