@@ -1,0 +1,404 @@
+"""Misuse real training code hits: never a silent wrong result, never a hang.
+
+Every multi-rank case runs on gloo with a timeout and asserts the error on every
+rank, followed by a barrier that proves no rank is left inside a collective.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from dist_pool import WorkerPool, catch
+from reference import reference_attention
+
+GOOD = torch.tensor([1] * 5 + [2] * 7 + [3] * 4 + [0] * 2 + [4] * 6)  # S = 24
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    p = WorkerPool(3)
+    yield p
+    p.close()
+
+
+def _qkv(S, seed, b=1, hq=4, hkv=2, d=8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(S, b, h, d, generator=g, dtype=dtype) for h in (hq, hkv, hkv)]
+
+
+def _local(state, full):
+    return state.shard(full, seq_dim=0).detach().requires_grad_(True)
+
+
+# ---------------------------------------------------------------------------
+# 1. a second backward through a retained graph accumulates, like any torch op
+# ---------------------------------------------------------------------------
+
+
+def second_backward_accumulates(exchanges):
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    group = dist.group.WORLD if dist.is_initialized() else None
+    out = {}
+    for exchange in exchanges:
+        state = bdcp.BlockDiagCPState.build(GOOD, cp_group=group, layout="contiguous",
+                                            attn_backend="dense", kv_exchange=exchange)
+        q, k, v = (_local(state, t) for t in _qkv(GOOD.numel(), seed=3))
+        w = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(4))
+        with bdcp.blockdiag_cp_step(state):
+            loss = (bdcp.blockdiag_cp_attention(q, k, v) * w).sum()
+            loss.backward(retain_graph=True)
+            once = [t.grad.clone() for t in (q, k, v)]
+            loss.backward()
+            twice = [t.grad.clone() for t in (q, k, v)]
+            # autograd.grad(retain_graph=True) then backward() on a fresh graph: the same gradients.
+            for t in (q, k, v):
+                t.grad = None
+            loss = (bdcp.blockdiag_cp_attention(q, k, v) * w).sum()
+            grads = torch.autograd.grad(loss, [q, k, v], retain_graph=True)
+            loss.backward()
+        out[exchange] = (max(float((b - 2 * a).abs().max()) for a, b in zip(once, twice)),
+                         max(float((g - t.grad).abs().max()) for g, t in zip(grads, (q, k, v))),
+                         max(float(a.abs().max()) for a in once))
+    return out
+
+
+def test_second_backward_accumulates_at_cp1():
+    for exchange, (err2, err_grad, scale) in second_backward_accumulates(["allgather"]).items():
+        assert scale > 0 and err2 < 1e-12 and err_grad < 1e-12, (exchange, err2, err_grad)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pool_name", ["pool2", "pool3"])
+def test_second_backward_accumulates_with_cp(request, pool_name):
+    results = request.getfixturevalue(pool_name).run(second_backward_accumulates,
+                                                     ["allgather", "halo", "a2a"])
+    for per_rank in results:
+        for exchange, (err2, err_grad, scale) in per_rank.items():
+            assert err2 < 1e-12 and err_grad < 1e-12, (pool_name, exchange, err2, err_grad)
+
+
+# ---------------------------------------------------------------------------
+# 2. mask types other than causal are refused at construction
+# ---------------------------------------------------------------------------
+
+
+def test_non_causal_mask_types_and_cross_attention_are_refused():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from gpt_harness import config
+    from megatron_ext.layers import BlockDiagCPAttention
+
+    cfg = config(cp=1)
+    for mask_type in (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.arbitrary):
+        with pytest.raises(bdcp.BlockDiagCPError, match="supported: causal, padding_causal"):
+            BlockDiagCPAttention(cfg, 1, mask_type, "self")
+    with pytest.raises(bdcp.BlockDiagCPError, match="self-attention only"):
+        BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "cross")
+    layer = BlockDiagCPAttention(cfg, 1, AttnMaskType.padding_causal, "self")
+    q = torch.randn(8, 1, 4, 8)
+    with pytest.raises(bdcp.BlockDiagCPError, match="not supported"):
+        layer(q, q, q, None, attn_mask_type=AttnMaskType.no_mask)
+
+
+# ---------------------------------------------------------------------------
+# 3, 4. knobs and doc ids agreed across ranks
+# ---------------------------------------------------------------------------
+
+
+def build_per_rank(kwargs_per_rank, ids_per_rank=None):
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    rank = dist.get_rank()
+    ids = GOOD if ids_per_rank is None else ids_per_rank[rank]
+    err = catch(lambda: bdcp.BlockDiagCPState.build(ids, **kwargs_per_rank[rank]))
+    dist.barrier()
+    return err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("knob,values,needle", [
+    ("layout", ["contiguous", "zigzag"], "layout ('contiguous' vs 'zigzag')"),
+    ("kv_exchange", ["halo", "a2a"], "kv_exchange ('a2a' vs 'halo')"),
+    ("attn_backend", ["dense", "te"], "attn_backend"),
+    ("strict", [False, True], "strict"),
+])
+def test_knobs_that_differ_across_ranks_raise_on_every_rank(pool2, knob, values, needle):
+    kwargs = [{"attn_backend": "dense", knob: value} for value in values]
+    for err in pool2.run(build_per_rank, kwargs):
+        assert err is not None and err[0] == "BlockDiagCPError", err
+        assert "differ across the CP ranks" in err[1] and needle in err[1], err
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_knob_on_one_rank_raises_on_every_rank(pool2):
+    errs = pool2.run(build_per_rank, [{"kv_exchange": "ring"}, {"kv_exchange": "a2a"}])
+    assert "'ring'" in errs[0][1] and "another CP rank" in errs[1][1], errs
+
+
+@pytest.mark.timeout(120)
+def test_checksum_colliding_doc_ids_are_caught(pool2):
+    # These two collide on the old position-weighted sums; the run-length fingerprint tells them apart.
+    a = torch.tensor([0, 1, 1, 0] + [5] * 12)
+    b = torch.tensor([1, 0, 0, 1] + [5] * 12)
+    for err in pool2.run(build_per_rank, [{"attn_backend": "dense"}] * 2, [a, b]):
+        assert err is not None and "doc_ids differ across the CP ranks" in err[1], err
+
+
+def test_fingerprint_separates_simple_patterns():
+    from megatron_ext.blockdiag_cp.agreement import doc_ids_fingerprint
+
+    # Every id sequence of length 4 over {0, 1, 2}: all 81 fingerprints distinct.
+    import itertools
+    seqs = [torch.tensor(s).view(1, -1) for s in itertools.product(range(3), repeat=4)]
+    prints = {doc_ids_fingerprint(s) for s in seqs}
+    assert len(prints) == len(seqs)
+    # Equal runs give equal fingerprints (it is a function of the run-length encoding only).
+    assert doc_ids_fingerprint(torch.tensor([[7, 7, 2]])) == doc_ids_fingerprint(torch.tensor([[7, 7, 2]]))
+    assert doc_ids_fingerprint(torch.tensor([[1, 1, 2]])) != doc_ids_fingerprint(torch.tensor([[1, 2, 2]]))
+
+
+# ---------------------------------------------------------------------------
+# 5. a kernel failure with an explicit state and no step context is raised
+# ---------------------------------------------------------------------------
+
+
+def failure_outside_a_step(fail_on_rank, backend_name="dense"):
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import kernels
+
+    rank = dist.get_rank()
+    state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense", kv_exchange="a2a")
+    q, k, v = (_local(state, t) for t in _qkv(GOOD.numel(), seed=5))
+    real = kernels.KERNELS["dense"]
+
+    def broken(*args, **kw):
+        raise RuntimeError("injected kernel failure")
+
+    if rank == fail_on_rank:
+        kernels.KERNELS["dense"] = broken
+    try:
+        out = bdcp.blockdiag_cp_attention(q, k, v, state=state)  # explicit state, no step context
+        out.sum().backward()
+    finally:
+        kernels.KERNELS["dense"] = real
+    zeros = bool((out == 0).all())
+    err = catch(lambda: bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense"))
+    again = catch(lambda: bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense"))  # raised once
+    dist.barrier()
+    return zeros, err, again
+
+
+@pytest.mark.timeout(120)
+def test_kernel_failure_outside_a_step_is_raised_at_the_next_build_on_every_rank(pool2):
+    results = pool2.run(failure_outside_a_step, 0)
+    assert results[0][0] and not results[1][0]  # rank 0's output was the zeros placeholder
+    for zeros, err, again in results:
+        assert err is not None and err[0] == "BlockDiagCPError", err
+        assert "kernel failed" in err[1] and "at least one CP rank" in err[1], err
+        assert again is None  # the failure was raised once, then cleared
+    assert "injected kernel failure" in results[0][1][1]
+    # The dense kernel itself failed: the advice must not be "use dense".
+    assert "rerun with --cp-attn-backend dense" not in results[0][1][1]
+    assert "no other backend is left" in results[0][1][1]
+
+
+# ---------------------------------------------------------------------------
+# 6. two threads
+# ---------------------------------------------------------------------------
+
+
+def test_concurrent_build_on_one_group_is_refused():
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.agreement import BUILD_GUARD, group_ranks
+
+    ranks = group_ranks(None)
+    box = {}
+    BUILD_GUARD.enter(ranks)  # another thread is in the middle of a build
+    try:
+        t = threading.Thread(target=lambda: box.setdefault("err", catch(lambda: bdcp.BlockDiagCPState.build(GOOD))))
+        t.start()
+        t.join()
+    finally:
+        BUILD_GUARD.exit(ranks)
+    assert box["err"][0] == "BlockDiagCPError" and "two threads" in box["err"][1]
+    assert bdcp.BlockDiagCPState.build(GOOD).cp == 1  # free again afterwards
+
+
+def test_a_step_from_a_second_thread_while_one_is_open_is_refused():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    state_a = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
+    state_b = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
+    box = {}
+
+    def other_thread():
+        with pytest.raises(bdcp.BlockDiagCPError, match="second thread") as err:
+            with bdcp.blockdiag_cp_step(state_b):
+                pass
+        box["ok"] = err is not None
+
+    with bdcp.blockdiag_cp_step(state_a):
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        with bdcp.blockdiag_cp_step(state_b):  # nesting on the same thread is fine
+            pass
+    assert box.get("ok")
+
+
+# ---------------------------------------------------------------------------
+# 7, 8. per-rank shape, head or dtype mismatch: BlockDiagCPError on every rank, no hang
+# ---------------------------------------------------------------------------
+
+
+def mismatch_on_rank0(kind):
+    import time
+
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    rank = dist.get_rank()
+    state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense", kv_exchange="allgather")
+    L = state.local_len
+    shapes = {"short_q": ((L - 1, 1, 4, 8), (L, 1, 2, 8)), "heads": ((L, 1, 2, 8), (L, 1, 1, 8))}
+    dtype = torch.float32
+    q_shape, kv_shape = (L, 1, 4, 8), (L, 1, 2, 8)
+    if rank == 0:
+        if kind == "dtype":
+            dtype = torch.float64
+        else:
+            q_shape, kv_shape = shapes[kind]
+    q = torch.randn(q_shape, dtype=dtype)
+    k, v = torch.randn(kv_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype)
+    start = time.perf_counter()
+    with_step = catch(lambda: _run_in_step(bdcp, state, q, k, v))
+    dist.barrier()
+    return with_step, time.perf_counter() - start
+
+
+def _run_in_step(bdcp, state, q, k, v):
+    with bdcp.blockdiag_cp_step(state):
+        bdcp.blockdiag_cp_attention(q, k, v)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,needles", [
+    ("short_q", ["local_len", "another CP rank"]),
+    ("heads", ["differ across the CP ranks", "q_heads 2 vs 4"]),
+    ("dtype", ["differ across the CP ranks", "dtype"]),
+])
+def test_per_rank_qkv_mismatch_raises_on_every_rank_without_a_hang(pool2, kind, needles):
+    results = pool2.run(mismatch_on_rank0, kind)
+    for rank, (err, seconds) in enumerate(results):
+        assert err is not None and err[0] == "BlockDiagCPError", (rank, err)
+        assert seconds < 30, seconds
+    if kind == "short_q":
+        assert needles[0] in results[0][0][1] and needles[1] in results[1][0][1]
+    else:
+        for err, _ in results:
+            assert all(n in err[1] for n in needles), err
+
+
+def qkv_agreement_cost(reps):
+    import time
+
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.attention_op import agree_on_qkv
+
+    state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
+    q = torch.randn(state.local_len, 1, 4, 8)
+    k = torch.randn(state.local_len, 1, 2, 8)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        agree_on_qkv(state, q, k, k, None)
+    return (time.perf_counter() - start) / reps
+
+
+@pytest.mark.timeout(120)
+def test_qkv_agreement_is_one_small_collective(pool2):
+    # Not a timing assertion (benchmarks own those): it runs, and costs well under a second per call.
+    per_call = pool2.run(qkv_agreement_cost, 20)
+    assert all(0 < t < 1.0 for t in per_call), per_call
+
+
+# ---------------------------------------------------------------------------
+# 9. uint64 doc ids
+# ---------------------------------------------------------------------------
+
+
+def test_unsigned_doc_ids_work_or_get_our_message():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    plain = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        state = bdcp.BlockDiagCPState.build(GOOD.to(dtype), attn_backend="dense")
+        assert torch.equal(state.doc_ids, plain.doc_ids), dtype
+    huge = torch.tensor([1, 2], dtype=torch.uint64) * (2 ** 62) * 3  # above 2**63 - 1
+    with pytest.raises(bdcp.BlockDiagCPError, match="doc_ids must be >= 0 .*unsigned id above 2\\*\\*63"):
+        bdcp.BlockDiagCPState.build(huge)
+
+
+# ---------------------------------------------------------------------------
+# 10. non-reentrant checkpoint runs the attention (and its collectives) twice, not three times
+# ---------------------------------------------------------------------------
+
+
+def fires_under_checkpoint(use_reentrant):
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    group = dist.group.WORLD if dist.is_initialized() else None
+    state = bdcp.BlockDiagCPState.build(GOOD, cp_group=group, attn_backend="dense", kv_exchange="a2a")
+    full = _qkv(GOOD.numel(), seed=9)
+    q, k, v = (_local(state, t) for t in full)
+    w = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(10))
+    bdcp.reset_cp_attn_fire_count()
+    with bdcp.blockdiag_cp_step(state):
+        out = checkpoint(lambda a, b, c: bdcp.blockdiag_cp_attention(a, b, c), q, k, v,
+                         use_reentrant=use_reentrant)
+        (out * w).sum().backward()
+    fires = bdcp.cp_attn_fire_count()
+    # Against the independent reference on the full sequence.
+    ref_in = [t.detach().requires_grad_(True) for t in full]
+    ref = reference_attention(*ref_in, GOOD)
+    pos = state.local_positions  # S = 24 needs no padding at cp 1 or 2
+    w_full = torch.zeros_like(ref)
+    w_full[pos] = w
+    (ref * w_full).sum().backward()
+    out_err = float((out - ref.detach()[pos]).abs().max())
+    grad_err = float((q.grad - ref_in[0].grad[pos]).abs().max())
+    return fires, out_err, grad_err
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_fires_twice_at_cp1(use_reentrant):
+    fires, out_err, grad_err = fires_under_checkpoint(use_reentrant)
+    assert fires == 2 and out_err < 1e-12 and grad_err < 1e-12, (fires, out_err, grad_err)
+
+
+@pytest.mark.timeout(120)
+def test_non_reentrant_checkpoint_fires_twice_with_cp(pool2):
+    for fires, out_err, grad_err in pool2.run(fires_under_checkpoint, False):
+        assert fires == 2 and out_err < 1e-12 and grad_err < 1e-12, (fires, out_err, grad_err)
