@@ -191,6 +191,7 @@ class BlockDiagCPState:
                cost_model, prepared):
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        facts, detail = source.local_facts()  # first: it may fix the layout (THD's partition)
         # Knob errors are local facts too: a bad knob on one rank must not leave the others waiting.
         requested, knob_error = {}, ""
         for knob, raw, normalize in (
@@ -214,7 +215,6 @@ class BlockDiagCPState:
                                        f"to {source.description}; using {source.layout!r}")
             requested["layout"] = source.layout
 
-        facts, detail = source.local_facts()
         static = {b: kernels.static_availability(b, device) for b in ATTN_BACKEND_VALUES}
         facts["knob_error"] = 1 if knob_error else 0
         for knob, values in _KNOBS:

@@ -10,8 +10,22 @@ from .specs import (
     with_blockdiag_core_attention,
 )
 
+
+
+def __getattr__(name):
+    # ``--spec megatron_ext.layers blockdiag_cp_gpt_layer_spec``: megatron resolves the attribute with
+    # spec_utils.import_module and hands it to GPTModel uncalled, so it must be a ModuleSpec. Built on
+    # first access (TE is imported only then) and kept.
+    if name == "blockdiag_cp_gpt_layer_spec":
+        spec = get_gpt_layer_spec_with_blockdiag_cp()
+        globals()[name] = spec
+        return spec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BlockDiagCPAttention", "BlockDiagPackedSeqParams", "BlockDiagRotaryEmbedding",
+    "blockdiag_cp_gpt_layer_spec",
     "get_gpt_layer_spec_with_blockdiag_cp", "nvidia_apex_available", "packed_seq_params_for",
     "rope_positions", "transformer_engine_available", "use_blockdiag_rope",
     "with_blockdiag_core_attention",

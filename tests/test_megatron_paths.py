@@ -1,0 +1,301 @@
+"""Megatron's own data paths, no shard_batch, no step context: the layer spec is the only change.
+
+- ``--spec megatron_ext.layers blockdiag_cp_gpt_layer_spec`` resolved exactly as Megatron-LM does;
+  batches from megatron's ``_get_ltor_masks_and_position_ids(reset_attention_mask=True,
+  reset_position_ids=True)``, cut by megatron's ``get_batch_on_this_cp_rank``;
+- THD ``PackedSeqParams`` partitioned by megatron's ``get_thd_batch_on_this_cp_rank`` (its
+  TransformerEngine index kernel replaced by our pure-torch ``thd_partitioned_indices``);
+- a pipeline-style schedule (forward 1, forward 2, backward 2, backward 1) with selective
+  recompute of core attention, backward outside any step context.
+
+Each: loss and every parameter gradient (summed over CP) against one process running the
+same weights with an independent dense per-document reference attention.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+import gpt_harness as H
+from dist_pool import WorkerPool
+
+TOL = 1e-5
+S = 48  # a multiple of 2 * cp for cp = 1, 2, 3, 4
+
+
+@pytest.fixture(scope="module")
+def pool1():
+    p = WorkerPool(1)  # GPTModel needs megatron's parallel state, so CP = 1 runs in a 1-rank group
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    p = WorkerPool(3)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    p = WorkerPool(4)
+    yield p
+    p.close()
+
+
+def _spec_model(cp, seed=1, **kw):
+    from megatron.core.transformer.spec_utils import import_module
+
+    spec = import_module(("megatron_ext.layers", "blockdiag_cp_gpt_layer_spec"))  # as Megatron-LM's --spec
+    return H.gpt_model(H.config(cp=cp, **kw), spec, S, seed)
+
+
+def megatron_cp_slice(batch, group):
+    """megatron's own get_batch_on_this_cp_rank, whichever megatron-core is installed."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    params = inspect.signature(get_batch_on_this_cp_rank).parameters
+    if "is_hybrid_cp" in params:  # megatron-core >= 0.19
+        return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(dict(batch), cp_group=group)
+
+
+def megatron_masked_batch(b, seed):
+    """b rows with different documents: tokens, labels, loss mask, mask, positions from megatron."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    raw = H.make_batch(S, b, seed)
+    masks, positions = [], []
+    for row in raw["tokens"]:
+        mask, _, pos = _get_ltor_masks_and_position_ids(row, H.EOD, True, True, False, True)
+        masks.append(mask)
+        positions.append(pos)
+    return dict(raw, attention_mask=torch.stack(masks), position_ids=torch.stack(positions))
+
+
+def reference_grads(ref, batch, doc_ids):
+    H._REF["doc_ids"] = doc_ids
+    losses = ref(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    ref.zero_grad()
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+def compare(model, loss, group, ref_loss, ref_grads):
+    import torch.distributed as dist
+
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = H.cp_reduced_grads(model, group)
+    return H.rel(total, ref_loss), max(H.rel(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+# ---------------------------------------------------------------------------
+# --spec with megatron's masks
+# ---------------------------------------------------------------------------
+
+
+def mask_path_matches_reference(cp, exchanges):
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    group = H.ensure_mpu(tp=1, cp=cp).get_context_parallel_group()
+    model = _spec_model(cp)
+    ref = H.reference_model({}, S)
+    ref.load_state_dict(model.state_dict())
+    batch = megatron_masked_batch(b=2, seed=21)
+    ref_loss, ref_grads = reference_grads(ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
+    out = {}
+    for exchange in exchanges:
+        bdcp.configure_cp_varlen("dense", exchange)
+        local = megatron_cp_slice(batch, group)
+        model.zero_grad()
+        losses = model(local["tokens"], local["position_ids"], local["attention_mask"],
+                       labels=local["labels"])
+        loss = (losses * local["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        out[exchange] = compare(model, loss, group, ref_loss, ref_grads)
+    bdcp.configure_cp_varlen()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pool_name", ["pool2", "pool3"])
+def test_spec_with_megatron_masks_and_cp_slicing(request, pool_name):
+    cp = int(pool_name[-1])
+    results = request.getfixturevalue(pool_name).run(mask_path_matches_reference, cp,
+                                                     ["allgather", "a2a", "halo"])
+    for per_rank in results:
+        for exchange, (loss_err, grad_err) in per_rank.items():
+            assert loss_err < TOL and grad_err < TOL, (cp, exchange, loss_err, grad_err)
+
+
+@pytest.mark.timeout(300)
+def test_spec_is_a_module_spec_and_cp1_mask_takes_the_per_document_path(pool1):
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.layers import BlockDiagCPAttention
+
+    spec = import_module(("megatron_ext.layers", "blockdiag_cp_gpt_layer_spec"))
+    assert isinstance(spec, ModuleSpec)
+    assert spec.submodules.self_attention.submodules.core_attention is BlockDiagCPAttention
+    (out,) = pool1.run(mask_path_matches_reference, 1, ["allgather"])
+    loss_err, grad_err = out["allgather"]
+    assert loss_err < TOL and grad_err < TOL
+    # CP = 1 mask mode plans documents (no O(S^2) masked attention): the state is cached on the mask.
+    batch = megatron_masked_batch(b=2, seed=3)
+    state = bdcp.resolve_step_state(None, batch["attention_mask"], batch=2)
+    assert state.cp == 1 and state.rows == 2
+    assert torch.equal(state.doc_ids, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
+    assert bdcp.resolve_step_state(None, batch["attention_mask"], batch=2) is state
+
+
+@pytest.mark.parametrize("case", ["not_causal", "holes", "float"])
+def test_masks_that_are_not_per_document_causal_are_refused(case):
+    import megatron_ext.blockdiag_cp as bdcp
+
+    mask = megatron_masked_batch(b=1, seed=4)["attention_mask"].clone()
+    if case == "not_causal":
+        mask[0, 0, 5, 9] = False  # a query sees a later key
+        needle = "not per-document causal"
+    elif case == "holes":
+        mask[0, 0, 20, 18] = True  # a hole inside the visible run
+        needle = "not per-document causal"
+    else:
+        mask = mask.float()
+        needle = "must be a bool tensor"
+    with pytest.raises(bdcp.BlockDiagCPError, match=needle):
+        bdcp.resolve_step_state(None, mask)
+
+
+def mask_errors_on_every_rank(case):
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from dist_pool import catch
+
+    mpu = H.ensure_mpu(tp=1, cp=2)
+    group = mpu.get_context_parallel_group()
+    rank = dist.get_rank()
+    local = megatron_cp_slice(megatron_masked_batch(b=1, seed=5 + (rank if case == "differs" else 0)),
+                              group)
+    mask = local["attention_mask"]
+    if case == "bad_on_rank0" and rank == 0:
+        mask = mask.clone()
+        mask[0, 0, 3, :] = True  # a row that sees nothing
+    err = catch(lambda: bdcp.resolve_step_state(None, mask, cp_group=group))
+    explicit = catch(lambda: bdcp.BlockDiagCPState.from_source(
+        bdcp.resolve.MegatronMaskSource(local["attention_mask"], 2, rank), cp_group=group, layout="balanced"))
+    dist.barrier()
+    return err, explicit
+
+
+@pytest.mark.timeout(120)
+def test_mask_errors_raise_on_every_rank(pool2):
+    for err, explicit in pool2.run(mask_errors_on_every_rank, "bad_on_rank0"):
+        assert err is not None and err[0] == "BlockDiagCPError" and "per-document causal" in err[1], err
+        assert explicit is not None and "already sliced 'zigzag'" in explicit[1], explicit
+    for err, _ in pool2.run(mask_errors_on_every_rank, "differs"):
+        assert err is not None and "do not form one per-document causal mask" in err[1], err
+
+
+# ---------------------------------------------------------------------------
+# THD packed sequences, partitioned as TransformerEngine does
+# ---------------------------------------------------------------------------
+
+THD_LENGTHS = (7, 1, 12, 3, 9)  # odd lengths, a length-1 document
+
+
+def thd_batch(cp, seed):
+    """A packed [1, T] batch: each document padded to a multiple of 2 * cp (as SFT/Bridge pack)."""
+    g = torch.Generator().manual_seed(seed)
+    multiple = 2 * cp if cp > 1 else 1
+    padded = [-(-n // multiple) * multiple for n in THD_LENGTHS]
+    cu = torch.tensor([0] + list(torch.tensor(THD_LENGTHS).cumsum(0)), dtype=torch.int32)
+    cu_padded = torch.tensor([0] + list(torch.tensor(padded).cumsum(0)), dtype=torch.int32)
+    T = int(cu_padded[-1])
+    tokens = torch.zeros(1, T, dtype=torch.long)
+    labels = torch.zeros(1, T, dtype=torch.long)
+    loss_mask = torch.zeros(1, T)
+    positions = torch.zeros(1, T, dtype=torch.long)
+    doc_ids = torch.zeros(1, T, dtype=torch.long)
+    for i, n in enumerate(THD_LENGTHS):
+        a = int(cu_padded[i])
+        seq = torch.randint(4, H.VOCAB, (n + 1,), generator=g)
+        tokens[0, a:a + n], labels[0, a:a + n] = seq[:-1], seq[1:]
+        loss_mask[0, a:a + n] = 1
+        positions[0, a:a + n] = torch.arange(n)
+        doc_ids[0, a:a + n] = i + 1
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+    return batch, cu, cu_padded, doc_ids
+
+
+def thd_path_matches_reference(cp, exchanges):
+    import megatron.core.utils as mcore_utils
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    group = H.ensure_mpu(tp=1, cp=cp).get_context_parallel_group()
+    batch, cu, cu_padded, doc_ids = thd_batch(cp, seed=31)
+    T = batch["tokens"].shape[1]
+    from megatron.core.transformer.spec_utils import import_module
+
+    model = H.gpt_model(H.config(cp=cp), import_module(("megatron_ext.layers", "blockdiag_cp_gpt_layer_spec")), T)
+    ref = H.reference_model({}, T)
+    ref.load_state_dict(model.state_dict())
+    ref_loss, ref_grads = reference_grads(ref, batch, doc_ids)
+    # megatron's own THD slicing, with TE's index kernel replaced by our pure-torch one.
+    te_double = type("tex", (), {"thd_get_partitioned_indices": staticmethod(bdcp.thd_partitioned_indices)})
+    saved = (getattr(mcore_utils, "tex", None), mcore_utils.is_te_min_version)
+    mcore_utils.tex, mcore_utils.is_te_min_version = te_double, (lambda *a, **k: True)
+    try:
+        rank = dist.get_rank(group)
+        local, params = mcore_utils.get_thd_batch_on_this_cp_rank(
+            dict(batch), cu, cu_padded, torch.tensor([int(cu_padded.diff().max())]), cp_size=cp,
+            cp_rank=rank)
+    finally:
+        mcore_utils.tex, mcore_utils.is_te_min_version = saved
+    out = {}
+    for exchange in exchanges:
+        bdcp.configure_cp_varlen("dense", exchange)
+        model.zero_grad()
+        losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                       packed_seq_params=params)
+        loss = (losses * local["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        out[exchange] = compare(model, loss, group, ref_loss, ref_grads) + (
+            params._blockdiag_cp_state[1].layout.name,)
+    bdcp.configure_cp_varlen()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_thd_at_cp1(pool1):
+    (out,) = pool1.run(thd_path_matches_reference, 1, ["allgather"])
+    loss_err, grad_err, layout = out["allgather"]
+    assert loss_err < TOL and grad_err < TOL, (loss_err, grad_err)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pool_name", ["pool2", "pool4"])
+def test_thd_per_document_partition_with_cp(request, pool_name):
+    cp = int(pool_name[-1])
+    results = request.getfixturevalue(pool_name).run(thd_path_matches_reference, cp,
+                                                     ["allgather", "a2a", "halo"])
+    for per_rank in results:
+        for exchange, (loss_err, grad_err, layout) in per_rank.items():
+            assert layout == "thd", layout
+            assert loss_err < TOL and grad_err < TOL, (cp, exchange, loss_err, grad_err)
