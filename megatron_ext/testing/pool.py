@@ -33,7 +33,12 @@ def _free_port() -> int:
 
 def _load(module_name: str, path: str):
     if "." in module_name:  # a package module: the workers import the same one by name
-        return importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+            if os.path.abspath(module.__file__) == path:
+                return module
+        except ImportError:
+            pass  # e.g. a test module pytest named after its folder: load it from its file
     name = "_pool_" + os.path.splitext(os.path.basename(path))[0]
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
