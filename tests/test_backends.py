@@ -1,11 +1,11 @@
 """Attention backends on real gloo groups: the te -> flash -> dense chain, strict mode, kernel
 failures, the fire counter, call-time fallback, and the flash / TE kernel doubles.
 
-Availability is controlled per rank inside the worker functions by replacing
-``kernels.KERNEL_INSTALLED`` / ``kernels.static_availability`` /
-``kernels.call_availability`` / ``kernels.KERNELS`` (always restored). The
-flash and TE doubles (tests/flash_double.py) check OUR metadata and plumbing on
-CPU, not the real CUDA kernels; scripts/gpu_check.py runs those on a GPU.
+Availability and kernels are set per rank inside the worker functions through the
+engine's test hooks (``megatron_ext.testing``: override_availability / override_kernel /
+override_library, always restored). The flash and TE doubles
+(megatron_ext/testing/doubles.py) check OUR metadata and plumbing on CPU, not the real
+CUDA kernels; the GPU check (scripts/gpu_check.sh) runs those on a GPU.
 """
 
 import contextlib
@@ -15,14 +15,12 @@ import math
 import pytest
 import torch
 
-from cases import make_doc_ids
-from dist_pool import WorkerPool
-from reference import reference_attention
+from megatron_ext.testing import WorkerPool, captured_engine_logs, reference_attention
+from megatron_ext.testing.cases import make_doc_ids
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 EXCHANGES = ("allgather", "halo", "a2a")
 TOL = 1e-5
-LOGGER = "megatron_ext.blockdiag_cp"
 KV_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
                   "batch_isend_irecv")
 
@@ -60,49 +58,19 @@ def availability(missing=(), *, device_blind=True, call_ok=()):
     call_ok: backends whose call-time check passes for fp32/fp64 CPU tensors (doubles).
     Everything replaced is restored on exit.
     """
-    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import override_availability
 
-    saved_installed, saved_kernels = dict(kernels.KERNEL_INSTALLED), dict(kernels.KERNELS)
-    saved_static, saved_call = kernels.static_availability, kernels.call_availability
-    for name in ("te", "flash"):
-        if missing is not None:
-            kernels.KERNEL_INSTALLED[name] = (
-                lambda name=name: (False, f"{name} is not installed on this test rank")
-                if name in missing else (True, f"{name} installed (test)"))
-    if device_blind:
-        kernels.static_availability = lambda backend, device: kernels.KERNEL_INSTALLED[backend]()
-    if call_ok:
-        kernels.call_availability = lambda backend, q, p: (
-            (True, "test double takes CPU tensors") if backend in call_ok else saved_call(backend, q, p))
-    try:
-        yield kernels
-    finally:
-        kernels.KERNEL_INSTALLED.clear()
-        kernels.KERNEL_INSTALLED.update(saved_installed)
-        kernels.KERNELS.clear()
-        kernels.KERNELS.update(saved_kernels)
-        kernels.static_availability, kernels.call_availability = saved_static, saved_call
-
-
-@contextlib.contextmanager
-def captured_logs():
-    """Records of the engine's logger at every level; the log-once memory starts empty."""
-    from megatron_ext.blockdiag_cp import backend
-
-    records = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = records.append
-    logger = logging.getLogger(LOGGER)
-    old_level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    backend._LOGGED.clear()
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-        backend._LOGGED.clear()
+    with contextlib.ExitStack() as stack:
+        for name in ("te", "flash"):
+            if missing is None:
+                ok, reason = None, "test double takes CPU tensors"
+            elif name in missing:
+                ok, reason = False, f"{name} is not installed on this test rank"
+            else:
+                ok, reason = True, f"{name} installed (test)"
+            stack.enter_context(override_availability(name, ok, reason, any_device=device_blind,
+                                                      any_call=name in call_ok))
+        yield
 
 
 @contextlib.contextmanager
@@ -178,7 +146,7 @@ def w_resolve(missing_by_rank, attn_backend, device_blind=True, builds=2):
 
     ids = torch.tensor([1] * 10 + [2] * 6 + [3] * 8)
     with availability(missing_by_rank.get(_rank(), ()), device_blind=device_blind), \
-            captured_logs() as records:
+            captured_engine_logs() as records:
         reports = [BlockDiagCPState.build(ids, attn_backend=attn_backend, device="cpu").report()
                    for _ in range(builds)]
     first = reports[0]
@@ -250,12 +218,12 @@ def test_fallback_logged_once_info_for_default_warning_for_explicit(pools, reque
 
 def w_strict(missing_by_rank, attn_backend, run_step=False):
     import megatron_ext.blockdiag_cp as bdcp
-    from flash_double import CALLS, flash_kernel_double
+    from megatron_ext.testing import override_kernel
+    from megatron_ext.testing.doubles import CALLS, flash_kernel_double
 
     doc_ids, q, k, v, w = _inputs("short", 48, 1, 2, 1, 4)
-    with availability(missing_by_rank.get(_rank(), ()), call_ok=("flash",)) as kernels, \
-            counted_collectives() as counts:
-        kernels.KERNELS["flash"] = flash_kernel_double
+    with availability(missing_by_rank.get(_rank(), ()), call_ok=("flash",)), \
+            override_kernel("flash", flash_kernel_double), counted_collectives() as counts:
         try:
             state = bdcp.BlockDiagCPState.build(doc_ids, attn_backend=attn_backend, kv_exchange="a2a",
                                                 strict=True)
@@ -307,19 +275,20 @@ class _BoomInBackward(torch.autograd.Function):
 
 def w_kernel_failure(fail_rank, phase, exchange):
     import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import override_kernel
 
     doc_ids, q, k, v, w = _inputs("short", 64, 1, 4, 2, 8)
     outcome, failures = None, None
-    with availability(("te", "flash")) as kernels, counted_collectives() as counts:
-        dense = kernels.KERNELS["dense"]
+    dense = kernels.kernel_for("dense")
 
-        def failing(q_, k_, v_, seg, scale, dropout_p=0.0):
-            if phase == "forward":
-                raise RuntimeError("injected forward failure")
-            return _BoomInBackward.apply(dense(q_, k_, v_, seg, scale, dropout_p))
+    def failing(q_, k_, v_, seg, scale, dropout_p=0.0):
+        if phase == "forward":
+            raise RuntimeError("injected forward failure")
+        return _BoomInBackward.apply(dense(q_, k_, v_, seg, scale, dropout_p))
 
-        if _rank() == fail_rank:
-            kernels.KERNELS["dense"] = failing
+    this_rank_fails = override_kernel("dense", failing) if _rank() == fail_rank else contextlib.nullcontext()
+    with availability(("te", "flash")), this_rank_fails, counted_collectives() as counts:
         state = bdcp.BlockDiagCPState.build(doc_ids, kv_exchange=exchange, layout="zigzag")
         try:
             _step(state, q, k, v, w)
@@ -389,7 +358,7 @@ def w_call_fallback(attn_backend, strict):
 
     doc_ids, q, k, v, w = _inputs("short", 64, 1, 4, 2, 8)
     q, k, v, w = (t.float() for t in (q, k, v, w))
-    with availability(()), captured_logs() as records, counted_collectives() as counts:
+    with availability(()), captured_engine_logs() as records, counted_collectives() as counts:
         state = bdcp.BlockDiagCPState.build(doc_ids, attn_backend=attn_backend, strict=strict,
                                             kv_exchange="a2a")
         before = state.attn_backend
@@ -437,46 +406,41 @@ def test_call_time_fallback_is_an_error_in_strict_mode(pools):
 @contextlib.contextmanager
 def installed_double(setup):
     """Install one double; yields the backend name to request."""
-    import flash_double as fd
+    from megatron_ext.testing import doubles as fd
+    from megatron_ext.testing import override_kernel, override_library
 
     fd.CALLS.clear()
-    if setup == "flash_kernel":  # kernels.KERNELS["flash"] replaced outright
-        with availability(("te",), call_ok=("flash",)) as kernels:
-            kernels.KERNELS["flash"] = fd.flash_kernel_double
+    if setup == "flash_kernel":  # the engine's flash kernel replaced outright
+        with availability(("te",), call_ok=("flash",)), override_kernel("flash", fd.flash_kernel_double):
             yield "flash"
         return
     if setup.startswith("flash_lib_"):  # kernels.flash_varlen runs, over a fake library function
         api = setup[len("flash_lib_"):]
-        with availability(("te",), call_ok=("flash",)) as kernels:
-            saved = kernels._flash_attn_func, kernels._torch_varlen_func
-            if api == "flash_attn":
-                kernels._flash_attn_func = lambda: fd.fake_flash_attn_varlen_func
-            else:
-                kernels._flash_attn_func = lambda: None
-                kernels._torch_varlen_func = lambda: fd.TORCH_VARLEN_FAKES[api]
-            try:
-                yield "flash"
-            finally:
-                kernels._flash_attn_func, kernels._torch_varlen_func = saved
+        if api == "flash_attn":
+            libraries = {"flash_attn": fd.library_with("flash_attn_varlen_func",
+                                                       fd.fake_flash_attn_varlen_func)}
+        else:
+            libraries = {"flash_attn": None, "torch.nn.attention.varlen": fd.library_with(
+                "varlen_attn", fd.TORCH_VARLEN_FAKES[api])}
+        with contextlib.ExitStack() as stack:
+            for name, module in libraries.items():
+                stack.enter_context(override_library(name, module))
+            stack.enter_context(availability(("te",), call_ok=("flash",)))
+            yield "flash"
         return
     if setup == "te":  # kernels.te_varlen runs, over a fake transformer_engine.pytorch
-        saved_modules = fd.install_fake_te()
         # missing=None keeps the real "installed" check: it must find the fake module.
-        with availability(None, call_ok=("te",)) as kernels:
-            kernels._TE_MODULES.clear()
-            try:
-                yield "te"
-            finally:
-                kernels._TE_MODULES.clear()
-                fd.uninstall_fake_te(saved_modules)
+        with override_library("transformer_engine.pytorch", fd.fake_te_pytorch()), \
+                availability(None, call_ok=("te",)):
+            yield "te"
         return
     raise KeyError(setup)
 
 
 def w_double(setup, case, S, b, hq, hkv, d, layouts, exchanges, scale=None):
     import megatron_ext.blockdiag_cp as bdcp
-    import flash_double as fd
-    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import doubles as fd
+    from megatron_ext.testing import te_modules_cached
 
     doc_ids, q, k, v, w = _inputs(case, S, b, hq, hkv, d)
     ref, ref_in = _reference(doc_ids, q, k, v, w, scale)
@@ -499,7 +463,7 @@ def w_double(setup, case, S, b, hq, hkv, d, layouts, exchanges, scale=None):
             extra["reason"] = report["attn_backend_reason"]
             extra["constructed"] = list(fd.FakeDotProductAttention.CONSTRUCTED)
             extra["forwards"] = len(fd.FakeDotProductAttention.FORWARDS)
-            extra["cached_modules"] = len(kernels._TE_MODULES)
+            extra["cached_modules"] = te_modules_cached()
     return results, extra
 
 
@@ -567,7 +531,7 @@ def test_te_double_runs_te_varlen_end_to_end(pools, cp, case, b, hq, hkv, d):
 
 
 # ---------------------------------------------------------------------------
-# scripts/gpu_check.py must not rot: its dry run takes the same code path on CPU
+# the GPU check must not rot: its dry run takes the same code path on CPU
 # ---------------------------------------------------------------------------
 
 
@@ -579,13 +543,13 @@ def test_gpu_check_dry_run(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "gpu_check.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "MEGATRON_EXT_STAGE_COLLECTIVES_ON_CPU")}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_check.py"), "--dry-run",
-                           "--block-megatron", "--out", str(out)],
+    env.update(OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(root, "scripts", "gpu_check.sh"), "--dry-run",
+                           "--block-megatron"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    lines = [row for row in rows if row["suite"] == "gpu_check"]
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     by_check = {}
     for line in lines:
@@ -600,5 +564,7 @@ def test_gpu_check_dry_run(tmp_path):
         (cp, lay, ex, be) for cp in (2, 4) for lay in LAYOUTS for ex in EXCHANGES for be in ("flash", "dense")}
     assert all(a["resolved"] == [a["backend"]] and a["dry_run"] for a in accuracy)
     assert {e["backend"] for e in by_check["engine_cp1"]} == {"flash", "dense"}
+    assert all(e["kernel_fwd_bwd_ms"] > 0 and "engine_overhead_fraction" in e for e in by_check["engine_cp1"])
+    assert by_check["matmul_peak"][0]["tflops"] > 0
     assert len(by_check["timing"]) == 1 + 3 + 3
     assert by_check["summary"][0]["passed"] and by_check["summary"][0]["te_checked"] is False

@@ -5,7 +5,7 @@ import torch
 
 import megatron_ext.blockdiag_cp as bdcp
 from megatron_ext.blockdiag_cp.layout import build_layout, padded_length, position_work
-from reference import reference_attention
+from megatron_ext.testing import reference_attention
 
 
 def test_doc_ids_from_eod_eod_belongs_to_the_document_it_ends():

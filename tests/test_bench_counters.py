@@ -12,7 +12,7 @@ scripts/bench/comm_balance.py reads the same counters for bench/results.jsonl.
 import pytest
 import torch
 
-from dist_pool import WorkerPool
+from megatron_ext.testing import WorkerPool
 
 B, HKV, HQ, D = 2, 2, 4, 4
 ROW_BYTES = B * HKV * 2 * D * 4  # K and V, fp32

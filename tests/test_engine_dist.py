@@ -7,9 +7,8 @@ gradients of q, k and v equal a single-process per-document causal reference.
 import pytest
 import torch
 
-from cases import CASES, make_doc_ids
-from dist_pool import WorkerPool
-from reference import reference_attention
+from megatron_ext.testing import WorkerPool, reference_attention
+from megatron_ext.testing.cases import CASES, make_doc_ids
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 EXCHANGES = ("allgather", "halo", "a2a")

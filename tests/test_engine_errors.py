@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dist_pool import WorkerPool, catch as _catch
+from megatron_ext.testing import WorkerPool, catch as _catch
 
 
 @pytest.fixture(scope="module")

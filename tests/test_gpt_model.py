@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-import gpt_harness as H
-from dist_pool import WorkerPool
+from megatron_ext.testing import WorkerPool
+from megatron_ext.testing import gpt as H
 
 TOL = 1e-5
 S = 64

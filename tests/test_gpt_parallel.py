@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import gpt_harness as H
-from dist_pool import WorkerPool, catch as _catch
+from megatron_ext.testing import WorkerPool, catch as _catch
+from megatron_ext.testing import gpt as H
 
 S = 64
 
@@ -129,11 +129,11 @@ def test_rope_and_learned_positions_follow_every_layout(pool2):
 def zigzag_matches_megatron():
     """Our zigzag layout is megatron-core's get_batch_on_this_cp_rank slicing."""
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     mpu = H.ensure_mpu(tp=1, cp=2)
     tokens = torch.arange(S).unsqueeze(0)
-    theirs = get_batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"]
+    theirs = H.megatron_batch_on_this_cp_rank({"tokens": tokens.clone()},
+                                              mpu.get_context_parallel_group())["tokens"]
     local, _ = bdcp.shard_batch({"tokens": tokens}, cp_group=mpu.get_context_parallel_group(),
                                 layout="zigzag", attn_backend="dense")
     return bool(torch.equal(theirs, local["tokens"]))

@@ -12,13 +12,11 @@ Each: loss and every parameter gradient (summed over CP) against one process run
 same weights with an independent dense per-document reference attention.
 """
 
-import inspect
-
 import pytest
 import torch
 
-import gpt_harness as H
-from dist_pool import WorkerPool
+import megatron_ext.testing.gpt as H
+from megatron_ext.testing import WorkerPool
 
 TOL = 1e-5
 S = 48  # a multiple of 2 * cp for cp = 1, 2, 3, 4
@@ -57,16 +55,6 @@ def _spec_model(cp, seed=1, **kw):
 
     spec = import_module(("megatron_ext.layers", "blockdiag_cp_gpt_layer_spec"))  # as Megatron-LM's --spec
     return H.gpt_model(H.config(cp=cp, **kw), spec, S, seed)
-
-
-def megatron_cp_slice(batch, group):
-    """megatron's own get_batch_on_this_cp_rank, whichever megatron-core is installed."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    params = inspect.signature(get_batch_on_this_cp_rank).parameters
-    if "is_hybrid_cp" in params:  # megatron-core >= 0.19
-        return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=group)
-    return get_batch_on_this_cp_rank(dict(batch), cp_group=group)
 
 
 def megatron_masked_batch(b, seed):
@@ -119,7 +107,7 @@ def mask_path_matches_reference(cp, exchanges):
     out = {}
     for exchange in exchanges:
         bdcp.configure_cp_varlen("dense", exchange)
-        local = megatron_cp_slice(batch, group)
+        local = H.megatron_batch_on_this_cp_rank(dict(batch), group)
         model.zero_grad()
         losses = model(local["tokens"], local["position_ids"], local["attention_mask"],
                        labels=local["labels"])
@@ -184,13 +172,13 @@ def mask_errors_on_every_rank(case):
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
-    from dist_pool import catch
+    from megatron_ext.testing import catch
 
     mpu = H.ensure_mpu(tp=1, cp=2)
     group = mpu.get_context_parallel_group()
     rank = dist.get_rank()
-    local = megatron_cp_slice(megatron_masked_batch(b=1, seed=5 + (rank if case == "differs" else 0)),
-                              group)
+    local = H.megatron_batch_on_this_cp_rank(
+        megatron_masked_batch(b=1, seed=5 + (rank if case == "differs" else 0)), group)
     mask = local["attention_mask"]
     if case == "bad_on_rank0" and rank == 0:
         mask = mask.clone()

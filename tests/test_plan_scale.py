@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import megatron_ext.blockdiag_cp as bdcp
-from dist_pool import WorkerPool
+from megatron_ext.testing import WorkerPool
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan

@@ -105,10 +105,18 @@ def test_bad_sizes_exit_before_process_group(args, message):
     assert message in res.stderr, res.stderr
 
 
+def _load_script(path: pathlib.Path):
+    """The entry script as a module (it puts its own folder on sys.path for its helpers)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_synonyms_are_accepted():
-    sys.path.insert(0, str(REPO / "scripts"))
-    sys.path.insert(0, str(REPO))
-    import pretrain_gpt
+    pretrain_gpt = _load_script(SCRIPT)
     args = pretrain_gpt.build_parser().parse_args(
         ["--cp-attn-backend", "SDPA", "--cp-kv-exchange", "all-gather", "--cp-layout", "Zig-Zag"])
     pretrain_gpt.validate_args(args, world_size=2)

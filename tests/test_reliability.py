@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from dist_pool import WorkerPool, catch
-from reference import reference_attention
+from megatron_ext.testing import WorkerPool, catch
+from megatron_ext.testing.reference import reference_attention
 
 GOOD = torch.tensor([1] * 5 + [2] * 7 + [3] * 4 + [0] * 2 + [4] * 6)  # S = 24
 
@@ -97,7 +97,7 @@ def test_non_causal_mask_types_and_cross_attention_are_refused():
     from megatron.core.transformer.enums import AttnMaskType
 
     import megatron_ext.blockdiag_cp as bdcp
-    from gpt_harness import config
+    from megatron_ext.testing.gpt import config
     from megatron_ext.layers import BlockDiagCPAttention
 
     cfg = config(cp=1)
@@ -179,24 +179,21 @@ def test_fingerprint_separates_simple_patterns():
 def failure_outside_a_step(fail_on_rank, backend_name="dense"):
     import torch.distributed as dist
 
+    import contextlib
+
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import override_kernel
 
     rank = dist.get_rank()
     state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense", kv_exchange="a2a")
     q, k, v = (_local(state, t) for t in _qkv(GOOD.numel(), seed=5))
-    real = kernels.KERNELS["dense"]
 
     def broken(*args, **kw):
         raise RuntimeError("injected kernel failure")
 
-    if rank == fail_on_rank:
-        kernels.KERNELS["dense"] = broken
-    try:
+    with override_kernel("dense", broken) if rank == fail_on_rank else contextlib.nullcontext():
         out = bdcp.blockdiag_cp_attention(q, k, v, state=state)  # explicit state, no step context
         out.sum().backward()
-    finally:
-        kernels.KERNELS["dense"] = real
     zeros = bool((out == 0).all())
     err = catch(lambda: bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense"))
     again = catch(lambda: bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense"))  # raised once

@@ -1,7 +1,7 @@
 """scripts/slurm/pretrain_gpt.sbatch on a real SLURM started on this machine.
 
 munged + slurmctld + two emulated slurmd nodes (n1, n2), all state in a temp folder
-(tests/slurm_cluster.py). A 2-node x 2-process CPU job (gloo, CP = 2, DP = 2) trains a
+(megatron_ext/testing/slurm.py). A 2-node x 2-process CPU job (gloo, CP = 2, DP = 2) trains a
 tiny GPT for a few iterations through `sbatch --wait`; the job must exit 0 with a
 falling loss, and every daemon this test started must be gone afterwards.
 
@@ -17,8 +17,7 @@ import time
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from slurm_cluster import SlurmCluster, missing_requirements  # noqa: E402
+from megatron_ext.testing.slurm import SlurmCluster, missing_requirements
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch"

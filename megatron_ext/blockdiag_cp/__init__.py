@@ -22,11 +22,20 @@ from .state import (
 )
 from .step import BlockDiagCPState
 
+# What users call. Test hooks (kernel overrides, availability overrides) are not here: tests
+# reach them through megatron_ext.testing. The documented state module is
+# megatron_ext.blockdiag_cp.state.
 __all__ = [
-    "BlockDiagCPError", "BlockDiagCPState", "CostModel", "PreparedPlan", "blockdiag_cp_attention",
-    "blockdiag_cp_step", "configure_cp_layout", "configure_cp_thd_partition", "configure_cp_varlen",
-    "cp_attn_fire_count", "cp_layout_runtime_config", "cp_varlen_runtime_config", "default_cost_model",
-    "doc_ids_from_cu_seqlens", "doc_ids_from_eod", "normalize_attn_backend", "normalize_kv_exchange",
-    "normalize_layout", "plan_summary", "prepare_plan", "reset_cp_attn_fire_count", "resolve_step_state",
-    "shard_batch", "state", "thd_partitioned_indices",
+    # data path
+    "shard_batch", "blockdiag_cp_step", "doc_ids_from_eod", "doc_ids_from_cu_seqlens", "resolve_step_state",
+    # the step state and the attention op
+    "BlockDiagCPState", "BlockDiagCPError", "blockdiag_cp_attention",
+    # knobs
+    "configure_cp_varlen", "cp_varlen_runtime_config", "configure_cp_layout", "cp_layout_runtime_config",
+    "configure_cp_thd_partition", "normalize_attn_backend", "normalize_kv_exchange", "normalize_layout",
+    # planning ahead and to look
+    "CostModel", "default_cost_model", "PreparedPlan", "prepare_plan", "plan_summary",
+    "thd_partitioned_indices",
+    # fire counter
+    "cp_attn_fire_count", "reset_cp_attn_fire_count",
 ]

@@ -193,7 +193,7 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
         k_packed, v_packed = _gather(buf_flat, k_index).split(d, dim=-1)  # [Nk, g*Hkv, D]
     q_packed = _gather(q_flat, q_index)  # [Nq, g*Hq, D]
 
-    fn = kernels.KERNELS[backend]
+    fn = kernels.kernel_for(backend)
 
     def run(qp, kp, vp):
         if qp.shape[0] == 0:

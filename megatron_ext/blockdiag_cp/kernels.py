@@ -9,6 +9,12 @@ earlier rank. Hq % Hkv == 0 (GQA).
 ``te`` and ``flash`` are imported lazily and are only ever "available" on CUDA
 with fp16/bf16 inputs; each availability check returns (ok, reason) and never
 raises.
+
+The kernel table, the availability answers and the library lookups have test
+hooks (the ``_*_OVERRIDES`` tables at the end). They are not part of the public
+face: tests and benchmarks set them only through ``megatron_ext.testing``
+(``override_kernel``, ``override_availability``, ``override_library``), which
+restores them on exit.
 """
 
 import importlib
@@ -79,18 +85,22 @@ def _causal_bottom_right(q, k, v, scale, dropout_p, gqa):
 # ---------------------------------------------------------------------------
 
 
-def _flash_attn_func() -> Optional[Callable]:
+def _library(name: str):
+    """The imported module ``name``, or None when it does not import (or a test hook hides it)."""
+    if name in _LIBRARY_OVERRIDES:
+        return _LIBRARY_OVERRIDES[name]
     try:
-        return importlib.import_module("flash_attn").flash_attn_varlen_func
+        return importlib.import_module(name)
     except Exception:
         return None
+
+
+def _flash_attn_func() -> Optional[Callable]:
+    return getattr(_library("flash_attn"), "flash_attn_varlen_func", None)
 
 
 def _torch_varlen_func() -> Optional[Callable]:
-    try:
-        return importlib.import_module("torch.nn.attention.varlen").varlen_attn
-    except Exception:
-        return None
+    return getattr(_library("torch.nn.attention.varlen"), "varlen_attn", None)
 
 
 def flash_impl_name() -> Optional[str]:
@@ -137,10 +147,7 @@ _TE_MODULES: Dict[tuple, torch.nn.Module] = {}
 
 
 def _te_pytorch():
-    try:
-        return importlib.import_module("transformer_engine.pytorch")
-    except Exception:
-        return None
+    return _library("transformer_engine.pytorch")
 
 
 def te_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0.0):
@@ -166,7 +173,11 @@ def te_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0
 # ---------------------------------------------------------------------------
 
 
-def _installed(backend: str) -> Tuple[bool, str]:
+def installed(backend: str) -> Tuple[bool, str]:
+    """Whether ``backend``'s library imports here (says nothing of the device)."""
+    override = _AVAILABILITY_OVERRIDES.get(backend)
+    if override is not None and override.installed is not None:
+        return override.installed
     if backend == "dense":
         return True, "torch SDPA is always available"
     if backend == "te":
@@ -179,16 +190,22 @@ def _installed(backend: str) -> Tuple[bool, str]:
 
 def static_availability(backend: str, device: torch.device) -> Tuple[bool, str]:
     """What can be known before seeing q: installed, and a CUDA device."""
-    if backend != "dense" and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):
+    override = _AVAILABILITY_OVERRIDES.get(backend)
+    any_device = override is not None and override.any_device
+    if backend != "dense" and not any_device and (
+            torch.device(device).type != "cuda" or not torch.cuda.is_available()):
         # Decided before importing: torch's varlen module pulls in dynamo (1-2 s per process).
         return False, f"{backend} needs CUDA (device is {torch.device(device).type})"
-    return KERNEL_INSTALLED[backend]()
+    return installed(backend)
 
 
 def call_availability(backend: str, q: torch.Tensor, dropout_p: float) -> Tuple[bool, str]:
     """What depends on the call: dtype, device, dropout."""
     if backend == "dense":
         return True, "dense takes any dtype"
+    override = _AVAILABILITY_OVERRIDES.get(backend)
+    if override is not None and override.any_call:
+        return True, override.reason
     if q.device.type != "cuda":
         return False, f"{backend} needs CUDA tensors (got {q.device.type})"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -198,12 +215,33 @@ def call_availability(backend: str, q: torch.Tensor, dropout_p: float) -> Tuple[
     return True, "ok"
 
 
-# Indirection points that tests replace to control availability and kernels per rank.
-KERNEL_INSTALLED: Dict[str, Callable[[], Tuple[bool, str]]] = {
-    name: (lambda name=name: _installed(name)) for name in ("te", "flash", "dense")
-}
-KERNELS: Dict[str, Callable] = {"te": te_varlen, "flash": flash_varlen, "dense": dense_varlen}
+_KERNELS: Dict[str, Callable] = {"te": te_varlen, "flash": flash_varlen, "dense": dense_varlen}
+
+
+def kernel_for(backend: str) -> Callable:
+    """The kernel the engine calls for ``backend`` (the flash varlen contract above)."""
+    return _KERNEL_OVERRIDES.get(backend) or _KERNELS[backend]
 
 
 def default_softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# ---------------------------------------------------------------------------
+# test hooks: set only through megatron_ext.testing, process-local, empty in production
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AvailabilityOverride:
+    """What a test makes one backend report on this process."""
+
+    installed: Optional[Tuple[bool, str]]  # None: the real import check
+    any_device: bool  # static check: skip the CUDA requirement (a CUDA machine's answer)
+    any_call: bool  # call check: accept any dtype/device (a CPU double stands behind the backend)
+    reason: str = "test override"
+
+
+_KERNEL_OVERRIDES: Dict[str, Callable] = {}
+_AVAILABILITY_OVERRIDES: Dict[str, AvailabilityOverride] = {}
+_LIBRARY_OVERRIDES: Dict[str, object] = {}  # module name -> stand-in module, or None: "not importable"

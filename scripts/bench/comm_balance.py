@@ -29,30 +29,26 @@ def measure_worker(mix: str, S: int, layouts=LAYOUTS, exchanges=EXCHANGES,
     """Runs on every rank of the pool: one forward call per (layout, exchange).
 
     With ``real_kernel=False`` the dense kernel is swapped for a stub through the
-    engine's ``kernels.KERNELS`` indirection: everything up to the kernel (build,
+    engine's kernel hook (``megatron_ext.testing.override_kernel``): everything up to the kernel (build,
     consensus, plan, the exchange and its byte counters, segment indexing) is the
     real code, only the O(local_len x doc) attention arithmetic is skipped, which
     at cp=8 on two cores would cost minutes and changes no byte.
     """
     import logging
 
-    import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp import kernels
+    import contextlib
 
-    from mixes import make_doc_ids
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing import override_kernel
+    from megatron_ext.testing.mixes import make_doc_ids
 
     # halo -> a2a fallbacks are recorded in the rows (exchange_resolved / exchange_reason)
     logging.getLogger("megatron_ext.blockdiag_cp").setLevel(logging.ERROR)
 
     doc_ids = make_doc_ids(mix, S)
     out = {}
-    saved = kernels.KERNELS["dense"]
-    if not real_kernel:
-        kernels.KERNELS["dense"] = _no_kernel
-    try:
+    with contextlib.nullcontext() if real_kernel else override_kernel("dense", _no_kernel):
         _measure(bdcp, doc_ids, layouts, exchanges, out)
-    finally:
-        kernels.KERNELS["dense"] = saved
     return out
 
 
@@ -110,12 +106,12 @@ def _rows_for(mix: str, S: int, cp: int, per_rank: List[Dict]) -> List[Dict]:
 
 def run(cps=(2, 4, 8), seq_lens=(4096, 8192, 16384, 32768), mixes=("short", "heavy_tail", "single"),
         log=print, real_kernel: bool = False) -> List[Dict]:
-    from pool import WorkerPool
+    from megatron_ext.testing import WorkerPool
 
     rows = []
     for cp in cps:
         t0 = time.perf_counter()
-        with WorkerPool(cp) as pool:
+        with WorkerPool(cp, timeout=600.0) as pool:
             for mix in mixes:
                 for S in seq_lens:
                     t1 = time.perf_counter()

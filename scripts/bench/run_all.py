@@ -4,13 +4,16 @@
     python scripts/bench/run_all.py                       # full CPU suite -> bench/
     python scripts/bench/run_all.py --quick               # smoke run -> bench/quick/
     python scripts/bench/run_all.py --suites comm,balance # a subset (rows of other suites kept)
-    python scripts/bench/run_all.py --suites gpu          # CUDA only (scripts/gpu_check.sh)
+    python scripts/bench/run_all.py --suites gpu          # CUDA only: TFLOP/s per backend
+    python scripts/bench/run_all.py --suites gpu_check    # the GPU check (scripts/gpu_check.sh)
 
 Suites: comm, balance (same runs: one engine call per config on a cp-process gloo
 group), speed, memory (same runs: cp=2 fwd+bwd timings, one profiled iteration each),
 model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without CUDA),
-scale (plan only, no processes: layout + plan cost and modeled time at 32k-1M tokens, cp 8-64).
-One JSON object per measurement; re-running some suites replaces only their rows.
+scale (plan only, no processes: layout + plan cost and modeled time at 32k-1M tokens, cp 8-64),
+gpu_check (not in the default set; --dry-run runs it on CPU). One JSON object per
+measurement; re-running some suites replaces only their rows. Exit status 1 when a
+row says ``"passed": false`` (the checks of gpu_check).
 """
 
 import argparse
@@ -28,7 +31,7 @@ for _p in (HERE, REPO_ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale")
+ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale", "gpu_check")
 DEFAULT_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale")  # gpu: a skipped row without CUDA
 
 
@@ -42,6 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--comm-real-kernel", action="store_true",
                    help="run the real dense kernel in the comm suite too (slow at cp=8; bytes are equal)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--dry-run", action="store_true",
+                   help="gpu_check: CPU, fp32, tiny sizes, the flash test double in place of the CUDA kernel")
+    p.add_argument("--budget-s", type=float, default=420.0, help="gpu_check: start no check after this")
+    p.add_argument("--skip", default="", help="gpu_check: comma list of matmul,accuracy,engine,timing")
+    p.add_argument("--block-megatron", action="store_true",
+                   help="gpu_check: make megatron unimportable first (as on a machine without megatron-core)")
     args = p.parse_args(argv)
     args.suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     unknown = sorted(set(args.suites) - set(ALL_SUITES))
@@ -136,6 +145,14 @@ def main(argv=None) -> int:
         rows += gpu.run(log=_log)
         timings["gpu"] = time.perf_counter() - t0
 
+    if "gpu_check" in suites:
+        import gpu_check
+
+        t0 = time.perf_counter()
+        rows += gpu_check.run(dry_run=args.dry_run, budget_s=args.budget_s, block_megatron=args.block_megatron,
+                              skip={s for s in args.skip.split(",") if s}, log=_log)
+        timings["gpu_check"] = time.perf_counter() - t0
+
     wall = time.perf_counter() - t_start
     meta = {"git_head": git_head, "engine_uncommitted": engine_dirty,
             "suite": "meta", "mix": "-", "S": None, "cp": None, "layout": "-", "exchange": "-",
@@ -162,7 +179,11 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "SUMMARY.md"), "w") as f:
         f.write(summary.render(all_rows))
     _log(f"summary {os.path.join(args.out, 'SUMMARY.md')}")
-    return 0
+    failed = [r for r in rows if r.get("passed") is False]
+    if failed:
+        _log(f"{len(failed)} row(s) failed: " + ", ".join(sorted({f"{r['suite']}/{r.get('check', '?')}"
+                                                               for r in failed})))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def _inputs(mix: str, S: int):
     if key not in _CACHE:
         for k in [k for k in _CACHE if k[0] == "inputs" or k[0] == "prepared"]:
             del _CACHE[k]  # keep one (mix, S) group in memory
-        from mixes import doc_lengths, make_doc_ids
+        from megatron_ext.testing.mixes import doc_lengths, make_doc_ids
 
         g = torch.Generator().manual_seed(S)
         t = [torch.randn(S, 1, HEADS, HEAD_DIM, generator=g) for _ in range(4)]  # q, k, v, dout
@@ -238,11 +238,11 @@ def _row_common(cfg: Dict, cp: int) -> Dict:
 
 
 def run(plan=None, reps: int = 3, log=print) -> List[Dict]:
-    from pool import WorkerPool
+    from megatron_ext.testing import WorkerPool
 
     plan = DEFAULT_PLAN if plan is None else plan
     rows: List[Dict] = []
-    with WorkerPool(2) as pool:
+    with WorkerPool(2, timeout=600.0) as pool:
         pool.run(setup_worker)
         for mix, S, full_mask in plan:
             t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install a SLURM (slurm-wlm) and munge from Debian for tests/test_slurm.py.
 # Idempotent: does nothing when the daemons and clients are already installed.
-# Installing starts no daemon; tests/slurm_cluster.py starts (and stops) its own.
+# Installing starts no daemon; megatron_ext/testing/slurm.py starts (and stops) its own.
 set -euo pipefail
 
 need=(slurmctld slurmd sbatch srun scontrol sinfo munged)

@@ -1,14 +1,15 @@
 """Helpers for GPTModel tests on CPU/gloo: parallel-state setup, models, an independent reference.
 
-Runs inside dist_pool workers. The reference core attention is plain dense math
+Runs inside WorkerPool workers. The reference core attention is plain dense math
 from reference.py over the FULL sequence's document ids (single process, no CP).
+megatron-core is imported inside the functions, so importing this module needs none.
 """
 
 
 import torch
 import torch.distributed as dist
 
-from reference import reference_attention
+from .reference import reference_attention
 
 EOD = 3
 VOCAB = 64
@@ -44,6 +45,29 @@ def make_reference_core_attention():
             return out.reshape(out.shape[0], out.shape[1], -1)
 
     return ReferenceCoreAttention
+
+
+def megatron_batch_on_this_cp_rank(batch, cp_group, **options):
+    """megatron-core's own ``get_batch_on_this_cp_rank`` on this rank, on every supported version.
+
+    0.16 takes ``(batch, cp_group=None)``; 0.19 adds a required ``is_hybrid_cp`` (False here:
+    plain CP) and options such as ``use_per_sequence_balancing``. The call is shaped by the
+    installed function's signature; an option it does not have is an error naming the version.
+    """
+    import inspect
+
+    import megatron.core
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    params = inspect.signature(get_batch_on_this_cp_rank).parameters
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise TypeError(f"megatron-core {megatron.core.__version__}'s get_batch_on_this_cp_rank has no "
+                        f"{unknown}; its parameters are {list(params)}")
+    kwargs = {"cp_group": cp_group, **options}
+    if "is_hybrid_cp" in params and "is_hybrid_cp" not in kwargs:
+        kwargs["is_hybrid_cp"] = False
+    return get_batch_on_this_cp_rank(batch, **kwargs)
 
 
 def config(cp: int, tp: int = 1, layers: int = 2, hidden: int = 32, heads: int = 4, groups: int = 2,

@@ -2,7 +2,7 @@
 
 import torch
 
-from reference import runs_to_doc_ids
+from .reference import runs_to_doc_ids
 
 
 def make_doc_ids(case: str, S: int, cp: int) -> torch.Tensor:

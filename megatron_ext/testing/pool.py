@@ -1,14 +1,18 @@
-"""A pool of long-lived gloo worker processes (one per CP rank) for the benchmarks.
+"""A pool of long-lived gloo worker processes on loopback, one per CP rank, for tests and benchmarks.
 
-The same pattern as tests/dist_pool.py (benchmarks must not import from tests/):
-process start and imports cost seconds, so each suite spawns one pool per CP size
-and sends it work. ``pool.run(fn, *args)`` calls the module-level ``fn(*args)`` on
-every rank (the module is imported by file path in the workers, so anything in
-scripts/bench is importable there) and returns the per-rank results. A rank that
-raises fails the call with its traceback; a hang fails after ``timeout`` seconds
-and the pool is rebuilt.
+Process start and imports cost seconds, so a test module or a benchmark suite spawns
+one pool per CP size and sends it work: ``pool.run(fn, *args)`` calls the module-level
+``fn(*args)`` on every rank and returns the per-rank results. A module of an installed
+package (``megatron_ext.testing.*``) is imported by name in the workers; any other module
+(a test file, a benchmark suite) is loaded from its file, and the workers inherit the
+parent's ``sys.path`` (spawn hands it over), so its own imports resolve as in the parent.
+
+A rank that raises fails the call with its traceback; a hang fails after ``timeout``
+seconds (180 unless the pool or the call says otherwise) and the pool is rebuilt, so
+the next call starts from clean ranks.
 """
 
+import importlib
 import importlib.util
 import os
 import queue
@@ -19,8 +23,6 @@ import traceback
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("spawn")
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(BENCH_DIR))
 
 
 def _free_port() -> int:
@@ -29,8 +31,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load(path: str):
-    name = "_bench_" + os.path.splitext(os.path.basename(path))[0]
+def _load(module_name: str, path: str):
+    if "." in module_name:  # a package module: the workers import the same one by name
+        try:
+            module = importlib.import_module(module_name)
+            if os.path.abspath(module.__file__) == path:
+                return module
+        except ImportError:
+            pass  # e.g. a test module pytest named after its folder: load it from its file
+    name = "_pool_" + os.path.splitext(os.path.basename(path))[0]
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
@@ -41,9 +50,6 @@ def _load(path: str):
 
 def _worker(rank, world, port, tasks, results, env, threads):
     os.environ.update(env)
-    for p in (REPO_ROOT, BENCH_DIR):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     import torch
     import torch.distributed as dist
 
@@ -54,21 +60,22 @@ def _worker(rank, world, port, tasks, results, env, threads):
         task = tasks.get()
         if task is None:
             break
-        path, name, args = task
+        module_name, path, fn_name, args = task
         try:
-            results.put((rank, True, getattr(_load(path), name)(*args)))
+            results.put((rank, True, getattr(_load(module_name, path), fn_name)(*args)))
         except BaseException:  # noqa: BLE001 - shipped to the parent
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 
 
 class WorkerPool:
-    """``world`` gloo ranks on loopback, ``threads`` intra-op threads each."""
+    """``world`` gloo ranks on 127.0.0.1, ``threads`` intra-op threads each, ``env`` set in each."""
 
-    def __init__(self, world: int, threads: int = 1, env=None):
+    def __init__(self, world: int, threads: int = 1, env=None, timeout: float = 180.0):
         self.world = world
         self.threads = threads
         self.env = dict(env or {})
+        self.timeout = timeout
         self._start()
 
     def _start(self):
@@ -83,11 +90,12 @@ class WorkerPool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = 600.0):
+    def run(self, fn, *args, timeout: float = None):
+        timeout = self.timeout if timeout is None else timeout
         module = sys.modules[fn.__module__]
-        path = os.path.abspath(module.__file__)
+        task = (fn.__module__, os.path.abspath(module.__file__), fn.__name__, args)
         for q in self.tasks:
-            q.put((path, fn.__name__, args))
+            q.put(task)
         out, errors = [None] * self.world, []
         for _ in range(self.world):
             try:
@@ -123,3 +131,12 @@ class WorkerPool:
 
     def __exit__(self, *exc):
         self.close(kill=exc[0] is not None)
+
+
+def catch(fn):
+    """(exception type name, message) of ``fn()``, or None; for per-rank error checks."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - returned to the parent for its assertion
+        return type(exc).__name__, str(exc)
+    return None

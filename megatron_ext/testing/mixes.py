@@ -1,12 +1,14 @@
-"""Document-length mixes for the benchmarks: deterministic doc ids [S] (1-based, no padding).
+"""Document-length mixes for the benchmarks and the GPU check: deterministic doc ids [S] (1-based).
 
 - ``short``: many short documents, lengths uniform in [64, 1024];
 - ``heavy_tail``: lognormal lengths (median 512, sigma 1.2, clipped to [16, S/2])
   plus one document of exactly S/2 at a seeded place, so every S has a few very
   long documents next to many short ones;
-- ``single``: one document of length S.
+- ``single``: one document of length S;
+- ``packed_mix``: log-uniform lengths in [min_len, max_len], about 8% length-1
+  documents and an optional padded tail (id 0): the GPU check's realistic pack.
 
-Every mix depends only on (mix, S, seed): all ranks build the same ids.
+Every mix depends only on its arguments and seed: all ranks build the same ids.
 """
 
 import math
@@ -58,12 +60,24 @@ def make_doc_ids(mix: str, S: int, seed: int = 0) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
 
 
+def packed_mix(S: int, seed: int, min_len: int, max_len: int, pad_tail: int = 0) -> torch.Tensor:
+    """[S] doc ids: log-uniform document lengths, a few length-1 documents, ``pad_tail`` padding."""
+    g = torch.Generator().manual_seed(seed)
+    runs, n, doc = [], 0, 1
+    body = S - pad_tail
+    while n < body:
+        if float(torch.rand(1, generator=g)) < 0.08:
+            length = 1
+        else:
+            u = float(torch.rand(1, generator=g))
+            length = int(math.exp(math.log(min_len) + u * (math.log(max_len) - math.log(min_len))))
+        length = max(1, min(length, body - n))
+        runs.append(torch.full((length,), doc, dtype=torch.int64))
+        n, doc = n + length, doc + 1
+    runs.append(torch.zeros(pad_tail, dtype=torch.int64))
+    return torch.cat(runs)
+
+
 def describe(mix: str, S: int, seed: int = 0) -> dict:
     lengths = doc_lengths(mix, S, seed)
     return {"num_docs": len(lengths), "max_doc": max(lengths), "min_doc": min(lengths)}
-
-
-if __name__ == "__main__":
-    for m in MIXES:
-        for s in SEQ_LENS:
-            print(m, s, describe(m, s))

@@ -1,7 +1,9 @@
 """An independent single-process reference: dense per-document causal attention.
 
 Builds the full [S, S] mask from document ids on global positions and runs plain
-softmax attention in the input's dtype; shares no code with megatron_ext.
+softmax attention in the input's dtype and on its device; shares no code with the
+engine (megatron_ext.blockdiag_cp). The tests compare against it on CPU, the GPU
+check in fp32 on the GPU.
 """
 
 import torch
@@ -27,7 +29,7 @@ def reference_attention(q, k, v, doc_ids, scale=None):
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
     scale = d ** -0.5 if scale is None else scale
-    mask = doc_mask(doc_ids)  # [R, S, S]
+    mask = doc_mask(doc_ids).to(q.device)  # [R, S, S]
     mask = mask.expand(b, S, S) if mask.shape[0] == 1 else mask
     scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))

@@ -8,8 +8,8 @@ feeding the keys). They run on CPU in fp32/fp64.
 
 What they do NOT test: the real CUDA kernels (flash-attn, torch's varlen_attn,
 TransformerEngine's fused attention), their numerics in bf16, or whether a given
-GPU/driver/library version accepts the call. ``scripts/gpu_check.py`` does that
-on a GPU machine.
+GPU/driver/library version accepts the call. The GPU check
+(``scripts/gpu_check.sh``) does that on a GPU machine.
 
 Every double computes, for each segment i, softmax(q_i k_i^T * scale) v_i over
 q[cu_q[i]:cu_q[i+1]] and k/v[cu_k[i]:cu_k[i+1]] with a bottom-right causal mask
@@ -17,7 +17,6 @@ q[cu_q[i]:cu_q[i+1]] and k/v[cu_k[i]:cu_k[i+1]] with a bottom-right causal mask
 K/V heads -- explicit math, sharing no code with megatron_ext's dense kernel.
 """
 
-import sys
 import types
 from typing import List, Optional
 
@@ -80,14 +79,14 @@ def varlen_math(q, k, v, cq: List[int], ck: List[int], scale: float):
 
 
 # ---------------------------------------------------------------------------
-# engine-level double: replaces kernels.KERNELS["flash"]
+# engine-level double: stands in for the flash kernel (override_kernel("flash", ...))
 # ---------------------------------------------------------------------------
 
 CALLS: List[dict] = []  # metadata of every double call in this process (tests read and clear it)
 
 
 def flash_kernel_double(q, k, v, seg, softmax_scale, dropout_p=0.0):
-    """Drop-in for ``kernels.KERNELS['flash']`` (the engine's kernel contract)."""
+    """Drop-in for the engine's flash kernel (the kernel contract of kernels.py)."""
     _check(dropout_p == 0.0, "the double has no dropout")
     cq, ck = check_varlen_metadata(q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k,
                                    seg.max_seqlen_q, seg.max_seqlen_k)
@@ -153,7 +152,7 @@ TORCH_VARLEN_FAKES = {"is_causal": fake_varlen_attn_is_causal, "window": fake_va
 
 
 # ---------------------------------------------------------------------------
-# TE double: a fake ``transformer_engine.pytorch`` module
+# TE double: a stand-in ``transformer_engine.pytorch`` module
 # ---------------------------------------------------------------------------
 
 
@@ -206,24 +205,18 @@ class FakeDotProductAttention(torch.nn.Module):
         return out.reshape(out.shape[0], -1)  # [t, h * d]
 
 
-def install_fake_te():
-    """Put a fake ``transformer_engine.pytorch`` in sys.modules; returns what to restore."""
-    saved = {name: sys.modules.get(name) for name in ("transformer_engine", "transformer_engine.pytorch")}
-    pkg = types.ModuleType("transformer_engine")
-    sub = types.ModuleType("transformer_engine.pytorch")
-    sub.DotProductAttention = FakeDotProductAttention
-    pkg.pytorch = sub
-    pkg.__path__ = []  # a package, so "transformer_engine.pytorch" resolves as its submodule
-    sys.modules["transformer_engine"] = pkg
-    sys.modules["transformer_engine.pytorch"] = sub
+def fake_te_pytorch() -> types.ModuleType:
+    """A stand-in ``transformer_engine.pytorch`` with the fake ``DotProductAttention``.
+
+    Hand it to ``override_library("transformer_engine.pytorch", ...)``; its call logs start empty.
+    """
+    module = types.ModuleType("transformer_engine.pytorch")
+    module.DotProductAttention = FakeDotProductAttention
     FakeDotProductAttention.CONSTRUCTED.clear()
     FakeDotProductAttention.FORWARDS.clear()
-    return saved
+    return module
 
 
-def uninstall_fake_te(saved) -> None:
-    for name, module in saved.items():
-        if module is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = module
+def library_with(attribute: str, fn) -> types.SimpleNamespace:
+    """A stand-in library module exposing one function, e.g. ``flash_attn.flash_attn_varlen_func``."""
+    return types.SimpleNamespace(**{attribute: fn})

@@ -1,0 +1,406 @@
+"""gpu_check suite (``--suites gpu_check``): the prepared GPU check of the engine's kernels, bf16.
+
+Run on a one-GPU machine through its one prepared command (megatron-core,
+TransformerEngine and flash-attn are NOT needed; torch's varlen_attn serves as "flash"):
+
+    bash scripts/gpu_check.sh            # = run_all.py --suites gpu_check --out $OUT ...
+    bash scripts/gpu_check.sh --dry-run  # CPU, fp32, tiny sizes, the flash test double
+
+Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
+- env: versions, which flash implementation, whether te is importable, and that
+  megatron_ext.blockdiag_cp imports without megatron.
+- matmul_peak: the device's bf16 matmul TFLOP/s measured in this run (the H200's data
+  sheet says ~989); timing rows give their fraction of it.
+- accuracy: every layout x exchange at cp=2 and cp=4, forward and backward, each backend in
+  bf16 against an fp32 reference (same bf16-rounded inputs), max abs / rel error of out, dq, dk, dv.
+- engine_cp1: the whole engine call (forward + backward) at cp=1 on a realistic pack
+  (32k tokens, 32 query heads, 8 KV heads, head dim 128), its error vs an fp32 dense run,
+  and the engine's overhead: the fraction of its time not spent in the kernel itself.
+- timing: on the same pack, each backend's kernel per rank for every layout at cp=1/2/4
+  (forward, forward+backward), effective TFLOP/s of the busiest rank.
+- te: not run (and said so) unless transformer_engine imports.
+
+How cp ranks share one GPU: NCCL refuses two ranks on one device, so each accuracy check
+spawns cp processes on cuda:0 joined by a gloo group, and sets
+MEGATRON_EXT_STAGE_COLLECTIVES_ON_CPU=1 so the engine's K/V collectives run on CPU copies
+(gloo's send/recv, used by the halo exchange, cannot take CUDA tensors). The exchange's
+speed is therefore not measured here; timing is of the kernels on each rank's real
+segments, one rank at a time in this process (megatron_ext.testing.timing).
+"""
+
+import contextlib
+import json
+import platform
+import time
+
+from megatron_ext.testing.isolation import block_megatron_if_asked
+
+block_megatron_if_asked()  # the ranks of a --block-megatron run import this module too
+
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+EXCHANGES = ("allgather", "halo", "a2a")
+STAGE_ENV = "MEGATRON_EXT_STAGE_COLLECTIVES_ON_CPU"
+H200_BF16_SPEC_TFLOPS = 989.0
+APPROACH = ("cp ranks = cp processes on one device joined by a gloo group; K/V collectives staged "
+            "through CPU (MEGATRON_EXT_STAGE_COLLECTIVES_ON_CPU=1) because NCCL refuses two ranks on "
+            "one GPU and gloo's send/recv (halo) cannot take CUDA tensors; exchange speed is not "
+            "measured; kernel timings run each rank's real segments one rank at a time")
+
+# bf16 bounds on max|err| / max|ref| against the fp32 reference (fp32 dry run: much tighter).
+TOL_BF16 = {"out": 2e-2, "dq": 5e-2, "dk": 5e-2, "dv": 5e-2}
+TOL_FP32 = {"out": 1e-4, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
+
+
+def sizes(dry_run):
+    if dry_run:
+        return {"acc_cases": [("mix", 64, 1), ("rows2", 48, 2)], "acc_heads": (4, 2, 8),
+                "time_S": 256, "time_heads": (4, 2, 16), "reps": 1, "warmup": 1, "matmul_n": 256}
+    return {"acc_cases": [("mix", 4096, 1), ("rows2", 2048, 2)], "acc_heads": (8, 2, 128),
+            "time_S": 32768, "time_heads": (32, 8, 128), "reps": 5, "warmup": 2, "matmul_n": 8192}
+
+
+def case_doc_ids(S, b):
+    import torch
+
+    from megatron_ext.testing.mixes import packed_mix
+
+    if b == 1:
+        return packed_mix(S, 11, max(2, S // 64), max(4, S // 3), pad_tail=S // 50)
+    return torch.stack([packed_mix(S, 12 + r, max(2, S // 32), max(4, S // 2), pad_tail=r * (S // 20))
+                        for r in range(b)])
+
+
+def timing_doc_ids(S):
+    from megatron_ext.testing.mixes import packed_mix
+
+    return packed_mix(S, 21, max(2, S // 128), max(4, S // 4))
+
+
+@contextlib.contextmanager
+def check_backends(dry_run):
+    """Yields the backends to check; a dry run puts the CPU flash double behind "flash"."""
+    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import override_availability, override_kernel
+    from megatron_ext.testing.doubles import flash_kernel_double
+
+    with contextlib.ExitStack() as stack:
+        if dry_run:
+            stack.enter_context(override_kernel("flash", flash_kernel_double))
+            stack.enter_context(override_availability("flash", True, "CPU flash test double",
+                                                      any_call=True))
+        backends = ["flash", "dense"]
+        if kernels.installed("te")[0]:
+            backends.insert(0, "te")
+        yield backends
+
+
+def device_and_dtype(dry_run):
+    import torch
+
+    if dry_run:
+        return torch.device("cpu"), torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda", 0), torch.bfloat16
+
+
+def _round(d):
+    return {k: float(f"{v:.3e}") for k, v in d.items()}
+
+
+def _sig(x):
+    return float(f"{x:.4g}")
+
+
+def _max_rel(got, ref):
+    return float((got.detach().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------
+# accuracy (runs on every rank of a gloo pool)
+# ---------------------------------------------------------------------------
+
+
+def w_accuracy(dry_run):
+    import torch
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing import reference_attention
+
+    device, dtype = device_and_dtype(dry_run)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    hq, hkv, d = sizes(dry_run)["acc_heads"]
+    rows = []
+    with check_backends(dry_run) as backends:
+        for case, S, b in sizes(dry_run)["acc_cases"]:
+            doc_ids = case_doc_ids(S, b)
+            g = torch.Generator().manual_seed(5)
+            shapes = [(S, b, hq, d), (S, b, hkv, d), (S, b, hkv, d), (S, b, hq, d)]
+            # Inputs rounded to the test dtype once; the fp32 reference sees the same values.
+            q, k, v, w = (torch.randn(*s, generator=g).to(dtype).to(device) for s in shapes)
+            ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+            ref = reference_attention(*ref_in, doc_ids)
+            (ref * w.float()).sum().backward()
+            ref_t = {"out": ref.detach(), "dq": ref_in[0].grad, "dk": ref_in[1].grad, "dv": ref_in[2].grad}
+            for layout in LAYOUTS:
+                for exchange in EXCHANGES:
+                    for backend in backends:
+                        row = {"case": case, "S": S, "b": b, "layout": layout, "exchange": exchange,
+                               "backend": backend}
+                        try:
+                            state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange,
+                                                                attn_backend=backend, device=device)
+                            local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+                            with bdcp.blockdiag_cp_step(state):
+                                out = bdcp.blockdiag_cp_attention(*local)
+                                (out.float() * state.shard(w).float()).sum().backward()
+                            got = {"out": out, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+                            row["err"], row["ref_max"] = {}, {}
+                            for name, value in got.items():
+                                expect = state.shard(ref_t[name])
+                                row["err"][name] = float((value.detach().float() - expect).abs().max())
+                                row["ref_max"][name] = float(expect.abs().max())
+                            report = state.report()
+                            row.update(resolved=report["attn_backend"], reason=report["attn_backend_reason"],
+                                       exchange_resolved=report["kv_exchange"])
+                        except Exception as exc:  # noqa: BLE001 - BlockDiagCPError is raised on every rank
+                            row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                        rows.append(row)
+            del ref, ref_in, ref_t
+    dist.barrier()
+    return rows
+
+
+def run_accuracy(cp, dry_run, emit, deadline):
+    from megatron_ext.testing import WorkerPool
+
+    pool = WorkerPool(cp, env={STAGE_ENV: "1"})
+    try:
+        per_rank = pool.run(w_accuracy, dry_run, timeout=max(30.0, min(240.0, deadline - time.time())))
+    finally:
+        pool.close()
+    tol = TOL_FP32 if dry_run else TOL_BF16
+    lines = []
+    for i, row in enumerate(per_rank[0]):
+        ranks = [rows[i] for rows in per_rank]
+        line = {"check": "accuracy", "cp": cp, **{k: row[k] for k in ("case", "S", "b", "layout", "exchange",
+                                                                    "backend")}}
+        errors = [r["error"] for r in ranks if "error" in r]
+        if errors:
+            line.update(passed=False, error=errors[0])
+        else:
+            max_abs = {n: max(r["err"][n] for r in ranks) for n in tol}
+            ref_max = {n: max(r["ref_max"][n] for r in ranks) for n in tol}
+            max_rel = {n: max_abs[n] / max(ref_max[n], 1e-30) for n in tol}
+            resolved = sorted({r["resolved"] for r in ranks})
+            passed = resolved == [row["backend"]] and all(max_rel[n] < tol[n] for n in tol)
+            line.update(resolved=resolved, exchange_resolved=sorted({r["exchange_resolved"] for r in ranks}),
+                        max_abs=_round(max_abs), max_rel=_round(max_rel), tol=tol, passed=passed)
+            if resolved != [row["backend"]]:
+                line["reason"] = ranks[0]["reason"]
+        lines.append(line)
+    # Each backend's error relative to dense's on the same case/layout/exchange (dense = 1.0).
+    dense = {(l["case"], l["layout"], l["exchange"]): l["max_rel"] for l in lines
+             if l["backend"] == "dense" and "max_rel" in l}
+    for line in lines:
+        base = dense.get((line["case"], line["layout"], line["exchange"]))
+        if base and "max_rel" in line and line["backend"] != "dense":
+            line["err_ratio_vs_dense"] = _round({n: line["max_rel"][n] / max(base[n], 1e-30) for n in base})
+        emit(line)
+    return all(line["passed"] for line in lines)
+
+
+# ---------------------------------------------------------------------------
+# peak, engine and kernel timing (this process)
+# ---------------------------------------------------------------------------
+
+
+def run_matmul_peak(dry_run, emit):
+    from megatron_ext.testing import matmul_tflops
+
+    device, dtype = device_and_dtype(dry_run)
+    peak = matmul_tflops(device, dtype, n=sizes(dry_run)["matmul_n"])
+    emit({"check": "matmul_peak", **peak, "tflops": _sig(peak["tflops"]), "ms": round(peak["ms"], 3),
+          "spec_tflops": None if dry_run else H200_BF16_SPEC_TFLOPS, "passed": peak["tflops"] > 0})
+    return peak["tflops"]
+
+
+def run_engine(dry_run, backends, emit, peak):
+    """The whole engine call at cp=1 (no exchange): error vs fp32 dense, time, kernel share."""
+    import torch
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing import median_ms
+    from megatron_ext.testing.timing import time_kernels, useful_tflops
+
+    device, dtype = device_and_dtype(dry_run)
+    cfg = sizes(dry_run)
+    S, (hq, hkv, d) = cfg["time_S"], cfg["time_heads"]
+    reps, warmup = cfg["reps"], cfg["warmup"]
+    doc_ids = timing_doc_ids(S)
+    g = torch.Generator().manual_seed(4)
+    q, k, v, w = (torch.randn(S, 1, h, d, generator=g).to(dtype).to(device) for h in (hq, hkv, hkv, hq))
+
+    def step(state, tensors, weight):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        with bdcp.blockdiag_cp_step(state):
+            out = bdcp.blockdiag_cp_attention(*leaves)
+            (out.float() * weight.float()).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def build(backend):
+        return bdcp.BlockDiagCPState.build(doc_ids, cp_group=None, attn_backend=backend, device=device)
+
+    ref = step(build("dense"), [t.float() for t in (q, k, v)], w.float())  # fp32 dense: the reference
+    tol = TOL_FP32 if dry_run else TOL_BF16
+    ok_all = True
+    for backend in backends:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        state = build(backend)
+        got = step(state, (q, k, v), w)
+        engine_ms = median_ms(lambda: step(state, (q, k, v), w), device, reps, warmup)
+        build_ms = median_ms(lambda: build(backend), device, reps, warmup)
+        kernel = time_kernels(doc_ids, "contiguous", 1, (backend,), (hq, hkv, d), device, dtype, reps, warmup)
+        kernel_ms = kernel["backends"][backend]["fwd_bwd_ms"][0]
+        kernel_tflops = useful_tflops(kernel["pairs"][0], hq, d, kernel_ms)
+        max_rel = {n: _max_rel(a, r) for n, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+        report = state.report()
+        line = {"check": "engine_cp1", "S": S, "heads": [hq, hkv], "head_dim": d, "backend": backend,
+                "resolved": report["attn_backend"], "dtype": str(dtype).replace("torch.", ""),
+                "fwd_bwd_ms": round(engine_ms, 3), "kernel_fwd_bwd_ms": round(kernel_ms, 3),
+                "build_ms": round(build_ms, 3),
+                # what the engine adds around the kernel (packing, index gathers, autograd glue)
+                "engine_overhead_fraction": round(max(0.0, engine_ms - kernel_ms) / engine_ms, 4),
+                "kernel_fwd_bwd_tflops": _sig(kernel_tflops),
+                "kernel_fraction_of_matmul_peak": round(kernel_tflops / peak, 4) if peak else None,
+                "max_rel_vs_fp32_dense": _round(max_rel),
+                "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                if device.type == "cuda" else None}
+        line["passed"] = report["attn_backend"] == backend and all(max_rel[n] < tol[n] for n in max_rel)
+        ok_all &= line["passed"]
+        emit(line)
+    return ok_all
+
+
+def run_kernel_timing(dry_run, backends, emit, deadline, peak):
+    from megatron_ext.testing.timing import time_kernels, useful_tflops
+
+    device, dtype = device_and_dtype(dry_run)
+    cfg = sizes(dry_run)
+    S, (hq, hkv, d) = cfg["time_S"], cfg["time_heads"]
+    doc_ids = timing_doc_ids(S)
+    docs = int((doc_ids.diff() != 0).sum()) + 1
+    tol = (TOL_FP32 if dry_run else TOL_BF16)["out"]
+    ok_all = True
+    for cp in (1, 2, 4):
+        for layout in (("contiguous",) if cp == 1 else LAYOUTS):
+            if time.time() > deadline:
+                emit({"check": "timing", "cp": cp, "layout": layout, "passed": False,
+                      "error": "skipped: out of time"})
+                return False
+            timed = time_kernels(doc_ids, layout, cp, backends, (hq, hkv, d), device, dtype,
+                                 cfg["reps"], cfg["warmup"])
+            pairs = timed["pairs"]
+            line = {"check": "timing", "cp": cp, "layout": layout, "S": S, "docs": docs,
+                    "heads": [hq, hkv], "head_dim": d, "dtype": str(dtype).replace("torch.", ""),
+                    "pairs_per_rank": pairs, "kernels": {}}
+            for backend, t in timed["backends"].items():
+                slowest = max(t["fwd_ms"])
+                fwd_tflops = useful_tflops(max(pairs), hq, d, slowest, fwd_bwd=False)
+                line["kernels"][backend] = {
+                    "fwd_ms_per_rank": [round(x, 3) for x in t["fwd_ms"]],
+                    "fwd_bwd_ms_per_rank": [round(x, 3) for x in t["fwd_bwd_ms"]],
+                    "fwd_ms_max_rank": round(slowest, 3),
+                    "fwd_bwd_ms_max_rank": round(max(t["fwd_bwd_ms"]), 3),
+                    # useful work of the busiest rank over the slowest rank's time
+                    "fwd_tflops_effective": _sig(fwd_tflops) if slowest > 0 else None,
+                    "fwd_fraction_of_matmul_peak": round(fwd_tflops / peak, 4) if slowest > 0 and peak else None}
+            diff = timed["max_rel_diff_vs_dense"]
+            line["max_rel_diff_vs_dense"] = float(f"{diff:.3e}") if diff is not None else None
+            line["passed"] = diff is None or diff < 2 * tol
+            ok_all &= line["passed"]
+            emit(line)
+    return ok_all
+
+
+# ---------------------------------------------------------------------------
+# the suite
+# ---------------------------------------------------------------------------
+
+
+def env_check(dry_run):
+    import torch
+
+    from megatron_ext.testing.isolation import megatron_installed, megatron_modules
+
+    before = megatron_modules()
+    import megatron_ext.blockdiag_cp  # noqa: F401 - the engine path must not need megatron
+    from megatron_ext.blockdiag_cp import kernels
+
+    pulled = sorted(megatron_modules() - before)
+    te_ok, te_reason = kernels.installed("te")
+    line = {"check": "env", "dry_run": dry_run, "python": platform.python_version(),
+            "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "flash_impl": kernels.flash_impl_name(), "te_importable": te_ok, "te_reason": te_reason,
+            "megatron_core_installed": megatron_installed(),
+            "engine_imported_megatron": pulled, "approach": APPROACH}
+    line["passed"] = not pulled and (dry_run or torch.cuda.is_available())
+    return line
+
+
+def run(dry_run=False, budget_s=420.0, skip=(), block_megatron=False, log=print):
+    """Every check as one row (``suite`` = gpu_check, ``check`` = its name, ``passed``)."""
+    from megatron_ext.testing.isolation import block_megatron as _block
+
+    if block_megatron:
+        _block()
+    t0 = time.time()
+    deadline = t0 + budget_s
+    rows = []
+
+    def emit(line):
+        line = {"suite": "gpu_check", **line}
+        line.setdefault("dry_run", dry_run)
+        line["t_s"] = round(time.time() - t0, 1)
+        print(json.dumps(line, sort_keys=False), flush=True)
+        rows.append(line)
+
+    results = {}
+    env = env_check(dry_run)
+    emit(env)
+    results["env"] = env["passed"]
+    if not env["passed"]:
+        emit({"check": "summary", "passed": False, "failed": ["env"], "wall_s": round(time.time() - t0, 1)})
+        return rows
+    with check_backends(dry_run) as backends:
+        if "te" not in backends:
+            emit({"check": "te", "status": "not_run", "passed": True,
+                  "reason": f"transformer_engine not importable ({env['te_reason']}); te was NOT checked"})
+        peak = {}
+        checks = (("matmul_peak", lambda: peak.setdefault("tflops", run_matmul_peak(dry_run, emit)) > 0),
+                  ("accuracy_cp2", lambda: run_accuracy(2, dry_run, emit, deadline)),
+                  ("accuracy_cp4", lambda: run_accuracy(4, dry_run, emit, deadline)),
+                  ("engine", lambda: run_engine(dry_run, backends, emit, peak.get("tflops"))),
+                  ("timing", lambda: run_kernel_timing(dry_run, backends, emit, deadline, peak.get("tflops"))))
+        for name, fn in checks:
+            if name.split("_")[0] in skip:
+                continue
+            if time.time() > deadline:
+                emit({"check": name, "passed": False, "error": "skipped: out of time budget"})
+                results[name] = False
+                continue
+            try:
+                results[name] = bool(fn())
+            except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others
+                emit({"check": name, "passed": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+                results[name] = False
+    failed = [k for k, ok in results.items() if not ok]
+    emit({"check": "summary", "passed": not failed, "failed": failed, "backends": backends,
+          "te_checked": "te" in backends,
+          "wall_s": round(time.time() - t0, 1)})
+    log(f"  gpu_check: {'passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return rows
