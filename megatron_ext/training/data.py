@@ -334,10 +334,11 @@ def ensure_megatron_helpers(cache_dir: pathlib.Path) -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules["megatron.core.datasets.helpers_cpp"] = module
-    except Exception as exc:  # pragma: no cover - depends on the install
+    except (ImportError, OSError, subprocess.CalledProcessError) as exc:  # no pybind11 / compiler
+        detail = getattr(exc, "stderr", None) or exc
         raise RuntimeError(
             "megatron-core's compiled dataset helpers (megatron/core/datasets/helpers_cpp) are "
-            f"missing ({error}) and compiling them failed ({exc}); install a megatron-core wheel, "
+            f"missing ({error}) and compiling them failed ({detail}); install a megatron-core wheel, "
             "or a C++ compiler and `pip install pybind11`") from exc
 
 
