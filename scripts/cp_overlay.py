@@ -11,7 +11,7 @@ and their relative difference per iteration as ``docs/cp_overlay.png`` and the
 numbers as ``docs/cp_overlay.json``, and exits 1 if any iteration differs by more
 than ``--tolerance`` (relative).
 
-    python scripts/cp_overlay.py                          # 100 iterations of the make-train model
+    python scripts/cp_overlay.py --control -- --lr 1e-3 --min-lr 1e-4   # docs/cp_overlay.png
     python scripts/cp_overlay.py --train-iters 6 --out-dir /tmp/o -- --num-layers 2 ...
 """
 
@@ -62,7 +62,7 @@ def plot(path: pathlib.Path, iterations, loss_cp1, loss_cp2, rel, tolerance, tit
     top.plot(iterations, loss_cp1, lw=2.5, alpha=0.6, label="CP = 1 (1 process)")
     top.plot(iterations, loss_cp2, lw=1.0, ls="--", color="black", label="CP = 2 (2 processes)")
     top.set_ylabel("lm loss")
-    top.set_title(title)
+    top.set_title(title, fontsize=9)
     top.legend()
     top.grid(alpha=0.3)
     floor = 1e-9  # identical losses would vanish on the log axis
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     worst = max(range(len(rel)), key=rel.__getitem__)
     model = "the make-train model (4 layers, hidden 256, seq 2048)"
     if args.pretrain_args:
-        model += ", " + " ".join(args.pretrain_args)
+        model += ",\n" + " ".join(args.pretrain_args)
     summary = {
         "setup": "CP=1 on 1 process vs CP=2 on 2 processes; DP=1, global batch 1, fp32, "
                  "same data, seed and flags",
