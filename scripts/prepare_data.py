@@ -15,9 +15,11 @@ import argparse
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run from a clone without `pip install -e .`
+    sys.path.insert(0, str(REPO_ROOT))
 
-import gpt_data  # noqa: E402
+from megatron_ext.training import data as gpt_data  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,7 +35,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.stdlib:
-        prefix = gpt_data.default_dataset_prefix(progress=not args.no_progress)
+        prefix = gpt_data.default_dataset_prefix(REPO_ROOT / "data_cache",
+                                                 progress=not args.no_progress)
     else:
         if not args.output_prefix:
             parser.error("--output-prefix is required with --input")

@@ -1,13 +1,17 @@
 """scripts/pretrain_gpt.py end to end, tiny sizes (2 CPU processes under torchrun, gloo).
 
-(a) bad --cp-* values / sizes exit non-zero naming the accepted values, before any
-    process group exists (a 2-rank world whose rank 1 never comes would otherwise hang);
+(a) bad --cp-* values / sizes / numbers / --data-path syntax exit non-zero naming the
+    value and the fix, before any process group exists (a 2-rank world whose rank 1
+    never comes would otherwise hang);
 (b) a missing or corrupt --data-path fails cleanly on every rank, no hang;
 (c) a run SIGKILLed after a checkpoint and resumed with --load gives the same losses,
-    iteration for iteration, as an uninterrupted run.
+    iteration for iteration, as an uninterrupted run, and the learning rate follows
+    Megatron's schedule (an independent formula) across the resume;
+(d) --load never unpickles code: a crafted checkpoint is refused with the reason.
 """
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -95,31 +99,51 @@ def test_bad_cp_flag_exits_before_process_group(flag, value, accepted):
     (["--context-parallel-size", "3"], "not divisible"),
     (["--context-parallel-size", "1", "--global-batch-size", "3"], "not divisible"),
     (["--num-attention-heads", "4", "--num-query-groups", "3"], "not divisible"),
+    # numbers no run can use: rejected here, not by megatron's scheduler after the group starts
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr 0.1 must not exceed --lr 0.01"),
+    (["--train-iters", "20", "--lr-warmup-iters", "20"], "must be smaller than --lr-decay-iters 20"),
+    (["--adam-beta2", "1.5"], "--adam-beta2 must be in [0, 1), got 1.5"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "one of --lr-warmup-fraction"),
+    (["--start-weight-decay", "0.0"], "--weight-decay-incr-style linear or cosine"),
+    # megatron's blended syntax is W1 P1 W2 P2 ...: the problem is the unpaired weight
+    (["--data-path", "0.5", "PFX", "0.5"], "the weight 0.5 has no prefix after it"),
+    (["--data-path", "PFX_A", "0.3", "PFX_B"], "mixes plain prefixes with what look like weights"),
+    (["--data-path", "0.5", "PFX_A", "PFX_B", "PFX_C"], "entry 3 ('PFX_B') should be the weight"),
+    (["--data-path", "-1", "PFX_A"], "must be a positive finite number"),
 ])
-def test_bad_sizes_exit_before_process_group(args, message):
+def test_bad_values_exit_before_process_group(args, message):
+    # Rank 0 of a 2-rank world: reaching init_process_group would hang until the timeout.
     env = _env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
+    t = time.time()
     res = subprocess.run([sys.executable, str(SCRIPT), *args], env=env,
                          capture_output=True, text=True, timeout=90)
-    assert res.returncode != 0
+    assert res.returncode == 2, res.stdout + res.stderr  # argparse's usage-error code
     assert message in res.stderr, res.stderr
+    assert "missing" not in res.stderr, res.stderr  # never "dataset '0.5' is missing"
+    assert "[pretrain_gpt] torch" not in res.stdout  # printed only after the group exists
+    assert time.time() - t < 30
 
 
-def _load_script(path: pathlib.Path):
-    """The entry script as a module (it puts its own folder on sys.path for its helpers)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_validation_imports_no_torch():
+    # The fast exit above relies on this: flags are checked before torch is imported.
+    code = ("import sys; from megatron_ext.training import arguments; "
+            "a = arguments.build_parser().parse_args(['--lr', '1e-3']); "
+            "arguments.validate_args(a, 2); "
+            "print(sorted(m for m in ('torch', 'megatron', 'numpy') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], env=_env(PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
 
 
 def test_synonyms_are_accepted():
-    pretrain_gpt = _load_script(SCRIPT)
-    args = pretrain_gpt.build_parser().parse_args(
+    from megatron_ext.training import arguments
+    args = arguments.build_parser().parse_args(
         ["--cp-attn-backend", "SDPA", "--cp-kv-exchange", "all-gather", "--cp-layout", "Zig-Zag"])
-    pretrain_gpt.validate_args(args, world_size=2)
+    arguments.validate_args(args, world_size=2)
     assert (args.cp_attn_backend_canonical, args.cp_kv_exchange_canonical,
             args.cp_layout_canonical) == ("dense", "allgather", "zigzag")
     assert (args.context_parallel_size, args.data_parallel_size) == (2, 1)
@@ -129,7 +153,7 @@ def test_synonyms_are_accepted():
 
 def _run_two_ranks_expect_data_error(data_args, expect):
     t = time.time()
-    res = subprocess.run([*_torchrun(2), str(SCRIPT), *TINY, "--train-iters", "2", *data_args],
+    res = subprocess.run([*_torchrun(2), str(SCRIPT), *TINY, "--train-iters", "3", *data_args],
                          env=_env(), capture_output=True, text=True, timeout=150)
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
@@ -184,6 +208,21 @@ def _pids_mentioning(text):
     return pids
 
 
+def _megatron_lr(iteration, lr=3e-3, min_lr=3e-4, warmup=2, decay=N_ITERS):
+    """The lr megatron applies at 1-based `iteration` (its scheduler steps after the update):
+    linear warmup from 0 over `warmup` steps, then cosine from lr to min_lr at `decay`."""
+    steps = iteration - 1
+    if steps <= warmup:
+        return lr * steps / warmup
+    ratio = (steps - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def _logged(stdout, field):
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        rf"iteration\s+(\d+)/\s*\d+ \|.*?\| {field}: ([0-9.Ee+-]+) \|", stdout)}
+
+
 def _losses(folder):
     with open(pathlib.Path(folder) / "losses.json") as f:
         data = json.load(f)
@@ -203,6 +242,10 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path, tiny_data):
     assert "cp=2" in res.stdout, res.stdout[-2000:]  # the defaults give CP = 2 on 2 processes
     ref = _losses(a)
     assert sorted(ref) == list(range(1, N_ITERS + 1))
+    lrs = _logged(res.stdout, "learning rate")
+    assert sorted(lrs) == list(range(1, N_ITERS + 1))
+    for it, lr in lrs.items():  # megatron-core's OptimizerParamScheduler, Megatron's semantics
+        assert lr == pytest.approx(_megatron_lr(it), rel=1e-6, abs=1e-12), (it, lr)
 
     # B: killed with SIGKILL (the whole torchrun process group) right after a checkpoint
     b = tmp_path / "b"
@@ -246,9 +289,10 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path, tiny_data):
                          capture_output=True, text=True, timeout=200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"resumed from {b} at iteration {pointer}" in res.stdout, res.stdout[-2000:]
-    resumed_lines = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.Ee+-]+) \|", res.stdout)}
+    resumed_lines = _logged(res.stdout, "lm loss")
     assert sorted(resumed_lines) == list(range(pointer + 1, N_ITERS + 1))
+    for it, lr in _logged(res.stdout, "learning rate").items():  # the schedule resumed too
+        assert lr == pytest.approx(_megatron_lr(it), rel=1e-6, abs=1e-12), (it, lr)
     got = _losses(b)
     assert sorted(got) == sorted(ref)
     for it in ref:
@@ -267,10 +311,71 @@ def test_strict_backend_fallback_is_an_error_on_every_rank(tiny_data):
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("TransformerEngine is installed: 'te' does not fall back here")
     res = subprocess.run([*_torchrun(2), str(SCRIPT), *TINY, "--data-path", tiny_data,
-                          "--train-iters", "2", "--cp-attn-backend", "te",
+                          "--train-iters", "3", "--cp-attn-backend", "te",
                           "--cp-attn-backend-strict"],
                          env=_env(), capture_output=True, text=True, timeout=150)
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: error: strict mode", out), out
+
+
+# ----------------------------------------------------------------------------- (d)
+
+class _RunsCodeWhenUnpickled:
+    """What a hostile checkpoint holds: unpickling it calls exec(), which writes a marker."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('code ran')",))
+
+
+def _crafted_checkpoint(folder, marker, iteration=5):
+    """A checkpoint folder in our layout (pointer, meta.json for 1 rank) with a hostile rank file."""
+    import torch
+    it_dir = folder / f"iter_{iteration:07d}"
+    it_dir.mkdir(parents=True)
+    torch.save({"model": {}, "optimizer": {}, "opt_param_scheduler": {},
+                "rng": _RunsCodeWhenUnpickled(marker), "iteration": iteration,
+                "consumed_samples": iteration, "rank": 0}, it_dir / "rank_00000.pt")
+    (it_dir / "meta.json").write_text(json.dumps({
+        "iteration": iteration, "consumed_samples": iteration, "world_size": 1,
+        "tensor_model_parallel_size": 1, "context_parallel_size": 1, "data_parallel_size": 1,
+        "loss_history": []}))
+    (folder / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+    return it_dir / "rank_00000.pt"
+
+
+def test_crafted_checkpoint_is_refused_not_unpickled(tmp_path):
+    import torch
+    from megatron_ext.training.checkpointing import CheckpointError, load_rank_file
+
+    marker = tmp_path / "marker"
+    path = _crafted_checkpoint(tmp_path / "ckpt", marker)
+    with pytest.raises(CheckpointError) as info:
+        load_rank_file(str(path))
+    assert not marker.exists(), "unpickling the checkpoint ran its code"
+    message = str(info.value)
+    for words in ("refusing to load", "exec", "not plain data", "weights_only=True",
+                  "arbitrary code"):
+        assert words in message, message
+    # The file is a real threat: a plain unpickle runs its code (what --load did before).
+    torch.load(path, weights_only=False)
+    assert marker.read_text() == "code ran"
+
+
+@pytest.mark.timeout(180)
+def test_load_of_crafted_checkpoint_exits_with_the_reason(tmp_path, tiny_data):
+    marker = tmp_path / "marker"
+    _crafted_checkpoint(tmp_path / "ckpt", marker)
+    res = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--data-path", tiny_data,
+                          "--train-iters", "3", "--context-parallel-size", "1",
+                          "--load", str(tmp_path / "ckpt")],
+                         env=_env(), capture_output=True, text=True, timeout=150)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert not marker.exists(), "--load ran code from the checkpoint"
+    assert re.search(r"rank 0: error: refusing to load .*rank_00000\.pt: it needs exec", res.stderr), \
+        res.stderr
+    assert "Traceback" not in res.stderr, res.stderr

@@ -5,7 +5,7 @@
 
 Samples ``--samples`` sequences of ``--seq-length`` tokens from a megatron indexed
 dataset (``PREFIX.bin`` / ``PREFIX.idx``), documents split at the EOD token as
-training packs them (scripts/gpt_data.py's byte tokenizer: EOD = 256, or
+training packs them (megatron_ext.training.data's byte tokenizer: EOD = 256, or
 ``--eod``), runs ``plan_summary`` for every layout (the exact layout + plan code
 of one rank) and prints per layout x exchange the K/V bytes the busiest rank
 receives per layer, work max/mean, the modeled attention time over the ideal

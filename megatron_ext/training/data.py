@@ -1,6 +1,7 @@
-"""Data helpers for scripts/pretrain_gpt.py and scripts/prepare_data.py.
+"""Data for the pretrain script: byte tokenizer, indexed datasets, megatron-core's GPTDataset.
 
 * ``ByteTokenizer``: 256 byte ids + one EOD id, vocabulary padded to a multiple of 128.
+* ``parse_data_path``: megatron's ``--data-path`` syntax (``PREFIX ...`` or ``W1 P1 W2 P2 ...``).
 * ``validate_indexed_dataset``: checks a megatron-core ``.bin``/``.idx`` pair without
   megatron (existence, header, sizes) and raises ``DataPathError`` with a clear message.
 * ``write_indexed_dataset`` / ``default_dataset_prefix``: build such a pair atomically
@@ -9,7 +10,9 @@
   with ``create_attention_mask=False`` (no S x S mask is ever materialized).
 
 Importing this module does not import torch or megatron; the functions that need them
-import lazily, so the argument checks of pretrain_gpt.py stay fast.
+import lazily, so the argument checks of pretrain_gpt.py stay fast. Nothing here knows
+where the repository is: callers pass the cache folder (the entry scripts use the
+repository's ``data_cache/``).
 """
 
 import contextlib
@@ -29,9 +32,6 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 # megatron-core warns at import time that it falls back to torch without TE/Apex
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-DATA_CACHE = REPO_ROOT / "data_cache"
 
 # --------------------------------------------------------------------------------------
 # Tokenizer
@@ -101,6 +101,57 @@ def strip_prefix(path: str) -> str:
         if path.endswith(suffix):
             return path[: -len(suffix)]
     return path
+
+
+def _as_weight(item: str) -> Optional[float]:
+    try:
+        return float(item)
+    except ValueError:
+        return None
+
+
+def parse_data_path(items: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """megatron's ``--data-path``: ``P1 [P2 ...]`` or ``W1 P1 W2 P2 ...``; returns (prefixes, weights).
+
+    Like megatron's ``get_blend_from_list``, a first item that parses as a number means
+    the weighted form; unlike it, every malformed list gets an error that says what is
+    wrong (a weight without a prefix, a prefix where a weight belongs, a mix of forms)
+    instead of reporting a weight as a missing dataset. Pure: touches no file.
+    """
+    items = [str(x) for x in items]
+    shown = " ".join(items)
+    if not items:
+        raise DataPathError("--data-path needs at least one dataset PREFIX")
+    if _as_weight(items[0]) is None:
+        numbers = [x for x in items if _as_weight(x) is not None]
+        if numbers:
+            raise DataPathError(
+                f"--data-path {shown}: mixes plain prefixes with what look like weights "
+                f"({', '.join(numbers)}); give either 'PREFIX1 PREFIX2 ...' or the blended form "
+                f"'W1 PREFIX1 W2 PREFIX2 ...' (a weight before every prefix)")
+        return items, None
+    if len(items) % 2:
+        raise DataPathError(
+            f"--data-path {shown}: the blended form is 'W1 PREFIX1 W2 PREFIX2 ...' (pairs), but "
+            f"{len(items)} entries were given: the weight {items[-1]} has no prefix after it")
+    weights, prefixes = [], []
+    for i in range(0, len(items), 2):
+        weight, prefix = _as_weight(items[i]), items[i + 1]
+        if weight is None:
+            raise DataPathError(
+                f"--data-path {shown}: entry {i + 1} ({items[i]!r}) should be the weight of "
+                f"{prefix!r} in 'W1 PREFIX1 W2 PREFIX2 ...'")
+        if _as_weight(prefix) is not None:
+            raise DataPathError(
+                f"--data-path {shown}: entry {i + 2} ({prefix!r}) should be a dataset prefix "
+                f"after the weight {items[i]}, not another number")
+        if not (weight > 0 and weight != float("inf")):
+            raise DataPathError(
+                f"--data-path {shown}: weight {items[i]} of {prefix!r} must be a positive "
+                f"finite number")
+        weights.append(weight)
+        prefixes.append(prefix)
+    return prefixes, weights
 
 
 def validate_indexed_dataset(prefix: str) -> Tuple[int, int]:
@@ -209,8 +260,7 @@ def write_indexed_dataset(files: Sequence[pathlib.Path], prefix: str,
         os.replace(tmp + ".idx", prefix + ".idx")
         _fsync_dir(os.path.dirname(os.path.abspath(prefix)))
     finally:
-        with contextlib.suppress(Exception):
-            builder.data_file.close()
+        builder.data_file.close()  # a no-op after finalize(); closes it on an error path
         for suffix in (".bin", ".idx"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp + suffix)
@@ -238,13 +288,13 @@ def stdlib_files() -> List[pathlib.Path]:
     return collect_files(pathlib.Path(sysconfig.get_paths()["stdlib"]), ["*.py"], STDLIB_EXCLUDE)
 
 
-def default_dataset_prefix(progress: bool = True, cache_dir: Optional[pathlib.Path] = None) -> str:
+def default_dataset_prefix(cache_dir: pathlib.Path, progress: bool = True) -> str:
     """The embedded default: the Python stdlib's own *.py files, built once under data_cache/.
 
     Safe when several processes (ranks) call it at once: a file lock serializes the build,
     and the pair appears atomically.
     """
-    cache_dir = pathlib.Path(cache_dir or DATA_CACHE)
+    cache_dir = pathlib.Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     files = stdlib_files()
     manifest = "\n".join(f"{p}:{p.stat().st_size}" for p in files)
@@ -265,12 +315,12 @@ def default_dataset_prefix(progress: bool = True, cache_dir: Optional[pathlib.Pa
 # megatron-core's GPT dataset
 # --------------------------------------------------------------------------------------
 
-def ensure_megatron_helpers() -> None:
+def ensure_megatron_helpers(cache_dir: pathlib.Path) -> None:
     """megatron-core's dataset index builder needs its C++ ``helpers_cpp`` extension.
 
     The megatron-core wheels ship it prebuilt (checked: 0.16.1, cp311 manylinux), so
     normally this only imports it. A source install without it gets it compiled once
-    from the shipped ``helpers.cpp`` into data_cache/ (the wheel has no Makefile for
+    from the shipped ``helpers.cpp`` into ``cache_dir`` (the wheel has no Makefile for
     megatron's own ``compile_helpers()``); that needs a C++ compiler and pybind11.
     """
     try:
@@ -279,24 +329,25 @@ def ensure_megatron_helpers() -> None:
     except ImportError as exc:
         error = exc
     try:
-        path = _compile_helpers()
+        path = _compile_helpers(pathlib.Path(cache_dir))
         spec = importlib.util.spec_from_file_location("megatron.core.datasets.helpers_cpp", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules["megatron.core.datasets.helpers_cpp"] = module
-    except Exception as exc:  # pragma: no cover - depends on the install
+    except (ImportError, OSError, subprocess.CalledProcessError) as exc:  # no pybind11 / compiler
+        detail = getattr(exc, "stderr", None) or exc
         raise RuntimeError(
             "megatron-core's compiled dataset helpers (megatron/core/datasets/helpers_cpp) are "
-            f"missing ({error}) and compiling them failed ({exc}); install a megatron-core wheel, "
+            f"missing ({error}) and compiling them failed ({detail}); install a megatron-core wheel, "
             "or a C++ compiler and `pip install pybind11`") from exc
 
 
-def _compile_helpers() -> str:
+def _compile_helpers(cache_dir: pathlib.Path) -> str:
     import megatron.core.datasets as mcd
     import pybind11
 
     src = pathlib.Path(mcd.__file__).parent / "helpers.cpp"
-    out_dir = DATA_CACHE / "megatron_helpers"
+    out_dir = cache_dir / "megatron_helpers"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / ("helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
     with open(out_dir / ".lock", "w") as lock:  # one compile, however many ranks ask
@@ -312,7 +363,7 @@ def _compile_helpers() -> str:
 
 
 def build_gpt_dataset(prefixes: Sequence[str], tokenizer: ByteTokenizer, seq_length: int,
-                      num_samples: int, seed: int, cache_path: Optional[str] = None,
+                      num_samples: int, seed: int, cache_path: str,
                       weights: Optional[Sequence[float]] = None):
     """The training split of megatron-core's GPT dataset over indexed dataset prefix(es).
 
@@ -321,7 +372,7 @@ def build_gpt_dataset(prefixes: Sequence[str], tokenizer: ByteTokenizer, seq_len
     Must be called on every rank (after the process group exists, rank 0 builds the
     sample index cache first, the others then read it).
     """
-    ensure_megatron_helpers()
+    ensure_megatron_helpers(pathlib.Path(cache_path))
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
