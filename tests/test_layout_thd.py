@@ -59,7 +59,7 @@ def test_bad_extents_and_rows_raise_clear_errors():
 
 
 def test_cp1_state_with_thd_layout_runs_the_document_rule():
-    from reference import reference_attention
+    from megatron_ext.testing.reference import reference_attention
 
     ids = torch.tensor([1] * 5 + [0] + [2] * 4)
     g = torch.Generator().manual_seed(0)

@@ -287,3 +287,184 @@ def test_thd_per_document_partition_with_cp(request, pool_name):
         for exchange, (loss_err, grad_err, layout) in per_rank.items():
             assert layout == "thd", layout
             assert loss_err < TOL and grad_err < TOL, (cp, exchange, loss_err, grad_err)
+
+
+# ---------------------------------------------------------------------------
+# A pipeline-style schedule: backward later, outside any step context
+# ---------------------------------------------------------------------------
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity forward; its backward fails (a kernel whose backward breaks)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in the kernel's backward")
+
+
+def _fails_in_backward(q, k, v, seg, scale, dropout_p=0.0):
+    from megatron_ext.blockdiag_cp import kernels
+
+    return _RaiseInBackward.apply(kernels.dense_varlen(q, k, v, seg, scale, dropout_p))
+
+
+def _reentrant_checkpoint(function, distribute_saved_activations, *args):
+    # megatron's tensor_parallel.checkpoint saves CUDA RNG state; on CPU torch's reentrant
+    # checkpoint recomputes inside backward exactly like it.
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+
+
+def schedule_forward_later_backward():
+    """forward 1, forward 2, backward 2, backward 1 (recompute of core attention in each)."""
+    import contextlib
+
+    import torch.distributed as dist
+    from megatron.core import tensor_parallel
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing import catch, override_kernel
+
+    group = H.ensure_mpu(tp=1, cp=2).get_context_parallel_group()
+    original = tensor_parallel.checkpoint
+    tensor_parallel.checkpoint = _reentrant_checkpoint
+    bdcp.configure_cp_varlen("dense", "a2a")
+    try:
+        model = _spec_model(2, recompute_granularity="selective", recompute_modules=["core_attn"])
+        model.train()
+        ref = H.reference_model({}, S)
+        ref.load_state_dict(model.state_dict())
+        batches = [megatron_masked_batch(b=1, seed=s) for s in (41, 42, 43, 44)]
+        refs = [reference_grads(ref, bt, bdcp.doc_ids_from_eod(bt["tokens"], H.EOD)) for bt in batches[:2]]
+
+        def forward(bt):
+            local = H.megatron_batch_on_this_cp_rank(dict(bt), group)
+            losses = model(local["tokens"], local["position_ids"], local["attention_mask"],
+                           labels=local["labels"])
+            return (losses * local["loss_mask"]).sum() / bt["loss_mask"].sum()
+
+        bdcp.reset_cp_attn_fire_count()
+        model.zero_grad()
+        first, second = forward(batches[0]), forward(batches[1])  # no step context anywhere
+        second.backward()
+        grads_2 = H.cp_reduced_grads(model, group)
+        model.zero_grad()
+        first.backward()
+        grads_1 = H.cp_reduced_grads(model, group)
+        fires = bdcp.cp_attn_fire_count()
+        errors = (max(H.rel(grads_1[n], refs[0][1][n]) for n in grads_1),
+                  max(H.rel(grads_2[n], refs[1][1][n]) for n in grads_2))
+
+        # A kernel failure in a backward that runs later (rank 0 only): no error there, then the
+        # next microbatch's build raises it on every rank.
+        third = forward(batches[2])
+        broken = override_kernel("dense", _fails_in_backward) if dist.get_rank() == 0 \
+            else contextlib.nullcontext()
+        with broken:
+            silent = catch(third.backward)
+        raised = catch(lambda: forward(batches[3]))
+        after = catch(lambda: forward(batches[3]))  # raised once; the next step runs again
+        dist.barrier()
+        return errors, fires, silent, raised, after
+    finally:
+        tensor_parallel.checkpoint = original
+        bdcp.configure_cp_varlen()
+
+
+@pytest.mark.timeout(300)
+def test_schedule_backward_outside_any_step_and_failures_raised_at_next_build(pool2):
+    for (err_1, err_2), fires, silent, raised, after in pool2.run(schedule_forward_later_backward):
+        assert err_1 < TOL and err_2 < TOL, (err_1, err_2)
+        assert fires == 8, fires  # 2 microbatches x 2 layers x (forward + recompute)
+        assert silent is None
+        assert raised is not None and raised[0] == "BlockDiagCPError", raised
+        assert "kernel failed" in raised[1] and "raised at this step's build" in raised[1], raised
+        assert after is None
+
+
+# ---------------------------------------------------------------------------
+# megatron-core 0.19: GPTDataset(inter_document_masking=True), cut per sequence
+# ---------------------------------------------------------------------------
+
+
+def _has_inter_document_masking():
+    import dataclasses
+
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return any(f.name == "inter_document_masking" for f in dataclasses.fields(GPTDatasetConfig))
+
+
+def inter_document_masking_matches_reference(tmp_dir, cp, exchange):
+    import pathlib
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.core.utils import flatten_batch_for_packed_sequences
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.training import data
+
+    group = H.ensure_mpu(tp=1, cp=cp).get_context_parallel_group()
+    prefix = str(pathlib.Path(tmp_dir) / "docs")
+    data.ensure_megatron_helpers(pathlib.Path(tmp_dir))
+    tokenizer = data.ByteTokenizer()
+    config = GPTDatasetConfig(
+        random_seed=7, sequence_length=S, blend=([prefix], None), split="100,0,0",
+        path_to_cache=str(pathlib.Path(tmp_dir) / "cache"), tokenizer=tokenizer,
+        reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=False,
+        create_attention_mask=False, inter_document_masking=True, context_parallel_size=cp)
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [4, 0, 0], lambda: True, config).build()
+    samples = [train[i] for i in range(2)]
+    batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
+    batch = flatten_batch_for_packed_sequences(batch)  # [1, 2 * S], one cu_seqlens
+    cu = batch["cu_seqlens"].squeeze(0).to(torch.int32)
+    full = {k: batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    full["tokens"], full["labels"] = full["tokens"] % H.VOCAB, full["labels"] % H.VOCAB  # bytes -> tiny vocab
+    T = full["tokens"].shape[1]
+    doc_ids = bdcp.doc_ids_from_cu_seqlens(cu, T).unsqueeze(0)
+
+    model = H.gpt_model(H.config(cp=cp),
+                        import_module(("megatron_ext.layers", "blockdiag_cp_gpt_layer_spec")), T)
+    ref = H.reference_model({}, T)
+    ref.load_state_dict(model.state_dict())
+    ref_loss, ref_grads = reference_grads(ref, full, doc_ids)
+    local = H.megatron_batch_on_this_cp_rank(dict(full, cu_seqlens=batch["cu_seqlens"]), group,
+                                             use_per_sequence_balancing=True)
+    # As Megatron-LM's forward_step builds it for inter-document masking (no padded cu_seqlens).
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=int(cu.diff().max()), max_seqlen_kv=int(cu.diff().max()))
+    bdcp.configure_cp_varlen("dense", exchange)
+    try:
+        model.zero_grad()
+        losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                       packed_seq_params=params)
+        loss = (losses * local["loss_mask"]).sum() / full["loss_mask"].sum()
+        loss.backward()
+    finally:
+        bdcp.configure_cp_varlen()
+    return compare(model, loss, group, ref_loss, ref_grads) + (params._blockdiag_cp_state[1].layout.name,)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_019_inter_document_masking_per_sequence_cut(pool2, tmp_path):
+    if not pool2.run(_has_inter_document_masking)[0]:
+        pytest.skip("megatron-core < 0.19 has no GPTDatasetConfig.inter_document_masking "
+                    "(make test-compat runs this on megatron-core 0.19)")
+    from megatron_ext.training import data
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i, n in enumerate((5, 17, 30, 3, 41, 12, 9, 26, 60, 8)):
+        (texts / f"doc{i}.txt").write_text("".join(chr(97 + (i * 7 + j) % 26) for j in range(n)))
+    data.write_indexed_dataset(sorted(texts.iterdir()), str(tmp_path / "docs"), progress=False)
+    for exchange in ("allgather", "a2a"):
+        for loss_err, grad_err, layout in pool2.run(inter_document_masking_matches_reference,
+                                                    str(tmp_path), 2, exchange):
+            assert layout == "zigzag", layout
+            assert loss_err < TOL and grad_err < TOL, (exchange, loss_err, grad_err)
