@@ -94,27 +94,65 @@ def train_dataset_provider(num_samples):
                              args.seed, args.data_cache_path, weights=args.data_weights)
 
 
-def get_batch(data_iterator):
-    """The next micro batch, cut to this CP rank's tokens, and the step state that describes it.
-
-    Megatron's get_batch_on_this_cp_rank slices zigzag; shard_batch slices by the
-    --cp-layout and plans the K/V exchange from the documents (found from EOD tokens).
-    """
-    import megatron_ext.blockdiag_cp as bdcp
+@functools.lru_cache(maxsize=1)
+def cp_cost_model():
+    """The balanced layout's cost model: this model's attention dims over --cp-cost-model's link."""
+    from megatron_ext import parallel_state as ps
+    from megatron_ext.blockdiag_cp import CostModel
 
     args = get_args()
-    batch = next(data_iterator)  # full sequences [b, S]: tokens, labels, loss_mask, position_ids
-    return bdcp.shard_batch(
+    link = args.cp_cost_model
+    if link == "auto":
+        link = "ib" if ps.get_cp_world_size() > 1 and ps.cp_spans_nodes() else "nvlink"
+    tp = args.tensor_model_parallel_size
+    return CostModel.preset(link, heads=args.num_attention_heads // tp,
+                            kv_heads=args.num_query_groups // tp,
+                            head_dim=args.hidden_size // args.num_attention_heads,
+                            dtype_bytes=2 if args.bf16 else 4)
+
+
+def plan_ahead_provider(batch):
+    """The CP layout + plan of a micro batch, built one step ahead on the loop's planning thread."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext import parallel_state as ps
+    from megatron_ext.blockdiag_cp.plan import segment_kind
+
+    args = get_args()
+    cp = ps.get_cp_world_size()
+    return bdcp.prepare_plan(
+        bdcp.doc_ids_from_eod(batch["tokens"].cpu(), EOD), cp, ps.get_cp_rank(),
+        layout=args.cp_layout_canonical, cost_model=cp_cost_model(),
+        kinds=(segment_kind(args.cp_kv_exchange_canonical) if cp > 1 else "sparse",))
+
+
+def get_batch(data_iterator):
+    """The next micro batch, cut to this CP rank's tokens, the step state, and the plan timing.
+
+    Megatron's get_batch_on_this_cp_rank slices zigzag; shard_batch slices by the
+    --cp-layout and plans the K/V exchange from the documents (found from EOD tokens),
+    or takes the plan the loop built one step ahead (then only the agreement runs here).
+    """
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.training.plan_ahead import PREPARED_KEY, TIMING_KEY
+
+    args = get_args()
+    batch = dict(next(data_iterator))  # full sequences [b, S]: tokens, labels, loss_mask, position_ids
+    prepared, timing = batch.pop(PREPARED_KEY, None), batch.pop(TIMING_KEY, None)
+    local, state = bdcp.shard_batch(
         batch, cp_group=None, layout=args.cp_layout_canonical, eod_token=EOD,
         attn_backend=args.cp_attn_backend_canonical, kv_exchange=args.cp_kv_exchange_canonical,
-        strict=args.cp_attn_backend_strict)
+        strict=args.cp_attn_backend_strict, cost_model=cp_cost_model(), prepared=prepared)
+    return local, state, timing
 
 
-def loss_func(loss_mask, state, output_tensor):
+def loss_func(loss_mask, state, timing, output_tensor):
     """Megatron's per-token loss: (sum of this rank's token losses, their count, the CP report)."""
     losses = output_tensor.float()  # [b, s_local]
     loss_mask = loss_mask.float()
-    return (losses * loss_mask).sum(), loss_mask.sum(), state.report()
+    report = state.report()
+    if timing is not None:
+        report.update(plan_seconds=timing.seconds, plan_hidden_seconds=timing.hidden)
+    return (losses * loss_mask).sum(), loss_mask.sum(), report
 
 
 @contextlib.contextmanager
@@ -129,7 +167,7 @@ def forward_step(data_iterator, model):
     import torch
     from megatron_ext.layers import packed_seq_params_for
 
-    local, state = get_batch(data_iterator)
+    local, state, timing = get_batch(data_iterator)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if get_args().bf16 \
         else contextlib.nullcontext()
     with bdcp.blockdiag_cp_step(state):
@@ -137,10 +175,11 @@ def forward_step(data_iterator, model):
             output_tensor = model(local["tokens"], local["position_ids"], None,
                                   labels=local["labels"],
                                   packed_seq_params=packed_seq_params_for(state))
-        yield output_tensor, functools.partial(loss_func, local["loss_mask"], state)
+        yield output_tensor, functools.partial(loss_func, local["loss_mask"], state, timing)
 
 
 if __name__ == "__main__":
     sys.exit(pretrain(train_dataset_provider, model_provider, forward_step,
+                      plan_ahead_provider=plan_ahead_provider,
                       args_defaults={"data_cache_dir": str(REPO_ROOT / "data_cache"),
                                      "runs_dir": str(REPO_ROOT / "runs")}))

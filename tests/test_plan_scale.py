@@ -189,11 +189,7 @@ def test_gloo_build_uses_the_same_plan_as_prepare_plan_and_plan_summary():
 
 
 def test_planner_cli_on_a_tiny_indexed_dataset(tmp_path, capsys):
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    from gpt_data import write_indexed_dataset
+    from megatron_ext.training.data import write_indexed_dataset
 
     from megatron_ext.plan.__main__ import main, sample_sequences
 

@@ -379,3 +379,21 @@ def test_load_of_crafted_checkpoint_exits_with_the_reason(tmp_path, tiny_data):
     assert re.search(r"rank 0: error: refusing to load .*rank_00000\.pt: it needs exec", res.stderr), \
         res.stderr
     assert "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_plan_ahead_gives_the_losses_of_planning_in_line(tmp_path, tiny_data):
+    # The balanced layout makes the plan matter; the plan-ahead run must use its prepared plans
+    # (the log says how much was hidden) and still train exactly like planning in line.
+    common = [*_torchrun(2), str(SCRIPT), *TINY, "--data-path", tiny_data, "--train-iters", "5",
+              "--cp-layout", "balanced", "--cp-kv-exchange", "a2a"]
+    runs = {}
+    for name, extra in (("ahead", []), ("inline", ["--no-cp-plan-ahead"])):
+        res = subprocess.run([*common, *extra, "--run-dir", str(tmp_path / name)], env=_env(),
+                             capture_output=True, text=True, timeout=200)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        runs[name] = (_losses(tmp_path / name), res.stdout)
+    assert runs["ahead"][0] == runs["inline"][0]  # bit for bit
+    assert "ms ahead" in runs["ahead"][1] and "% hidden" in runs["ahead"][1], runs["ahead"][1][-2000:]
+    assert "plan in line" in runs["inline"][1]
+    assert "prepared plan was made for other" not in runs["ahead"][1] + runs["inline"][1]

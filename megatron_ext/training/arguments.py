@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="contiguous | zigzag | balanced, or a synonym; default: the engine's default")
     g.add_argument("--cp-attn-backend-strict", action="store_true",
                    help="a backend/exchange fallback is an error instead of a logged downgrade")
+    g.add_argument("--cp-cost-model", default="auto", choices=["auto", "nvlink", "ib"],
+                   help="the link the balanced layout's cost model assumes, with this model's heads "
+                        "and head dim: auto = NVLink when the CP group sits on one node, InfiniBand "
+                        "when it spans nodes")
+    g.add_argument("--no-cp-plan-ahead", dest="cp_plan_ahead", action="store_false",
+                   help="plan each micro batch in line instead of on a background thread one step "
+                        "ahead (the plan is the same; only the agreement all-reduce stays in line)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,

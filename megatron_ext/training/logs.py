@@ -23,10 +23,17 @@ def summarize_cp_reports(args, reports) -> str:
     sent = sum(x.get("bytes_sent") or 0 for x in reports) * args.num_layers
     recv = sum(x.get("bytes_received") or 0 for x in reports) * args.num_layers
     work = max(float(x.get("work_max_over_mean") or 1.0) for x in reports)
+    planned = [x for x in reports if x.get("plan_seconds") is not None]
+    if planned:  # built one step ahead: its host time, and how much of it the step did not wait for
+        seconds = sum(x["plan_seconds"] for x in planned)
+        hidden = sum(x["plan_hidden_seconds"] for x in planned)
+        plan = f"plan {seconds * 1000:.1f} ms ahead, {100 * hidden / max(seconds, 1e-12):.0f}% hidden"
+    else:
+        plan = "plan in line"
     return (f"cp: backend={r.get('attn_backend')} exchange={r.get('kv_exchange')} "
             f"layout={r.get('layout')} | kv bytes/step (fwd, all layers): "
             f"sent {sent / 2**20:.2f} MiB recv {recv / 2**20:.2f} MiB | "
-            f"attn work max/mean: {work:.3f}")
+            f"attn work max/mean: {work:.3f} | {plan}")
 
 
 def cp_resolution_line(report) -> str:

@@ -33,6 +33,7 @@ from . import arguments, checkpointing, data
 from .arguments import UsageError, set_args
 from .initialize import ParallelContext, die_with_launcher, initialize_distributed, shutdown_distributed
 from .logs import LOG_PREFIX, cp_resolution_line, iteration_line, log, write_curve
+from .plan_ahead import PlanAhead
 
 
 def build_optimizer(args, model):
@@ -161,10 +162,12 @@ def train_step(args, ctx, forward_step_func, data_iterator, model, optimizer, op
 
 
 def train(args, ctx, model, optimizer, opt_param_scheduler, dataset, forward_step_func,
-          iteration, consumed, history):
+          iteration, consumed, history, plan_ahead_provider=None):
     first_report_logged = False
     interval_loss, interval_n, interval_t = 0.0, 0, time.time()
     data_iterator = build_data_iterator(args, ctx, dataset, consumed)
+    if plan_ahead_provider is not None and args.cp_plan_ahead:
+        data_iterator = PlanAhead(data_iterator, plan_ahead_provider)
     train_t0, iters_run = time.time(), 0
     while iteration < args.train_iters:
         loss, grad_norm, lr, reports = train_step(args, ctx, forward_step_func, data_iterator,
@@ -194,10 +197,13 @@ def train(args, ctx, model, optimizer, opt_param_scheduler, dataset, forward_ste
         path = checkpointing.save_checkpoint(args, ctx, iteration, consumed, history, model,
                                              optimizer, opt_param_scheduler)
         log(f"{LOG_PREFIX} saved checkpoint {path}", ctx)
+    if isinstance(data_iterator, PlanAhead):
+        data_iterator.close()
     return iteration, iters_run, time.time() - train_t0
 
 
-def _setup_and_train(args, ctx, train_dataset_provider, model_provider, forward_step_func):
+def _setup_and_train(args, ctx, train_dataset_provider, model_provider, forward_step_func,
+                     plan_ahead_provider=None):
     import numpy as np
     import random
     import torch
@@ -236,7 +242,7 @@ def _setup_and_train(args, ctx, train_dataset_provider, model_provider, forward_
 
     iteration, iters_run, train_time = train(args, ctx, model, optimizer, opt_param_scheduler,
                                              dataset, forward_step_func, iteration, consumed,
-                                             history)
+                                             history, plan_ahead_provider)
     if ctx.rank == 0:
         run_dir = args.run_dir or args.save or os.path.join(
             args.runs_dir, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
@@ -284,7 +290,7 @@ def parse_and_validate_args(argv=None, args_defaults=None):
 
 
 def pretrain(train_dataset_provider, model_provider, forward_step_func, argv=None,
-             args_defaults=None) -> int:
+             args_defaults=None, plan_ahead_provider=None) -> int:
     """Parse and check the flags, start the process groups, train; returns the exit code.
 
     A failure after the process groups exist ends this process at once with exit 1
@@ -303,7 +309,8 @@ def pretrain(train_dataset_provider, model_provider, forward_step_func, argv=Non
             f"cp knobs: attn_backend={args.cp_attn_backend_canonical} "
             f"kv_exchange={args.cp_kv_exchange_canonical} layout={args.cp_layout_canonical} "
             f"strict={args.cp_attn_backend_strict}", ctx)
-        _setup_and_train(args, ctx, train_dataset_provider, model_provider, forward_step_func)
+        _setup_and_train(args, ctx, train_dataset_provider, model_provider, forward_step_func,
+                         plan_ahead_provider)
     except BaseException as exc:
         from megatron_ext.blockdiag_cp import BlockDiagCPError
         if isinstance(exc, (BlockDiagCPError, checkpointing.CheckpointError)):

@@ -217,6 +217,73 @@ def run_accuracy(cp, dry_run, emit, deadline):
 # ---------------------------------------------------------------------------
 
 
+def run_dropin_paths(dry_run, backends, emit):
+    """Megatron's mask and THD paths (cp = 1, this process) per backend against the fp32 reference."""
+    import torch
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.resolve import state_from_mask, state_from_thd
+    from megatron_ext.testing import doc_mask, reference_attention
+
+    device, dtype = device_and_dtype(dry_run)
+    hq, hkv, d = sizes(dry_run)["acc_heads"]
+    _, S, _ = sizes(dry_run)["acc_cases"][0]
+    doc_ids = case_doc_ids(S, 1)
+    doc_ids = torch.where(doc_ids > 0, doc_ids, doc_ids.max() + 1)  # Megatron masks have no padding
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(S, 1, h, d, generator=g).to(dtype).to(device) for h in (hq, hkv, hkv))
+    ref = reference_attention(q.float(), k.float(), v.float(), doc_ids)
+    mask = (~doc_mask(doc_ids)).unsqueeze(1).to(device)  # [1, 1, S, S], True = masked out
+    lengths = torch.unique_consecutive(doc_ids, return_counts=True)[1]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    params = type("PackedSeqParams", (), {"qkv_format": "thd", "cu_seqlens_q": cu,
+                                           "cu_seqlens_q_padded": None})()
+    ok = True
+    for backend in backends:
+        bdcp.configure_cp_varlen(backend, "allgather")
+        try:
+            for path, build in (("mask", lambda: state_from_mask(mask, None, batch=1, device=device)),
+                                ("thd", lambda: state_from_thd(params, S, None, device=device))):
+                state = build()
+                out = bdcp.blockdiag_cp_attention(q, k, v, state=state)
+                err = _max_rel(out, ref)
+                passed = err <= (TOL_FP32 if dry_run else TOL_BF16)["out"]
+                ok &= passed
+                emit({"check": "dropin_paths", "path": path, "backend": backend,
+                      "resolved": state.attn_backend, "S": S, "docs": int(cu.numel() - 1),
+                      "out_rel_err": _sig(err), "passed": passed})
+        finally:
+            bdcp.configure_cp_varlen()
+    return ok
+
+
+def run_thd_indices(emit):
+    """Our thd_partitioned_indices against TransformerEngine's kernel, when TE imports."""
+    import importlib
+
+    import torch
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    try:
+        tex = importlib.import_module("transformer_engine_torch")
+    except Exception as exc:  # noqa: BLE001 - TE absent: say so, do not pretend
+        emit({"check": "thd_indices", "status": "not_run", "passed": True,
+              "reason": f"transformer_engine_torch not importable ({type(exc).__name__}); not compared"})
+        return True
+    ok = True
+    for cu_list, cp in (([0, 8, 16], 2), ([0, 4, 12, 28, 36], 2), ([0, 8, 40, 48, 96], 4)):
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        for rank in range(cp):
+            ours = bdcp.thd_partitioned_indices(cu, cu_list[-1], cp, rank)
+            theirs = tex.thd_get_partitioned_indices(cu.cuda(), cu_list[-1], cp, rank).cpu()
+            same = torch.equal(ours.to(torch.long), theirs.to(torch.long))
+            ok &= same
+            emit({"check": "thd_indices", "cu_seqlens_padded": cu_list, "cp": cp, "rank": rank,
+                  "passed": same})
+    return ok
+
+
 def run_matmul_peak(dry_run, emit):
     from megatron_ext.testing import matmul_tflops
 
@@ -384,6 +451,8 @@ def run(dry_run=False, budget_s=420.0, skip=(), block_megatron=False, log=print)
         checks = (("matmul_peak", lambda: peak.setdefault("tflops", run_matmul_peak(dry_run, emit)) > 0),
                   ("accuracy_cp2", lambda: run_accuracy(2, dry_run, emit, deadline)),
                   ("accuracy_cp4", lambda: run_accuracy(4, dry_run, emit, deadline)),
+                  ("dropin_paths", lambda: run_dropin_paths(dry_run, backends, emit)),
+                  ("thd_indices", lambda: run_thd_indices(emit) if not dry_run else True),
                   ("engine", lambda: run_engine(dry_run, backends, emit, peak.get("tflops"))),
                   ("timing", lambda: run_kernel_timing(dry_run, backends, emit, deadline, peak.get("tflops"))))
         for name, fn in checks:

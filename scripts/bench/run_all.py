@@ -11,7 +11,9 @@ Suites: comm, balance (same runs: one engine call per config on a cp-process glo
 group), speed, memory (same runs: cp=2 fwd+bwd timings, one profiled iteration each),
 model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without CUDA),
 scale (plan only, no processes: layout + plan cost and modeled time at 32k-1M tokens, cp 8-64),
-gpu_check (not in the default set; --dry-run runs it on CPU). One JSON object per
+gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
+Megatron-mask document derivation and the per-call q/k/v agreement against one layer at
+32k tokens, cp=4). One JSON object per
 measurement; re-running some suites replaces only their rows. Exit status 1 when a
 row says ``"passed": false`` (the checks of gpu_check).
 """
@@ -31,7 +33,7 @@ for _p in (HERE, REPO_ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale", "gpu_check")
+ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale", "gpu_check", "dropin")
 DEFAULT_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale")  # gpu: a skipped row without CUDA
 
 
@@ -137,6 +139,13 @@ def main(argv=None) -> int:
         else:
             rows += scale.run(log=_log)
         timings["scale"] = time.perf_counter() - t0
+
+    if "dropin" in suites:
+        import dropin
+
+        t0 = time.perf_counter()
+        rows += dropin.run(seq_lens=(8192,) if args.quick else (32768,), log=_log)
+        timings["dropin"] = time.perf_counter() - t0
 
     if "gpu" in suites:
         import gpu
