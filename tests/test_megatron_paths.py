@@ -468,3 +468,29 @@ def test_megatron_019_inter_document_masking_per_sequence_cut(pool2, tmp_path):
                                                     str(tmp_path), 2, exchange):
             assert layout == "zigzag", layout
             assert loss_err < TOL and grad_err < TOL, (exchange, loss_err, grad_err)
+
+
+@pytest.mark.parametrize("cp,rank", [(1, 0), (2, 1), (3, 0)])
+def test_mask_row_check_equals_a_brute_force_check(monkeypatch, cp, rank):
+    """The blockwise check finds exactly the rows a row-by-row comparison finds, on random edits."""
+    from megatron_ext.blockdiag_cp import resolve
+    from megatron_ext.testing.reference import doc_mask
+
+    monkeypatch.setattr(resolve, "_MASK_ROW_BLOCK", 5)  # many blocks, documents straddling them
+    S = 60
+    g = torch.Generator().manual_seed(cp * 10 + rank)
+    positions = resolve._zigzag_rows(S, cp, rank)
+    for trial in range(60):
+        lengths = torch.randint(1, 14, (S,), generator=g)
+        ids = torch.repeat_interleave(torch.arange(1, S + 1), lengths)[:S]
+        mask = (~doc_mask(ids))[:, positions].clone()  # [1, rows, S]
+        for _ in range(trial % 4):  # 0 to 3 random flips
+            r = int(torch.randint(0, positions.numel(), (1,), generator=g))
+            c = int(torch.randint(0, S, (1,), generator=g))
+            mask[0, r, c] = ~mask[0, r, c]
+        starts = mask.view(torch.uint8).argmin(-1)
+        keys = torch.arange(S)
+        expected = (keys < starts[0, :, None]) | (keys > positions[:, None])
+        brute = torch.nonzero((mask[0] != expected).any(-1)).flatten().tolist()
+        found = resolve._first_non_document_row(mask, starts, positions)
+        assert (found[1] if found else None) == (brute[0] if brute else None), (trial, found, brute)

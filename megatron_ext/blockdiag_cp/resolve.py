@@ -64,9 +64,6 @@ def _zigzag_rows(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 # Megatron's attention mask
 # ---------------------------------------------------------------------------
 
-_MASK_CHECK_BUDGET = 1 << 24  # mask elements compared per block (bounded temporary memory)
-
-
 class MegatronMaskSource(DocumentSource):
     """Documents from a per-document causal mask [b or 1, 1, local rows, S], True = masked out."""
 
@@ -115,22 +112,17 @@ class MegatronMaskSource(DocumentSource):
             return 4, f"{B} vs micro batch {self.batch}"
         if (cp > 1 and S % (2 * cp) != 0) or rows * cp != S:
             return 2, f"{rows} rows on this rank, S = {S}, cp = {cp}"
-        positions = _zigzag_rows(S, cp, self.rank).to(mask.device)  # [rows]
+        positions = _zigzag_rows(S, cp, self.rank)  # [rows], runs of consecutive positions
         # First visible key of each row (argmin finds the first False); then the exact check.
         starts = mask.view(torch.uint8)[:, 0].argmin(dim=-1)  # [B, rows]
-        keys = torch.arange(S, device=mask.device)
-        block = max(1, _MASK_CHECK_BUDGET // max(1, B * S))
-        for a in range(0, rows, block):
-            b = min(rows, a + block)
-            expected = (keys < starts[:, a:b, None]) | (keys > positions[None, a:b, None])  # [B, blk, S]
-            bad = mask[:, 0, a:b] != expected
-            if bool(bad.any()):
-                row_b, row = [int(x) for x in torch.nonzero(bad.any(-1))[0]]
-                p = int(positions[a + row])
-                seen = torch.nonzero(~mask[row_b, 0, a + row]).flatten().tolist()
-                shown = seen if len(seen) <= 8 else seen[:4] + ["..."] + seen[-3:]
-                return 3, (f"batch row {row_b}, query position {p} sees keys {shown}, expected one "
-                           f"contiguous run ending at {p}")
+        bad_row = _first_non_document_row(mask[:, 0], starts, positions)
+        if bad_row is not None:
+            row_b, row = bad_row
+            p = int(positions[row])
+            seen = torch.nonzero(~mask[row_b, 0, row]).flatten().tolist()
+            shown = seen if len(seen) <= 8 else seen[:4] + ["..."] + seen[-3:]
+            return 3, (f"batch row {row_b}, query position {p} sees keys {shown}, expected one "
+                       f"contiguous run ending at {p}")
         self.starts = starts.to("cpu", torch.int64)
         return 0, ""
 
@@ -161,6 +153,43 @@ class MegatronMaskSource(DocumentSource):
                 "must hold its zigzag rows of the same micro batch (megatron's get_batch_on_this_cp_rank)")
         return torch.cumsum((starts == pos).to(torch.int64), dim=-1)  # [B, S], 1-based
 
+
+def _first_non_document_row(mask: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor):
+    """(batch row, local row) of the first row that does not see exactly [start, p], or None.
+
+    mask [B, rows, S] (True = masked out), starts [B, rows] each row's first visible key,
+    positions [rows] ascending in runs of consecutive positions. Exact, and about one
+    pass of ``all()`` over the mask: per block of rows [a, b), the keys past b must all
+    be masked, the diagonal block [a, b) is compared with the causal pattern, and the
+    keys before a must be masked except for the rows whose document began before a
+    (a prefix of the block when the mask is valid), compared exactly.
+    """
+    B, rows, S = mask.shape
+    device = mask.device
+    keys = torch.arange(S, device=device)
+    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    for run_a, run_b in zip([0] + breaks, breaks + [rows]):
+        for i in range(run_a, run_b, _MASK_ROW_BLOCK):
+            j = min(run_b, i + _MASK_ROW_BLOCK)
+            a, b = int(positions[i]), int(positions[j - 1]) + 1  # the block's key range
+            p = positions[i:j].to(device)
+            for bi in range(B):
+                m, f = mask[bi, i:j], starts[bi, i:j]
+                diag = (keys[a:b] < f[:, None]) | (keys[a:b] > p[:, None])
+                ok = bool(m[:, b:].all()) and torch.equal(m[:, a:b], diag)
+                straddle = int((f < a).sum())
+                if ok and straddle:
+                    ok = bool((f[:straddle] < a).all()) and torch.equal(
+                        m[:straddle, :a], keys[:a] < f[:straddle, None])
+                ok = ok and bool(m[straddle:, :a].all())
+                if not ok:  # find the row (error path only: the plain exact comparison)
+                    expected = (keys < f[:, None]) | (keys > p[:, None])
+                    row = int(torch.nonzero((m != expected).any(-1))[0])
+                    return bi, i + row
+    return None
+
+
+_MASK_ROW_BLOCK = 1024
 
 # ---------------------------------------------------------------------------
 # THD packed sequences

@@ -324,6 +324,23 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
     out.append("")
 
 
+def dropin_section(rows: List[Dict], out: List[str]) -> None:
+    dr = [r for r in rows if r["suite"] == "dropin"]
+    if not dr:
+        return
+    r0 = dr[0]
+    out.append(f"## Megatron's data paths: what the mask path and the q/k/v agreement cost "
+               f"(S={r0['S']}, cp={r0['cp']}, {r0['mix']} mix, {r0['backend']}, {r0['exchange']})\n")
+    out.append("| measure | median ms (slowest rank) | / one layer fwd+bwd | per |")
+    out.append("|---|---:|---:|---|")
+    per = {"mask_derive": "micro batch", "mask_state": "micro batch", "layer_fwd_bwd": "layer",
+           "qkv_agreement": "layer forward call"}
+    for r in dr:
+        out.append(f"| {r['measure']} | {r['median_seconds'] * 1000:.1f} | {r['over_layer_fwd_bwd']:.3f} | "
+                   f"{per.get(r['measure'], '')} |")
+    out.append("")
+
+
 def render(rows: List[Dict]) -> str:
     out = ["# Benchmark summary", ""]
     meta = [r for r in rows if r["suite"] == "meta"]
@@ -347,6 +364,7 @@ def render(rows: List[Dict]) -> str:
     speed(rows, out)
     other(rows, out)
     scale_section(rows, out)
+    dropin_section(rows, out)
     return "\n".join(out) + "\n"
 
 
