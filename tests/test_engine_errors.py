@@ -3,14 +3,10 @@
 import pytest
 import torch
 
-from megatron_ext.testing import WorkerPool, catch as _catch
+from megatron_ext.testing import catch as _catch, pool_fixture
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+pool = pool_fixture(2)
 
 
 def build_with(per_rank_ids):

@@ -7,9 +7,8 @@ on one process with an independent per-document reference attention.
 import threading
 
 import pytest
-import torch
 
-from megatron_ext.testing import WorkerPool
+from megatron_ext.testing import pool_fixture
 from megatron_ext.testing import gpt as H
 
 TOL = 1e-5
@@ -42,11 +41,7 @@ def one_step_matches_reference(layouts, exchanges, b=1):
     return out
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+pool2 = pool_fixture(2)
 
 
 @pytest.mark.timeout(600)
@@ -65,23 +60,13 @@ def test_gpt_batch_of_two_rows(pool2):
             assert loss_err < TOL and grad_err < TOL, (key, loss_err, grad_err)
 
 
-def _reentrant_checkpoint(function, distribute_saved_activations, *args):
-    # megatron's tensor_parallel.checkpoint saves CUDA RNG state; on CPU use torch's
-    # reentrant checkpoint, which recomputes inside backward exactly like it.
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
-
-
 def recompute_cases():
     """Thread-backward and interleaved-microbatch recompute, each against the reference."""
-    from megatron.core import tensor_parallel
-
     import megatron_ext.blockdiag_cp as bdcp
 
     mpu = H.ensure_mpu(tp=1, cp=2)
     group = mpu.get_context_parallel_group()
-    original = tensor_parallel.checkpoint
-    tensor_parallel.checkpoint = _reentrant_checkpoint
-    try:
+    with H.cpu_tensor_parallel_checkpoint():
         model = _cp_model(cp=2, recompute_granularity="selective", recompute_modules=["core_attn"])
         model.train()
         ref = H.reference_model({}, S)
@@ -124,8 +109,6 @@ def recompute_cases():
         out["interleaved"] = (max(H.rel(grads_a[n], refs[0][1][n]) for n in grads_a),
                               max(H.rel(grads_b[n], refs[1][1][n]) for n in grads_b))
         return out
-    finally:
-        tensor_parallel.checkpoint = original
 
 
 @pytest.mark.timeout(300)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.testing import WorkerPool, catch as _catch
+from megatron_ext.testing import WorkerPool, catch as _catch, pool_fixture
 from megatron_ext.testing import gpt as H
 
 S = 64
@@ -44,11 +44,7 @@ def test_tp2_cp2_gives_reference_loss():
         pool.close()
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+pool2 = pool_fixture(2)
 
 
 def layer_errors():

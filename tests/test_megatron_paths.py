@@ -16,38 +16,22 @@ import pytest
 import torch
 
 import megatron_ext.testing.gpt as H
-from megatron_ext.testing import WorkerPool
+from megatron_ext.testing import pool_fixture
 
 TOL = 1e-5
 S = 48  # a multiple of 2 * cp for cp = 1, 2, 3, 4
 
 
-@pytest.fixture(scope="module")
-def pool1():
-    p = WorkerPool(1)  # GPTModel needs megatron's parallel state, so CP = 1 runs in a 1-rank group
-    yield p
-    p.close()
+pool1 = pool_fixture(1)  # GPTModel needs megatron's parallel state, so CP = 1 runs in a 1-rank group
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+pool2 = pool_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def pool3():
-    p = WorkerPool(3)
-    yield p
-    p.close()
+pool3 = pool_fixture(3)
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    p = WorkerPool(4)
-    yield p
-    p.close()
+pool4 = pool_fixture(4)
 
 
 def _spec_model(cp, seed=1, **kw):
@@ -94,8 +78,6 @@ def compare(model, loss, group, ref_loss, ref_grads):
 
 
 def mask_path_matches_reference(cp, exchanges):
-    import torch.distributed as dist
-
     import megatron_ext.blockdiag_cp as bdcp
 
     group = H.ensure_mpu(tp=1, cp=cp).get_context_parallel_group()
@@ -312,27 +294,18 @@ def _fails_in_backward(q, k, v, seg, scale, dropout_p=0.0):
     return _RaiseInBackward.apply(kernels.dense_varlen(q, k, v, seg, scale, dropout_p))
 
 
-def _reentrant_checkpoint(function, distribute_saved_activations, *args):
-    # megatron's tensor_parallel.checkpoint saves CUDA RNG state; on CPU torch's reentrant
-    # checkpoint recomputes inside backward exactly like it.
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
-
-
 def schedule_forward_later_backward():
     """forward 1, forward 2, backward 2, backward 1 (recompute of core attention in each)."""
     import contextlib
 
     import torch.distributed as dist
-    from megatron.core import tensor_parallel
 
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing import catch, override_kernel
 
     group = H.ensure_mpu(tp=1, cp=2).get_context_parallel_group()
-    original = tensor_parallel.checkpoint
-    tensor_parallel.checkpoint = _reentrant_checkpoint
     bdcp.configure_cp_varlen("dense", "a2a")
-    try:
+    with H.cpu_tensor_parallel_checkpoint():
         model = _spec_model(2, recompute_granularity="selective", recompute_modules=["core_attn"])
         model.train()
         ref = H.reference_model({}, S)
@@ -368,10 +341,8 @@ def schedule_forward_later_backward():
         raised = catch(lambda: forward(batches[3]))
         after = catch(lambda: forward(batches[3]))  # raised once; the next step runs again
         dist.barrier()
-        return errors, fires, silent, raised, after
-    finally:
-        tensor_parallel.checkpoint = original
-        bdcp.configure_cp_varlen()
+    bdcp.configure_cp_varlen()
+    return errors, fires, silent, raised, after
 
 
 @pytest.mark.timeout(300)

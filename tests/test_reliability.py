@@ -9,24 +9,16 @@ import threading
 import pytest
 import torch
 
-from megatron_ext.testing import WorkerPool, catch
+from megatron_ext.testing import catch, pool_fixture
 from megatron_ext.testing.reference import reference_attention
 
 GOOD = torch.tensor([1] * 5 + [2] * 7 + [3] * 4 + [0] * 2 + [4] * 6)  # S = 24
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    p = WorkerPool(2)
-    yield p
-    p.close()
+pool2 = pool_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def pool3():
-    p = WorkerPool(3)
-    yield p
-    p.close()
+pool3 = pool_fixture(3)
 
 
 def _qkv(S, seed, b=1, hq=4, hkv=2, d=8, dtype=torch.float64):

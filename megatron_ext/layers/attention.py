@@ -3,7 +3,6 @@
 import math
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from megatron.core.packed_seq_params import PackedSeqParams

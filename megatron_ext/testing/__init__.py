@@ -24,12 +24,12 @@ from .overrides import (
     override_library,
     te_modules_cached,
 )
-from .pool import WorkerPool, catch
+from .pool import WorkerPool, catch, pool_fixture
 from .reference import doc_mask, reference_attention, runs_to_doc_ids
 from .timing import matmul_tflops, median_ms
 
 __all__ = [
     "WorkerPool", "captured_engine_logs", "catch", "doc_mask", "matmul_tflops", "median_ms",
-    "override_availability", "override_kernel", "override_library", "reference_attention",
+    "override_availability", "override_kernel", "override_library", "pool_fixture", "reference_attention",
     "runs_to_doc_ids", "te_modules_cached",
 ]

@@ -5,6 +5,7 @@ from reference.py over the FULL sequence's document ids (single process, no CP).
 megatron-core is imported inside the functions, so importing this module needs none.
 """
 
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -158,3 +159,25 @@ def cp_reduced_grads(model, group):
 
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@contextlib.contextmanager
+def cpu_tensor_parallel_checkpoint():
+    """megatron's ``tensor_parallel.checkpoint`` replaced by torch's reentrant checkpoint.
+
+    Megatron's saves and restores the CUDA RNG state; torch's recomputes inside backward
+    exactly like it, on CPU. Selective recompute (``_checkpointed_attention_forward``) calls
+    it through the module attribute, so the swap reaches every layer.
+    """
+    import torch
+    from megatron.core import tensor_parallel
+
+    def checkpoint(function, distribute_saved_activations, *args):
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+
+    original = tensor_parallel.checkpoint
+    tensor_parallel.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        tensor_parallel.checkpoint = original

@@ -140,3 +140,20 @@ def catch(fn):
     except Exception as exc:  # noqa: BLE001 - returned to the parent for its assertion
         return type(exc).__name__, str(exc)
     return None
+
+
+def pool_fixture(world: int, **kwargs):
+    """A module-scoped pytest fixture: a ``WorkerPool(world, **kwargs)``, closed after the module.
+
+    ``pool2 = pool_fixture(2)`` at a test module's top level; pytest imports lazily here so
+    the bench, which never uses fixtures, does not need pytest.
+    """
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture():
+        pool = WorkerPool(world, **kwargs)
+        yield pool
+        pool.close()
+
+    return fixture
