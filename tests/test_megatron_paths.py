@@ -465,3 +465,54 @@ def test_mask_row_check_equals_a_brute_force_check(monkeypatch, cp, rank):
         brute = torch.nonzero((mask[0] != expected).any(-1)).flatten().tolist()
         found = resolve._first_non_document_row(mask, starts, positions)
         assert (found[1] if found else None) == (brute[0] if brute else None), (trial, found, brute)
+
+
+def thd_bad_inputs():
+    import torch.distributed as dist
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.resolve import state_from_thd
+    from megatron_ext.testing import catch
+
+    group = dist.group.WORLD
+
+    def params(cu, padded=None):
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    out = {
+        "int64": catch(lambda: state_from_thd(params(torch.tensor([0, 8, 16])), 8, group)),
+        "2d": catch(lambda: state_from_thd(params(i32(0, 8, 16).view(1, -1)), 8, group)),
+        "decreasing": catch(lambda: state_from_thd(params(i32(0, 9, 8, 16)), 8, group)),
+        "short_extent": catch(lambda: state_from_thd(params(i32(0, 5, 16), i32(0, 4, 16)), 8, group)),
+        "tokens": catch(lambda: state_from_thd(params(i32(0, 3, 10), i32(0, 4, 12)), 5, group)),
+        "not_multiple": catch(lambda: state_from_thd(params(i32(0, 3, 9), i32(0, 6, 12)), 6, group)),
+    }
+    bdcp.configure_cp_thd_partition("per_document")
+    try:
+        out["knob_not_multiple"] = catch(lambda: state_from_thd(params(i32(0, 6, 12)), 6, group))
+    finally:
+        bdcp.configure_cp_thd_partition()
+    bdcp.configure_cp_thd_partition("per_sequence")
+    try:  # the explicit knob settles the ambiguous case
+        state = state_from_thd(params(i32(0, 3, 9), i32(0, 6, 12)), 6, group)
+        out["knob_per_sequence"] = state.layout.name
+    finally:
+        bdcp.configure_cp_thd_partition()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bad_thd_input_raises_on_every_rank(pool2):
+    needles = {"int64": "1-D int32", "2d": "1-D int32", "decreasing": "decreases",
+               "short_extent": "does not hold", "tokens": "this rank holds 5 tokens",
+               "not_multiple": "configure_cp_thd_partition('per_sequence')",
+               "knob_not_multiple": "not a multiple of 2 * cp = 4"}
+    for out in pool2.run(thd_bad_inputs):
+        for case, needle in needles.items():
+            assert out[case] is not None and out[case][0] == "BlockDiagCPError", (case, out[case])
+            assert needle in out[case][1], (case, out[case][1])
+        assert out["knob_per_sequence"] == "zigzag"
