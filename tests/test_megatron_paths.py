@@ -212,6 +212,23 @@ def thd_batch(cp, seed):
     return batch, cu, cu_padded, doc_ids
 
 
+def megatron_thd_slice(batch, cu, cu_padded, cp, rank, group):
+    """This rank's THD batch and PackedSeqParams, cut by the installed megatron-core's own code."""
+    import megatron.core.utils as mcore_utils
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    max_seqlen = int(cu_padded.diff().max())
+    if hasattr(mcore_utils, "get_thd_batch_on_this_cp_rank"):  # megatron-core 0.16
+        return mcore_utils.get_thd_batch_on_this_cp_rank(
+            dict(batch), cu, cu_padded, torch.tensor([max_seqlen]), cp_size=cp, cp_rank=rank)
+    # megatron-core 0.19: get_batch_on_this_cp_rank's per-document balancing (TE's partition)
+    local = H.megatron_batch_on_this_cp_rank(
+        dict(batch, cu_seqlens=cu.view(1, -1), cu_seqlens_padded=cu_padded.view(1, -1)), group)
+    return local, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                  cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                                  max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
 def thd_path_matches_reference(cp, exchanges):
     import megatron.core.utils as mcore_utils
     import torch.distributed as dist
@@ -232,10 +249,7 @@ def thd_path_matches_reference(cp, exchanges):
     saved = (getattr(mcore_utils, "tex", None), mcore_utils.is_te_min_version)
     mcore_utils.tex, mcore_utils.is_te_min_version = te_double, (lambda *a, **k: True)
     try:
-        rank = dist.get_rank(group)
-        local, params = mcore_utils.get_thd_batch_on_this_cp_rank(
-            dict(batch), cu, cu_padded, torch.tensor([int(cu_padded.diff().max())]), cp_size=cp,
-            cp_rank=rank)
+        local, params = megatron_thd_slice(batch, cu, cu_padded, cp, dist.get_rank(group), group)
     finally:
         mcore_utils.tex, mcore_utils.is_te_min_version = saved
     out = {}
