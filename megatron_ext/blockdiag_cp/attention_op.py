@@ -26,7 +26,13 @@ logger = logging.getLogger("megatron_ext.blockdiag_cp")
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
 
-def _keep(t):
+def _pack_plain(t):
+    # Detached: a saved output that kept its grad_fn would point back at the node saving it,
+    # a reference cycle through C++ that no garbage collector frees (one layer leaked per call).
+    return t.detach()
+
+
+def _unpack_plain(t):
     return t
 
 
@@ -48,7 +54,7 @@ class _GuardedKernel(torch.autograd.Function):
         ctx.shapes = [(t.shape, t.dtype, t.device, t.requires_grad) for t in (q, k, v)]
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
         try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack_plain, _unpack_plain):
                 out = fn(*inputs)
         except Exception as exc:  # noqa: BLE001 - recorded, then raised on every rank
             record_kernel_failure(state, backend, "forward", exc)
