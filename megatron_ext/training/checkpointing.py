@@ -23,19 +23,13 @@ import random
 import re
 import shutil
 
+from .data import fsync_path
+
 POINTER = "latest_checkpointed_iteration.txt"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from here; the message says why and what to do."""
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -45,7 +39,7 @@ def _atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_path(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def get_rng_state() -> dict:
@@ -119,7 +113,7 @@ def save_checkpoint(args, ctx, iteration, consumed_samples, history, model, opti
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp)
+        fsync_path(tmp)
         if os.path.exists(final):  # re-saving an iteration: move the old one out of the way
             old = final + f".old{os.getpid()}"
             os.rename(final, old)
@@ -127,7 +121,7 @@ def save_checkpoint(args, ctx, iteration, consumed_samples, history, model, opti
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_path(save)
+        fsync_path(save)
         _atomic_write_text(os.path.join(save, POINTER), f"{iteration}\n")
     dist.barrier()
     return final

@@ -207,7 +207,8 @@ def validate_indexed_dataset(prefix: str) -> Tuple[int, int]:
 # Writing datasets
 # --------------------------------------------------------------------------------------
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or folder (a rename is durable once its folder is synced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -258,7 +259,7 @@ def write_indexed_dataset(files: Sequence[pathlib.Path], prefix: str,
             os.fsync(f.fileno())
         os.replace(tmp + ".bin", prefix + ".bin")
         os.replace(tmp + ".idx", prefix + ".idx")
-        _fsync_dir(os.path.dirname(os.path.abspath(prefix)))
+        fsync_path(os.path.dirname(os.path.abspath(prefix)))
     finally:
         builder.data_file.close()  # a no-op after finalize(); closes it on an error path
         for suffix in (".bin", ".idx"):
