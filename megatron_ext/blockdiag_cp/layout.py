@@ -13,13 +13,17 @@ the same layout without communication.
 import heapq
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .cost import CostModel, resolve_cost_model
-from .intervals import needed_intervals, overlap_counts, rank_keys, ranges
+from .intervals import RankRuns, document_runs, needed_remote
 from .state import normalize_layout
+
+
+RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 
 
 def layout_granularity(layout: str, cp: int) -> int:
@@ -34,14 +38,27 @@ def padded_length(seq_len: int, layout: str, cp: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
+    """Who owns what, as runs (``intervals.RankRuns``); positions are built only when asked."""
+
     name: str
     cp: int
     padded_len: int
-    positions: torch.Tensor  # [cp, local_len] int64, each row ascending
+    runs: RankRuns
 
     @property
     def local_len(self) -> int:
         return self.padded_len // self.cp
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[cp, local_len] int64, each row ascending."""
+        return self.runs.positions()
+
+    def rank_positions(self, rank: int) -> torch.Tensor:
+        """[local_len] the global positions ``rank`` owns, ascending (without building the others)."""
+        if "positions" in self.__dict__:
+            return self.positions[rank]
+        return self.runs.positions(rank)
 
     def owner(self) -> torch.Tensor:
         """[P] rank that owns each global position."""
@@ -70,10 +87,10 @@ def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
         raise ValueError(f"layout {name!r} at cp={cp} needs a padded length that is a multiple of "
                          f"{strategy.granularity(cp)}, got {padded}; pad with padded_length()")
     if cp == 1:
-        positions = torch.arange(padded).view(1, -1)
+        rank, start, length = [0], [0], [padded]
     else:
-        positions = strategy.positions(ids, cp, cost_model)
-    return Layout(name=name, cp=cp, padded_len=padded, positions=positions)
+        rank, start, length = strategy.runs(ids, cp, cost_model)
+    return Layout(name=name, cp=cp, padded_len=padded, runs=RankRuns.build(cp, padded, rank, start, length))
 
 
 class LayoutStrategy:
@@ -85,7 +102,8 @@ class LayoutStrategy:
     def granularity(cp: int) -> int:
         return cp
 
-    def positions(self, doc_ids: torch.Tensor, cp: int, cost_model: Optional[CostModel]) -> torch.Tensor:
+    def runs(self, doc_ids: torch.Tensor, cp: int, cost_model: Optional[CostModel]) -> RunSpec:
+        """(rank, start, length) of the ranges each rank owns (any order; touching ones merge)."""
         raise NotImplementedError
 
 
@@ -99,8 +117,9 @@ class ContiguousLayout(LayoutStrategy):
 
     name = "contiguous"
 
-    def positions(self, doc_ids, cp, cost_model):
-        return torch.arange(doc_ids.shape[-1]).view(cp, -1)
+    def runs(self, doc_ids, cp, cost_model):
+        L = doc_ids.shape[-1] // cp
+        return torch.arange(cp), torch.arange(cp) * L, torch.full((cp,), L)
 
 
 class ZigzagLayout(LayoutStrategy):
@@ -117,9 +136,11 @@ class ZigzagLayout(LayoutStrategy):
     def granularity(cp: int) -> int:
         return 2 * cp if cp > 1 else cp
 
-    def positions(self, doc_ids, cp, cost_model):
-        chunks = torch.arange(doc_ids.shape[-1]).view(2 * cp, -1)
-        return torch.cat([chunks[:cp], chunks[cp:].flip(0)], dim=1)
+    def runs(self, doc_ids, cp, cost_model):
+        half = doc_ids.shape[-1] // (2 * cp)
+        rank = torch.arange(cp)
+        chunk = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]
+        return rank.repeat_interleave(2), chunk.reshape(-1) * half, torch.full((2 * cp,), half)
 
 
 class THDLayout(LayoutStrategy):
@@ -142,13 +163,18 @@ class THDLayout(LayoutStrategy):
     def granularity(cp: int) -> int:
         return 2 * cp if cp > 1 else cp
 
-    def positions(self, doc_ids, cp, cost_model):
+    def runs(self, doc_ids, cp, cost_model):
         if doc_ids.shape[0] != 1:
             raise ValueError(f"layout 'thd' takes one row of doc ids (THD packs the batch into one "
                              f"sequence), got {doc_ids.shape[0]} rows; pass doc_ids of shape [S] or "
                              f"use another layout for per-row documents")
         cu = thd_padded_cu_seqlens(doc_ids[0], cp)
-        return torch.stack([thd_partitioned_indices(cu, doc_ids.shape[-1], cp, r) for r in range(cp)])
+        chunk = cu.diff() // (2 * cp)  # [n]
+        rank = torch.arange(cp)
+        which = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]: chunks r and 2cp-1-r
+        start = cu[:-1].view(1, -1, 1) + which.view(cp, 1, 2) * chunk.view(1, -1, 1)  # [cp, n, 2]
+        length = chunk.view(1, -1, 1).expand_as(start)
+        return rank.view(cp, 1, 1).expand_as(start).reshape(-1), start.reshape(-1), length.reshape(-1)
 
 
 def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
@@ -249,8 +275,8 @@ class BalancedLayout(LayoutStrategy):
 
     name = "balanced"
 
-    def positions(self, doc_ids, cp, cost_model):
-        return balanced_positions(doc_ids, cp, resolve_cost_model(cost_model))
+    def runs(self, doc_ids, cp, cost_model):
+        return balanced_runs(doc_ids, cp, resolve_cost_model(cost_model))
 
 
 # Split thresholds (fraction of a rank's work share a document may carry whole).
@@ -307,23 +333,14 @@ def range_cost(docs: _Docs, rank: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return work, need.view(cp, n_docs).sum(1)
 
 
-def positions_cost(ids: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(work [cp], needed remote [cp]) of a layout given as positions; any number of rows."""
-    return (position_work(ids)[positions].sum(1).double(),
-            needed_remote_counts(ids, positions).double())
+def _owned_to_runs(owned: List[List[Tuple[int, int]]]) -> RunSpec:
+    rank = torch.tensor([r for r, spans in enumerate(owned) for _ in spans], dtype=torch.long)
+    start = torch.tensor([s[0] for spans in owned for s in spans], dtype=torch.long)
+    end = torch.tensor([s[1] for spans in owned for s in spans], dtype=torch.long)
+    return rank, start, end - start
 
 
-def _ranges_to_positions(owned: List[List[Tuple[int, int]]]) -> torch.Tensor:
-    rows = []
-    for spans in owned:
-        spans = sorted(spans)
-        a = torch.tensor([s[0] for s in spans], dtype=torch.long)
-        n = torch.tensor([s[1] - s[0] for s in spans], dtype=torch.long)
-        rows.append(ranges(a, n))
-    return torch.stack(rows)
-
-
-def balanced_positions(ids: torch.Tensor, cp: int, cost_model: CostModel) -> torch.Tensor:
+def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
     docs = _Docs(ids)
     P = docs.P
     L = P // cp
@@ -346,20 +363,19 @@ def balanced_positions(ids: torch.Tensor, cp: int, cost_model: CostModel) -> tor
 
     best = None
     total = float(docs.cum[-1])
+    rows = [document_runs(row) for row in ids]
     for label, owned in candidates:
-        rank = torch.tensor([r for r, spans in enumerate(owned) for _ in spans], dtype=torch.long)
-        a = torch.tensor([s[0] for spans in owned for s in spans], dtype=torch.long)
-        b = torch.tensor([s[1] for spans in owned for s in spans], dtype=torch.long)
+        spec = _owned_to_runs(owned)
         if ids.shape[0] == 1:
-            work, need = range_cost(docs, rank, a, b, cp)
+            work, need = range_cost(docs, *spec[:2], spec[1] + spec[2], cp)
         else:
-            work, need = positions_cost(ids, _ranges_to_positions(owned))
-        modeled = float((work * t_pair + need.double() * t_pos).max())
+            work, need = needed_remote(RankRuns.build(cp, P, *spec), rows)
+        modeled = float((work.double() * t_pair + need.double() * t_pos).max())
         imbalance = float(work.max()) / (total / cp) if total > 0 else 1.0
         score = modeled * (1 + _IMBALANCE_WEIGHT * max(0.0, imbalance - BALANCE_GOAL))
         if best is None or score < best[0]:
-            best = (score, label, owned)
-    return _ranges_to_positions(best[2])
+            best = (score, label, spec)
+    return best[2]
 
 
 def _balanced_candidate(cum: List[float], segments: List[tuple], cp: int, theta: float,
@@ -481,42 +497,10 @@ def _cost_chunks(cum: List[float], a: int, b: int, m: int, pos_cost: float) -> O
         return None
     return [(h, t) for h, t in zip(bounds[:-1], bounds[1:]) if t > h]
 
-def needed_mask(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[P] bool: positions whose K/V the given queries need (union over rows).
-
-    ``positions`` ascending: a document's queries are adjacent, and the document
-    needs [its start, its last query], one interval per document.
-    """
-    R, P = doc_ids.shape
-    diff = torch.zeros(P + 1, dtype=torch.int32)
-    for row in range(R):
-        q = positions[doc_ids[row, positions] > 0]
-        if q.numel() == 0:
-            continue
-        s = starts[row, q]
-        last = torch.ones_like(q, dtype=torch.bool)
-        last[:-1] = s[1:] != s[:-1]
-        ones = torch.ones(int(last.sum()), dtype=torch.int32)
-        diff.index_add_(0, s[last], ones)
-        diff.index_add_(0, q[last] + 1, -ones)
-    return diff.cumsum(0)[:P] > 0
-
-
-def needed_remote_counts(doc_ids: torch.Tensor, positions: torch.Tensor,
-                         starts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[cp] K/V positions each rank's queries need and it does not own (the lower bound)."""
-    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
-    starts = document_starts(ids) if starts is None else starts
-    P = ids.shape[-1]
-    dst, a, b = needed_intervals(ids, starts, positions)
-    counts, _, _ = overlap_counts(dst, a, b, rank_keys(positions, P), positions.shape[0], P)
-    return counts.sum(0)
-
-
 LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
     s.name: s for s in (ContiguousLayout(), ZigzagLayout(), BalancedLayout(), THDLayout())}
 
 __all__ = ["Layout", "LayoutStrategy", "ContiguousLayout", "ZigzagLayout", "BalancedLayout", "THDLayout",
            "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
-           "position_work", "needed_remote_counts", "thd_partitioned_indices", "thd_padded_cu_seqlens",
+           "position_work", "thd_partitioned_indices", "thd_padded_cu_seqlens",
            "BALANCE_GOAL"]
