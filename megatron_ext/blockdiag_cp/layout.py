@@ -10,20 +10,16 @@ every strategy is a pure function of the padded doc ids, so every rank computes
 the same layout without communication.
 """
 
-import heapq
-import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from .balanced import BALANCE_GOAL, RunSpec, balanced_runs
 from .cost import CostModel, resolve_cost_model
-from .intervals import RankRuns, document_runs, needed_remote
+from .intervals import RankRuns
 from .state import normalize_layout
-
-
-RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 
 
 def layout_granularity(layout: str, cp: int) -> int:
@@ -263,14 +259,13 @@ class BalancedLayout(LayoutStrategy):
         ranks 2, 3: b c d / e f (whole, packed by work)
 
     A document heavier than a rank can carry is split over a few ranks (zigzag
-    pairs, which equalise its work, or contiguous chunks sized so that each
-    chunk's compute plus the earlier keys it must receive costs the same); the
-    others go whole to the least loaded rank; the ranks' documents are laid end
-    to end and cut at exact multiples of the local length. A vectorized search
-    over a few split thresholds and styles (and the contiguous and zigzag
-    layouts themselves) keeps the candidate with the smallest modeled time
-    (``cost.CostModel``: busiest rank's compute plus its K/V traffic), preferring
-    work max/mean within ``BALANCE_GOAL``, so it is never worse than either.
+    pairs, which equalise its work; contiguous chunks of equal compute plus
+    received keys; or tails carved from its end under a per-rank budget, thin
+    where every key is far from its start); the others go whole where they keep
+    the ranks balanced. A search over a few such candidates (and the contiguous
+    and zigzag layouts themselves) keeps the one with the smallest modeled time
+    (``cost.CostModel``: busiest rank's compute plus its K/V traffic), so it is
+    never worse than either. See ``balanced.py``.
     """
 
     name = "balanced"
@@ -278,224 +273,6 @@ class BalancedLayout(LayoutStrategy):
     def runs(self, doc_ids, cp, cost_model):
         return balanced_runs(doc_ids, cp, resolve_cost_model(cost_model))
 
-
-# Split thresholds (fraction of a rank's work share a document may carry whole).
-_SPLIT_THRESHOLDS = (math.inf, 2.0, 1.0, 0.75, 0.5, 0.35, 0.25)
-BALANCE_GOAL = 1.05
-# Work beyond the goal weighs this much extra in the search key: the rest of the layer is
-# token-balanced, so attention imbalance is a preference even where the model calls it cheap.
-_IMBALANCE_WEIGHT = 2.0
-
-
-class _Docs:
-    """Runs on which no row changes document (units the balanced layout places), with work sums."""
-
-    def __init__(self, ids: torch.Tensor):
-        P = ids.shape[-1]
-        change = torch.zeros(P, dtype=torch.bool)
-        change[0] = True
-        change[1:] = (ids[:, 1:] != ids[:, :-1]).any(0)
-        self.starts = torch.nonzero(change).flatten()
-        self.ends = torch.cat([self.starts[1:], torch.tensor([P])])
-        self.padding = (ids[:, self.starts] == 0).all(0)
-        self.pos_work = position_work(ids)
-        self.cum = torch.cat([torch.zeros(1, dtype=torch.float64), self.pos_work.double().cumsum(0)])
-        self.P = P
-
-
-def _span_work(cum: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return cum[b] - cum[a]
-
-
-def range_cost(docs: _Docs, rank: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cp: int
-               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(work [cp], needed remote [cp]) of a layout given as ranges (rank, [a, b)); one row of ids.
-
-    Cuts every range at document boundaries; a rank's pieces of one document need
-    [document start, end of its last piece) minus what it owns.
-    """
-    rs, re = docs.starts, docs.ends
-    n_docs = rs.numel()
-    work = torch.zeros(cp, dtype=torch.float64).index_add_(0, rank, _span_work(docs.cum, a, b))
-    first = torch.searchsorted(rs, a, right=True) - 1
-    last = torch.searchsorted(rs, b - 1, right=True) - 1
-    cnt = last - first + 1
-    rep = torch.repeat_interleave(torch.arange(a.numel()), cnt)
-    k = first[rep] + torch.arange(rep.numel()) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
-    pa = torch.maximum(a[rep], rs[k])
-    pb = torch.minimum(b[rep], re[k])
-    keep = ~docs.padding[k]
-    key = rank[rep][keep] * n_docs + k[keep]
-    reach = torch.zeros(cp * n_docs, dtype=torch.long).scatter_reduce_(0, key, pb[keep], "amax")
-    own = torch.zeros(cp * n_docs, dtype=torch.long).index_add_(0, key, (pb - pa)[keep])
-    touched = reach > 0
-    need = torch.where(touched, reach - rs.repeat(cp) - own, torch.zeros_like(reach))
-    return work, need.view(cp, n_docs).sum(1)
-
-
-def _owned_to_runs(owned: List[List[Tuple[int, int]]]) -> RunSpec:
-    rank = torch.tensor([r for r, spans in enumerate(owned) for _ in spans], dtype=torch.long)
-    start = torch.tensor([s[0] for spans in owned for s in spans], dtype=torch.long)
-    end = torch.tensor([s[1] for spans in owned for s in spans], dtype=torch.long)
-    return rank, start, end - start
-
-
-def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
-    docs = _Docs(ids)
-    P = docs.P
-    L = P // cp
-    t_pair, t_pos = cost_model.seconds_per_pair, cost_model.seconds_per_position
-    candidates = [("contiguous", [[(r * L, (r + 1) * L)] for r in range(cp)])]
-    half = P // (2 * cp) if P % (2 * cp) == 0 else 0
-    if half:
-        candidates.append(("zigzag", [[(r * half, (r + 1) * half),
-                                       ((2 * cp - 1 - r) * half, (2 * cp - r) * half)] for r in range(cp)]))
-    seg = list(zip(docs.starts.tolist(), docs.ends.tolist(), docs.padding.tolist()))
-    cum = docs.cum.tolist()
-    seen = set()
-    for theta in _SPLIT_THRESHOLDS:
-        for style in ("zigzag", "chunks", "need"):
-            owned = _balanced_candidate(cum, seg, cp, theta, style, t_pos / t_pair)
-            key = tuple(tuple(sorted(o)) for o in owned)
-            if key not in seen:
-                seen.add(key)
-                candidates.append((f"{style}@{theta}", owned))
-
-    best = None
-    total = float(docs.cum[-1])
-    rows = [document_runs(row) for row in ids]
-    for label, owned in candidates:
-        spec = _owned_to_runs(owned)
-        if ids.shape[0] == 1:
-            work, need = range_cost(docs, *spec[:2], spec[1] + spec[2], cp)
-        else:
-            work, need = needed_remote(RankRuns.build(cp, P, *spec), rows)
-        modeled = float((work.double() * t_pair + need.double() * t_pos).max())
-        imbalance = float(work.max()) / (total / cp) if total > 0 else 1.0
-        score = modeled * (1 + _IMBALANCE_WEIGHT * max(0.0, imbalance - BALANCE_GOAL))
-        if best is None or score < best[0]:
-            best = (score, label, spec)
-    return best[2]
-
-
-def _balanced_candidate(cum: List[float], segments: List[tuple], cp: int, theta: float,
-                        style: str, pos_cost: float) -> List[List[Tuple[int, int]]]:
-    """One balanced assignment as ranges per rank.
-
-    1. A document whose tokens exceed a rank's share, or whose work exceeds
-       ``theta`` of a rank's work share, is split over m ranks: ``zigzag`` (2m
-       chunks, rank i of m takes chunks i and 2m-1-i: equal work), ``chunks``
-       (m contiguous chunks, each costing the same compute plus received keys at
-       ``pos_cost`` pairs per position), or ``need`` (zigzag over the fewest
-       neediest ranks whose missing work covers it).
-    2. The other documents (and padding runs), largest work first, go whole to
-       the rank that keeps max(work / share, tokens / share) smallest.
-    3. The ranks' documents are laid end to end (largest first within a rank)
-       and cut at exact multiples of the per-rank length.
-    """
-    P = len(cum) - 1
-    L = P // cp
-    target = max(cum[-1] / cp, 1e-9)
-    owned: List[List[Tuple[int, int]]] = [[] for _ in range(cp)]
-    room = [L] * cp
-    load = [0.0] * cp
-
-    def give(rank: int, a: int, b: int) -> None:
-        if b > a:
-            owned[rank].append((a, b))
-            room[rank] -= b - a
-            load[rank] += cum[b] - cum[a]
-
-    whole = []
-    by_work = sorted(segments, key=lambda s: cum[s[0]] - cum[s[1]])
-    for a, b, pad in by_work:
-        n, w = b - a, cum[b] - cum[a]
-        share = max(target - min(load), 0.0) if style == "need" else target
-        if pad or (n <= L and w <= theta * share):
-            whole.append((a, b))
-            continue
-        if style == "need":
-            needs = sorted(range(cp), key=lambda r: (load[r] - target, -room[r]))
-            m, covered = 0, 0.0
-            while m < cp and (m < 2 or covered < w or m * L < n):
-                covered += max(target - load[needs[m]], 0.0)
-                m += 1
-            ranks = sorted(needs[:m], key=lambda r: load[r])
-        else:
-            m = min(cp, max(2, -(-n // L), math.ceil(w / (min(theta, 1.0) * target) - 1e-9)))
-            ranks = sorted(sorted(range(cp), key=lambda r: (-room[r], load[r]))[:m], key=lambda r: load[r])
-        if style == "chunks":
-            pieces = _cost_chunks(cum, a, b, m, pos_cost)
-            # The most expensive-to-feed chunks (the last ones) go to the least loaded ranks.
-            plan = list(zip(ranks, reversed(pieces or [])))
-            if not plan or len(plan) < len(pieces) or any(room[r] < t - h for r, (h, t) in plan):
-                whole.append((a, b))
-                continue
-            for rank, (h, t) in plan:
-                give(rank, h, t)
-            continue
-        bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
-        pairs = [((bounds[i], bounds[i + 1]), (bounds[2 * m - 1 - i], bounds[2 * m - i])) for i in range(m)]
-        if any(room[r] < (h[1] - h[0]) + (t[1] - t[0]) for r, (h, t) in zip(ranks, pairs)):
-            whole.append((a, b))  # no room to split it: step 3 cuts it where it lands
-            continue
-        for rank, (head, tail) in zip(ranks, pairs):
-            give(rank, *head)
-            give(rank, *tail)
-
-    # Step 2: a heap on the current key (ties by rank) instead of a scan of every rank per document.
-    bins: List[List[Tuple[int, int]]] = [[] for _ in range(cp)]
-    tokens = [L - r for r in room]
-    work = list(load)
-    heap = [(max(work[r] / target, tokens[r] / L), r) for r in range(cp)]
-    heapq.heapify(heap)
-    for a, b in whole:
-        _, r = heapq.heappop(heap)
-        bins[r].append((a, b))
-        tokens[r] += b - a
-        work[r] += cum[b] - cum[a]
-        heapq.heappush(heap, (max(work[r] / target, tokens[r] / L), r))
-
-    rank = 0
-    for a, b in (d for docs in bins for d in sorted(docs, key=lambda d: d[0] - d[1])):
-        while a < b:
-            while room[rank] == 0:
-                rank += 1
-            take = min(room[rank], b - a)
-            give(rank, a, a + take)
-            a += take
-    assert all(x == 0 for x in room), room
-    return owned
-
-
-def _cost_chunks(cum: List[float], a: int, b: int, m: int, pos_cost: float) -> Optional[List[Tuple[int, int]]]:
-    """m contiguous chunks of [a, b) whose work + pos_cost * (chunk start - a) is equal (bisection)."""
-    cum_t = torch.tensor(cum[a:b + 1], dtype=torch.float64) - cum[a]
-
-    def cut(budget: float) -> List[int]:
-        bounds, x = [a], a
-        for _ in range(m):
-            if x >= b:
-                break
-            # largest y with work(x, y) + pos_cost * (x - a) <= budget, at least one token
-            limit = cum_t[x - a] + budget - pos_cost * (x - a)
-            y = a + int(torch.searchsorted(cum_t, limit.reshape(1), right=True)) - 1
-            y = min(max(y, x + 1), b)
-            bounds.append(y)
-            x = y
-        return bounds
-
-    lo, hi = 0.0, float(cum_t[-1]) + pos_cost * (b - a)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if cut(mid)[-1] >= b:
-            hi = mid
-        else:
-            lo = mid
-    bounds = cut(hi)
-    if bounds[-1] < b:
-        return None
-    return [(h, t) for h, t in zip(bounds[:-1], bounds[1:]) if t > h]
 
 LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
     s.name: s for s in (ContiguousLayout(), ZigzagLayout(), BalancedLayout(), THDLayout())}
