@@ -106,47 +106,64 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
         half = P // (2 * cp)
         candidates.append(("zigzag", [[(r * half, (r + 1) * half), ((2 * cp - 1 - r) * half, (2 * cp - r) * half)]
                                       for r in range(cp)]))
+    target = units.total / cp
     heavy = [i for i in units.by_work if units.alpha[i] > 0
-             and (units.end[i] - units.start[i] > L or units.work[i] > min(SPLIT_THRESHOLDS) * units.total / cp)]
+             and (units.end[i] - units.start[i] > L or units.work[i] > min(SPLIT_THRESHOLDS) * target)]
     if heavy:
         seen = set()
         for theta in SPLIT_THRESHOLDS:
             for style in ("zigzag", "chunks", "need"):
-                owned = _split_and_pack(units, cp, theta, style, q)
-                key = tuple(tuple(sorted(o)) for o in owned)
-                if key not in seen:
+                if style != "need":  # fixed by which units split and over how many ranks: skip repeats
+                    key = (style,) + tuple(_split_width(units, i, cp, theta, target) for i in heavy)
+                    if key in seen:
+                        continue
                     seen.add(key)
-                    candidates.append((f"{style}@{theta}", owned))
+                candidates.append((f"{style}@{theta}", _split_and_pack(units, cp, theta, style, q)))
         for mult in CARVE_BUDGETS:
-            candidates.append((f"carve@{mult}", _carve(units, cp, q, mult * units.total / cp)))
+            candidates.append((f"carve@{mult}", _carve(units, cp, q, mult * target)))
     else:  # nothing worth splitting: one packing
         candidates.append(("pack", _split_and_pack(units, cp, math.inf, "zigzag", q)))
 
-    share = units.total / cp
-    specs = [_owned_to_runs(owned) for _, owned in candidates]
+    # Every candidate's ranges as flat tensors, candidate-major.
+    group = [c * cp + r for c, (_, owned) in enumerate(candidates) for r, spans in enumerate(owned) for _ in spans]
+    spans = [span for _, owned in candidates for o in owned for span in o]
+    group_t = torch.tensor(group, dtype=torch.long)
+    a_t, b_t = torch.tensor(spans, dtype=torch.long).view(-1, 2).t().contiguous()
     if len(units.rows) == 1:
-        work, need = _batched_cost(units, cp, specs)  # [n_candidates, cp] each
+        work, need = _batched_cost(units, cp, len(candidates), group_t, a_t, b_t)  # [n_candidates, cp]
     else:
-        counted = [needed_remote(RankRuns.build(cp, P, *spec), units.rows) for spec in specs]
+        counted = [needed_remote(RankRuns.build(cp, P, *_runs_of(c, cp, group_t, a_t, b_t)), units.rows)
+                   for c in range(len(candidates))]
         work, need = (torch.stack(x) for x in zip(*counted))
     modeled = (work.double() + q * need.double()).max(1).values
-    imbalance = work.double().max(1).values / share if share > 0 else torch.ones(len(specs))
+    imbalance = work.double().max(1).values / target if target > 0 else torch.ones(len(candidates))
     score = modeled * (1 + IMBALANCE_WEIGHT * (imbalance - BALANCE_GOAL).clamp(min=0))
     best = int(torch.argmin(score))  # first of equals: contiguous, then zigzag, then the rest
     LAST_CHOICE[:] = [candidates[best][0]]
-    return specs[best]
+    return _runs_of(best, cp, group_t, a_t, b_t)
 
 
-def _batched_cost(units: _Units, cp: int, specs: Sequence[RunSpec]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> RunSpec:
+    lo, hi = torch.searchsorted(group, torch.tensor([c * cp, (c + 1) * cp])).tolist()
+    return group[lo:hi] - c * cp, a[lo:hi], b[lo:hi] - a[lo:hi]
+
+
+def _split_width(units: "_Units", i: int, cp: int, theta: float, target: float) -> int:
+    """Over how many ranks ``_split_and_pack`` splits unit i at ``theta`` (0: kept whole)."""
+    n, w = units.end[i] - units.start[i], units.work[i]
+    if n <= units.P // cp and w <= theta * target:
+        return 0
+    return min(cp, max(2, -(-n // (units.P // cp)), math.ceil(w / (min(theta, 1.0) * max(target, 1e-9)) - 1e-9)))
+
+
+def _batched_cost(units: "_Units", cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(work, needed) [n_candidates, cp] of every candidate at once; one row of doc ids.
 
-    A rank's pieces of one document need [document start, end of its last piece)
-    minus what it owns: the plan's count (``intervals.needed_remote``), batched.
+    ``group`` = candidate * cp + rank of every range [a, b). A rank's pieces of
+    one document need [document start, end of its last piece) minus what it
+    owns: the plan's count (``intervals.needed_remote``), batched.
     """
-    n_cand = len(specs)
-    group = torch.cat([spec[0] + c * cp for c, spec in enumerate(specs)])  # candidate * cp + rank
-    a = torch.cat([spec[1] for spec in specs])
-    b = a + torch.cat([spec[2] for spec in specs])
     d_start, d_end, d_id = units.rows[0]
     which, doc, pa, pb = clip(a, b, d_start, d_end)
     real = d_id[doc] > 0
@@ -159,13 +176,6 @@ def _batched_cost(units: _Units, cp: int, specs: Sequence[RunSpec]) -> Tuple[tor
     start = d_start[key % d_start.numel()]
     need = torch.zeros(n_cand * cp, dtype=torch.long).index_add_(0, key // d_start.numel(), reach - start - own)
     return work.view(n_cand, cp), need.view(n_cand, cp)
-
-
-def _owned_to_runs(owned: Owned) -> RunSpec:
-    rank = torch.tensor([r for r, spans in enumerate(owned) for _ in spans], dtype=torch.long)
-    start = torch.tensor([s[0] for spans in owned for s in spans], dtype=torch.long)
-    end = torch.tensor([s[1] for spans in owned for s in spans], dtype=torch.long)
-    return rank, start, end - start
 
 
 class _Ranks:
