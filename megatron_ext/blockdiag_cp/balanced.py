@@ -41,19 +41,27 @@ Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
 
 BALANCE_GOAL = 1.05
 # Split thresholds (fraction of a rank's work share a document may carry whole).
-SPLIT_THRESHOLDS = (math.inf, 2.0, 1.0, 0.75, 0.5, 0.35, 0.25)
+SPLIT_THRESHOLDS = (math.inf, 1.0, 0.75, 0.5, 0.35, 0.25)
+# Equal-cost chunks over many ranks (small thresholds) cost the most to build and next to never win.
+CHUNKS_MIN_THRESHOLD = 1.0
 # Carve budgets, in multiples of the ideal per-rank work.
 CARVE_BUDGETS = (1.05, 1.15, 1.3, 1.5, 1.75, 2.1)
-# Work beyond the balance goal weighs this much extra in the choice: the rest of the layer is
-# token-balanced, so attention imbalance is a (mild) preference even where traffic is cheaper.
-IMBALANCE_WEIGHT = 0.5
+# ... and the filler density they reserve, in multiples of the light units' mean work per token.
+CARVE_FILLERS = (0.5,)
+# ... then around the best budget, these fillers too.
+CARVE_REFINE = (1.0, 0.0)
+# Candidates whose modeled time is within this fraction of the best count as ties, broken by work
+# balance (the rest of the layer is token-balanced; imbalance is a preference, not a cost here).
+TIE = 0.005
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
 
 
 class _Units:
-    """Ranges on which no row changes document, with their work coefficients (Python lists)."""
+    """What the candidates place: ranges on which no row changes document, with their work
+    coefficients (Python lists); runs of consecutive tiny documents are bundled into one
+    unit of at most L / 32 tokens (never split, so the search loops over fewer units)."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, cp: int):
         R, P = ids.shape
         self.rows = [document_runs(row) for row in ids]
         if R == 1:
@@ -74,10 +82,27 @@ class _Units:
         sum_p = (starts + ends - 1).double() * n.double() / 2
         work = alpha * sum_p + beta * n.double()
         self.P = P
-        self.start, self.end = starts.tolist(), ends.tolist()
-        self.alpha, self.beta, self.work = alpha.tolist(), beta.tolist(), work.tolist()
         self.total = float(work.sum())
+        self.start, self.end = [], []
+        self.alpha, self.beta, self.work, self.bundle = [], [], [], []
+        cap = max(1, P // cp // 32)
+        for a, b, al, be, w in zip(starts.tolist(), ends.tolist(), alpha.tolist(), beta.tolist(), work.tolist()):
+            tiny = al > 0 and b - a <= cap
+            if tiny and self.bundle and self.bundle[-1] and self.end[-1] == a and b - self.start[-1] <= cap:
+                self.end[-1] = b
+                self.work[-1] += w
+                continue
+            self.start.append(a)
+            self.end.append(b)
+            self.alpha.append(al)
+            self.beta.append(be)
+            self.work.append(w)
+            self.bundle.append(tiny)
         self.by_work = sorted(range(len(self.start)), key=lambda i: -self.work[i])
+
+    def light(self, i: int, limit: float, L: int) -> bool:
+        """Placed whole: padding, a bundle, or at most L tokens and ``limit`` work."""
+        return self.alpha[i] == 0 or self.bundle[i] or (self.end[i] - self.start[i] <= L and self.work[i] <= limit)
 
     def span(self, i: int, x: int, y: int) -> float:
         """Work of positions [x, y) of unit i."""
@@ -97,7 +122,7 @@ class _Units:
 
 def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
     """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring)."""
-    units = _Units(ids)
+    units = _Units(ids, cp)
     P = units.P
     L = P // cp
     q = cost_model.positions_per_pair
@@ -107,40 +132,62 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
         candidates.append(("zigzag", [[(r * half, (r + 1) * half), ((2 * cp - 1 - r) * half, (2 * cp - r) * half)]
                                       for r in range(cp)]))
     target = units.total / cp
-    heavy = [i for i in units.by_work if units.alpha[i] > 0
-             and (units.end[i] - units.start[i] > L or units.work[i] > min(SPLIT_THRESHOLDS) * target)]
+    heavy = [i for i in units.by_work if not units.light(i, min(SPLIT_THRESHOLDS) * target, L)]
     if heavy:
         seen = set()
         for theta in SPLIT_THRESHOLDS:
             for style in ("zigzag", "chunks", "need"):
+                if style == "chunks" and theta < CHUNKS_MIN_THRESHOLD:
+                    continue
                 if style != "need":  # fixed by which units split and over how many ranks: skip repeats
                     key = (style,) + tuple(_split_width(units, i, cp, theta, target) for i in heavy)
                     if key in seen:
                         continue
                     seen.add(key)
-                candidates.append((f"{style}@{theta}", _split_and_pack(units, cp, theta, style, q)))
-        for mult in CARVE_BUDGETS:
-            candidates.append((f"carve@{mult}", _carve(units, cp, q, mult * target)))
+                stream, strict = _split_and_pack(units, cp, theta, style, q)
+                candidates += [(f"{style}@{theta}", stream), (f"{style}@{theta}/strict", strict)]
+        filler = _light_density(units, cp)
+        carved = [(mult, _carve(units, cp, q, mult * target, CARVE_FILLERS[0] * filler)) for mult in CARVE_BUDGETS]
+        costs = _batched_cost(units, cp, *_flatten([o for _, o in carved], cp)) if len(units.rows) == 1 else None
+        best_mult = CARVE_BUDGETS[int(torch.argmin((costs[0].double() + q * costs[1].double()).max(1).values))] \
+            if costs is not None else CARVE_BUDGETS[0]
+        candidates += [(f"carve@{mult}/{CARVE_FILLERS[0]}", owned) for mult, owned in carved]
+        for f in CARVE_REFINE:
+            candidates.append((f"carve@{best_mult}/{f}", _carve(units, cp, q, best_mult * target, f * filler)))
     else:  # nothing worth splitting: one packing
-        candidates.append(("pack", _split_and_pack(units, cp, math.inf, "zigzag", q)))
+        stream, strict = _split_and_pack(units, cp, math.inf, "zigzag", q)
+        candidates += [("pack", stream), ("pack/strict", strict)]
 
-    # Every candidate's ranges as flat tensors, candidate-major.
-    group = [c * cp + r for c, (_, owned) in enumerate(candidates) for r, spans in enumerate(owned) for _ in spans]
-    spans = [span for _, owned in candidates for o in owned for span in o]
-    group_t = torch.tensor(group, dtype=torch.long)
-    a_t, b_t = torch.tensor(spans, dtype=torch.long).view(-1, 2).t().contiguous()
+    n_cand, group_t, a_t, b_t = _flatten([owned for _, owned in candidates], cp)
     if len(units.rows) == 1:
-        work, need = _batched_cost(units, cp, len(candidates), group_t, a_t, b_t)  # [n_candidates, cp]
+        work, need = _batched_cost(units, cp, n_cand, group_t, a_t, b_t)  # [n_candidates, cp]
     else:
         counted = [needed_remote(RankRuns.build(cp, P, *_runs_of(c, cp, group_t, a_t, b_t)), units.rows)
                    for c in range(len(candidates))]
         work, need = (torch.stack(x) for x in zip(*counted))
     modeled = (work.double() + q * need.double()).max(1).values
-    imbalance = work.double().max(1).values / target if target > 0 else torch.ones(len(candidates))
-    score = modeled * (1 + IMBALANCE_WEIGHT * (imbalance - BALANCE_GOAL).clamp(min=0))
-    best = int(torch.argmin(score))  # first of equals: contiguous, then zigzag, then the rest
+    imbalance = work.double().max(1).values / max(target, 1e-9)
+    # The least modeled time; among near-ties (within TIE), the best work balance.
+    near = modeled <= modeled.min() * (1 + TIE)
+    best = int(torch.argmin(torch.where(near, imbalance, torch.full_like(imbalance, math.inf))))
     LAST_CHOICE[:] = [candidates[best][0]]
     return _runs_of(best, cp, group_t, a_t, b_t)
+
+
+def _light_density(units: "_Units", cp: int) -> float:
+    """Mean work per token of the units a rank can hold whole (the filler of carved ranks)."""
+    L, share = units.P // cp, units.total / cp
+    light = [i for i in range(len(units.start)) if units.light(i, share, L)]
+    tokens = sum(units.end[i] - units.start[i] for i in light)
+    return sum(units.work[i] for i in light) / tokens if tokens else 0.0
+
+
+def _flatten(owned_lists: Sequence[Owned], cp: int) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every candidate's ranges as flat tensors, candidate-major: (count, candidate * cp + rank, a, b)."""
+    group = [c * cp + r for c, owned in enumerate(owned_lists) for r, spans in enumerate(owned) for _ in spans]
+    spans = [span for owned in owned_lists for o in owned for span in o]
+    a, b = torch.tensor(spans, dtype=torch.long).view(-1, 2).t().contiguous()
+    return len(owned_lists), torch.tensor(group, dtype=torch.long), a, b
 
 
 def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> RunSpec:
@@ -151,7 +198,7 @@ def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Ten
 def _split_width(units: "_Units", i: int, cp: int, theta: float, target: float) -> int:
     """Over how many ranks ``_split_and_pack`` splits unit i at ``theta`` (0: kept whole)."""
     n, w = units.end[i] - units.start[i], units.work[i]
-    if n <= units.P // cp and w <= theta * target:
+    if units.light(i, theta * target, units.P // cp):
         return 0
     return min(cp, max(2, -(-n // (units.P // cp)), math.ceil(w / (min(theta, 1.0) * max(target, 1e-9)) - 1e-9)))
 
@@ -186,26 +233,33 @@ class _Ranks:
         self.room = [L] * cp
         self.load = [0.0] * cp
 
+    def copy(self) -> "_Ranks":
+        other = _Ranks(len(self.room), 0)
+        other.owned = [list(o) for o in self.owned]
+        other.room, other.load = list(self.room), list(self.load)
+        return other
+
     def give(self, rank: int, a: int, b: int, cost: float) -> None:
         if b > a:
             self.owned[rank].append((a, b))
             self.room[rank] -= b - a
             self.load[rank] += cost
 
-    def cut_in(self, spans: Sequence[Tuple[int, int]]) -> None:
-        """Fill every rank's free tokens with these ranges in order, cutting where a rank is full."""
-        rank = 0
+    def cut_in(self, spans: Sequence[Tuple[int, int]], order: Optional[Sequence[int]] = None) -> None:
+        """Fill the ranks' free tokens (ranks in ``order``) with these ranges, cutting where one is full."""
+        order = list(range(len(self.room))) if order is None else list(order)
+        k = 0
         for a, b in spans:
             while a < b:
-                while self.room[rank] == 0:
-                    rank += 1
-                take = min(self.room[rank], b - a)
-                self.give(rank, a, a + take, 0.0)
+                while self.room[order[k]] == 0:
+                    k += 1
+                take = min(self.room[order[k]], b - a)
+                self.give(order[k], a, a + take, 0.0)
                 a += take
         assert all(x == 0 for x in self.room), self.room
 
 
-def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) -> Owned:
+def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) -> Tuple[Owned, Owned]:
     """Split heavy documents by ``style``, pack the rest whole, cut at multiples of L.
 
     1. A unit whose tokens exceed a rank's share, or whose work exceeds ``theta``
@@ -217,6 +271,8 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) 
        max(work / share, tokens / L) smallest.
     3. The ranks' units are laid end to end (largest first within a rank) and
        cut at exact multiples of L.
+    Also returned: 2-3 done strictly (each unit whole to the least loaded rank
+    it fits in; those that fit nowhere cut into the least loaded free tokens).
     """
     L = units.P // cp
     target = max(units.total / cp, 1e-9)
@@ -227,7 +283,7 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) 
         a, b, w = units.start[i], units.end[i], units.work[i]
         n = b - a
         share = max(target - min(load), 0.0) if style == "need" else target
-        if units.alpha[i] == 0 or (n <= L and w <= theta * share):
+        if units.light(i, theta * share, L):
             whole.append(i)
             continue
         if style == "need":
@@ -259,6 +315,9 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) 
             ranks.give(rank, *head, units.span(i, *head))
             ranks.give(rank, *tail, units.span(i, *tail))
 
+    # Step 2, two ways: whole units strictly where they fit (the rest cut in), or binned and streamed.
+    strict = ranks.copy()
+    _fill(strict, units, whole, key=lambda r: strict.load[r])
     # Step 2: a heap on the current key (ties by rank) instead of a scan of every rank per unit.
     bins: List[List[int]] = [[] for _ in range(cp)]
     tokens = [L - r for r in room]
@@ -273,7 +332,32 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) 
         heapq.heappush(heap, (max(work[r] / target, tokens[r] / L), r))
     ranks.cut_in((units.start[i], units.end[i]) for b in bins
                  for i in sorted(b, key=lambda i: units.start[i] - units.end[i]))
-    return ranks.owned
+    return ranks.owned, strict.owned
+
+
+def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key) -> None:
+    """Whole units in ``order`` to the rank with the smallest ``key`` that has room; the rest cut in."""
+    room = ranks.room
+    heap = [(key(r), r) for r in range(len(room)) if room[r] > 0]
+    heapq.heapify(heap)
+    rest = []
+    for i in order:
+        n = units.end[i] - units.start[i]
+        stash, placed = [], False
+        while heap and len(stash) < 4:
+            _, r = heapq.heappop(heap)
+            if room[r] >= n:
+                ranks.give(r, units.start[i], units.end[i], units.work[i])
+                if room[r] > 0:
+                    heapq.heappush(heap, (key(r), r))
+                placed = True
+                break
+            stash.append(r)
+        for r in stash:
+            heapq.heappush(heap, (key(r), r))
+        if not placed:
+            rest.append((units.start[i], units.end[i]))
+    ranks.cut_in(rest, order=sorted(range(len(room)), key=key))
 
 
 def _cost_chunks(units: _Units, i: int, m: int, q: float) -> Optional[List[Tuple[int, int]]]:
@@ -303,8 +387,14 @@ def _cost_chunks(units: _Units, i: int, m: int, q: float) -> Optional[List[Tuple
     return [(h, t) for h, t in zip(bounds[:-1], bounds[1:]) if t > h]
 
 
-def _carve(units: _Units, cp: int, q: float, budget: float) -> Owned:
-    """Heavy units cut from their end under a per-rank budget; light ones filled by density."""
+def _carve(units: _Units, cp: int, q: float, budget: float, filler: float) -> Owned:
+    """Heavy units cut from their end under a per-rank budget; light ones filled by density.
+
+    ``filler``: the work per token the light units will add to a rank's free
+    tokens, so a tail leaves room in the budget for what fills its rank. A rank
+    that already holds a later piece of the unit needs its earlier keys anyway:
+    another piece there saves q per token instead of costing q per key.
+    """
     L = units.P // cp
     share = units.total / cp
     ranks = _Ranks(cp, L)
@@ -312,28 +402,41 @@ def _carve(units: _Units, cp: int, q: float, budget: float) -> Owned:
     light = []
     for i in units.by_work:
         a, b, w = units.start[i], units.end[i], units.work[i]
-        if units.alpha[i] == 0 or (b - a <= L and w <= share):
+        if units.light(i, share, L):
             light.append(i)
             continue
         # Owning a head position p (relative) costs its work, receiving it costs q: heads pay below q.
         head_limit = a + int(q / max(units.alpha[i], 1.0))
+        holds = [False] * cp  # holds a later piece of this unit (and so needs everything before it)
         h, e = a, b
         while h < e:
-            r = max((r for r in range(cp) if room[r] > 0), key=lambda r: budget - load[r])
-            spare = budget - load[r]
-            if e - h <= room[r] and units.span(i, h, e) + q * (h - a) <= spare:
-                ranks.give(r, h, e, units.span(i, h, e) + q * (h - a))
+            r = max((r for r in range(cp) if room[r] > 0), key=lambda r: budget - load[r] - filler * room[r])
+            spare = budget - load[r] - filler * room[r]
+            if holds[r]:
+                # [x, e) saves its keys: span(x, e) - (q + filler) * (e - x) <= spare
+                x_low = max(h, e - room[r])
+                x = _tail_start(units, i, x_low, e, spare + (q + filler) * e, q + filler)
+                if x is None:  # nothing fits the budget: a thin slice, the least bad choice
+                    x = max(x_low, e - max(1, room[r] // 4))
+                ranks.give(r, x, e, units.span(i, x, e) - q * (e - x))
+                e = x
+                continue
+            whole = units.span(i, h, e) + q * (h - a)
+            if e - h <= room[r] and whole - filler * (e - h) <= spare:
+                ranks.give(r, h, e, whole)
                 break
             k = max(0, min(head_limit - h, room[r] // 2, e - h - 1))
             head = units.span(i, h, h + k)
             x_low = max(h + k, e - (room[r] - k))
-            x = _tail_start(units, i, x_low, e, spare - head + q * k, q, a)
+            # tail [x, e): span + q * (x - a - k) - filler * (k + e - x) <= spare - head
+            limit = spare - head + q * (a + k) + filler * (k + e)
+            x = _tail_start(units, i, x_low, e, limit, q + filler)
             if x is None:  # nothing fits the budget: a thin slice, the least bad choice
-                x = max(x_low, e - max(1, (room[r] - k) // 8))
-            cost = head + units.span(i, x, e) + q * (x - a - k)
+                x = max(x_low, e - max(1, (room[r] - k) // 4))
             if k:
-                ranks.give(r, h, h + k, 0.0)
-            ranks.give(r, x, e, cost)
+                ranks.give(r, h, h + k, head)
+            ranks.give(r, x, e, units.span(i, x, e) + q * (x - a - k))
+            holds[r] = True
             h, e = h + k, x
     # Light units, densest first, to the rank with the most spare budget per free token.
     light.sort(key=lambda i: units.start[i] - units.end[i])
@@ -360,25 +463,25 @@ def _carve(units: _Units, cp: int, q: float, budget: float) -> Owned:
     return ranks.owned
 
 
-def _tail_start(units: _Units, i: int, x_low: int, e: int, spare: float, q: float, a: int) -> Optional[int]:
-    """Smallest x in [x_low, e) with span(i, x, e) + q * (x - a) <= spare, or None.
+def _tail_start(units: _Units, i: int, x_low: int, e: int, limit: float, slope: float) -> Optional[int]:
+    """Smallest x in [x_low, e) with span(i, x, e) + slope * x <= limit, or None.
 
-    The cost is concave in x (work falls, received keys grow): once it dips
-    under the budget past its peak it stays there, so a bisection finds the edge.
+    Concave in x (work falls as x grows, the linear term rises): once under the
+    limit past its peak it stays there, so a bisection finds the edge.
     """
     def cost(x: int) -> float:
-        return units.span(i, x, e) + q * (x - a)
+        return units.span(i, x, e) + slope * x
 
     if x_low >= e:
         return None
-    if cost(x_low) <= spare:
+    if cost(x_low) <= limit:
         return x_low
-    if cost(e - 1) > spare:
+    if cost(e - 1) > limit:
         return None
-    lo, hi = x_low, e - 1  # cost(lo) > spare >= cost(hi)
+    lo, hi = x_low, e - 1  # cost(lo) > limit >= cost(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if cost(mid) <= spare:
+        if cost(mid) <= limit:
             hi = mid
         else:
             lo = mid
