@@ -29,6 +29,7 @@ sum over them of 1 - document start. One row: alpha = 1, beta = 1 - start.
 
 import heapq
 import math
+from itertools import chain
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -44,6 +45,9 @@ BALANCE_GOAL = 1.05
 SPLIT_THRESHOLDS = (math.inf, 1.0, 0.75, 0.5, 0.35, 0.25)
 # Equal-cost chunks over many ranks (small thresholds) cost the most to build and next to never win.
 CHUNKS_MIN_THRESHOLD = 1.0
+# Carving trades work balance for fewer received keys: only tried when receiving the longest split
+# unit's keys costs at least this fraction of a rank's work share (below, zigzag pairs do as well).
+CARVE_MIN_TRAFFIC = 0.25
 # Carve budgets, in multiples of the ideal per-rank work.
 CARVE_BUDGETS = (1.05, 1.15, 1.3, 1.5, 1.75, 2.1)
 # ... and the filler density they reserve, in multiples of the light units' mean work per token.
@@ -146,14 +150,8 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
                     seen.add(key)
                 stream, strict = _split_and_pack(units, cp, theta, style, q)
                 candidates += [(f"{style}@{theta}", stream), (f"{style}@{theta}/strict", strict)]
-        filler = _light_density(units, cp)
-        carved = [(mult, _carve(units, cp, q, mult * target, CARVE_FILLERS[0] * filler)) for mult in CARVE_BUDGETS]
-        costs = _batched_cost(units, cp, *_flatten([o for _, o in carved], cp)) if len(units.rows) == 1 else None
-        best_mult = CARVE_BUDGETS[int(torch.argmin((costs[0].double() + q * costs[1].double()).max(1).values))] \
-            if costs is not None else CARVE_BUDGETS[0]
-        candidates += [(f"carve@{mult}/{CARVE_FILLERS[0]}", owned) for mult, owned in carved]
-        for f in CARVE_REFINE:
-            candidates.append((f"carve@{best_mult}/{f}", _carve(units, cp, q, best_mult * target, f * filler)))
+        if q * max(units.end[i] - units.start[i] for i in heavy) >= CARVE_MIN_TRAFFIC * target:
+            candidates += _carve_candidates(units, cp, q, target)
     else:  # nothing worth splitting: one packing
         stream, strict = _split_and_pack(units, cp, math.inf, "zigzag", q)
         candidates += [("pack", stream), ("pack/strict", strict)]
@@ -174,6 +172,19 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
     return _runs_of(best, cp, group_t, a_t, b_t)
 
 
+def _carve_candidates(units: "_Units", cp: int, q: float, target: float) -> List[Tuple[str, Owned]]:
+    """Carve at every budget (half the light filler reserved), then the best budget with other reserves."""
+    filler = _light_density(units, cp)
+    f0 = CARVE_FILLERS[0]
+    carved = [(f"carve@{mult}/{f0}", _carve(units, cp, q, mult * target, f0 * filler)) for mult in CARVE_BUDGETS]
+    best_mult = CARVE_BUDGETS[0]
+    if len(units.rows) == 1:
+        work, need = _batched_cost(units, cp, *_flatten([o for _, o in carved], cp))
+        best_mult = CARVE_BUDGETS[int(torch.argmin((work.double() + q * need.double()).max(1).values))]
+    return carved + [(f"carve@{best_mult}/{f}", _carve(units, cp, q, best_mult * target, f * filler))
+                     for f in CARVE_REFINE]
+
+
 def _light_density(units: "_Units", cp: int) -> float:
     """Mean work per token of the units a rank can hold whole (the filler of carved ranks)."""
     L, share = units.P // cp, units.total / cp
@@ -184,10 +195,10 @@ def _light_density(units: "_Units", cp: int) -> float:
 
 def _flatten(owned_lists: Sequence[Owned], cp: int) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every candidate's ranges as flat tensors, candidate-major: (count, candidate * cp + rank, a, b)."""
-    group = [c * cp + r for c, owned in enumerate(owned_lists) for r, spans in enumerate(owned) for _ in spans]
-    spans = [span for owned in owned_lists for o in owned for span in o]
-    a, b = torch.tensor(spans, dtype=torch.long).view(-1, 2).t().contiguous()
-    return len(owned_lists), torch.tensor(group, dtype=torch.long), a, b
+    per_rank = [spans for owned in owned_lists for spans in owned]
+    group = torch.repeat_interleave(torch.arange(len(per_rank)), torch.tensor([len(x) for x in per_rank]))
+    a, b = torch.tensor(list(chain.from_iterable(chain.from_iterable(per_rank))), dtype=torch.long).view(-1, 2).t()
+    return len(owned_lists), group, a.contiguous(), b.contiguous()
 
 
 def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> RunSpec:
