@@ -5,12 +5,17 @@ layout + plan code one rank (the last) runs in a real step, on one core
 (``torch.set_num_threads(1)``), and reports work balance, the needed-only
 exchange's busiest receiver, the host plan time, and the cost model's modeled
 time over the ideal and over the lower bound (cost.py; default dims: Hq 32,
-Hkv 8, D 128, bf16). Peer rows: ``allgather`` (Llama-3 style, zigzag layout,
-every rank receives (cp-1) * local_len) and ``te_thd`` (TransformerEngine's THD
+Hkv 8, D 128, bf16). ``plan_seconds`` is the planning thread's CPU time
+(``time.thread_time``), median of ``PLAN_REPEATS`` runs of ``prepare_plan``: the
+machine is shared, and CPU time does not count the time other processes hold
+the core (``plan_wall_seconds``: the wall time of the first run). Peer rows:
+``allgather`` (Llama-3 style, zigzag layout, every rank receives (cp-1) *
+local_len) and ``te_thd`` (TransformerEngine's THD
 per-document partition, documents padded at their end to 2*cp, with TE's p2p
 ring traffic (cp-1) * local_len per rank).
 """
 
+import statistics
 import time
 from typing import Dict, List
 
@@ -20,6 +25,7 @@ SEQ_LENS = (32768, 131072, 524288, 1048576)
 CPS = (8, 16, 32, 64)
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 LINKS = ("nvlink", "ib")
+PLAN_REPEATS = 3
 # The issue's target points: (S, cp, link).
 TARGET_POINTS = ((32768, 8, "nvlink"), (131072, 8, "nvlink"), (131072, 16, "ib"),
                  (524288, 32, "ib"), (1048576, 64, "ib"))
@@ -37,6 +43,18 @@ def _thd_padded(ids: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.where(within < torch.repeat_interleave(lengths, ext), doc, torch.zeros_like(doc))
 
 
+def _plan_cpu_seconds(ids: torch.Tensor, cp: int, layout: str, cost) -> float:
+    """Median CPU time of the planning thread over PLAN_REPEATS prepare_plan runs (last rank)."""
+    from megatron_ext.blockdiag_cp import prepare_plan
+
+    times = []
+    for _ in range(PLAN_REPEATS):
+        t0 = time.thread_time()
+        prepare_plan(ids, cp, cp - 1, layout=layout, cost_model=cost, kinds=("sparse",))
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
 def _row(mix, S, cp, layout, link, exchange, summ, needed, cost) -> Dict:
     work = torch.tensor(summ["work_per_rank"], dtype=torch.float64)
     need = torch.tensor(needed, dtype=torch.float64)
@@ -45,7 +63,8 @@ def _row(mix, S, cp, layout, link, exchange, summ, needed, cost) -> Dict:
     return {"suite": "scale", "mix": mix, "S": S, "cp": cp, "layout": layout, "link": link,
             "exchange": exchange, "backend": "-",
             "work_max_over_mean": summ["work_max_over_mean"], "needed_max": int(max(needed)),
-            "plan_seconds": summ["plan_seconds"], "layout_seconds": summ["layout_seconds"],
+            "plan_seconds": summ["plan_cpu_seconds"], "plan_wall_seconds": summ["plan_seconds"],
+            "layout_seconds": summ["layout_seconds"],
             "modeled_over_ideal": modeled / ideal, "modeled_over_bound": modeled / summ["lower_bound_seconds"],
             "modeled_seconds": modeled, "ideal_seconds": ideal, "padded_len": summ["padded_len"]}
 
@@ -70,12 +89,15 @@ def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
                         cost = CostModel.preset(link)
                         for layout in LAYOUTS:
                             summ = plan_summary(ids, cp, layout=layout, cost_model=cost)
+                            summ["plan_cpu_seconds"] = _plan_cpu_seconds(ids, cp, layout, cost)
                             rows.append(_row(mix, S, cp, layout, link, "a2a", summ,
                                              summ["needed_positions_per_rank"], cost))
                             if layout == "zigzag":
                                 rows.append(_row(mix, S, cp, "allgather", link, "allgather", summ,
                                                  summ["allgather_positions_per_rank"], cost))
-                        summ = plan_summary(_thd_padded(ids, cp), cp, layout="thd", cost_model=cost)
+                        thd_ids = _thd_padded(ids, cp)
+                        summ = plan_summary(thd_ids, cp, layout="thd", cost_model=cost)
+                        summ["plan_cpu_seconds"] = _plan_cpu_seconds(thd_ids, cp, "thd", cost)
                         rows.append(_row(mix, S, cp, "te_thd", link, "te_p2p", summ,
                                          summ["allgather_positions_per_rank"], cost))
                     log(f"  scale {mix} S={S} cp={cp}: {time.perf_counter() - t0:.1f}s")
