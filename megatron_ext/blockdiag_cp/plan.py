@@ -22,7 +22,7 @@ import torch
 
 from .intervals import (RankRuns, clip, document_runs, flat_ranges, map_ranges, overlap_counts, ranges,
                         work_and_intervals)
-from .layout import Layout
+from .layout import Layout, thd_exchange_counts
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,10 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     work_per_rank, dst, a, b = work_and_intervals(runs, rows)
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
-    counts = overlap_counts(runs, dst, a, b)
+    if layout.name == "thd" and R == 1 and cp > 1:  # every rank needs every document: closed form
+        counts = thd_exchange_counts(doc_ids[0], cp)
+    else:
+        counts = overlap_counts(runs, dst, a, b)
     needed_remote = counts.sum(0)
 
     # This rank as the source: its local rows inside every other rank's intervals.
