@@ -138,18 +138,14 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
     target = units.total / cp
     heavy = [i for i in units.by_work if not units.light(i, min(SPLIT_THRESHOLDS) * target, L)]
     if heavy:
-        seen = set()
+        seen = set()  # step-1 splits already packed
         for theta in SPLIT_THRESHOLDS:
             for style in ("zigzag", "chunks", "need"):
                 if style == "chunks" and theta < CHUNKS_MIN_THRESHOLD:
                     continue
-                if style != "need":  # fixed by which units split and over how many ranks: skip repeats
-                    key = (style,) + tuple(_split_width(units, i, cp, theta, target) for i in heavy)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                stream, strict = _split_and_pack(units, cp, theta, style, q)
-                candidates += [(f"{style}@{theta}", stream), (f"{style}@{theta}/strict", strict)]
+                packed = _split_and_pack(units, cp, theta, style, q, seen)
+                if packed is not None:
+                    candidates += [(f"{style}@{theta}", packed[0]), (f"{style}@{theta}/strict", packed[1])]
         if q * max(units.end[i] - units.start[i] for i in heavy) >= CARVE_MIN_TRAFFIC * target:
             candidates += _carve_candidates(units, cp, q, target)
     else:  # nothing worth splitting: one packing
@@ -204,14 +200,6 @@ def _flatten(owned_lists: Sequence[Owned], cp: int) -> Tuple[int, torch.Tensor, 
 def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> RunSpec:
     lo, hi = torch.searchsorted(group, torch.tensor([c * cp, (c + 1) * cp])).tolist()
     return group[lo:hi] - c * cp, a[lo:hi], b[lo:hi] - a[lo:hi]
-
-
-def _split_width(units: "_Units", i: int, cp: int, theta: float, target: float) -> int:
-    """Over how many ranks ``_split_and_pack`` splits unit i at ``theta`` (0: kept whole)."""
-    n, w = units.end[i] - units.start[i], units.work[i]
-    if units.light(i, theta * target, units.P // cp):
-        return 0
-    return min(cp, max(2, -(-n // (units.P // cp)), math.ceil(w / (min(theta, 1.0) * max(target, 1e-9)) - 1e-9)))
 
 
 def _batched_cost(units: "_Units", cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor
@@ -270,7 +258,8 @@ class _Ranks:
         assert all(x == 0 for x in self.room), self.room
 
 
-def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) -> Tuple[Owned, Owned]:
+def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float,
+                    seen: Optional[set] = None) -> Optional[Tuple[Owned, Owned]]:
     """Split heavy documents by ``style``, pack the rest whole, cut at multiples of L.
 
     1. A unit whose tokens exceed a rank's share, or whose work exceeds ``theta``
@@ -284,6 +273,7 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) 
        cut at exact multiples of L.
     Also returned: 2-3 done strictly (each unit whole to the least loaded rank
     it fits in; those that fit nowhere cut into the least loaded free tokens).
+    None when step 1 split exactly as a call with the same ``seen`` set did.
     """
     L = units.P // cp
     target = max(units.total / cp, 1e-9)
@@ -326,6 +316,11 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float) 
             ranks.give(rank, *head, units.span(i, *head))
             ranks.give(rank, *tail, units.span(i, *tail))
 
+    if seen is not None:
+        key = tuple(tuple(o) for o in ranks.owned)
+        if key in seen:
+            return None
+        seen.add(key)
     # Step 2, two ways: whole units strictly where they fit (the rest cut in), or binned and streamed.
     strict = ranks.copy()
     _fill(strict, units, whole, key=lambda r: strict.load[r])
