@@ -422,8 +422,8 @@ def _carve(units: _Units, cp: int, q: float, budget: float, filler: float) -> Ow
                 # [x, e) saves its keys: span(x, e) - (q + filler) * (e - x) <= spare
                 x_low = max(h, e - room[r])
                 x = _tail_start(units, i, x_low, e, spare + (q + filler) * e, q + filler)
-                if x is None:  # nothing fits the budget: a thin slice, the least bad choice
-                    x = max(x_low, e - max(1, room[r] // 4))
+                if x is None:  # over budget anyway: all its room (each token saves a key)
+                    x = x_low
                 ranks.give(r, x, e, units.span(i, x, e) - q * (e - x))
                 e = x
                 continue
