@@ -70,7 +70,7 @@ def _row(mix, S, cp, layout, link, exchange, summ, needed, cost) -> Dict:
 
 
 def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
-    from megatron_ext.blockdiag_cp import plan_summary
+    from megatron_ext.blockdiag_cp import balanced, plan_summary
     from megatron_ext.blockdiag_cp.cost import CostModel
     from scale_mixes import SCALE_MIXES, scale_doc_ids
 
@@ -89,9 +89,11 @@ def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
                         cost = CostModel.preset(link)
                         for layout in LAYOUTS:
                             summ = plan_summary(ids, cp, layout=layout, cost_model=cost)
+                            choice = balanced.LAST_CHOICE[0] if layout == "balanced" else layout
                             summ["plan_cpu_seconds"] = _plan_cpu_seconds(ids, cp, layout, cost)
                             rows.append(_row(mix, S, cp, layout, link, "a2a", summ,
                                              summ["needed_positions_per_rank"], cost))
+                            rows[-1]["candidate"] = choice
                             if layout == "zigzag":
                                 rows.append(_row(mix, S, cp, "allgather", link, "allgather", summ,
                                                  summ["allgather_positions_per_rank"], cost))
@@ -108,6 +110,9 @@ def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
 
 def targets(rows: List[Dict]) -> List[Dict]:
     """The issue's targets for balanced at each target point and mix: held or missed, with numbers."""
+    from megatron_ext.blockdiag_cp.cost import CostModel
+    from scale_mixes import scale_doc_lengths
+
     out = []
     scale = [r for r in rows if r["suite"] == "scale"]
     for S, cp, link in TARGET_POINTS:
@@ -121,11 +126,18 @@ def targets(rows: List[Dict]) -> List[Dict]:
             if link == "nvlink":
                 ok = ok and b["work_max_over_mean"] <= 1.05
             peers = min(got[x]["modeled_over_ideal"] for x in ("contiguous", "zigzag"))
+            # Whoever holds the last token of the longest document receives its earlier keys:
+            # that traffic alone, in rank work shares (total work / cp), before any compute.
+            lengths = torch.tensor(scale_doc_lengths(mix, S), dtype=torch.float64)
+            share = float((lengths * (lengths + 1) / 2).sum()) / cp
+            q = CostModel.preset(link).positions_per_pair
             out.append({"S": S, "cp": cp, "link": link, "mix": mix, "limit": limit,
                         "work_max_over_mean": b["work_max_over_mean"],
                         "modeled_over_ideal": b["modeled_over_ideal"],
                         "modeled_over_bound": b["modeled_over_bound"],
                         "bound_over_ideal": b["modeled_over_ideal"] / b["modeled_over_bound"],
                         "not_worse_than_peers": b["modeled_over_ideal"] <= peers * (1 + 1e-9),
+                        "end_keys_over_share": q * float(lengths.max() - 1) / share,
+                        "candidate": b.get("candidate", "-"),
                         "held": ok})
     return out
