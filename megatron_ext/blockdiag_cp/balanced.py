@@ -20,7 +20,14 @@ receives. Candidates:
   its start), together with a few head tokens of the document where owning
   them is cheaper than receiving them; the light documents then go densest
   first to the rank with the most spare budget per free token, so ranks that
-  carry an expensive tail are filled with short documents.
+  carry an expensive tail are filled with short documents (tried only where the
+  longest split document's keys cost a quarter of a rank's share).
+
+Choice: the least modeled time, except that a candidate within BALANCE_GOAL
+(work max/mean) wins if it costs at most BALANCE_PRICE more and is no worse
+than contiguous or zigzag: at a few thousand tokens per rank the model calls
+balancing dearer than the keys it moves, and an unbalanced attention also
+idles the token-balanced rest of the layer, which the model leaves out.
 
 Work of a run [x, y) inside a unit (a range on which no row changes document)
 is alpha * sum(p) + beta * (y - x) over p in [x, y): alpha real rows, beta the
@@ -57,6 +64,9 @@ CARVE_REFINE = (1.0, 0.0)
 # Candidates whose modeled time is within this fraction of the best count as ties, broken by work
 # balance (the rest of the layer is token-balanced; imbalance is a preference, not a cost here).
 TIE = 0.005
+# Work balance within BALANCE_GOAL is worth this much modeled time: attention imbalance also idles the
+# token-balanced rest of the layer on the other ranks, which the attention-only model does not see.
+BALANCE_PRICE = 0.2
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
 
 
@@ -135,6 +145,7 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
         half = P // (2 * cp)
         candidates.append(("zigzag", [[(r * half, (r + 1) * half), ((2 * cp - 1 - r) * half, (2 * cp - r) * half)]
                                       for r in range(cp)]))
+    n_peers = len(candidates)  # contiguous (and zigzag): the result is never worse than these
     target = units.total / cp
     heavy = [i for i in units.by_work if not units.light(i, min(SPLIT_THRESHOLDS) * target, L)]
     if heavy:
@@ -161,9 +172,17 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
         work, need = (torch.stack(x) for x in zip(*counted))
     modeled = (work.double() + q * need.double()).max(1).values
     imbalance = work.double().max(1).values / max(target, 1e-9)
-    # The least modeled time; among near-ties (within TIE), the best work balance.
-    near = modeled <= modeled.min() * (1 + TIE)
-    best = int(torch.argmin(torch.where(near, imbalance, torch.full_like(imbalance, math.inf))))
+    # The least modeled time among candidates within BALANCE_GOAL whose modeled time is at most
+    # BALANCE_PRICE above the best and no worse than contiguous or zigzag (candidates 0 and 1);
+    # if none, the least modeled time (near-ties: the best balance).
+    inf = torch.full_like(modeled, math.inf)
+    limit = torch.minimum(modeled.min() * (1 + BALANCE_PRICE), modeled[:n_peers].min())
+    goal = (imbalance <= BALANCE_GOAL + 1e-12) & (modeled <= limit)
+    if bool(goal.any()):
+        best = int(torch.argmin(torch.where(goal, modeled, inf)))
+    else:
+        near = modeled <= modeled.min() * (1 + TIE)
+        best = int(torch.argmin(torch.where(near, imbalance, inf)))
     LAST_CHOICE[:] = [candidates[best][0]]
     return _runs_of(best, cp, group_t, a_t, b_t)
 
