@@ -7,7 +7,11 @@ which is what the plan's varlen segments rely on.
 
 ``build_layout(name, doc_ids, cp)`` picks the strategy by (normalized) name;
 every strategy is a pure function of the padded doc ids, so every rank computes
-the same layout without communication.
+the same layout without communication. A strategy draws ranges, not positions:
+the layout keeps them as runs (``intervals.RankRuns``: a handful per rank for
+contiguous, zigzag and balanced, two per document for thd) and builds the
+[cp, P / cp] positions only when asked (``Layout.positions``; one rank's:
+``Layout.rank_positions``).
 """
 
 from dataclasses import dataclass

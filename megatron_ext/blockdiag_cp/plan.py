@@ -3,7 +3,9 @@
 Computed once per step from the replicated document ids; every rank computes the
 same global tables (who sends what to whom), so every exchange decision is taken
 identically on every rank without communication. Only this rank's kernel
-segments are materialized.
+segments are materialized. Everything is interval arithmetic on the layout's
+runs and the documents' runs (``intervals``), never a mask over ``P`` per rank;
+the THD layout's counts have a closed form (``layout.thd_exchange_counts``).
 
 Index conventions. Sequence-aligned tensors are flattened as ``s * R + row``
 where R is the number of document-id rows (1 when every batch row shares them;
