@@ -68,3 +68,21 @@ def test_cp1_state_with_thd_layout_runs_the_document_rule():
     with bdcp.blockdiag_cp_step(state):
         out = bdcp.blockdiag_cp_attention(q, k, v)
     assert torch.allclose(out, reference_attention(q, k, v, ids), atol=1e-12)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 8])
+def test_closed_form_counts_equal_the_interval_count(cp):
+    """thd_exchange_counts against the generic interval count: leading padding, 1-token, long documents."""
+    from megatron_ext.blockdiag_cp.intervals import document_runs, overlap_counts, work_and_intervals
+    from megatron_ext.blockdiag_cp.layout import thd_exchange_counts
+
+    g = torch.Generator().manual_seed(cp)
+    lengths = [1, 2 * cp, 2 * cp + 1, 5 * cp - 1] + torch.randint(1, 12 * cp, (9,), generator=g).tolist()
+    parts = [torch.zeros(2 * cp, dtype=torch.long)]  # a padding-only extent first
+    for i, n in enumerate(lengths):
+        ext = -(-n // (2 * cp)) * (2 * cp)
+        parts += [torch.full((n,), i + 1), torch.zeros(ext - n, dtype=torch.long)]
+    ids = torch.cat(parts)
+    runs = build_layout("thd", ids.unsqueeze(0), cp).runs
+    _, dst, a, b = work_and_intervals(runs, [document_runs(ids)])
+    assert torch.equal(thd_exchange_counts(ids, cp), overlap_counts(runs, dst, a, b))

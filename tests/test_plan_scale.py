@@ -217,3 +217,69 @@ def test_planner_cli_on_a_tiny_indexed_dataset(tmp_path, capsys):
         assert float(line.split()[2]) == pytest.approx(mib, abs=0.006), line
     with pytest.raises(SystemExit):
         main(["--data-path", str(tmp_path / "missing"), "--seq-length", "8", "--cp", "2"])
+
+
+def test_rank_runs_merge_touching_ranges_and_build_only_the_asked_rank():
+    from megatron_ext.blockdiag_cp.intervals import RankRuns
+
+    # rank 0 owns [0, 2) + [2, 4) (touching: one run) + [8, 10); rank 1 owns [4, 8) + [10, 12)
+    runs = RankRuns.build(2, 12, torch.tensor([1, 0, 0, 1, 0]), torch.tensor([10, 2, 0, 4, 8]),
+                          torch.tensor([2, 2, 2, 4, 2]))
+    assert runs.start.tolist() == [0, 8, 4, 10] and runs.length.tolist() == [4, 2, 4, 2]
+    assert runs.positions().tolist() == [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]]
+    assert runs.positions(1).tolist() == [4, 5, 6, 7, 10, 11]
+    # flat_before: src's first flat index at or after x (src * L + its positions below x)
+    assert runs.flat_before(torch.tensor([0, 5, 9, 12])).tolist() == [[0, 4, 5, 6], [6, 7, 10, 12]]
+    with pytest.raises(ValueError, match=r"ranks own \[4, 8\] positions, expected 6"):
+        RankRuns.build(2, 12, torch.tensor([0, 1]), torch.tensor([0, 4]), torch.tensor([4, 8]))
+    lay = build_layout("zigzag", torch.ones(1, 16, dtype=torch.long), 4)
+    assert "positions" not in lay.__dict__  # nothing built yet
+    assert lay.rank_positions(3).tolist() == [6, 7, 8, 9] and "positions" not in lay.__dict__
+    assert lay.positions[3].tolist() == [6, 7, 8, 9]
+
+
+def _heavy_ids(g, S, heavy):
+    lengths = torch.exp(4 + 1.2 * torch.randn(S, generator=g)).long().clamp(1, S)
+    lengths = torch.cat([lengths[:3], torch.tensor([heavy]), lengths[3:]])
+    ids = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)[:S]
+    return ids
+
+
+@pytest.mark.parametrize("link", ["nvlink", "ib"])
+def test_balanced_candidates_count_like_the_plan(link):
+    """The batched candidate scorer equals a position-by-position count, for every candidate kind."""
+    import megatron_ext.blockdiag_cp.balanced as bal
+
+    g = torch.Generator().manual_seed(17)
+    cp, S = 4, 640
+    ids = _heavy_ids(g, S, 300).unsqueeze(0)
+    q = CostModel.preset(link).positions_per_pair
+    units = bal._Units(ids, cp)
+    target = units.total / cp
+    owned = [bal._carve(units, cp, q, m * target, f * bal._light_density(units, cp))
+             for m in (1.05, 1.5) for f in (0.0, 0.5)]
+    owned += [o for style in ("zigzag", "chunks", "need")
+              for o in bal._split_and_pack(units, cp, 0.5, style, q)]
+    n, group, a, b = bal._flatten(owned, cp)
+    work, need = bal._batched_cost(units, cp, n, group, a, b)
+    for c, o in enumerate(owned):
+        positions = torch.stack([torch.cat([torch.arange(x, y) for x, y in sorted(spans)]) for spans in o])
+        assert sorted(positions.flatten().tolist()) == list(range(S))  # equal tokens, a partition
+        want_work, want_need = _brute_force(ids[0].tolist(), positions)
+        assert work[c].tolist() == want_work and need[c].tolist() == want_need, c
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_balanced_over_ib_with_a_heavy_document_plans_like_the_old_planner(seed):
+    """Carved layouts (thin tails, pieces on ranks that already hold later ones) plan exactly right."""
+    g = torch.Generator().manual_seed(seed)
+    cp, S = 4, 512
+    ids = _heavy_ids(g, S, 256).unsqueeze(0)
+    for link in ("nvlink", "ib"):
+        cm = CostModel.preset(link)
+        lay = build_layout("balanced", ids, cp, cost_model=cm)
+        for rank in range(cp):
+            _assert_same_plan(build_plan(ids, lay, rank), reference_build_plan(ids, lay, rank))
+        got = {name: bdcp.plan_summary(ids[0], cp, name, cm)["modeled_seconds"]
+               for name in ("balanced", "contiguous", "zigzag")}
+        assert got["balanced"] <= min(got["contiguous"], got["zigzag"]) * (1 + 1e-9), got

@@ -1,86 +1,283 @@
-"""Interval arithmetic over document runs: what each rank needs, without per-rank masks.
+"""Interval arithmetic over runs: layouts and documents as ranges, never as per-position masks.
 
-A document is a run [start, end) of equal nonzero ids in one row of doc ids. A
-rank's queries in a document need that document's keys [start, last query], one
-interval per (rank, document): nothing else. The exchange counts are overlaps of
-those intervals with every rank's owned positions, counted by binary search on
-the sorted positions (rank-major keys ``rank * (P + 1) + position`` are globally
-sorted because each rank's row is ascending). Every step is a handful of
-vectorized passes over ``P`` positions or over the (few thousand) intervals,
-never ``cp`` passes over ``P``.
+Two kinds of run describe a step. A layout is a set of *rank runs*: rank r owns
+the global positions [start, start + length), its runs sorted ascending and
+merged where they touch, so a rank's local order is its runs end to end. A row
+of doc ids is a set of *document runs*: maximal ranges of one id (0 =
+padding). Everything the plan needs is arithmetic on their intersections
+(pieces):
+
+- a rank's queries in a document need that document's keys [start, last query],
+  one interval per (rank, document);
+- what rank src sends rank dst is the overlap of dst's intervals with src's
+  runs: a prefix count "src positions before x" evaluated at interval ends;
+- a key's slot in a K/V buffer is a piecewise-linear map of its position
+  through a table of disjoint ranges.
+
+Cost: one pass over each row of doc ids to find its document runs; the rest is
+vectorized over runs, documents and intervals (thousands), plus the size of
+what the caller asks for (this rank's indices), never ``cp`` passes over ``P``.
 """
 
-from typing import Tuple
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 
-def rank_keys(positions: torch.Tensor, padded_len: int) -> torch.Tensor:
-    """[cp * L] globally sorted keys rank * (P + 1) + position."""
-    cp, L = positions.shape
-    offset = torch.arange(cp).repeat_interleave(L) * (padded_len + 1)
-    return positions.reshape(-1) + offset
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenation of arange(s, s + n) for each (s, n): one cumsum over steps of 1 and jumps."""
+    keep = lengths > 0
+    starts, lengths = starts[keep], lengths[keep]
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total == 0:
+        return torch.empty(0, dtype=torch.long)
+    steps = torch.ones(total, dtype=torch.long)
+    steps[0] = starts[0]
+    steps[(torch.cumsum(lengths, 0) - lengths)[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return steps.cumsum(0)
 
 
-def needed_intervals(doc_ids: torch.Tensor, starts: torch.Tensor,
-                     positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dst, a, b): disjoint [a, b) each rank's queries need (own positions included).
+def _expand(first: torch.Tensor, count: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(owner, index): for each i, index runs over first[i] .. first[i] + count[i] - 1."""
+    total = int(count.sum()) if count.numel() else 0
+    owner = torch.repeat_interleave(torch.arange(count.numel()), count, output_size=total)
+    return owner, ranges(first, count)
 
-    Sorted by (dst, a); the union over rows of [document start, last query + 1).
-    doc_ids, starts: [R, P]; positions: [cp, L] each row ascending.
+
+@dataclass(frozen=True)
+class RankRuns:
+    """A layout as runs: rank-major, ascending within a rank, touching runs merged.
+
+    ``local`` is the local index of a run's first position (its offset in the
+    owner's order); ``flat`` = rank * L + local is its index in a rank-major
+    [cp * L] buffer (all-gather's).
     """
-    R, P = doc_ids.shape
-    cp, L = positions.shape
-    flat = positions.reshape(-1)
-    rank_of = torch.arange(cp).repeat_interleave(L)
-    dst_parts, a_parts, b_parts = [], [], []
-    for row in range(R):
-        real = doc_ids[row, flat] > 0
-        q, r = flat[real], rank_of[real]
-        if q.numel() == 0:
-            continue
-        s = starts[row, q]
-        # A rank's queries of one document are adjacent (rows ascending): a group ends where
-        # the document start or the rank changes.
-        last = torch.ones_like(q, dtype=torch.bool)
-        last[:-1] = (s[1:] != s[:-1]) | (r[1:] != r[:-1])
-        dst_parts.append(r[last])
-        a_parts.append(s[last])
-        b_parts.append(q[last] + 1)
-    if not dst_parts:
-        empty = torch.empty(0, dtype=torch.long)
-        return empty, empty, empty
-    dst, a, b = torch.cat(dst_parts), torch.cat(a_parts), torch.cat(b_parts)
-    if R == 1:
-        return dst, a, b  # distinct documents of one row: already disjoint and sorted
-    key_a = dst * (P + 1) + a
+
+    cp: int
+    padded_len: int
+    rank: torch.Tensor  # [n] int64
+    start: torch.Tensor  # [n] int64
+    length: torch.Tensor  # [n] int64, > 0
+    local: torch.Tensor  # [n] int64
+
+    @classmethod
+    def build(cls, cp: int, padded_len: int, rank: torch.Tensor, start: torch.Tensor,
+              length: torch.Tensor) -> "RankRuns":
+        """Sort by (rank, start), drop empty runs, merge runs that touch; every rank must own P / cp."""
+        rank, start, length = (torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in (rank, start, length))
+        keep = length > 0
+        rank, start, length = rank[keep], start[keep], length[keep]
+        key = rank * (padded_len + 1) + start
+        if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
+            order = torch.argsort(key)
+            rank, start, length = rank[order], start[order], length[order]
+        if rank.numel() > 1:
+            touch = torch.zeros_like(rank, dtype=torch.bool)
+            touch[1:] = (rank[1:] == rank[:-1]) & (start[1:] == start[:-1] + length[:-1])
+            if bool(touch.any()):
+                head = torch.nonzero(~touch).flatten()
+                group = torch.cumsum((~touch).long(), 0) - 1
+                length = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, length)
+                rank, start = rank[head], start[head]
+        L = padded_len // cp
+        owned = torch.zeros(cp, dtype=torch.long).index_add_(0, rank, length)
+        if not bool((owned == L).all()):
+            raise ValueError(f"layout bug: ranks own {owned.tolist()} positions, expected {L} each")
+        local = torch.cumsum(length, 0) - length - rank * L
+        return cls(cp, padded_len, rank, start, length, local)
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_len // self.cp
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.rank * self.local_len + self.local
+
+    def of_rank(self, rank: int) -> slice:
+        """The slice of runs ``rank`` owns (runs are rank-major)."""
+        lo, hi = torch.searchsorted(self.rank, torch.tensor([rank, rank + 1])).tolist()
+        return slice(lo, hi)
+
+    def positions(self, rank: int = None) -> torch.Tensor:
+        """[cp, L] every rank's positions, or [L] one rank's."""
+        if rank is None:
+            return ranges(self.start, self.length).view(self.cp, self.local_len)
+        s = self.of_rank(rank)
+        return ranges(self.start[s], self.length[s])
+
+    def by_position(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(start, length, run index) sorted by start: the runs as a partition of [0, P)."""
+        order = torch.argsort(self.start)
+        return self.start[order], self.length[order], order
+
+    @cached_property
+    def _prefix_tables(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per rank src, padded to the most runs K: (starts [cp, K], base, cap [cp, K + 1]).
+
+        flat_before(src, x) = min(x + base[src, i], cap[src, i]) with i = number of
+        src's run starts <= x: entry i describes src's run i - 1, entry 0 the
+        empty prefix (src * L). int32 where positions fit (half the memory traffic).
+        """
+        cp, P, L = self.cp, self.padded_len, self.local_len
+        dtype = torch.int32 if P < 2**31 - 1 else torch.long
+        count = torch.bincount(self.rank, minlength=cp)
+        col = torch.arange(self.rank.numel()) - (torch.cumsum(count, 0) - count)[self.rank]
+        K = int(count.max())
+        starts = torch.full((cp, K), P + 1, dtype=torch.long)  # padding sorts after every x <= P
+        starts[self.rank, col] = self.start
+        base = (torch.arange(cp) * L).unsqueeze(1).repeat(1, K + 1)
+        cap = base.clone()
+        base[self.rank, col + 1] = self.flat - self.start
+        cap[self.rank, col + 1] = self.flat + self.length
+        return starts.to(dtype), base.to(dtype), cap.to(dtype)
+
+    def flat_before(self, x: torch.Tensor, src: Optional[int] = None) -> torch.Tensor:
+        """src * L + (number of src's positions < x): the flat index of src's first position >= x.
+
+        x: [n] positions in [0, P]. src None: [cp, n] for every source; fastest
+        with x ascending (the binary searches then walk each table in order).
+        """
+        starts, base, cap = self._prefix_tables
+        x = x.to(starts.dtype)
+        if src is not None:
+            i = torch.searchsorted(starts[src], x, right=True)
+            return torch.minimum(x + base[src, i], cap[src, i]).long()
+        x = x.unsqueeze(0).expand(self.cp, -1).contiguous()  # [cp, n]
+        i = torch.searchsorted(starts, x, right=True)
+        return torch.minimum(x + base.gather(1, i), cap.gather(1, i)).long()
+
+
+DocRuns = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (starts, ends, ids) of one row
+
+
+def document_runs(row: torch.Tensor) -> DocRuns:
+    """(starts, ends, ids) of the maximal runs of equal ids in one row [P] (0 = padding)."""
+    P = row.numel()
+    change = torch.nonzero(row[1:] != row[:-1]).flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), change])
+    ends = torch.cat([change, torch.tensor([P])])
+    return starts, ends, row[starts]
+
+
+def clip(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends: torch.Tensor
+         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ranges [a, b) cut at the parts of a sorted partition: (range index, part index, pa, pb).
+
+    In range order, ascending within a range; every range non-empty.
+    """
+    first = torch.searchsorted(part_starts, a, right=True) - 1
+    last = torch.searchsorted(part_starts, b - 1, right=True) - 1
+    which, part = _expand(first, last - first + 1)
+    return which, part, torch.maximum(a[which], part_starts[part]), torch.minimum(b[which], part_ends[part])
+
+
+def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.Tensor,
+               q_start: torch.Tensor, q_len: torch.Tensor
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query ranges through a table of disjoint ranges sorted by start, each mapped linearly.
+
+    Returns the non-empty pieces (query index, value start, length) in query
+    order, ascending within a query; a query's uncovered parts give no piece.
+    """
+    q_end = q_start + q_len
+    j0 = (torch.searchsorted(tab_start, q_start, right=True) - 1).clamp(min=0)
+    j1 = torch.searchsorted(tab_start, q_end, right=False) - 1  # last table range starting < q_end
+    count = torch.where(q_len > 0, (j1 - j0 + 1).clamp(min=0), torch.zeros_like(j0))
+    which, j = _expand(j0, count)
+    lo = torch.maximum(q_start[which], tab_start[j])
+    n = (torch.minimum(q_end[which], tab_start[j] + tab_len[j]) - lo).clamp(min=0)
+    keep = n > 0
+    which, j, lo, n = which[keep], j[keep], lo[keep], n[keep]
+    return which, tab_value[j] + lo - tab_start[j], n
+
+
+def needed_intervals(rank: torch.Tensor, doc: torch.Tensor, doc_start: torch.Tensor, pb: torch.Tensor
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dst, a, b): [document start, last query + 1) per (rank, document) from real pieces.
+
+    Pieces in rank-major, ascending order (as ``clip`` of rank runs gives them):
+    a rank's pieces of one document are adjacent, its last one ends the interval.
+    """
+    if rank.numel() == 0:
+        return rank, rank, rank
+    last = torch.ones_like(rank, dtype=torch.bool)
+    last[:-1] = (doc[1:] != doc[:-1]) | (rank[1:] != rank[:-1])
+    return rank[last], doc_start[last], pb[last]
+
+
+def work_and_intervals(runs: RankRuns, rows: Sequence[DocRuns]
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(work [cp], dst, a, b): causal pairs per rank and every rank's disjoint needed intervals.
+
+    ``rows``: ``document_runs`` of each row of doc ids; intervals sorted by (dst, a).
+    """
+    cp = runs.cp
+    run_end = runs.start + runs.length
+    work = torch.zeros(cp, dtype=torch.long)
+    parts = []
+    for d_start, d_end, d_id in rows:
+        run, doc, pa, pb = clip(runs.start, run_end, d_start, d_end)
+        real = d_id[doc] > 0
+        run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
+        owner, s = runs.rank[run], d_start[doc]
+        # Query p of a document starting at s attends p - s + 1 keys: an arithmetic series per piece.
+        work.index_add_(0, owner, (pa + pb - 2 * s + 1) * (pb - pa) // 2)
+        parts.append(needed_intervals(owner, doc, s, pb))
+    dst, a, b = (torch.cat(x) for x in zip(*parts))
+    if len(rows) > 1:
+        dst, a, b = merge_intervals(dst, a, b, runs.padded_len)
+    return work, dst, a, b
+
+
+def merge_intervals(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, padded_len: int
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Union per dst of possibly overlapping intervals (several rows): disjoint, sorted by (dst, a)."""
+    if dst.numel() == 0:
+        return dst, a, b
+    key_a = dst * (padded_len + 1) + a
     order = torch.argsort(key_a)
-    key_a, key_b, dst = key_a[order], (dst * (P + 1) + b)[order], dst[order]
+    key_a, key_b, dst = key_a[order], (dst * (padded_len + 1) + b)[order], dst[order]
     reach = torch.cummax(key_b, 0).values
     new = torch.ones_like(key_a, dtype=torch.bool)
     new[1:] = key_a[1:] > reach[:-1]
     first = torch.nonzero(new).flatten()
     last = torch.cat([first[1:] - 1, torch.tensor([key_a.numel() - 1])])
     dst = dst[first]
-    return dst, key_a[first] - dst * (P + 1), reach[last] - dst * (P + 1)
+    return dst, key_a[first] - dst * (padded_len + 1), reach[last] - dst * (padded_len + 1)
 
 
-def overlap_counts(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, keys: torch.Tensor,
-                   cp: int, padded_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """counts[src, dst] (zero diagonal) and lo [n, cp]: first flat index of src's positions >= a."""
-    src = torch.arange(cp)
-    base = src * (padded_len + 1)  # [cp]
-    lo = torch.searchsorted(keys, base + a.unsqueeze(1))  # [n, cp]
-    hi = torch.searchsorted(keys, base + b.unsqueeze(1))
-    n = hi - lo
-    n[torch.arange(dst.numel()), dst] = 0
-    counts = torch.zeros(cp * cp, dtype=torch.long)
-    counts.index_add_(0, (src.unsqueeze(0) * cp + dst.unsqueeze(1)).reshape(-1), n.reshape(-1))
-    return counts.view(cp, cp), lo, hi
+def overlap_counts(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """counts[src, dst]: positions src owns inside dst's intervals (zero diagonal).
+
+    Sum over dst's intervals of before_src(b) - before_src(a), ``before_src(x)``
+    counting src's positions < x. Interval starts are document starts, shared by
+    every rank that needs the document: they are evaluated once per distinct
+    start ([cp, starts] @ [starts, cp]). Ends are evaluated for every source in
+    ascending order.
+    """
+    cp = runs.cp
+    b_sorted, order = torch.sort(b, stable=True)
+    counts = torch.zeros(cp, cp, dtype=torch.long).index_add_(1, dst[order], runs.flat_before(b_sorted))
+    starts, which = torch.unique(a, return_inverse=True)
+    uses = torch.zeros(starts.numel(), cp, dtype=torch.float64).index_put_(
+        (which, dst), torch.ones(1, dtype=torch.float64), accumulate=True)  # [n_starts, dst]
+    # Exact: integers far below 2**53.
+    counts -= (runs.flat_before(starts).double() @ uses).round().long()
+    counts.fill_diagonal_(0)
+    return counts
 
 
-def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenation of arange(s, s + n) for each (s, n)."""
-    total = int(lengths.sum()) if lengths.numel() else 0
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(total)
+def flat_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, src: Optional[int] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi): the flat index range of src's positions in [a, b) ([cp, n] for every src)."""
+    return runs.flat_before(a, src), runs.flat_before(b, src)
+
+
+def needed_remote(runs: RankRuns, rows: Sequence[DocRuns]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(work [cp], needed [cp]): causal pairs and K/V positions each rank needs and does not own."""
+    work, dst, a, b = work_and_intervals(runs, rows)
+    counts = overlap_counts(runs, dst, a, b)
+    return work, counts.sum(0)

@@ -7,18 +7,22 @@ which is what the plan's varlen segments rely on.
 
 ``build_layout(name, doc_ids, cp)`` picks the strategy by (normalized) name;
 every strategy is a pure function of the padded doc ids, so every rank computes
-the same layout without communication.
+the same layout without communication. A strategy draws ranges, not positions:
+the layout keeps them as runs (``intervals.RankRuns``: a handful per rank for
+contiguous, zigzag and balanced, two per document for thd) and builds the
+[cp, P / cp] positions only when asked (``Layout.positions``; one rank's:
+``Layout.rank_positions``).
 """
 
-import heapq
-import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from functools import cached_property, lru_cache
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from .balanced import BALANCE_GOAL, RunSpec, balanced_runs
 from .cost import CostModel, resolve_cost_model
-from .intervals import needed_intervals, overlap_counts, rank_keys, ranges
+from .intervals import RankRuns, document_runs
 from .state import normalize_layout
 
 
@@ -34,14 +38,27 @@ def padded_length(seq_len: int, layout: str, cp: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
+    """Who owns what, as runs (``intervals.RankRuns``); positions are built only when asked."""
+
     name: str
     cp: int
     padded_len: int
-    positions: torch.Tensor  # [cp, local_len] int64, each row ascending
+    runs: RankRuns
 
     @property
     def local_len(self) -> int:
         return self.padded_len // self.cp
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[cp, local_len] int64, each row ascending."""
+        return self.runs.positions()
+
+    def rank_positions(self, rank: int) -> torch.Tensor:
+        """[local_len] the global positions ``rank`` owns, ascending (without building the others)."""
+        if "positions" in self.__dict__:
+            return self.positions[rank]
+        return self.runs.positions(rank)
 
     def owner(self) -> torch.Tensor:
         """[P] rank that owns each global position."""
@@ -70,10 +87,10 @@ def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
         raise ValueError(f"layout {name!r} at cp={cp} needs a padded length that is a multiple of "
                          f"{strategy.granularity(cp)}, got {padded}; pad with padded_length()")
     if cp == 1:
-        positions = torch.arange(padded).view(1, -1)
+        rank, start, length = [0], [0], [padded]
     else:
-        positions = strategy.positions(ids, cp, cost_model)
-    return Layout(name=name, cp=cp, padded_len=padded, positions=positions)
+        rank, start, length = strategy.runs(ids, cp, cost_model)
+    return Layout(name=name, cp=cp, padded_len=padded, runs=RankRuns.build(cp, padded, rank, start, length))
 
 
 class LayoutStrategy:
@@ -85,7 +102,8 @@ class LayoutStrategy:
     def granularity(cp: int) -> int:
         return cp
 
-    def positions(self, doc_ids: torch.Tensor, cp: int, cost_model: Optional[CostModel]) -> torch.Tensor:
+    def runs(self, doc_ids: torch.Tensor, cp: int, cost_model: Optional[CostModel]) -> RunSpec:
+        """(rank, start, length) of the ranges each rank owns (any order; touching ones merge)."""
         raise NotImplementedError
 
 
@@ -99,8 +117,9 @@ class ContiguousLayout(LayoutStrategy):
 
     name = "contiguous"
 
-    def positions(self, doc_ids, cp, cost_model):
-        return torch.arange(doc_ids.shape[-1]).view(cp, -1)
+    def runs(self, doc_ids, cp, cost_model):
+        L = doc_ids.shape[-1] // cp
+        return torch.arange(cp), torch.arange(cp) * L, torch.full((cp,), L)
 
 
 class ZigzagLayout(LayoutStrategy):
@@ -117,9 +136,11 @@ class ZigzagLayout(LayoutStrategy):
     def granularity(cp: int) -> int:
         return 2 * cp if cp > 1 else cp
 
-    def positions(self, doc_ids, cp, cost_model):
-        chunks = torch.arange(doc_ids.shape[-1]).view(2 * cp, -1)
-        return torch.cat([chunks[:cp], chunks[cp:].flip(0)], dim=1)
+    def runs(self, doc_ids, cp, cost_model):
+        half = doc_ids.shape[-1] // (2 * cp)
+        rank = torch.arange(cp)
+        chunk = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]
+        return rank.repeat_interleave(2), chunk.reshape(-1) * half, torch.full((2 * cp,), half)
 
 
 class THDLayout(LayoutStrategy):
@@ -142,13 +163,18 @@ class THDLayout(LayoutStrategy):
     def granularity(cp: int) -> int:
         return 2 * cp if cp > 1 else cp
 
-    def positions(self, doc_ids, cp, cost_model):
+    def runs(self, doc_ids, cp, cost_model):
         if doc_ids.shape[0] != 1:
             raise ValueError(f"layout 'thd' takes one row of doc ids (THD packs the batch into one "
                              f"sequence), got {doc_ids.shape[0]} rows; pass doc_ids of shape [S] or "
                              f"use another layout for per-row documents")
         cu = thd_padded_cu_seqlens(doc_ids[0], cp)
-        return torch.stack([thd_partitioned_indices(cu, doc_ids.shape[-1], cp, r) for r in range(cp)])
+        chunk = cu.diff() // (2 * cp)  # [n]
+        rank = torch.arange(cp)
+        which = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]: chunks r and 2cp-1-r
+        start = cu[:-1].view(1, -1, 1) + which.view(cp, 1, 2) * chunk.view(1, -1, 1)  # [cp, n, 2]
+        length = chunk.view(1, -1, 1).expand_as(start)
+        return rank.view(cp, 1, 1).expand_as(start).reshape(-1), start.reshape(-1), length.reshape(-1)
 
 
 def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
@@ -202,6 +228,53 @@ def thd_partitioned_indices(cu_seqlens_padded, total_tokens: int, cp: int, rank:
     return index + local[seq] * cp + half * (chunk - (index >= half).long())
 
 
+def thd_exchange_counts(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+    """counts[src, dst] of the THD layout in closed form (one row of doc ids, padded for THD).
+
+    Every padded document is cut into 2*cp chunks of c tokens; its real tokens
+    fill the first K chunks, the last one with f tokens. Rank r's queries in it
+    need [start, end of its last real chunk) (its chunk 2*cp-1-r if real, else
+    chunk r), so what src sends dst is c * A_K[src, dst] + f * B_K[src, dst],
+    with A_K, B_K fixed by K alone: the sum over documents is a sum over K of
+    the documents' c and f. Equals the generic interval count
+    (``intervals.overlap_counts``) at O(documents + cp^3) instead of
+    O(documents * cp^2).
+    """
+    row = doc_ids.reshape(-1)
+    cu = thd_padded_cu_seqlens(row, cp)
+    c = cu.diff() // (2 * cp)  # [n]
+    d_start, d_end, d_id = document_runs(row)
+    which = torch.searchsorted(d_start, cu[:-1])  # the run starting each extent
+    real = torch.where(d_id[which] > 0, torch.minimum(d_end[which], cu[1:]) - cu[:-1], torch.zeros_like(c))
+    has = real > 0
+    c, real = c[has], real[has]
+    K = (real + c - 1) // c  # chunks holding real tokens, 1..2cp
+    f = real - (K - 1) * c  # real tokens of the last of them
+    A, B = _thd_patterns(cp)  # [2cp, cp, cp] each, row K - 1
+    by_k = torch.zeros(2, 2 * cp, dtype=torch.float64)
+    by_k[0].index_add_(0, K - 1, c.double())
+    by_k[1].index_add_(0, K - 1, f.double())
+    counts = torch.einsum("k,ksr->sr", by_k[0], A) + torch.einsum("k,ksr->sr", by_k[1], B)
+    return counts.round().long()
+
+
+@lru_cache(maxsize=8)
+def _thd_patterns(cp: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A_K, B_K of ``thd_exchange_counts`` for K = 1..2cp: [2cp, cp(src), cp(dst)] float64."""
+    K = torch.arange(1, 2 * cp + 1).view(-1, 1, 1)
+    src = torch.arange(cp).view(1, -1, 1)
+    dst = torch.arange(cp).view(1, 1, -1)
+    src_tail, dst_tail = 2 * cp - 1 - src, 2 * cp - 1 - dst
+    # dst's last chunk with real tokens (-1: none): its tail chunk if real, else its head chunk.
+    last = torch.where(dst_tail < K, dst_tail, torch.where(dst < K, dst, torch.full_like(dst, -1)))
+    ends_partial = last == K - 1  # its interval ends inside the partial chunk K - 1
+    full = torch.where(ends_partial, K - 2, last)  # full chunks [0, full] lie inside the interval
+    A = ((src <= full).long() + (src_tail <= full).long()) * (last >= 0)
+    B = ((src == K - 1).long() + (src_tail == K - 1).long()) * ends_partial
+    own = (src == dst).expand_as(A)
+    return A.masked_fill(own, 0).double(), B.masked_fill(own, 0).double()
+
+
 def position_work(doc_ids: torch.Tensor) -> torch.Tensor:
     """[P] causal work of each query position (keys it attends), summed over rows."""
     doc_ids = doc_ids.reshape(-1, doc_ids.shape[-1])
@@ -237,280 +310,19 @@ class BalancedLayout(LayoutStrategy):
         ranks 2, 3: b c d / e f (whole, packed by work)
 
     A document heavier than a rank can carry is split over a few ranks (zigzag
-    pairs, which equalise its work, or contiguous chunks sized so that each
-    chunk's compute plus the earlier keys it must receive costs the same); the
-    others go whole to the least loaded rank; the ranks' documents are laid end
-    to end and cut at exact multiples of the local length. A vectorized search
-    over a few split thresholds and styles (and the contiguous and zigzag
-    layouts themselves) keeps the candidate with the smallest modeled time
-    (``cost.CostModel``: busiest rank's compute plus its K/V traffic), preferring
-    work max/mean within ``BALANCE_GOAL``, so it is never worse than either.
+    pairs, which equalise its work; contiguous chunks of equal compute plus
+    received keys; or tails carved from its end under a per-rank budget, thin
+    where every key is far from its start); the others go whole where they keep
+    the ranks balanced. A search over a few such candidates (and the contiguous
+    and zigzag layouts themselves) keeps the one with the smallest modeled time
+    (``cost.CostModel``: busiest rank's compute plus its K/V traffic), so it is
+    never worse than either. See ``balanced.py``.
     """
 
     name = "balanced"
 
-    def positions(self, doc_ids, cp, cost_model):
-        return balanced_positions(doc_ids, cp, resolve_cost_model(cost_model))
-
-
-# Split thresholds (fraction of a rank's work share a document may carry whole).
-_SPLIT_THRESHOLDS = (math.inf, 2.0, 1.0, 0.75, 0.5, 0.35, 0.25)
-BALANCE_GOAL = 1.05
-# Work beyond the goal weighs this much extra in the search key: the rest of the layer is
-# token-balanced, so attention imbalance is a preference even where the model calls it cheap.
-_IMBALANCE_WEIGHT = 2.0
-
-
-class _Docs:
-    """Runs on which no row changes document (units the balanced layout places), with work sums."""
-
-    def __init__(self, ids: torch.Tensor):
-        P = ids.shape[-1]
-        change = torch.zeros(P, dtype=torch.bool)
-        change[0] = True
-        change[1:] = (ids[:, 1:] != ids[:, :-1]).any(0)
-        self.starts = torch.nonzero(change).flatten()
-        self.ends = torch.cat([self.starts[1:], torch.tensor([P])])
-        self.padding = (ids[:, self.starts] == 0).all(0)
-        self.pos_work = position_work(ids)
-        self.cum = torch.cat([torch.zeros(1, dtype=torch.float64), self.pos_work.double().cumsum(0)])
-        self.P = P
-
-
-def _span_work(cum: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return cum[b] - cum[a]
-
-
-def range_cost(docs: _Docs, rank: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cp: int
-               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(work [cp], needed remote [cp]) of a layout given as ranges (rank, [a, b)); one row of ids.
-
-    Cuts every range at document boundaries; a rank's pieces of one document need
-    [document start, end of its last piece) minus what it owns.
-    """
-    rs, re = docs.starts, docs.ends
-    n_docs = rs.numel()
-    work = torch.zeros(cp, dtype=torch.float64).index_add_(0, rank, _span_work(docs.cum, a, b))
-    first = torch.searchsorted(rs, a, right=True) - 1
-    last = torch.searchsorted(rs, b - 1, right=True) - 1
-    cnt = last - first + 1
-    rep = torch.repeat_interleave(torch.arange(a.numel()), cnt)
-    k = first[rep] + torch.arange(rep.numel()) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
-    pa = torch.maximum(a[rep], rs[k])
-    pb = torch.minimum(b[rep], re[k])
-    keep = ~docs.padding[k]
-    key = rank[rep][keep] * n_docs + k[keep]
-    reach = torch.zeros(cp * n_docs, dtype=torch.long).scatter_reduce_(0, key, pb[keep], "amax")
-    own = torch.zeros(cp * n_docs, dtype=torch.long).index_add_(0, key, (pb - pa)[keep])
-    touched = reach > 0
-    need = torch.where(touched, reach - rs.repeat(cp) - own, torch.zeros_like(reach))
-    return work, need.view(cp, n_docs).sum(1)
-
-
-def positions_cost(ids: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(work [cp], needed remote [cp]) of a layout given as positions; any number of rows."""
-    return (position_work(ids)[positions].sum(1).double(),
-            needed_remote_counts(ids, positions).double())
-
-
-def _ranges_to_positions(owned: List[List[Tuple[int, int]]]) -> torch.Tensor:
-    rows = []
-    for spans in owned:
-        spans = sorted(spans)
-        a = torch.tensor([s[0] for s in spans], dtype=torch.long)
-        n = torch.tensor([s[1] - s[0] for s in spans], dtype=torch.long)
-        rows.append(ranges(a, n))
-    return torch.stack(rows)
-
-
-def balanced_positions(ids: torch.Tensor, cp: int, cost_model: CostModel) -> torch.Tensor:
-    docs = _Docs(ids)
-    P = docs.P
-    L = P // cp
-    t_pair, t_pos = cost_model.seconds_per_pair, cost_model.seconds_per_position
-    candidates = [("contiguous", [[(r * L, (r + 1) * L)] for r in range(cp)])]
-    half = P // (2 * cp) if P % (2 * cp) == 0 else 0
-    if half:
-        candidates.append(("zigzag", [[(r * half, (r + 1) * half),
-                                       ((2 * cp - 1 - r) * half, (2 * cp - r) * half)] for r in range(cp)]))
-    seg = list(zip(docs.starts.tolist(), docs.ends.tolist(), docs.padding.tolist()))
-    cum = docs.cum.tolist()
-    seen = set()
-    for theta in _SPLIT_THRESHOLDS:
-        for style in ("zigzag", "chunks", "need"):
-            owned = _balanced_candidate(cum, seg, cp, theta, style, t_pos / t_pair)
-            key = tuple(tuple(sorted(o)) for o in owned)
-            if key not in seen:
-                seen.add(key)
-                candidates.append((f"{style}@{theta}", owned))
-
-    best = None
-    total = float(docs.cum[-1])
-    for label, owned in candidates:
-        rank = torch.tensor([r for r, spans in enumerate(owned) for _ in spans], dtype=torch.long)
-        a = torch.tensor([s[0] for spans in owned for s in spans], dtype=torch.long)
-        b = torch.tensor([s[1] for spans in owned for s in spans], dtype=torch.long)
-        if ids.shape[0] == 1:
-            work, need = range_cost(docs, rank, a, b, cp)
-        else:
-            work, need = positions_cost(ids, _ranges_to_positions(owned))
-        modeled = float((work * t_pair + need.double() * t_pos).max())
-        imbalance = float(work.max()) / (total / cp) if total > 0 else 1.0
-        score = modeled * (1 + _IMBALANCE_WEIGHT * max(0.0, imbalance - BALANCE_GOAL))
-        if best is None or score < best[0]:
-            best = (score, label, owned)
-    return _ranges_to_positions(best[2])
-
-
-def _balanced_candidate(cum: List[float], segments: List[tuple], cp: int, theta: float,
-                        style: str, pos_cost: float) -> List[List[Tuple[int, int]]]:
-    """One balanced assignment as ranges per rank.
-
-    1. A document whose tokens exceed a rank's share, or whose work exceeds
-       ``theta`` of a rank's work share, is split over m ranks: ``zigzag`` (2m
-       chunks, rank i of m takes chunks i and 2m-1-i: equal work), ``chunks``
-       (m contiguous chunks, each costing the same compute plus received keys at
-       ``pos_cost`` pairs per position), or ``need`` (zigzag over the fewest
-       neediest ranks whose missing work covers it).
-    2. The other documents (and padding runs), largest work first, go whole to
-       the rank that keeps max(work / share, tokens / share) smallest.
-    3. The ranks' documents are laid end to end (largest first within a rank)
-       and cut at exact multiples of the per-rank length.
-    """
-    P = len(cum) - 1
-    L = P // cp
-    target = max(cum[-1] / cp, 1e-9)
-    owned: List[List[Tuple[int, int]]] = [[] for _ in range(cp)]
-    room = [L] * cp
-    load = [0.0] * cp
-
-    def give(rank: int, a: int, b: int) -> None:
-        if b > a:
-            owned[rank].append((a, b))
-            room[rank] -= b - a
-            load[rank] += cum[b] - cum[a]
-
-    whole = []
-    by_work = sorted(segments, key=lambda s: cum[s[0]] - cum[s[1]])
-    for a, b, pad in by_work:
-        n, w = b - a, cum[b] - cum[a]
-        share = max(target - min(load), 0.0) if style == "need" else target
-        if pad or (n <= L and w <= theta * share):
-            whole.append((a, b))
-            continue
-        if style == "need":
-            needs = sorted(range(cp), key=lambda r: (load[r] - target, -room[r]))
-            m, covered = 0, 0.0
-            while m < cp and (m < 2 or covered < w or m * L < n):
-                covered += max(target - load[needs[m]], 0.0)
-                m += 1
-            ranks = sorted(needs[:m], key=lambda r: load[r])
-        else:
-            m = min(cp, max(2, -(-n // L), math.ceil(w / (min(theta, 1.0) * target) - 1e-9)))
-            ranks = sorted(sorted(range(cp), key=lambda r: (-room[r], load[r]))[:m], key=lambda r: load[r])
-        if style == "chunks":
-            pieces = _cost_chunks(cum, a, b, m, pos_cost)
-            # The most expensive-to-feed chunks (the last ones) go to the least loaded ranks.
-            plan = list(zip(ranks, reversed(pieces or [])))
-            if not plan or len(plan) < len(pieces) or any(room[r] < t - h for r, (h, t) in plan):
-                whole.append((a, b))
-                continue
-            for rank, (h, t) in plan:
-                give(rank, h, t)
-            continue
-        bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
-        pairs = [((bounds[i], bounds[i + 1]), (bounds[2 * m - 1 - i], bounds[2 * m - i])) for i in range(m)]
-        if any(room[r] < (h[1] - h[0]) + (t[1] - t[0]) for r, (h, t) in zip(ranks, pairs)):
-            whole.append((a, b))  # no room to split it: step 3 cuts it where it lands
-            continue
-        for rank, (head, tail) in zip(ranks, pairs):
-            give(rank, *head)
-            give(rank, *tail)
-
-    # Step 2: a heap on the current key (ties by rank) instead of a scan of every rank per document.
-    bins: List[List[Tuple[int, int]]] = [[] for _ in range(cp)]
-    tokens = [L - r for r in room]
-    work = list(load)
-    heap = [(max(work[r] / target, tokens[r] / L), r) for r in range(cp)]
-    heapq.heapify(heap)
-    for a, b in whole:
-        _, r = heapq.heappop(heap)
-        bins[r].append((a, b))
-        tokens[r] += b - a
-        work[r] += cum[b] - cum[a]
-        heapq.heappush(heap, (max(work[r] / target, tokens[r] / L), r))
-
-    rank = 0
-    for a, b in (d for docs in bins for d in sorted(docs, key=lambda d: d[0] - d[1])):
-        while a < b:
-            while room[rank] == 0:
-                rank += 1
-            take = min(room[rank], b - a)
-            give(rank, a, a + take)
-            a += take
-    assert all(x == 0 for x in room), room
-    return owned
-
-
-def _cost_chunks(cum: List[float], a: int, b: int, m: int, pos_cost: float) -> Optional[List[Tuple[int, int]]]:
-    """m contiguous chunks of [a, b) whose work + pos_cost * (chunk start - a) is equal (bisection)."""
-    cum_t = torch.tensor(cum[a:b + 1], dtype=torch.float64) - cum[a]
-
-    def cut(budget: float) -> List[int]:
-        bounds, x = [a], a
-        for _ in range(m):
-            if x >= b:
-                break
-            # largest y with work(x, y) + pos_cost * (x - a) <= budget, at least one token
-            limit = cum_t[x - a] + budget - pos_cost * (x - a)
-            y = a + int(torch.searchsorted(cum_t, limit.reshape(1), right=True)) - 1
-            y = min(max(y, x + 1), b)
-            bounds.append(y)
-            x = y
-        return bounds
-
-    lo, hi = 0.0, float(cum_t[-1]) + pos_cost * (b - a)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if cut(mid)[-1] >= b:
-            hi = mid
-        else:
-            lo = mid
-    bounds = cut(hi)
-    if bounds[-1] < b:
-        return None
-    return [(h, t) for h, t in zip(bounds[:-1], bounds[1:]) if t > h]
-
-def needed_mask(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[P] bool: positions whose K/V the given queries need (union over rows).
-
-    ``positions`` ascending: a document's queries are adjacent, and the document
-    needs [its start, its last query], one interval per document.
-    """
-    R, P = doc_ids.shape
-    diff = torch.zeros(P + 1, dtype=torch.int32)
-    for row in range(R):
-        q = positions[doc_ids[row, positions] > 0]
-        if q.numel() == 0:
-            continue
-        s = starts[row, q]
-        last = torch.ones_like(q, dtype=torch.bool)
-        last[:-1] = s[1:] != s[:-1]
-        ones = torch.ones(int(last.sum()), dtype=torch.int32)
-        diff.index_add_(0, s[last], ones)
-        diff.index_add_(0, q[last] + 1, -ones)
-    return diff.cumsum(0)[:P] > 0
-
-
-def needed_remote_counts(doc_ids: torch.Tensor, positions: torch.Tensor,
-                         starts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[cp] K/V positions each rank's queries need and it does not own (the lower bound)."""
-    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
-    starts = document_starts(ids) if starts is None else starts
-    P = ids.shape[-1]
-    dst, a, b = needed_intervals(ids, starts, positions)
-    counts, _, _ = overlap_counts(dst, a, b, rank_keys(positions, P), positions.shape[0], P)
-    return counts.sum(0)
+    def runs(self, doc_ids, cp, cost_model):
+        return balanced_runs(doc_ids, cp, resolve_cost_model(cost_model))
 
 
 LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
@@ -518,5 +330,5 @@ LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
 
 __all__ = ["Layout", "LayoutStrategy", "ContiguousLayout", "ZigzagLayout", "BalancedLayout", "THDLayout",
            "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
-           "position_work", "needed_remote_counts", "thd_partitioned_indices", "thd_padded_cu_seqlens",
-           "BALANCE_GOAL"]
+           "position_work", "thd_partitioned_indices", "thd_padded_cu_seqlens",
+           "BALANCE_GOAL", "thd_exchange_counts"]

@@ -3,7 +3,9 @@
 Computed once per step from the replicated document ids; every rank computes the
 same global tables (who sends what to whom), so every exchange decision is taken
 identically on every rank without communication. Only this rank's kernel
-segments are materialized.
+segments are materialized. Everything is interval arithmetic on the layout's
+runs and the documents' runs (``intervals``), never a mask over ``P`` per rank;
+the THD layout's counts have a closed form (``layout.thd_exchange_counts``).
 
 Index conventions. Sequence-aligned tensors are flattened as ``s * R + row``
 where R is the number of document-id rows (1 when every batch row shares them;
@@ -20,8 +22,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .intervals import needed_intervals, overlap_counts, rank_keys, ranges
-from .layout import Layout, document_starts
+from .intervals import (RankRuns, clip, document_runs, flat_ranges, map_ranges, overlap_counts, ranges,
+                        work_and_intervals)
+from .layout import Layout, thd_exchange_counts
 
 
 @dataclass(frozen=True)
@@ -108,20 +111,20 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     """doc_ids: [R, P] int64 (padded); all tables are global except this rank's indices.
 
     ``kinds``: the segment kinds built now; any other is built on first access.
+    Works on the layout's runs and each row's document runs (``intervals``): one
+    pass over the doc ids, the rest over runs, documents and this rank's indices.
     """
     R, P = doc_ids.shape
     cp, L = layout.cp, layout.local_len
-    positions = layout.positions
-    flat = positions.reshape(-1)
-    starts = document_starts(doc_ids)
+    runs = layout.runs
+    rows = [document_runs(doc_ids[row]) for row in range(R)]
+    work_per_rank, dst, a, b = work_and_intervals(runs, rows)
 
-    pos_work = torch.where(doc_ids > 0, torch.arange(P) - starts + 1, torch.zeros_like(starts)).sum(0)
-    work_per_rank = pos_work[flat].view(cp, L).sum(1)
-
-    # What every rank needs, as disjoint intervals; counts are their overlaps with each owner.
-    keys = rank_keys(positions, P)
-    dst, a, b = needed_intervals(doc_ids, starts, positions)
-    counts, lo, hi = overlap_counts(dst, a, b, keys, cp, P)
+    # What every rank needs is its intervals; counts are their overlaps with every owner.
+    if layout.name == "thd" and R == 1 and cp > 1:  # every rank needs every document: closed form
+        counts = thd_exchange_counts(doc_ids[0], cp)
+    else:
+        counts = overlap_counts(runs, dst, a, b)
     needed_remote = counts.sum(0)
 
     # This rank as the source: its local rows inside every other rank's intervals.
@@ -130,31 +133,38 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     recv_positions: List[torch.Tensor] = [empty] * cp
     out = dst != rank
     if bool(out.any()):
-        n = (hi[out, rank] - lo[out, rank])
-        local = ranges(lo[out, rank] - rank * L, n)
+        lo, hi = flat_ranges(runs, a[out], b[out], rank)
+        n = hi - lo
+        local = ranges(lo - rank * L, n)
         per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, dst[out], n)
         send_index = list(torch.split(local, per_dst.tolist()))
-    # This rank as the destination: every other owner's positions inside its own intervals.
+    # This rank as the destination: every other owner's positions inside its own intervals,
+    # source-major; flat index ranges map to positions through the runs (sorted by flat index).
     mine = dst == rank
+    recv_start, recv_len = empty, empty
     if bool(mine.any()):
-        n = (hi[mine] - lo[mine]).t().contiguous()  # [cp, n_mine], source-major
+        lo, hi = flat_ranges(runs, a[mine], b[mine])  # [cp, n_mine]
+        n = hi - lo
         n[rank] = 0
-        got = flat[ranges(lo[mine].t().reshape(-1), n.reshape(-1))]
-        recv_positions = list(torch.split(got, n.sum(1).tolist()))
+        _, recv_start, recv_len = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), n.reshape(-1))
+        recv_positions = list(torch.split(ranges(recv_start, recv_len), n.sum(1).tolist()))
 
-    halo_ok, halo_reason = _halo_check(positions, counts, P)
+    halo_ok, halo_reason = _halo_check(runs, counts)
     exchange = ExchangeTables(counts, send_index, recv_positions, halo_ok, halo_reason)
 
     def make(kind: str) -> KernelSegments:
+        # The buffer as disjoint position ranges sorted by position, each with its first slot.
         if kind == "allgather":
-            slot = torch.empty(P, dtype=torch.long)
-            slot[flat] = torch.arange(cp * L)  # rank-major buffer: owner * L + local index
+            start, length, run = runs.by_position()
+            slots = (start, length, runs.flat[run])  # rank-major buffer: owner * L + local index
         else:
-            slot = torch.full((P,), -1, dtype=torch.long)
-            slot[positions[rank]] = torch.arange(L)
-            received = torch.cat(recv_positions)
-            slot[received] = L + torch.arange(received.numel())
-        return _segments(doc_ids, starts, positions[rank], slot)
+            mine_runs = runs.of_rank(rank)
+            offsets = torch.cumsum(recv_len, 0) - recv_len
+            start = torch.cat([runs.start[mine_runs], recv_start])
+            order = torch.argsort(start)
+            slots = (start[order], torch.cat([runs.length[mine_runs], recv_len])[order],
+                     torch.cat([runs.local[mine_runs], L + offsets])[order])
+        return _segments(rows, runs, rank, slots)
 
     segments = _Segments(make)
     for kind in kinds:
@@ -162,19 +172,15 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, segments)
 
 
-def _halo_check(positions: torch.Tensor, counts: torch.Tensor, P: int) -> Tuple[bool, str]:
+def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     """Halo works when every rank's sources own the position just before one of its runs."""
-    cp, L = positions.shape
-    flat = positions.reshape(-1)
-    owner = torch.empty(P, dtype=torch.long)
-    rank_of = torch.arange(cp).repeat_interleave(L)
-    owner[flat] = rank_of
-    run_start = torch.ones_like(flat, dtype=torch.bool)
-    run_start[1:] = flat[1:] != flat[:-1] + 1
-    run_start[::L] = True
-    run_start &= flat > 0
+    cp = runs.cp
+    by_start, _, by_run = runs.by_position()
+    first = runs.start > 0
+    before = runs.start[first] - 1
+    owner = runs.rank[by_run[torch.searchsorted(by_start, before, right=True) - 1]]
     adjacent = torch.zeros(cp, cp, dtype=torch.bool)  # [dst, src]
-    adjacent[rank_of[run_start], owner[flat[run_start] - 1]] = True
+    adjacent[runs.rank[first], owner] = True
     strays = (counts.t() > 0) & ~adjacent  # [dst, src]
     bad = torch.nonzero(strays.any(1)).flatten()
     if bad.numel() == 0:
@@ -185,30 +191,30 @@ def _halo_check(positions: torch.Tensor, counts: torch.Tensor, P: int) -> Tuple[
                    f"adjacent to its own (a document straddles more than one boundary)")
 
 
-def _segments(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor,
-              slot: torch.Tensor) -> KernelSegments:
-    R = doc_ids.shape[0]
-    L = positions.numel()
+def _segments(rows, runs: RankRuns, rank: int, slots) -> KernelSegments:
+    """Per row: this rank's runs cut at the row's documents; one segment per real piece.
+
+    A piece [pa, pb) of a document starting at s reads keys [s, pb), looked up
+    in the buffer's slot table ``slots`` = (start, length, first slot).
+    """
+    R = len(rows)
+    mine = runs.of_rank(rank)
+    r_start, r_len, r_local = runs.start[mine], runs.length[mine], runs.local[mine]
     q_parts, k_parts, q_lens, k_lens = [], [], [], []
-    local = torch.arange(L)
-    for row in range(R):
-        d = doc_ids[row, positions]
-        new_seg = torch.ones(L, dtype=torch.bool)
-        new_seg[1:] = (d[1:] != d[:-1]) | (positions[1:] != positions[:-1] + 1)
-        seg_id = new_seg.long().cumsum(0) - 1
-        real = d > 0
+    for row, (d_start, d_end, d_id) in enumerate(rows):
+        run, doc, pa, pb = clip(r_start, r_start + r_len, d_start, d_end)
+        real = d_id[doc] > 0
         if not bool(real.any()):
             continue
-        first = torch.nonzero(new_seg & real).flatten()  # local index of each segment's first query
-        n_q = torch.bincount(seg_id[real], minlength=int(seg_id[-1]) + 1)[seg_id[first]]
-        last_pos = positions[first + n_q - 1]
-        key_start = starts[row, positions[first]]
-        n_k = last_pos + 1 - key_start
-        q_parts.append(local[real] * R + row)
-        k_pos = ranges(key_start, n_k)
-        k_slot = slot[k_pos]
-        assert bool((k_slot >= 0).all()), "plan bug: a needed key is not delivered"
-        k_parts.append(k_slot * R + row)
+        run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
+        n_q = pb - pa
+        key_start = d_start[doc]
+        n_k = pb - key_start
+        q_parts.append(ranges(r_local[run] + pa - r_start[run], n_q) * R + row)
+        which, slot, n = map_ranges(*slots, key_start, n_k)
+        delivered = torch.zeros_like(n_k).index_add_(0, which, n)
+        assert torch.equal(delivered, n_k), "plan bug: a needed key is not delivered"
+        k_parts.append(ranges(slot, n) * R + row)
         q_lens.append(n_q)
         k_lens.append(n_k)
     if not q_parts:

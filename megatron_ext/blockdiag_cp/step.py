@@ -306,7 +306,7 @@ class BlockDiagCPState:
 
     @property
     def local_positions(self) -> torch.Tensor:
-        return self.layout.positions[self.rank]
+        return self.layout.rank_positions(self.rank)
 
     @property
     def rows(self) -> int:

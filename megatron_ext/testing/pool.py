@@ -82,7 +82,9 @@ class WorkerPool:
         port = _free_port()
         self.tasks = [_CTX.Queue() for _ in range(self.world)]
         self.results = _CTX.Queue()
-        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(self.threads), **self.env}
+        # LOCAL_WORLD_SIZE as torchrun sets it: every rank is on this one machine (one node).
+        env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(self.threads),
+               "LOCAL_WORLD_SIZE": str(self.world), **self.env}
         self.procs = [_CTX.Process(target=_worker, daemon=True,
                                    args=(r, self.world, port, self.tasks[r], self.results, env,
                                          self.threads))

@@ -286,32 +286,55 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
     out.append("Balanced at the issue's target points (NVLink: work max/mean <= 1.05 and modeled <= 1.2x "
                "ideal; IB: modeled <= 1.6x ideal; never worse than contiguous or zigzag). `bound` is "
                "prepare.modeled_lower_bound over the ideal.\n")
-    out.append("| S | cp | link | mix | max/mean | modeled/ideal | bound/ideal | modeled/bound | <= peers | target |")
-    out.append("|---:|---:|---|---|---:|---:|---:|---:|---|---|")
+    bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+    round1_path = os.path.join(bench_dir, "scale_round1.json")
+    round1 = {}
+    if os.path.exists(round1_path):  # the first issue-10 engine (interval plan, first balanced search)
+        round1 = {(r["S"], r["cp"], r["layout"], r["mix"], r["link"]): r for r in json.load(open(round1_path))}
+    out.append("| S | cp | link | mix | max/mean | modeled/ideal | round 1 | bound/ideal | modeled/bound | "
+               "end keys / share | candidate | <= peers | target |")
+    out.append("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---|")
     for t in scale.targets(rows):
+        r1 = round1.get((t["S"], t["cp"], "balanced", t["mix"], t["link"]))
+        r1_mo = f"{r1['modeled_over_ideal']:.3f}" if r1 else "-"
         out.append(f"| {t['S']} | {t['cp']} | {t['link']} | {t['mix']} | {t['work_max_over_mean']:.3f} | "
-                   f"{t['modeled_over_ideal']:.3f} | {t['bound_over_ideal']:.3f} | {t['modeled_over_bound']:.3f} | "
-                   f"{_mark(t['not_worse_than_peers'])} | {_mark(t['held'])} (<= {t['limit']}) |")
+                   f"{t['modeled_over_ideal']:.3f} | {r1_mo} | {t['bound_over_ideal']:.3f} | "
+                   f"{t['modeled_over_bound']:.3f} | {t['end_keys_over_share']:.2f} | `{t['candidate']}` | "
+                   f"{_mark(t['not_worse_than_peers'])} | "
+                   f"{_mark(t['held'])} (<= {t['limit']}) |")
     out.append("")
-    before_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
-                               "scale_before.json")
+    out.append("`end keys / share`: the K/V positions the holder of the longest document's last token must "
+               "receive (all its earlier ones), times the cost model's pairs per position, over a rank's work "
+               "share. The misses on IB are the points where that document is heavier than a rank's share (so "
+               "it must be split) and this ratio is 0.65-1.04: every rank holding a late piece of it pays "
+               "nearly that traffic before its own work, so the late pieces are thin and spread over many "
+               "ranks that each pay it. The bound sees only the last holder and the ideal work, which is why "
+               "modeled/bound stays at 1.5-1.7 there; the search found nothing under 1.6x. At 32k / cp 8 "
+               "(NVLink) there are 10-25 documents: the split document's pieces and the whole ones do not "
+               "pack finer than 1.20-1.25. `candidate`: the balanced search's choice (balanced.py).\n")
+    before_path = os.path.join(bench_dir, "scale_before.json")
     if os.path.exists(before_path):
         before = {(r["S"], r["cp"], r["layout"]): r for r in json.load(open(before_path))}
-        out.append("Before -> after, lognormal mix, one rank's layout + plan on one core, modeled/ideal over IB "
-                   "(before: the engine before issue 10, measured on this machine, bench/scale_before.json):\n")
-        out.append("| S, cp | layout | plan ms before | plan ms after | modeled/ideal before | after |")
-        out.append("|---|---|---:|---:|---:|---:|")
+        out.append("Before -> round 1 -> now, lognormal mix, one rank's layout + plan on one core, modeled/ideal "
+                   "over IB (before: the engine before issue 10, wall ms, bench/scale_before.json; round 1: the "
+                   "first issue-10 engine, wall ms, bench/scale_round1.json; now: CPU ms, median of 3):\n")
+        out.append("| S, cp | layout | plan ms before | round 1 | now | modeled/ideal before | round 1 | now |")
+        out.append("|---|---|---:|---:|---:|---:|---:|---:|")
         for (S, cp, layout), b in sorted(before.items()):
             a = [r for r in sc if (r["S"], r["cp"], r["layout"], r["mix"], r["link"]) ==
                  (S, cp, layout, "lognormal", "ib")]
             if not a:
                 continue
             a = a[0]
-            out.append(f"| {S // 1024}k, {cp} | {layout} | {b['layout_ms'] + b['plan_ms']:.0f} | "
-                       f"{1e3 * a['plan_seconds']:.0f} | {b['modeled_over_ideal_ib']:.2f} | "
+            r1 = round1.get((S, cp, layout, "lognormal", "ib"))
+            r1_ms = f"{r1['plan_ms']:.0f}" if r1 else "-"
+            r1_mo = f"{r1['modeled_over_ideal']:.2f}" if r1 else "-"
+            out.append(f"| {S // 1024}k, {cp} | {layout} | {b['layout_ms'] + b['plan_ms']:.0f} | {r1_ms} | "
+                       f"{1e3 * a['plan_seconds']:.1f} | {b['modeled_over_ideal_ib']:.2f} | {r1_mo} | "
                        f"{a['modeled_over_ideal']:.2f} |")
         out.append("")
-    out.append("Plan ms (layout + plan, last rank, one core), worst over mixes and links:\n")
+    out.append("Plan ms (layout + plan, last rank, one core: CPU time of the planning thread, median of 3), "
+               "worst over mixes and links; targets <= 10 ms at 128k / cp 8 and <= 100 ms at 1M / cp 64:\n")
     layouts = [l for l in ("contiguous", "zigzag", "balanced", "te_thd") if any(r["layout"] == l for r in sc)]
     out.append("| S | cp | " + " | ".join(layouts) + " |")
     out.append("|---:|---:|" + "---:|" * len(layouts))
@@ -319,7 +342,7 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
         cells = []
         for l in layouts:
             v = [r["plan_seconds"] for r in sc if (r["S"], r["cp"], r["layout"]) == (S, cp, l)]
-            cells.append(f"{1e3 * max(v):.0f}" if v else "-")
+            cells.append(f"{1e3 * max(v):.1f}" if v else "-")
         out.append(f"| {S} | {cp} | " + " | ".join(cells) + " |")
     out.append("")
 
