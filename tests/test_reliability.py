@@ -124,6 +124,7 @@ def build_per_rank(kwargs_per_rank, ids_per_rank=None):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("knob,values,needle", [
     ("layout", ["contiguous", "zigzag"], "layout ('contiguous' vs 'zigzag')"),
+    ("layout", ["balanced", "zigzag"], "layout ('balanced' vs 'zigzag')"),  # only one has a cost model
     ("kv_exchange", ["halo", "a2a"], "kv_exchange ('a2a' vs 'halo')"),
     ("attn_backend", ["dense", "te"], "attn_backend"),
     ("strict", [False, True], "strict"),
@@ -133,6 +134,16 @@ def test_knobs_that_differ_across_ranks_raise_on_every_rank(pool2, knob, values,
     for err in pool2.run(build_per_rank, kwargs):
         assert err is not None and err[0] == "BlockDiagCPError", err
         assert "differ across the CP ranks" in err[1] and needle in err[1], err
+
+
+@pytest.mark.timeout(120)
+def test_balanced_cost_models_that_differ_raise_on_every_rank(pool2):
+    from megatron_ext.blockdiag_cp import CostModel
+
+    kwargs = [{"attn_backend": "dense", "layout": "balanced", "cost_model": CostModel.preset(link)}
+              for link in ("nvlink", "ib")]
+    for err in pool2.run(build_per_rank, kwargs):
+        assert err is not None and "cost model differs across the CP ranks" in err[1], err
 
 
 @pytest.mark.timeout(120)

@@ -426,7 +426,7 @@ def _carve(units: _Units, cp: int, q: float, budget: float, filler: float) -> Ow
     load, room = ranks.load, ranks.room
     light = []
     for i in units.by_work:
-        a, b, w = units.start[i], units.end[i], units.work[i]
+        a, b = units.start[i], units.end[i]
         if units.light(i, share, L):
             light.append(i)
             continue

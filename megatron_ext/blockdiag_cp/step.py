@@ -222,7 +222,10 @@ class BlockDiagCPState:
         for b in ATTN_BACKEND_VALUES:
             facts["unavailable_" + b] = 0 if static[b][0] else 1
         facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
-        if requested.get("layout") == "balanced":  # the cost model decides where the balanced cuts fall
+        # The cost model decides where the balanced cuts fall. Always a fact (0 when unused): every
+        # rank's vector must have the same length even when their layouts differ.
+        facts["cost_model"] = 0
+        if requested.get("layout") == "balanced":
             cost_model = default_cost_model(group) if cost_model is None else cost_model
             facts["cost_model"] = hash((cost_model.seconds_per_pair, cost_model.seconds_per_position))
         agreed = agree(facts, group, cp)
@@ -238,10 +241,6 @@ class BlockDiagCPState:
             message = source.errors[worst].format(detail=detail if mine else "see that rank's error")
             raise BlockDiagCPError(message if mine else "invalid input on another CP rank: " + message)
         differ = agreed.disagreeing(knob for knob, _ in _KNOBS)
-        if "cost_model" in facts and not agreed.agreed("cost_model"):
-            raise BlockDiagCPError(
-                "the balanced layout's cost model differs across the CP ranks; pass the same "
-                "cost_model (or --cp-cost-model) on every rank")
         if differ:
             described = ", ".join(
                 f"{knob} ({' vs '.join(repr(v) for v in sorted({values[agreed.min(knob)], values[agreed.max(knob)]}, key=str))})"
@@ -249,6 +248,10 @@ class BlockDiagCPState:
             raise BlockDiagCPError(
                 f"CP knobs differ across the CP ranks: {described}; configure every rank alike "
                 "(the same --cp-* flags / configure_cp_varlen / configure_cp_layout / shard_batch arguments)")
+        if not agreed.agreed("cost_model"):
+            raise BlockDiagCPError(
+                "the balanced layout's cost model differs across the CP ranks; pass the same "
+                "cost_model (or --cp-cost-model) on every rank")
         for fact, message in source.must_agree.items():
             if not agreed.agreed(fact):
                 raise BlockDiagCPError(message)
