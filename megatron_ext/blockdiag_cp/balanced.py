@@ -360,8 +360,9 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float,
     return ranks.owned, strict.owned
 
 
-def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key) -> None:
-    """Whole units in ``order`` to the rank with the smallest ``key`` that has room; the rest cut in."""
+def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key, cut_in_key_order: bool = True) -> None:
+    """Whole units in ``order`` to the rank with the smallest ``key`` that has room; the rest cut in
+    (into the ranks by ``key``, or in rank order)."""
     room = ranks.room
     heap = [(key(r), r) for r in range(len(room)) if room[r] > 0]
     heapq.heapify(heap)
@@ -382,7 +383,10 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key) -> None:
             heapq.heappush(heap, (key(r), r))
         if not placed:
             rest.append((units.start[i], units.end[i]))
-    ranks.cut_in(rest, order=sorted(range(len(room)), key=key))
+    if cut_in_key_order:
+        ranks.cut_in(rest, order=sorted(range(len(room)), key=key))
+    else:
+        ranks.cut_in(rest)
 
 
 def _cost_chunks(units: _Units, i: int, m: int, q: float) -> Optional[List[Tuple[int, int]]]:
@@ -465,26 +469,7 @@ def _carve(units: _Units, cp: int, q: float, budget: float, filler: float) -> Ow
             h, e = h + k, x
     # Light units, densest first, to the rank with the most spare budget per free token.
     light.sort(key=lambda i: units.start[i] - units.end[i])
-    heap = [(-(budget - load[r]) / room[r], r) for r in range(cp) if room[r] > 0]
-    heapq.heapify(heap)
-    rest = []
-    for i in light:
-        n = units.end[i] - units.start[i]
-        stash, placed = [], False
-        while heap and len(stash) < 4:
-            _, r = heapq.heappop(heap)
-            if room[r] >= n:
-                ranks.give(r, units.start[i], units.end[i], units.work[i])
-                if room[r] > 0:
-                    heapq.heappush(heap, (-(budget - load[r]) / room[r], r))
-                placed = True
-                break
-            stash.append(r)
-        for r in stash:
-            heapq.heappush(heap, (-(budget - load[r]) / room[r], r))
-        if not placed:
-            rest.append((units.start[i], units.end[i]))
-    ranks.cut_in(rest)
+    _fill(ranks, units, light, key=lambda r: -(budget - load[r]) / room[r], cut_in_key_order=False)
     return ranks.owned
 
 
