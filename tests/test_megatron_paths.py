@@ -72,6 +72,23 @@ def compare(model, loss, group, ref_loss, ref_grads):
     return H.rel(total, ref_loss), max(H.rel(grads[n], ref_grads[n]) for n in ref_grads)
 
 
+def step_errors(model, local, total_tokens, exchange, group, ref_loss, ref_grads,
+                attention_mask=None, packed_seq_params=None):
+    """One forward+backward of this rank's micro batch (dense kernel, ``exchange``) vs the reference."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    bdcp.configure_cp_varlen("dense", exchange)
+    try:
+        model.zero_grad()
+        losses = model(local["tokens"], local["position_ids"], attention_mask, labels=local["labels"],
+                       packed_seq_params=packed_seq_params)
+        loss = (losses * local["loss_mask"]).sum() / total_tokens
+        loss.backward()
+    finally:
+        bdcp.configure_cp_varlen()
+    return compare(model, loss, group, ref_loss, ref_grads)
+
+
 # ---------------------------------------------------------------------------
 # --spec with megatron's masks
 # ---------------------------------------------------------------------------
@@ -88,15 +105,9 @@ def mask_path_matches_reference(cp, exchanges):
     ref_loss, ref_grads = reference_grads(ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
     out = {}
     for exchange in exchanges:
-        bdcp.configure_cp_varlen("dense", exchange)
         local = H.megatron_batch_on_this_cp_rank(dict(batch), group)
-        model.zero_grad()
-        losses = model(local["tokens"], local["position_ids"], local["attention_mask"],
-                       labels=local["labels"])
-        loss = (losses * local["loss_mask"]).sum() / batch["loss_mask"].sum()
-        loss.backward()
-        out[exchange] = compare(model, loss, group, ref_loss, ref_grads)
-    bdcp.configure_cp_varlen()
+        out[exchange] = step_errors(model, local, batch["loss_mask"].sum(), exchange, group, ref_loss,
+                                    ref_grads, attention_mask=local["attention_mask"])
     return out
 
 
@@ -254,15 +265,9 @@ def thd_path_matches_reference(cp, exchanges):
         mcore_utils.tex, mcore_utils.is_te_min_version = saved
     out = {}
     for exchange in exchanges:
-        bdcp.configure_cp_varlen("dense", exchange)
-        model.zero_grad()
-        losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                       packed_seq_params=params)
-        loss = (losses * local["loss_mask"]).sum() / batch["loss_mask"].sum()
-        loss.backward()
-        out[exchange] = compare(model, loss, group, ref_loss, ref_grads) + (
+        out[exchange] = step_errors(model, local, batch["loss_mask"].sum(), exchange, group, ref_loss,
+                                    ref_grads, packed_seq_params=params) + (
             params._blockdiag_cp_state[1].layout.name,)
-    bdcp.configure_cp_varlen()
     return out
 
 
@@ -424,16 +429,8 @@ def inter_document_masking_matches_reference(tmp_dir, cp, exchange):
     # As Megatron-LM's forward_step builds it for inter-document masking (no padded cu_seqlens).
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=int(cu.diff().max()), max_seqlen_kv=int(cu.diff().max()))
-    bdcp.configure_cp_varlen("dense", exchange)
-    try:
-        model.zero_grad()
-        losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                       packed_seq_params=params)
-        loss = (losses * local["loss_mask"]).sum() / full["loss_mask"].sum()
-        loss.backward()
-    finally:
-        bdcp.configure_cp_varlen()
-    return compare(model, loss, group, ref_loss, ref_grads) + (params._blockdiag_cp_state[1].layout.name,)
+    return step_errors(model, local, full["loss_mask"].sum(), exchange, group, ref_loss, ref_grads,
+                       packed_seq_params=params) + (params._blockdiag_cp_state[1].layout.name,)
 
 
 @pytest.mark.timeout(300)

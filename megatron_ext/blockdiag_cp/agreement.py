@@ -89,7 +89,7 @@ def doc_ids_fingerprint(ids: torch.Tensor) -> int:
     """64-bit hash of the run-length encoding of [R, S] int64 document ids.
 
     Every run contributes mix(mix(row, start) + value); the sum (mod 2**64) over
-    runs is independent of nothing but the runs themselves, and the non-linear
+    runs depends only on the runs themselves, and the non-linear
     per-position mixing leaves simple permutations and swapped values no common
     weighted sum to collide on. O(S), vectorized: ~2 ms at S = 1M.
     """
