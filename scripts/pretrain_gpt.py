@@ -141,7 +141,8 @@ def get_batch(data_iterator):
     local, state = bdcp.shard_batch(
         batch, cp_group=None, layout=args.cp_layout_canonical, eod_token=EOD,
         attn_backend=args.cp_attn_backend_canonical, kv_exchange=args.cp_kv_exchange_canonical,
-        strict=args.cp_attn_backend_strict, cost_model=cp_cost_model(), prepared=prepared)
+        strict=args.cp_attn_backend_strict, cost_model=cp_cost_model(), prepared=prepared,
+        kv_backward=args.cp_kv_backward_canonical)
     return local, state, timing
 
 

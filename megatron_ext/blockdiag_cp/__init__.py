@@ -9,13 +9,16 @@ from .layout import thd_partitioned_indices
 from .prepare import PreparedPlan, plan_summary, prepare_plan
 from .resolve import resolve_step_state
 from .state import (
+    configure_cp_kv_backward,
     configure_cp_layout,
     configure_cp_thd_partition,
     configure_cp_varlen,
     cp_attn_fire_count,
+    cp_kv_backward_runtime_config,
     cp_layout_runtime_config,
     cp_varlen_runtime_config,
     normalize_attn_backend,
+    normalize_kv_backward,
     normalize_kv_exchange,
     normalize_layout,
     reset_cp_attn_fire_count,
@@ -33,6 +36,7 @@ __all__ = [
     # knobs
     "configure_cp_varlen", "cp_varlen_runtime_config", "configure_cp_layout", "cp_layout_runtime_config",
     "configure_cp_thd_partition", "normalize_attn_backend", "normalize_kv_exchange", "normalize_layout",
+    "configure_cp_kv_backward", "cp_kv_backward_runtime_config", "normalize_kv_backward",
     # planning ahead and to look
     "CostModel", "default_cost_model", "PreparedPlan", "prepare_plan", "plan_summary",
     "thd_partitioned_indices",

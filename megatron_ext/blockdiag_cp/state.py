@@ -57,6 +57,16 @@ THD_PARTITION_SYNONYMS: Dict[str, Tuple[str, ...]] = {
 }
 THD_PARTITION_VALUES: Tuple[str, ...] = (THD_PARTITION_DEFAULT,) + tuple(THD_PARTITION_SYNONYMS)
 
+# Whether backward refetches the remote K/V it attends to (memory O(S/cp)) or keeps what forward
+# received (one exchange fewer, memory O(keys needed)); "auto" lets the step choose under a memory
+# budget (see megatron_ext.blockdiag_cp.step). Ours, beside the documented knobs.
+KV_BACKWARD_DEFAULT = "auto"
+KV_BACKWARD_SYNONYMS: Dict[str, Tuple[str, ...]] = {
+    "refetch": ("refetch", "recompute", "refetch_kv", "stream"),
+    "save": ("save", "save_kv", "keep", "store"),
+}
+KV_BACKWARD_VALUES: Tuple[str, ...] = (KV_BACKWARD_DEFAULT,) + tuple(KV_BACKWARD_SYNONYMS)
+
 _DEFAULT_WORDS = ("", "auto", "default")
 
 _ATTN_BACKEND_REVERSE: Dict[str, str] = {
@@ -66,6 +76,8 @@ _KV_EXCHANGE_REVERSE: Dict[str, str] = {
 _LAYOUT_REVERSE: Dict[str, str] = {syn: canon for canon, syns in LAYOUT_SYNONYMS.items() for syn in syns}
 _THD_PARTITION_REVERSE: Dict[str, str] = {
     syn: canon for canon, syns in THD_PARTITION_SYNONYMS.items() for syn in syns}
+_KV_BACKWARD_REVERSE: Dict[str, str] = {
+    syn: canon for canon, syns in KV_BACKWARD_SYNONYMS.items() for syn in syns}
 
 
 def _clean(value: Any) -> str:
@@ -107,6 +119,11 @@ def normalize_layout(value: Any) -> str:
 def normalize_thd_partition(value: Any) -> str:
     """Canonicalize the THD partition knob: 'auto', 'per_document' (TE's) or 'per_sequence'."""
     return _normalize(value, _THD_PARTITION_REVERSE, THD_PARTITION_DEFAULT, "thd_partition")
+
+
+def normalize_kv_backward(value: Any) -> str:
+    """Canonicalize the K/V-in-backward knob: 'auto' (default), 'refetch' or 'save'."""
+    return _normalize(value, _KV_BACKWARD_REVERSE, KV_BACKWARD_DEFAULT, "kv_backward")
 
 
 # ---------------------------------------------------------------------------
@@ -156,6 +173,7 @@ _CP_ATTN_BACKEND = ATTN_BACKEND_DEFAULT
 _CP_KV_EXCHANGE = KV_EXCHANGE_DEFAULT
 _CP_LAYOUT = LAYOUT_DEFAULT
 _CP_THD_PARTITION = THD_PARTITION_DEFAULT
+_CP_KV_BACKWARD = KV_BACKWARD_DEFAULT
 # A plain one-element list, as documented (``_CP_ATTN_FIRE_COUNT[0] += 1`` works);
 # our own increments take the lock so concurrent recomputes never lose a count.
 _CP_ATTN_FIRE_COUNT: list = [0]
@@ -197,6 +215,17 @@ def configure_cp_thd_partition(partition: str = THD_PARTITION_DEFAULT) -> None:
     """How THD batches were cut across CP ranks: 'per_document' (TE), 'per_sequence', or 'auto'."""
     global _CP_THD_PARTITION
     _CP_THD_PARTITION = normalize_thd_partition(partition)
+
+
+def configure_cp_kv_backward(kv_backward: str = KV_BACKWARD_DEFAULT) -> None:
+    """Backward's remote K/V: 'refetch' (exchange again), 'save' (keep forward's), 'auto' (default)."""
+    global _CP_KV_BACKWARD
+    _CP_KV_BACKWARD = normalize_kv_backward(kv_backward)
+
+
+def cp_kv_backward_runtime_config() -> Dict[str, str]:
+    """Return the configured K/V-in-backward mode: {"kv_backward": ...}."""
+    return {"kv_backward": _CP_KV_BACKWARD}
 
 
 def cp_attn_fire_count() -> int:

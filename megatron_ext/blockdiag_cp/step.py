@@ -32,12 +32,19 @@ from .layout import Layout, build_layout, padded_length
 from .plan import StepPlan, build_plan, segment_kind
 from .state import (
     ATTN_BACKEND_VALUES,
+    KV_BACKWARD_VALUES,
     KV_EXCHANGE_VALUES,
     LAYOUT_VALUES,
     normalize_attn_backend,
+    normalize_kv_backward,
     normalize_kv_exchange,
     normalize_layout,
 )
+
+# kv_backward="auto" keeps forward's received K/V for backward when the busiest rank's received
+# rows are at most this multiple of its local rows (saving then at most doubles the K/V a layer
+# holds between forward and backward); beyond it backward refetches, so memory stays O(S / cp).
+KV_SAVE_BUDGET_LOCAL_MULTIPLE = 1.0
 
 # ---------------------------------------------------------------------------
 # Document sources
@@ -120,7 +127,24 @@ class ReplicatedDocIds(DocumentSource):
 
 
 _KNOBS = (("layout", LAYOUT_VALUES), ("kv_exchange", KV_EXCHANGE_VALUES),
-          ("attn_backend", ATTN_BACKEND_VALUES), ("strict", (False, True)))
+          ("attn_backend", ATTN_BACKEND_VALUES), ("kv_backward", KV_BACKWARD_VALUES),
+          ("strict", (False, True)))
+
+
+def resolve_kv_backward(requested: str, kv_exchange: str, plan: StepPlan) -> Tuple[str, str]:
+    """(mode, reason) for backward's remote K/V; decided from global tables, so alike on every rank."""
+    if plan.cp == 1:
+        return "save", "single rank: nothing to refetch"
+    if requested != "auto":
+        return requested, "as requested"
+    received = ((plan.cp - 1) * plan.local_len if kv_exchange == "allgather"
+                else int(plan.exchange.counts.sum(0).max()))
+    budget = KV_SAVE_BUDGET_LOCAL_MULTIPLE * plan.local_len
+    if received <= budget:
+        return "save", (f"auto: the busiest rank receives {received} K/V rows, within the save budget "
+                        f"of {budget:g} ({KV_SAVE_BUDGET_LOCAL_MULTIPLE:g} x local {plan.local_len})")
+    return "refetch", (f"auto: the busiest rank receives {received} K/V rows, over the save budget "
+                       f"of {budget:g} ({KV_SAVE_BUDGET_LOCAL_MULTIPLE:g} x local {plan.local_len})")
 
 
 class BlockDiagCPState:
@@ -130,7 +154,8 @@ class BlockDiagCPState:
                  seq_len: int, plan: StepPlan, attn_backend_requested: str, attn_backend: str,
                  attn_backend_reason: str, kv_exchange_requested: str, kv_exchange: str,
                  kv_exchange_reason: str, strict: bool, available: Dict[str, bool],
-                 backend_explicit: bool = False):
+                 backend_explicit: bool = False, kv_backward_requested: str = "auto",
+                 kv_backward: str = "save", kv_backward_reason: str = ""):
         self.group = group
         self.cp = cp
         self.rank = rank
@@ -144,6 +169,9 @@ class BlockDiagCPState:
         self.kv_exchange_requested = kv_exchange_requested
         self.kv_exchange = kv_exchange
         self.kv_exchange_reason = kv_exchange_reason
+        self.kv_backward_requested = kv_backward_requested
+        self.kv_backward = kv_backward  # "save" | "refetch": what backward does for remote K/V
+        self.kv_backward_reason = kv_backward_reason
         self.strict = strict
         self.available = available  # backend -> every rank can run it (this step)
         self.backend_explicit = backend_explicit  # fallbacks log WARNING (explicit) or INFO (default)
@@ -156,7 +184,8 @@ class BlockDiagCPState:
 
     @classmethod
     def build(cls, doc_ids, cp_group=None, layout=None, attn_backend=None, kv_exchange=None,
-              strict=False, device=None, cost_model=None, prepared=None) -> "BlockDiagCPState":
+              strict=False, device=None, cost_model=None, prepared=None,
+              kv_backward=None) -> "BlockDiagCPState":
         """Validate, agree across the CP group, lay out and plan one step.
 
         ``doc_ids``: the full-sequence document ids ([S] or [b, S]), identical on
@@ -166,15 +195,17 @@ class BlockDiagCPState:
         across nodes); ``prepared`` (``prepare_plan``'s result, built ahead of
         time) skips the host planning when it was made for these ids, rank and
         layout: only the agreement all-reduce is left on the critical path.
+        ``kv_backward``: "refetch" | "save" | "auto" (None: the configured knob).
         """
         return cls.from_source(ReplicatedDocIds(doc_ids), cp_group=cp_group, layout=layout,
                                attn_backend=attn_backend, kv_exchange=kv_exchange, strict=strict,
-                               device=device, cost_model=cost_model, prepared=prepared)
+                               device=device, cost_model=cost_model, prepared=prepared,
+                               kv_backward=kv_backward)
 
     @classmethod
     def from_source(cls, source: DocumentSource, cp_group=None, layout=None, attn_backend=None,
                     kv_exchange=None, strict=False, device=None, cost_model=None,
-                    prepared=None) -> "BlockDiagCPState":
+                    prepared=None, kv_backward=None) -> "BlockDiagCPState":
         """``build`` for any ``DocumentSource`` (Megatron's mask, THD cu_seqlens, replicated ids)."""
         group = ps.get_cp_group() if cp_group is None else cp_group
         cp, rank = ps.group_size(group), ps.group_rank(group)
@@ -182,13 +213,13 @@ class BlockDiagCPState:
         BUILD_GUARD.enter(ranks)
         try:
             return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-                              cost_model, prepared)
+                              cost_model, prepared, kv_backward)
         finally:
             BUILD_GUARD.exit(ranks)
 
     @classmethod
     def _build(cls, source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-               cost_model, prepared):
+               cost_model, prepared, kv_backward):
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         facts, detail = source.local_facts()  # first: it may fix the layout (THD's partition)
@@ -199,7 +230,9 @@ class BlockDiagCPState:
                 ("kv_exchange", knobs._CP_KV_EXCHANGE if kv_exchange is None else kv_exchange,
                  normalize_kv_exchange),
                 ("attn_backend", knobs._CP_ATTN_BACKEND if attn_backend is None else attn_backend,
-                 normalize_attn_backend)):
+                 normalize_attn_backend),
+                ("kv_backward", knobs._CP_KV_BACKWARD if kv_backward is None else kv_backward,
+                 normalize_kv_backward)):
             try:
                 requested[knob] = normalize(raw)
             except ValueError as exc:
@@ -247,7 +280,8 @@ class BlockDiagCPState:
                 for knob, values in _KNOBS if knob in differ)
             raise BlockDiagCPError(
                 f"CP knobs differ across the CP ranks: {described}; configure every rank alike "
-                "(the same --cp-* flags / configure_cp_varlen / configure_cp_layout / shard_batch arguments)")
+                "(the same --cp-* flags / configure_cp_varlen / configure_cp_layout / "
+                "configure_cp_kv_backward / shard_batch arguments)")
         if not agreed.agreed("cost_model"):
             raise BlockDiagCPError(
                 "the balanced layout's cost model differs across the CP ranks; pass the same "
@@ -293,11 +327,14 @@ class BlockDiagCPState:
             log_once(logging.WARNING if kv_exchange is not None else logging.INFO,
                      f"blockdiag-cp: kv exchange halo -> a2a: {plan.exchange.halo_reason}")
 
+        kv_backward_mode, kv_backward_reason = resolve_kv_backward(requested["kv_backward"], exchange, plan)
         return cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=seq_len,
                    plan=plan, attn_backend_requested=backend_req, attn_backend=backend,
                    attn_backend_reason=backend_reason, kv_exchange_requested=exchange_req,
                    kv_exchange=exchange, kv_exchange_reason=exchange_reason, strict=strict,
-                   available=available, backend_explicit=attn_backend is not None)
+                   available=available, backend_explicit=attn_backend is not None,
+                   kv_backward_requested=requested["kv_backward"], kv_backward=kv_backward_mode,
+                   kv_backward_reason=kv_backward_reason)
 
     @property
     def padded_len(self) -> int:
@@ -342,6 +379,9 @@ class BlockDiagCPState:
             "kv_exchange_requested": self.kv_exchange_requested,
             "kv_exchange": self.kv_exchange,
             "kv_exchange_reason": self.kv_exchange_reason,
+            "kv_backward_requested": self.kv_backward_requested,
+            "kv_backward": self.kv_backward,
+            "kv_backward_reason": self.kv_backward_reason,
             "layout": self.layout.name,
             "cp": self.cp,
             "rank": self.rank,

@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allgather | halo | a2a, or a synonym; default: the engine's default")
     g.add_argument("--cp-layout", default=None,
                    help="contiguous | zigzag | balanced, or a synonym; default: the engine's default")
+    g.add_argument("--cp-kv-backward", default=None,
+                   help="refetch | save | auto: backward exchanges the remote K/V again (memory "
+                        "O(S/cp)) or keeps what forward received; default auto (save within a "
+                        "memory budget)")
     g.add_argument("--cp-attn-backend-strict", action="store_true",
                    help="a backend/exchange fallback is an error instead of a logged downgrade")
     g.add_argument("--cp-cost-model", default="auto", choices=["auto", "nvlink", "ib"],
@@ -265,7 +269,8 @@ def validate_args(args, world_size: int) -> None:
     cp_state = _knob_module()
     for flag, normalize in (("--cp-attn-backend", cp_state.normalize_attn_backend),
                             ("--cp-kv-exchange", cp_state.normalize_kv_exchange),
-                            ("--cp-layout", cp_state.normalize_layout)):
+                            ("--cp-layout", cp_state.normalize_layout),
+                            ("--cp-kv-backward", cp_state.normalize_kv_backward)):
         attr = flag[2:].replace("-", "_")
         try:
             value = normalize(getattr(args, attr))
