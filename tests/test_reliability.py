@@ -194,7 +194,9 @@ def failure_outside_a_step(fail_on_rank, backend_name="dense"):
     def broken(*args, **kw):
         raise RuntimeError("injected kernel failure")
 
-    with override_kernel("dense", broken) if rank == fail_on_rank else contextlib.nullcontext():
+    from megatron_ext.blockdiag_cp.kernels import Kernel
+
+    with override_kernel("dense", Kernel(broken, broken)) if rank == fail_on_rank else contextlib.nullcontext():
         out = bdcp.blockdiag_cp_attention(q, k, v, state=state)  # explicit state, no step context
         out.sum().backward()
     zeros = bool((out == 0).all())
@@ -405,12 +407,12 @@ def test_non_reentrant_checkpoint_fires_twice_with_cp(pool2):
 
 
 # ---------------------------------------------------------------------------
-# the guarded kernel's own graph is freed after backward (no reference cycle)
+# what the op saves for backward is freed after backward (no reference cycle)
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("retain", [False, True])
-def test_kernel_graph_is_freed_after_backward(retain):
+def test_saved_tensors_are_freed_after_backward(retain):
     import gc
     import weakref
 
@@ -420,19 +422,23 @@ def test_kernel_graph_is_freed_after_backward(retain):
 
     refs = []
 
-    def recording_dense(*args, **kw):
-        # exp saves its own output for backward: the case that used to form a reference cycle
-        saved_output = kernels.dense_varlen(*args, **kw).exp()
-        refs.append(weakref.ref(saved_output))
-        return saved_output.log()
+    def recording_forward(*args, **kw):
+        out, lse, aux = kernels.dense_forward(*args, **kw)
+        refs.append(weakref.ref(lse))
+        return out, lse, aux
 
     state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
     q, k, v = (_local(state, t) for t in _qkv(GOOD.numel(), seed=12))
-    with override_kernel("dense", recording_dense), bdcp.blockdiag_cp_step(state):
-        loss = bdcp.blockdiag_cp_attention(q, k, v).sum()
+    with override_kernel("dense", kernels.Kernel(recording_forward, kernels.dense_backward)), \
+            bdcp.blockdiag_cp_step(state):
+        out = bdcp.blockdiag_cp_attention(q, k, v)
+        saved = weakref.ref(out.grad_fn)
+        loss = out.sum()
+        del out
         loss.backward(retain_graph=retain)
         if retain:
             loss.backward()  # the retained graph still differentiates (see the accumulation tests)
     del loss
     gc.collect()
-    assert refs and refs[0]() is None, "the kernel's output (and its graph) outlived the step"
+    assert refs and all(r() is None for r in refs), "a kernel's lse outlived the step"
+    assert saved() is None, "the op's node (and what it saved) outlived the step"
