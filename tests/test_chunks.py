@@ -1,9 +1,9 @@
 """The streamed plan (``chunks``) against a brute force: every (query, key) pair once.
 
 For random and edge-case document ids, every layout, every rank and both chunk
-kinds, the pairs the kernel calls of all rounds cover -- reading each chunk
+kinds, the pairs the kernel calls of all steps cover -- reading each chunk
 buffer as the transports deliver it (a source's whole local K/V for the ring,
-``ExchangeTables.recv_positions`` for the needed-only rounds) -- are exactly the
+``ExchangeTables.recv_positions`` for the needed-only steps) -- are exactly the
 per-document causal pairs of this rank's queries, each exactly once; causal calls
 are square diagonal blocks and full calls never see a key after a query.
 """
@@ -35,12 +35,15 @@ def _covered_pairs(plan, lay, kind, R):
     mine = lay.runs.positions(plan.rank)
     got = []
     stream = plan.stream[kind]
-    for rnd in stream.rounds:
-        chunk = (lay.runs.positions(rnd.source) if kind == "ring" or rnd.index == 0
-                 else plan.exchange.recv_positions[rnd.source])
-        assert chunk.numel() == rnd.chunk_len, (kind, rnd.index)
-        assert len(rnd.calls) <= 2 and (rnd.index == 0 or all(not c.causal for c in rnd.calls))
-        for call in rnd.calls:
+    c = stream.chunk_rows
+    for step in stream.steps:
+        whole = (lay.runs.positions(step.source) if kind == "ring" or step.round == 0
+                 else plan.exchange.recv_positions[step.source])
+        chunk = whole[step.first:step.first + step.chunk_len]
+        assert chunk.numel() == step.chunk_len, (kind, step)
+        assert step.round == 0 or step.chunk_len <= c, (kind, step)  # a remote chunk is a piece of a shard
+        assert len(step.calls) <= 2 and (step.round == 0 or all(not c.causal for c in step.calls))
+        for call in step.calls:
             if call.causal:
                 assert call.q_lens == call.k_lens
             for qs, ks in zip(call.q_index.split(list(call.q_lens)), call.k_index.split(list(call.k_lens))):
@@ -72,7 +75,7 @@ def _check(ids, cp, layout):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
-def test_rounds_cover_every_pair_once(case, cp):
+def test_steps_cover_every_pair_once(case, cp):
     for layout in ("contiguous", "zigzag", "balanced"):
         _check(make_doc_ids(case, 96, cp), cp, layout)
 
@@ -97,7 +100,18 @@ def test_zigzag_prefix_keys_are_gathered_once_per_chunk():
     lay = build_layout("zigzag", ids, 4)
     plan = build_plan(ids, lay, 3)
     ring = plan.stream["ring"]
-    for rnd in ring.rounds[1:]:
-        for call in rnd.calls:
-            assert call.k_index.numel() == call.k_index.unique().numel(), rnd.index
-    assert max(int(c.k_index.numel()) for r in ring.rounds for c in r.calls) <= lay.local_len
+    for step in ring.steps[1:]:
+        for call in step.calls:
+            assert call.k_index.numel() == call.k_index.unique().numel(), step
+    assert max(int(c.k_index.numel()) for s in ring.steps[1:] for c in s.calls) <= ring.chunk_rows
+
+
+def test_every_rank_walks_the_same_steps():
+    # The transfers pair up only if every rank posts its steps in one order.
+    ids = torch.cat([torch.ones(70, dtype=torch.long), torch.full((26,), 2)]).unsqueeze(0)
+    for kind in ("ring", "needed"):
+        for layout in ("contiguous", "zigzag", "balanced"):
+            lay = build_layout(layout, ids, 4)
+            orders = {tuple((s.round, s.piece) for s in build_plan(ids, lay, r).stream[kind].steps)
+                      for r in range(4)}
+            assert len(orders) == 1, (kind, layout)

@@ -63,7 +63,7 @@ def test_lazy_rounds_build_only_what_is_asked():
     ids = _random_ids(1, 200, torch.Generator().manual_seed(3))
     plan = build_plan(ids, build_layout("contiguous", ids, 4), 1, kinds=("needed",))
     assert list(plan.stream._built) == ["needed"]
-    assert len(plan.stream["ring"].rounds) == 4 and set(plan.stream) == {"ring", "needed"}
+    assert plan.stream["ring"].steps[0].round == 0 and set(plan.stream) == {"ring", "needed"}
     with pytest.raises(KeyError, match="unknown chunk kind"):
         plan.stream["sparse"]
 
@@ -142,7 +142,7 @@ def test_cp1_build_uses_the_prepared_plan():
     assert state.plan is prep.plan and state.layout is prep.layout
     inline = bdcp.BlockDiagCPState.build(ids, layout="zigzag", attn_backend="dense")
     assert torch.equal(inline.layout.positions, prep.layout.positions)
-    s, o = inline.plan.stream["needed"].rounds[0].calls, prep.plan.stream["needed"].rounds[0].calls
+    s, o = inline.plan.stream["needed"].steps[0].calls, prep.plan.stream["needed"].steps[0].calls
     assert [(c.causal, c.q_lens, c.k_lens) for c in s] == [(c.causal, c.q_lens, c.k_lens) for c in o]
     assert all(torch.equal(a.k_index, b.k_index) for a, b in zip(s, o))
     # A plan prepared for other ids is not used: the build plans in line.
@@ -168,7 +168,7 @@ def _build_with_and_without_prepared(layout, exchange):
         "send": all(torch.equal(x, y) for x, y in zip(a.exchange.send_index, b.exchange.send_index)),
         "recv": all(torch.equal(x, y) for x, y in zip(a.exchange.recv_positions, b.exchange.recv_positions)),
         "segments": all(torch.equal(x.k_index, y.k_index) for ra, rb in zip(
-            a.stream["needed"].rounds, b.stream["needed"].rounds) for x, y in zip(ra.calls, rb.calls)),
+            a.stream["needed"].steps, b.stream["needed"].steps) for x, y in zip(ra.calls, rb.calls)),
         "needed": a.needed_remote.tolist() == summary["needed_positions_per_rank"],
         "work": a.work_per_rank.tolist() == summary["work_per_rank"],
     }

@@ -50,7 +50,7 @@ class _Geometry:
     """How one call's tensors flatten for the kernels.
 
     Rows with their own doc ids flatten into tokens (``s * R + row``); shared ids
-    fold the batch into heads. K and V travel fused, [n, b, Hkv * (Dk + Dv)].
+    fold the batch into heads. A remote chunk is K and V fused, [n, b, Hkv * (Dk + Dv)].
     """
 
     def __init__(self, q, k, v, rows: int):
@@ -62,8 +62,8 @@ class _Geometry:
     def q_flat(self, q):  # [L, b, Hq, D] -> [L * R, g * Hq, D]
         return q.reshape(self.L * self.R, self.g * self.hq, q.shape[-1])
 
-    def fuse(self, k, v):  # -> [L, b, Hkv * (Dk + Dv)]: one transfer for both
-        return torch.cat([k, v], dim=-1).view(self.L, self.b, -1)
+    def kv_flat(self, t):  # own k or v [L, b, Hkv, D] -> [L * R, g * Hkv, D]
+        return t.reshape(self.L * self.R, self.g * self.hkv, t.shape[-1])
 
     def split(self, chunk):  # [n, b, F] -> k [n * R, g * Hkv, Dk], v [n * R, g * Hkv, Dv] (views)
         flat = chunk.view(chunk.shape[0] * self.R, self.g * self.hkv, self.dk + self.dv)
@@ -74,7 +74,7 @@ class _Geometry:
 
 
 class _Accumulator:
-    """Online softmax over kernel calls: out and lse per flattened query row."""
+    """Online softmax over kernel calls: out and lse per flattened query row, merged in place."""
 
     def __init__(self, rows: int, heads: int, dv: int, dtype, device):
         self.out = torch.zeros(rows, heads, dv, dtype=dtype, device=device)
@@ -95,12 +95,12 @@ class _Accumulator:
         old_out = self.out if index is None else self.out.index_select(0, index)
         old_lse = self.lse if index is None else self.lse.index_select(0, index)
         new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
-        merged = old_out * torch.exp(old_lse - new_lse).unsqueeze(-1) + out * torch.exp(lse - new_lse).unsqueeze(-1)
+        old_out.mul_(torch.exp(old_lse - new_lse).unsqueeze(-1))
+        old_out.addcmul_(out, torch.exp(lse - new_lse).unsqueeze(-1))
         if index is None:
-            self.out.copy_(merged)
             self.lse.copy_(new_lse)
         else:
-            self.out.index_copy_(0, index, merged)
+            self.out.index_copy_(0, index, old_out)
             self.lse.index_copy_(0, index, new_lse)
 
 
@@ -108,11 +108,12 @@ def _gather(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
     return x if index is None else x.index_select(0, index)
 
 
-def _transport(kind: str, kv, state, stats, prefix: str):
+def _transport(kind: str, k, v, state, stats, prefix: str):
+    chunk_rows = state.plan.stream[kind].chunk_rows
     if kind == "ring":
-        return RingTransport(kv, state.rank, state.cp, state.group, stats, prefix)
-    return NeededTransport(kv, state.rank, state.cp, state.group, stats, prefix,
-                           state.send_indices_on(kv.device), state.plan.exchange.counts)
+        return RingTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix)
+    return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+                           state.send_indices_on(k.device), state.plan.exchange.counts)
 
 
 def _dropout_seed(backend: str, q: torch.Tensor, dropout_p: float) -> int:
@@ -132,6 +133,7 @@ class _StreamedAttention(torch.autograd.Function):
         start = time.perf_counter()
         geo = _Geometry(q, k, v, state.rows)
         kind = chunk_kind(state.kv_exchange) if state.cp > 1 else "needed"
+        steps = state.plan.stream[kind].steps
         calls = state.stream_on(kind, q.device)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats
@@ -143,14 +145,14 @@ class _StreamedAttention(torch.autograd.Function):
         aux: List = []
         failed = []
 
-        def attend(round_calls, chunk_k, chunk_v):
+        def attend(step_calls, chunk_k, chunk_v):
             t0 = time.perf_counter()
-            for call in round_calls:
+            for call in step_calls:
                 if failed:  # zeros from here on; the transfers still run
                     aux.append(None)
                     continue
                 qp = _gather(q_flat, call.q_index)
-                kp, vp = chunk_k.index_select(0, call.k_index), chunk_v.index_select(0, call.k_index)
+                kp, vp = _gather(chunk_k, call.k_index), _gather(chunk_v, call.k_index)
                 try:
                     o, lse, a = kernel.forward(qp, kp, vp, call.seg, scale, dropout_p, seed + len(aux))
                 except Exception as exc:  # noqa: BLE001 - recorded, raised on every rank later
@@ -160,28 +162,26 @@ class _StreamedAttention(torch.autograd.Function):
                     continue
                 aux.append(a)
                 acc.merge(call.q_index, o, lse)
+                del qp, kp, vp, o, lse  # before the next call allocates its own
             stats["compute_seconds"] += time.perf_counter() - t0
 
         save = state.kv_backward == "save"
         saved: List[torch.Tensor] = []  # save mode: the received chunks that have calls
-        saved_at: List[int] = []  # per remote round, its index in ``saved`` (-1: not kept)
-        if state.cp == 1:
-            attend(calls[0], *(t.reshape(geo.L * geo.R, geo.g * geo.hkv, t.shape[-1]) for t in (k, v)))
-        else:
-            kv = geo.fuse(k, v)
-            transport = _transport(kind, kv, state, stats, "")
-            pending = transport.start(1)
-            attend(calls[0], *geo.split(kv))
-            for i in range(1, state.cp):
-                chunk = pending.wait()
-                transport.received(chunk)
-                pending = transport.start(i + 1) if i + 1 < state.cp else None
-                if chunk is not None:
-                    attend(calls[i], *geo.split(chunk))
-                keep = save and chunk is not None and bool(calls[i])
-                saved_at.append(len(saved) if keep else -1)
-                if keep:
-                    saved.append(chunk)
+        saved_at: List[int] = []  # per remote step, its index in ``saved`` (-1: not kept)
+        transport = _transport(kind, k, v, state, stats, "") if state.cp > 1 else None
+        pending = transport.start((steps[1].round, steps[1].piece)) if len(steps) > 1 else None
+        attend(calls[0], geo.kv_flat(k), geo.kv_flat(v))
+        for s in range(1, len(steps)):
+            chunk = pending.wait()
+            transport.received(chunk)
+            pending = transport.start((steps[s + 1].round, steps[s + 1].piece)) if s + 1 < len(steps) else None
+            if chunk is not None:
+                attend(calls[s], *geo.split(chunk))
+            keep = save and chunk is not None and bool(calls[s])
+            saved_at.append(len(saved) if keep else -1)
+            if keep:
+                saved.append(chunk)
+            del chunk  # refetch: gone before the next one lands (the ring's transport keeps it to forward)
         out = (acc.out.zero_() if failed else acc.out).to(q.dtype).view(geo.L, geo.b, geo.hq, geo.dv)
         stats["forward_seconds"] = time.perf_counter() - start
         ctx.state, ctx.backend, ctx.scale, ctx.dropout_p = state, backend, scale, dropout_p
@@ -195,6 +195,7 @@ class _StreamedAttention(torch.autograd.Function):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         state, backend, scale, dropout_p = ctx.state, ctx.backend, ctx.scale, ctx.dropout_p
         geo = _Geometry(q, k, v, state.rows)
+        steps = state.plan.stream[ctx.kind].steps
         calls = state.stream_on(ctx.kind, q.device)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats
@@ -208,20 +209,19 @@ class _StreamedAttention(torch.autograd.Function):
         aux = iter(ctx.aux)
         failed = [ctx.failed]
 
-        def differentiate(round_calls, chunk_k, chunk_v, n_rows):
-            """This round's dq into ``dq``; returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient."""
+        def differentiate(step_calls, chunk_k, chunk_v, n_rows):
+            """This step's dq into ``dq``; returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient."""
             t0 = time.perf_counter()
             grad = geo.grad_chunk(n_rows, acc_dtype, q.device)
-            for call in round_calls:
+            for call in step_calls:
                 a = next(aux)
                 if failed[0]:
                     continue
-                qi = call.q_index
+                qi, ki = call.q_index, call.k_index
                 try:
                     gq, gk, gv = kernel.backward(
-                        _gather(do_flat, qi), _gather(q_flat, qi), chunk_k.index_select(0, call.k_index),
-                        chunk_v.index_select(0, call.k_index), _gather(o_flat, qi), _gather(lse, qi), a,
-                        call.seg, scale, dropout_p)
+                        _gather(do_flat, qi), _gather(q_flat, qi), _gather(chunk_k, ki), _gather(chunk_v, ki),
+                        _gather(o_flat, qi), _gather(lse, qi), a, call.seg, scale, dropout_p)
                 except Exception as exc:  # noqa: BLE001
                     record_kernel_failure(state, backend, "backward", exc)
                     failed[0] = True
@@ -230,58 +230,58 @@ class _StreamedAttention(torch.autograd.Function):
                     dq.add_(gq)
                 else:
                     dq.index_add_(0, qi, gq.to(acc_dtype))
-                grad[..., :geo.dk].index_add_(0, call.k_index, gk.to(acc_dtype))
-                grad[..., geo.dk:].index_add_(0, call.k_index, gv.to(acc_dtype))
+                if ki is None:
+                    grad[..., :geo.dk].add_(gk)
+                    grad[..., geo.dk:].add_(gv)
+                else:
+                    grad[..., :geo.dk].index_add_(0, ki, gk.to(acc_dtype))
+                    grad[..., geo.dk:].index_add_(0, ki, gv.to(acc_dtype))
+                del gq, gk, gv
             stats["backward_compute_seconds"] += time.perf_counter() - t0
             return grad
 
-        if state.cp == 1:
-            grad = differentiate(calls[0], *(t.reshape(geo.L * geo.R, geo.g * geo.hkv, t.shape[-1])
-                                             for t in (k, v)), geo.L)
-            dkv = grad.view(geo.L, geo.b, geo.hkv, geo.dk + geo.dv)
-        else:
-            kv = geo.fuse(k, v)
-            dkv = differentiate(calls[0], *geo.split(kv), geo.L).view(geo.L, geo.b, -1)
+        dkv = differentiate(calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L).view(geo.L, geo.b, -1)
+        if len(steps) > 1:
             refetch = state.kv_backward != "save"
-            transport = _transport(ctx.kind, kv, state, stats, "backward_") if refetch else None
-            pending = transport.start(1) if refetch else None
-            send_indices = state.send_indices_on(q.device) if ctx.kind == "needed" else None
-            counts = state.plan.exchange.counts
-            returns = []
+            transport = _transport(ctx.kind, k, v, state, stats, "backward_")
+            pending = transport.start((steps[1].round, steps[1].piece)) if refetch else None
+            in_flight = None  # (transfer, local rows) of the last gradient sent home
 
-            def settle(transfer, round_index):
+            def settle(transfer, rows):
                 grad_back = transfer.wait()
                 if grad_back is None:
                     return
-                if send_indices is None:  # ring: our whole local K/V went to every rank
-                    dkv.add_(grad_back)
+                if isinstance(rows, slice):
+                    dkv[rows].add_(grad_back)
                 else:
-                    dst = (state.rank + round_index) % state.cp
-                    dkv.index_add_(0, send_indices[dst], grad_back.to(acc_dtype))
+                    dkv.index_add_(0, rows, grad_back.to(acc_dtype))
 
-            for i in range(1, state.cp):
+            for s in range(1, len(steps)):
+                step = steps[s]
                 if refetch:
                     chunk = pending.wait()
                     transport.received(chunk)
-                    pending = transport.start(i + 1) if i + 1 < state.cp else None
+                    pending = (transport.start((steps[s + 1].round, steps[s + 1].piece))
+                               if s + 1 < len(steps) else None)
                 else:
-                    index = ctx.saved_at[i - 1]
+                    index = ctx.saved_at[s - 1]
                     chunk = saved[index] if index >= 0 else None
                 grad_chunk = None
-                if chunk is not None and calls[i]:
-                    grad_chunk = differentiate(calls[i], *geo.split(chunk), chunk.shape[0]).view(
-                        chunk.shape[0], geo.b, -1).to(kv.dtype)
-                elif ctx.kind == "ring" or (chunk is not None and not refetch):
-                    grad_chunk = torch.zeros_like(kv)  # the ring's source still waits for a gradient
-                incoming = (geo.L if ctx.kind == "ring"
-                            else int(counts[state.rank, (state.rank + i) % state.cp]))
-                returns.append((return_gradient(grad_chunk, i, incoming, state.rank, state.cp, kv,
-                                                state.group, stats), i))
-                if len(returns) > 1:  # at most one gradient transfer in flight besides this round's
-                    settle(*returns.pop(0))
-            for transfer, i in returns:
-                settle(transfer, i)
-            dkv = dkv.view(geo.L, geo.b, geo.hkv, geo.dk + geo.dv)
+                if calls[s]:
+                    grad_chunk = differentiate(calls[s], *geo.split(chunk), chunk.shape[0]).view(
+                        chunk.shape[0], geo.b, -1).to(k.dtype)
+                elif step.chunk_len:  # received keys nobody here attends (the ring): zero gradient
+                    grad_chunk = torch.zeros((step.chunk_len,) + tuple(dkv.shape[1:]), dtype=k.dtype,
+                                             device=k.device)
+                rows, incoming = transport.sent_rows((step.round, step.piece))
+                if in_flight is not None:  # one gradient transfer in flight: the last step's lands first
+                    settle(*in_flight)
+                in_flight = (return_gradient(grad_chunk, step.round, incoming, state.rank, state.cp,
+                                             torch.empty((0,) + tuple(dkv.shape[1:]), dtype=k.dtype, device=k.device), state.group, stats), rows)
+                del chunk, grad_chunk
+            if in_flight is not None:
+                settle(*in_flight)
+        dkv = dkv.view(geo.L, geo.b, geo.hkv, geo.dk + geo.dv)
         stats["backward_seconds"] = time.perf_counter() - start
         dk, dv = dkv[..., :geo.dk].to(k.dtype), dkv[..., geo.dk:].to(v.dtype)
         return dq.to(q.dtype).view(q.shape), dk, dv, None, None, None, None

@@ -47,7 +47,7 @@ class StepPlan:
     needed_remote: torch.Tensor  # [cp] positions each rank needs and does not own (lower bound)
     work_per_rank: torch.Tensor  # [cp] query-key pairs (summed over rows)
     exchange: ExchangeTables
-    stream: Mapping  # chunk kind ("ring" | "needed") -> StreamPlan (the streamed op's rounds), lazily
+    stream: Mapping  # chunk kind ("ring" | "needed") -> StreamPlan (the streamed op's steps), lazily
 
     def positions_moved(self, kind: str) -> Tuple[int, int]:
         """(sent, received) K/V positions of this rank per attention call, for a chunk kind."""
@@ -84,7 +84,7 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
                kinds: Sequence[str] = CHUNK_KINDS) -> StepPlan:
     """doc_ids: [R, P] int64 (padded); all tables are global except this rank's indices.
 
-    ``kinds``: the chunk kinds whose rounds are built now; any other is built on first access.
+    ``kinds``: the chunk kinds whose steps are built now; any other is built on first access.
     Works on the layout's runs and each row's document runs (``intervals``): one
     pass over the doc ids, the rest over runs, documents and this rank's indices.
     """

@@ -62,7 +62,7 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
     """Pad, lay out and plan one step for ``rank`` of ``cp`` (host only, no collective).
 
     ``layout`` None: the configured knob (``configure_cp_varlen``); ``kinds``: the
-    chunk kinds whose rounds are built now (the others are built on first access).
+    chunk kinds whose steps are built now (the others are built on first access).
     """
     if int(cp) < 1 or not 0 <= int(rank) < int(cp):
         raise ValueError(f"prepare_plan: need cp >= 1 and 0 <= rank < cp, got cp={cp}, rank={rank}")
@@ -123,7 +123,7 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
     """What a layout costs for these doc ids at ``cp`` ranks: no process group, no device.
 
     Runs ``prepare_plan`` for ``rank`` (default: the last rank) with the
-    needed-only exchange's rounds, exactly as a real build does, and times it.
+    needed-only exchange's steps, exactly as a real build does, and times it.
     Counts are per attention call of one layer; seconds come from ``cost_model``
     (default: ``cost.default_cost_model()``, NVLink without a process group).
     """

@@ -412,20 +412,24 @@ class BlockDiagCPState:
             self._device_index[key] = torch.cat(self.plan.exchange.send_index).to(device)
         return self._device_index[key]
 
-    def send_indices_on(self, device: torch.device) -> List[torch.Tensor]:
-        """Per destination, the local rows this rank sends it (needed-only); on the device once per step."""
+    def send_indices_on(self, device: torch.device) -> List[Optional[torch.Tensor]]:
+        """Per destination, the local rows this rank sends it (needed-only), on the device once per step.
+
+        None: every local row in order (a long document's whole shard), sent without a gather copy.
+        """
         key = ("send_list", str(device))
         if key not in self._device_index:
-            self._device_index[key] = [t.to(device) for t in self.plan.exchange.send_index]
+            self._device_index[key] = [_non_identity(t, self.local_len, device)
+                                       for t in self.plan.exchange.send_index]
         return self._device_index[key]
 
     def stream_on(self, kind: str, device: torch.device) -> List[List["DeviceCall"]]:
-        """Per round, the kernel calls of the streamed plan with their indices on the device."""
+        """Per step, the kernel calls of the streamed plan with their indices on the device."""
         key = ("stream", kind, str(device))
         if key not in self._device_index:
-            rows = self.local_len * self.rows
-            self._device_index[key] = [[DeviceCall.of(call, rows, device) for call in rnd.calls]
-                                       for rnd in self.plan.stream[kind].rounds]
+            self._device_index[key] = [[DeviceCall.of(call, self.local_len * self.rows, step.chunk_len * self.rows,
+                                                      device) for call in step.calls]
+                                       for step in self.plan.stream[kind].steps]
         return self._device_index[key]
 
 
@@ -436,13 +440,14 @@ class DeviceCall:
         self.plan, self.q_index, self.k_index, self.seg = plan, q_index, k_index, seg
 
     @classmethod
-    def of(cls, call, rows: int, device) -> "DeviceCall":
+    def of(cls, call, q_rows: int, k_rows: int, device) -> "DeviceCall":
         cu_q = torch.tensor((0,) + call.q_lens, dtype=torch.long).cumsum(0).to(torch.int32)
         cu_k = torch.tensor((0,) + call.k_lens, dtype=torch.long).cumsum(0).to(torch.int32)
         seg = kernels.Segments(cu_q.to(device), cu_k.to(device), max(call.q_lens), max(call.k_lens),
                                call.q_lens, call.k_lens, call.causal)
         # None marks an identity index (every row used, in order): no gather copy needed.
-        return cls(call, _non_identity(call.q_index, rows, device), call.k_index.to(device), seg)
+        return cls(call, _non_identity(call.q_index, q_rows, device), _non_identity(call.k_index, k_rows, device),
+                   seg)
 
 
 def _non_identity(index: torch.Tensor, rows: int, device) -> Optional[torch.Tensor]:

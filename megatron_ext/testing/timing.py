@@ -85,9 +85,9 @@ def rank_calls(doc_ids: torch.Tensor, layout: str, cp: int, device) -> List[Rank
     out = []
     for rank in range(cp):
         stream = build_plan(ids, lay, rank, kinds=("needed",)).stream["needed"]
-        calls = [(DeviceCall.of(c, lay.local_len * ids.shape[0], device).seg, sum(c.q_lens), sum(c.k_lens))
-                 for rnd in stream.rounds for c in rnd.calls]
-        out.append(RankCalls(rank, calls, sum(rnd.pairs for rnd in stream.rounds)))
+        calls = [(DeviceCall.of(c, 0, 0, device).seg, sum(c.q_lens), sum(c.k_lens))
+                 for step in stream.steps for c in step.calls]
+        out.append(RankCalls(rank, calls, sum(step.pairs for step in stream.steps)))
     return out
 
 
