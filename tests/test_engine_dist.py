@@ -137,3 +137,42 @@ def test_dropout_gradients_and_replayed_masks(pool, layout, exchange, kv_backwar
         assert abs(r["analytic"] - r["numeric"]) <= 1e-6 * max(1.0, abs(r["numeric"])), r
         assert r["out"] == r["same_seed"], r  # the same generator state draws the same masks
         assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r  # dropout did something
+
+
+def kv_backward_knobs():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    cp = torch.distributed.get_world_size()
+    single, short = torch.ones(96, dtype=torch.long), make_doc_ids("short", 96, cp)
+    out = {}
+    bdcp.configure_cp_kv_backward("refetch")
+    try:
+        out["configured"] = bdcp.BlockDiagCPState.build(short, attn_backend="dense").report()
+    finally:
+        bdcp.configure_cp_kv_backward()
+    _, state = bdcp.shard_batch({"tokens": torch.zeros(1, 96, dtype=torch.long), "doc_ids": short},
+                                attn_backend="dense", kv_backward="keep")
+    out["shard_batch"] = state.report()
+    for name, ids, exchange in (("single_allgather", single, "allgather"), ("short_a2a", short, "a2a"),
+                                ("single_a2a", single, "a2a")):
+        out[name] = bdcp.BlockDiagCPState.build(ids, attn_backend="dense", kv_exchange=exchange).report()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_kv_backward_knob_and_auto(pool):
+    cp = len(pool.run(_world))
+    for r in pool.run(kv_backward_knobs):
+        if cp == 1:
+            assert all(rep["kv_backward"] == "save" for rep in r.values())
+            continue
+        assert (r["configured"]["kv_backward_requested"], r["configured"]["kv_backward"]) == ("refetch", "refetch")
+        assert (r["shard_batch"]["kv_backward_requested"], r["shard_batch"]["kv_backward"]) == ("save", "save")
+        # auto: the ring brings (cp - 1) shards; saving them fits the 1x-local budget only at cp = 2.
+        assert r["single_allgather"]["kv_backward"] == ("save" if cp == 2 else "refetch"), r["single_allgather"]
+        assert r["short_a2a"]["kv_backward"] == "save", r["short_a2a"]  # short documents: a few rows
+        assert r["single_allgather"]["kv_backward_reason"].startswith("auto:")
+
+
+def _world():
+    return torch.distributed.get_world_size()

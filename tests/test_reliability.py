@@ -128,6 +128,7 @@ def build_per_rank(kwargs_per_rank, ids_per_rank=None):
     ("kv_exchange", ["halo", "a2a"], "kv_exchange ('a2a' vs 'halo')"),
     ("attn_backend", ["dense", "te"], "attn_backend"),
     ("strict", [False, True], "strict"),
+    ("kv_backward", ["refetch", "save"], "kv_backward ('refetch' vs 'save')"),
 ])
 def test_knobs_that_differ_across_ranks_raise_on_every_rank(pool2, knob, values, needle):
     kwargs = [{"attn_backend": "dense", knob: value} for value in values]
@@ -341,6 +342,45 @@ def test_qkv_agreement_is_one_small_collective(pool2):
     # Not a timing assertion (benchmarks own those): it runs, and costs well under a second per call.
     per_call = pool2.run(qkv_agreement_cost, 20)
     assert all(0 < t < 1.0 for t in per_call), per_call
+
+
+def agreements_per_step(every_call, layers=4):
+    """All-reduces issued by ``layers`` attention calls of one step (K/V moves point to point)."""
+    import os
+
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.attention_op import CHECK_EVERY_CALL_ENV
+
+    state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense", kv_exchange="a2a")
+    q, k, v = (_local(state, t) for t in _qkv(GOOD.numel(), seed=3))
+    calls = []
+    real = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].numel())
+        return real(*args, **kwargs)
+
+    os.environ[CHECK_EVERY_CALL_ENV] = "1" if every_call else ""
+    dist.all_reduce = counted
+    try:
+        with bdcp.blockdiag_cp_step(state):
+            outs = [bdcp.blockdiag_cp_attention(q, k, v) for _ in range(layers)]
+            sum(o.sum() for o in outs).backward()
+    finally:
+        dist.all_reduce = real
+        os.environ.pop(CHECK_EVERY_CALL_ENV)
+    return calls
+
+
+@pytest.mark.timeout(120)
+def test_qkv_agreement_runs_once_per_step_unless_every_call_is_asked(pool2):
+    for calls in pool2.run(agreements_per_step, False):
+        # One 16-int64 q/k/v agreement on the first layer, one tiny failure check at the step's end.
+        assert calls[0] == 16 and len(calls) == 2, calls
+    for calls in pool2.run(agreements_per_step, True):
+        assert calls[:4] == [16] * 4 and len(calls) == 5, calls
 
 
 # ---------------------------------------------------------------------------
