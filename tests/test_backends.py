@@ -582,4 +582,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(e["kernel_fwd_bwd_ms"] > 0 and "engine_overhead_fraction" in e for e in by_check["engine_cp1"])
     assert by_check["matmul_peak"][0]["tflops"] > 0
     assert len(by_check["timing"]) == 1 + 3 + 3
+    assert [(m["cp"], m["layout"], m["exchange"]) for m in by_check["memory"]] == [
+        (cp, lay, ex) for cp in (2, 4) for lay, ex in (("zigzag", "a2a"), ("contiguous", "allgather"))]
+    assert all(len(m["exposed_comm_fraction_per_rank"]) == m["cp"] for m in by_check["memory"])
     assert by_check["summary"][0]["passed"] and by_check["summary"][0]["te_checked"] is False

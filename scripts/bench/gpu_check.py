@@ -16,8 +16,13 @@ Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
 - engine_cp1: the whole engine call (forward + backward) at cp=1 on a realistic pack
   (32k tokens, 32 query heads, 8 KV heads, head dim 128), its error vs an fp32 dense run,
   and the engine's overhead: the fraction of its time not spent in the kernel itself.
-- timing: on the same pack, each backend's kernel per rank for every layout at cp=1/2/4
-  (forward, forward+backward), effective TFLOP/s of the busiest rank.
+- timing: on the same pack, each backend's kernel calls per rank (every streamed step) for
+  every layout at cp=1/2/4 (forward, forward+backward), effective TFLOP/s of the busiest rank.
+- memory: one long document (32k tokens, the same heads), cp = 2 and 4 ranks sharing the GPU,
+  kv_backward=refetch, every layout x exchange with the first checked backend: each rank's
+  peak CUDA memory added by one layer's forward + backward (``max_memory_allocated`` above
+  what was allocated before), the busiest rank's peak at cp=4 against cp=2 (target <= 0.6x),
+  and what forward leaves for backward against the local q/k/v/out.
 - te: not run (and said so) unless transformer_engine imports.
 
 How cp ranks share one GPU: NCCL refuses two ranks on one device, so each accuracy check
@@ -57,6 +62,91 @@ def sizes(dry_run):
                 "time_S": 256, "time_heads": (4, 2, 16), "reps": 1, "warmup": 1, "matmul_n": 256}
     return {"acc_cases": [("mix", 4096, 1), ("rows2", 2048, 2)], "acc_heads": (8, 2, 128),
             "time_S": 32768, "time_heads": (32, 8, 128), "reps": 5, "warmup": 2, "matmul_n": 8192}
+
+
+def w_memory(dry_run, backend):
+    """On every rank sharing the device: one long document, peak memory of one layer per layout x exchange."""
+    import torch
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    device, dtype = device_and_dtype(dry_run)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    S, (hq, hkv, d) = sizes(dry_run)["time_S"], sizes(dry_run)["time_heads"]
+    rows = []
+    # The dry run takes two pairs (the code path); the real run every layout x exchange.
+    pairs = ([("zigzag", "a2a"), ("contiguous", "allgather")] if dry_run
+             else [(lay, ex) for lay in LAYOUTS for ex in EXCHANGES])
+    with check_backends(dry_run):
+        for layout, exchange in pairs:
+            state = bdcp.BlockDiagCPState.build(torch.ones(S, dtype=torch.long), layout=layout,
+                                                kv_exchange=exchange, attn_backend=backend, device=device,
+                                                kv_backward="refetch")
+            L = state.local_len
+            g = torch.Generator().manual_seed(dist.get_rank())
+            q, k, v, w = (torch.randn(L, 1, h, d, generator=g).to(dtype).to(device).requires_grad_(i < 3)
+                          for i, h in enumerate((hq, hkv, hkv, hq)))
+            row = {"layout": layout, "exchange": exchange, "local_bytes": sum(
+                t.numel() * t.element_size() for t in (q, k, v, w))}
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            with bdcp.blockdiag_cp_step(state):
+                out = bdcp.blockdiag_cp_attention(q, k, v)
+                if device.type == "cuda":
+                    row["held_bytes"] = torch.cuda.memory_allocated(device) - before
+                out.backward(w)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
+            stats = state.comm_stats
+            row["exposed_comm_fraction"] = round(
+                (stats["wait_seconds"] + stats["backward_wait_seconds"])
+                / max(1e-9, stats["forward_seconds"] + stats["backward_seconds"]), 4)
+            rows.append(row)
+            del out, q, k, v, w
+    dist.barrier()
+    return rows
+
+
+def run_memory(dry_run, backends, emit, deadline):
+    """cp = 2 and 4 on one long document: does the busiest rank's peak shrink with cp?"""
+    from megatron_ext.testing import WorkerPool
+
+    backend = backends[0]
+    peaks = {}
+    for cp in (2, 4):
+        if time.time() > deadline:
+            emit({"check": "memory", "cp": cp, "passed": False, "error": "skipped: out of time"})
+            return False
+        pool = WorkerPool(cp, env={STAGE_ENV: "1"})
+        try:
+            per_rank = pool.run(w_memory, dry_run, backend, timeout=max(30.0, min(240.0, deadline - time.time())))
+        finally:
+            pool.close()
+        for i, row in enumerate(per_rank[0]):
+            ranks = [rows[i] for rows in per_rank]
+            line = {"check": "memory", "cp": cp, "backend": backend, "layout": row["layout"],
+                    "exchange": row["exchange"], "S": sizes(dry_run)["time_S"], "doc": "one document",
+                    "kv_backward": "refetch", "local_mib": round(row["local_bytes"] / 2**20, 1),
+                    "exposed_comm_fraction_per_rank": [r["exposed_comm_fraction"] for r in ranks]}
+            if "peak_bytes" in row:
+                peak = max(r["peak_bytes"] for r in ranks)
+                peaks[(cp, row["layout"], row["exchange"])] = peak
+                line.update(peak_mib_per_rank=[round(r["peak_bytes"] / 2**20, 1) for r in ranks],
+                            held_mib_per_rank=[round(r["held_bytes"] / 2**20, 1) for r in ranks],
+                            peak_mib_busiest=round(peak / 2**20, 1))
+            line["passed"] = True
+            emit(line)
+    ratios = {k[1:]: peaks[(4,) + k[1:]] / peaks[k] for k in peaks if k[0] == 2 and (4,) + k[1:] in peaks}
+    summary = {"check": "memory_cp4_over_cp2", "backend": backend, "target": 0.6,
+               "ratios": {f"{l}/{e}": round(x, 3) for (l, e), x in ratios.items()}}
+    summary["passed"] = all(x <= 0.6 for x in ratios.values()) if ratios else dry_run
+    emit(summary)
+    return summary["passed"]
 
 
 def case_doc_ids(S, b):
@@ -457,6 +547,7 @@ def run(dry_run=False, budget_s=420.0, skip=(), block_megatron=False, log=print)
                   ("dropin_paths", lambda: run_dropin_paths(dry_run, backends, emit)),
                   ("thd_indices", lambda: run_thd_indices(emit) if not dry_run else True),
                   ("engine", lambda: run_engine(dry_run, backends, emit, peak.get("tflops"))),
+                  ("memory", lambda: run_memory(dry_run, backends, emit, deadline)),
                   ("timing", lambda: run_kernel_timing(dry_run, backends, emit, deadline, peak.get("tflops"))))
         for name, fn in checks:
             if name.split("_")[0] in skip:

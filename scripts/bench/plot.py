@@ -4,6 +4,7 @@
     balance.png      work max/mean per layout, per mix, per cp (largest S)
     speed.png        fwd+bwd seconds of ours against the baselines, per (mix, S)
     memory.png       peak tensor memory vs S, ours against the baselines (short mix)
+    memory_cp.png    busiest rank's peak memory vs cp, every layout x exchange, against local q/k/v/out
     scale.png        modeled / ideal attention time vs cp per layout (scale suite, largest S)
 """
 
@@ -153,7 +154,7 @@ def plot_speed(rows: List[Dict], out_dir: str) -> str:
 
 
 def plot_memory(rows: List[Dict], out_dir: str) -> str:
-    mem = [r for r in rows if r["suite"] == "memory" and r["mix"] == "short"]
+    mem = [r for r in rows if r["suite"] == "speed_memory" and r["mix"] == "short"]
     if not mem:
         return ""
     series = defaultdict(dict)
@@ -175,6 +176,45 @@ def plot_memory(rows: List[Dict], out_dir: str) -> str:
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     path = os.path.join(out_dir, "memory.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_cp_memory(rows: List[Dict], out_dir: str) -> str:
+    mem = [r for r in rows if r["suite"] == "memory" and r.get("engine", "current") == "current"
+           and r["kernel"] == "stub"]
+    if not mem:
+        return ""
+    S = max(r["S"] for r in mem)
+    mixes = sorted({r["mix"] for r in mem})
+    modes = sorted({r["kv_backward"] for r in mem})
+    fig, axes = plt.subplots(len(modes), len(mixes), figsize=(4.4 * len(mixes), 3.6 * len(modes)), squeeze=False)
+    for i, mode in enumerate(modes):
+        for j, mix in enumerate(mixes):
+            ax = axes[i][j]
+            series = defaultdict(dict)
+            local = {}
+            for r in mem:
+                if (r["S"], r["mix"], r["kv_backward"]) == (S, mix, mode):
+                    series[f"{r['layout']}/{r['exchange']}"][r["cp"]] = r["peak_bytes"] / 2**20
+                    local[r["cp"]] = r["local_bytes"] / 2**20
+            for name, pts in sorted(series.items()):
+                cps = sorted(pts)
+                ax.plot(cps, [pts[c] for c in cps], marker="o", lw=1, label=name)
+            cps = sorted(local)
+            ax.plot(cps, [local[c] for c in cps], "k--", lw=2, label="local q/k/v/out")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(cps)
+            ax.set_xticklabels([str(c) for c in cps])
+            ax.set_title(f"{mix}, S={S // 1024}k, kv_backward={mode}")
+            ax.set_xlabel("cp")
+            ax.set_ylabel("busiest rank's peak MiB")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "memory_cp.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -220,7 +260,7 @@ def plot_scale(rows: List[Dict], out_dir: str) -> str:
 
 def plot_all(rows: List[Dict], out_dir: str) -> List[str]:
     return [p for p in (plot_comm(rows, out_dir), plot_balance(rows, out_dir),
-                        plot_speed(rows, out_dir), plot_memory(rows, out_dir),
+                        plot_speed(rows, out_dir), plot_memory(rows, out_dir), plot_cp_memory(rows, out_dir),
                         plot_scale(rows, out_dir)) if p]
 
 

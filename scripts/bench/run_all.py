@@ -8,7 +8,9 @@
     python scripts/bench/run_all.py --suites gpu_check    # the GPU check (scripts/gpu_check.sh)
 
 Suites: comm, balance (same runs: one engine call per config on a cp-process gloo
-group), speed, memory (same runs: cp=2 fwd+bwd timings, one profiled iteration each),
+group), speed, speed_memory (same runs: cp=2 fwd+bwd timings against the baselines, one
+profiled iteration each), memory (per-rank peak and held memory of one layer as cp grows,
+cp 2-8, every layout x exchange x kv_backward; scripts/bench/memory.py),
 model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without CUDA),
 scale (plan only, no processes: layout + plan cost and modeled time at 32k-1M tokens, cp 8-64),
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
@@ -33,8 +35,9 @@ for _p in (HERE, REPO_ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-ALL_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale", "gpu_check", "dropin")
-DEFAULT_SUITES = ("comm", "balance", "speed", "memory", "model", "gpu", "scale")  # gpu: a skipped row without CUDA
+ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "gpu_check",
+              "dropin")
+DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale")  # gpu: a skipped row without CUDA
 
 
 def parse_args(argv=None):
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
         rows += [r for r in got if r["suite"] in suites]
         timings["comm+balance"] = time.perf_counter() - t0
 
-    if suites & {"speed", "memory"}:
+    if suites & {"speed", "speed_memory"}:
         import speed
 
         t0 = time.perf_counter()
@@ -121,7 +124,14 @@ def main(argv=None) -> int:
         reps = args.reps or (2 if args.quick else 4)
         got = speed.run(plan=plan, reps=reps, log=_log)
         rows += [r for r in got if r["suite"] in suites]
-        timings["speed+memory"] = time.perf_counter() - t0
+        timings["speed+speed_memory"] = time.perf_counter() - t0
+
+    if "memory" in suites:
+        import memory
+
+        t0 = time.perf_counter()
+        rows += memory.run(memory.default_grid(args.quick), "current", log=_log)
+        timings["memory"] = time.perf_counter() - t0
 
     if "model" in suites:
         import model

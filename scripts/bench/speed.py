@@ -1,4 +1,4 @@
-"""speed and memory suites: one attention layer, forward + backward, side by side in one run.
+"""speed and speed_memory suites: one attention layer, forward + backward, side by side in one run.
 
 At cp=2 on a gloo group (two processes, one thread each), b=1, 8 heads, head dim 64,
 fp32, Megatron's sbhd layout. Contenders for each (mix, S):
@@ -267,7 +267,7 @@ def run(plan=None, reps: int = 3, log=print) -> List[Dict]:
                              "seconds": statistics.median(times[id(cfg)]),
                              "seconds_all": times[id(cfg)], "per_rank_seconds": per_rank[id(cfg)],
                              "reps": len(times[id(cfg)]), "build_seconds": max(r["build_seconds"] for r in m)})
-                rows.append({"suite": "memory", **common,
+                rows.append({"suite": "speed_memory", **common,
                              "peak_bytes": max(r["peak_bytes"] for r in m),
                              "peak_bytes_per_rank": [r["peak_bytes"] for r in m],
                              "method": "torch.profiler profile_memory: peak of live CPU-allocator "

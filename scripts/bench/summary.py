@@ -165,7 +165,7 @@ def speed(rows: List[Dict], out: List[str]) -> None:
     sp = [r for r in rows if r["suite"] == "speed"]
     if not sp:
         return
-    mem = {_key(r): r for r in rows if r["suite"] == "memory"}
+    mem = {_key(r): r for r in rows if r["suite"] == "speed_memory"}
     out.append("## Speed and memory: one attention layer, forward + backward, CPU fp32\n")
     out.append("b=1, 8 heads, head dim 64, fp32; cp=2 on gloo (2 processes × 1 thread); the "
                "single-process contenders run on one process × 1 thread. Median of interleaved "
@@ -225,7 +225,7 @@ def speed_targets(rows: List[Dict], out: List[str]) -> None:
 
 
 def memory_targets(rows: List[Dict], out: List[str]) -> None:
-    mem = [r for r in rows if r["suite"] == "memory" and r["mix"] == "short"]
+    mem = [r for r in rows if r["suite"] == "speed_memory" and r["mix"] == "short"]
     Ss = sorted({r["S"] for r in mem})
     if len(Ss) < 2:
         return
@@ -364,6 +364,82 @@ def dropin_section(rows: List[Dict], out: List[str]) -> None:
     out.append("")
 
 
+def _mem_rows(rows, kernel="stub", engine="current"):
+    return [r for r in rows if r["suite"] == "memory" and r["kernel"] == kernel and r.get("engine") == engine]
+
+
+def cp_memory_targets(rows: List[Dict], out: List[str]) -> None:
+    mem = [r for r in _mem_rows(rows) + _mem_rows(rows, "dense") if r["kv_backward"] == "refetch"]
+    if not mem:
+        return
+    by = {(r["kernel"], r["mix"], r["S"], r["layout"], r["exchange"], r["cp"]): r for r in mem}
+    ratios = [(k, by[k[:5] + (4,)]["peak_bytes"] / by[k[:5] + (2,)]["peak_bytes"])
+              for k in by if k[5] == 2 and k[:5] + (4,) in by]
+    bad = [(k, x) for k, x in ratios if x > 0.6]
+    out.append(f"- memory, kv_backward=refetch: busiest rank's peak at cp=4 <= 0.6× its peak at cp=2: "
+               f"{_mark(not bad)}, held on {len(ratios) - len(bad)}/{len(ratios)} (kernel, mix, S, layout, "
+               f"exchange); ratios {min(x for _, x in ratios):.2f}–{max(x for _, x in ratios):.2f}"
+               + ("; misses: " + ", ".join(f"{k[0]}/{k[1]}/S={k[2]}/{k[3]}/{k[4]} {x:.2f}" for k, x in bad)
+                  if bad else "") + ".")
+    held = [(r, r["held_bytes"] / r["local_bytes"]) for r in mem]
+    bad = [(r, x) for r, x in held if x > 2]
+    out.append(f"- memory, kv_backward=refetch: held between forward and backward <= 2× local q/k/v/out: "
+               f"{_mark(not bad)}, held on {len(held) - len(bad)}/{len(held)}; at most "
+               f"{max(x for _, x in held):.2f}× local.")
+
+
+def cp_memory(rows: List[Dict], out: List[str]) -> None:
+    mem = _mem_rows(rows) + _mem_rows(rows, "dense")
+    if not mem:
+        return
+    out.append("## Memory per rank as cp grows: one attention layer, forward + backward, CPU fp32\n")
+    out.append("b=1, 8 heads, head dim 64; busiest rank's peak tensor memory above the inputs during forward + "
+               "backward, and what forward leaves for backward (output included), against the rank's own "
+               "q/k/v/out (`local`). `stub`: the engine's buffers with a kernel that returns zeros of the real "
+               "shapes; `dense`: the real kernel. Worst over layouts x exchanges; `scripts/bench/memory.py`.\n")
+    out.append("| kernel | kv_backward | mix | S | peak MiB cp=2 / 4 / 8 | cp4/cp2 | cp8/cp4 | held / local (max) |")
+    out.append("|---|---|---|---:|---|---:|---:|---:|")
+    groups = defaultdict(list)
+    for r in mem:
+        groups[(r["kernel"], r["kv_backward"], r["mix"], r["S"])].append(r)
+    for (kernel, mode, mix, S), rs in sorted(groups.items()):
+        peak = {cp: max(r["peak_bytes"] for r in rs if r["cp"] == cp) for cp in sorted({r["cp"] for r in rs})}
+        held = max(r["held_bytes"] / r["local_bytes"] for r in rs)
+        fmt = " / ".join(f"{peak[cp] / 2**20:.0f}" for cp in sorted(peak))
+        r42 = f"{peak[4] / peak[2]:.2f}" if 2 in peak and 4 in peak else "-"
+        r84 = f"{peak[8] / peak[4]:.2f}" if 4 in peak and 8 in peak else "-"
+        out.append(f"| {kernel} | {mode} | {mix} | {S} | {fmt} | {r42} | {r84} | {held:.2f} |")
+    exposed = [r for r in mem if r.get("exposed_comm_fraction") is not None]
+    if exposed:
+        out.append("")
+        out.append("Exposed communication (dense kernel, timed iteration): the share of a layer's forward + "
+                   "backward a rank spent waiting for K/V that compute did not hide, worst rank: "
+                   + ", ".join(f"{m} cp={cp} {min(x):.0%}–{max(x):.0%}" for (m, cp), x in sorted(
+                       _group_values(exposed, ("mix", "cp"), "exposed_comm_fraction").items())) + ".")
+    before = [r for r in rows if r["suite"] == "memory" and r.get("engine", "current") != "current"]
+    if before:
+        out.append("")
+        out.append("Before -> after (the same measurement on the engine before streaming, real dense kernel, "
+                   "busiest rank's peak MiB, kv_backward=refetch after):\n")
+        out.append("| mix | S | layout | exchange | cp | before | after |")
+        out.append("|---|---:|---|---|---:|---:|---:|")
+        after = {(r["mix"], r["S"], r["layout"], r["exchange"], r["cp"]): r for r in _mem_rows(rows, "dense")
+                 if r["kv_backward"] == "refetch"}
+        for r in sorted(before, key=lambda r: (r["mix"], r["S"], r["layout"], r["exchange"], r["cp"])):
+            a = after.get((r["mix"], r["S"], r["layout"], r["exchange"], r["cp"]))
+            now = "-" if a is None else f"{a['peak_bytes'] / 2**20:.0f}"
+            out.append(f"| {r['mix']} | {r['S']} | {r['layout']} | {r['exchange']} | {r['cp']} | "
+                       f"{r['peak_bytes'] / 2**20:.0f} | {now} |")
+    out.append("")
+
+
+def _group_values(rows, keys, field):
+    out = defaultdict(list)
+    for r in rows:
+        out[tuple(r[k] for k in keys)].append(r[field])
+    return out
+
+
 def render(rows: List[Dict]) -> str:
     out = ["# Benchmark summary", ""]
     meta = [r for r in rows if r["suite"] == "meta"]
@@ -381,10 +457,12 @@ def render(rows: List[Dict]) -> str:
     balance_targets(rows, out)
     speed_targets(rows, out)
     memory_targets(rows, out)
+    cp_memory_targets(rows, out)
     out.append("")
     comm_tables(rows, out)
     balance(rows, out)
     speed(rows, out)
+    cp_memory(rows, out)
     other(rows, out)
     scale_section(rows, out)
     dropin_section(rows, out)
