@@ -16,8 +16,9 @@ from megatron_ext.blockdiag_cp.plan import build_plan
 from megatron_ext.testing.cases import CASES, make_doc_ids
 
 
-def _expected_pairs(ids, positions):
-    """{(row, query position, key position)} of per-document causal attention, position by position."""
+def _expected_pairs(ids, positions, window=None):
+    """{(row, query position, key position)} of per-document causal attention, position by position
+    (with a window: keys [max(start, p - window), p])."""
     out = set()
     for row in range(ids.shape[0]):
         d = ids[row].tolist()
@@ -27,7 +28,8 @@ def _expected_pairs(ids, positions):
                 start[p] = start[p - 1]
         for p in positions.tolist():
             if d[p] > 0:
-                out |= {(row, p, k) for k in range(start[p], p + 1)}
+                first = start[p] if window is None else max(start[p], p - window)
+                out |= {(row, p, k) for k in range(first, p + 1)}
     return out
 
 
@@ -49,28 +51,36 @@ def _covered_pairs(plan, lay, kind, R):
             for qs, ks in zip(call.q_index.split(list(call.q_lens)), call.k_index.split(list(call.k_lens))):
                 q_pos, k_pos = mine[qs // R], chunk[ks // R]
                 assert bool((qs % R == qs[0] % R).all()) and bool((ks % R == qs[0] % R).all())
+                nq, nk = len(qs), len(ks)
                 if call.causal:
                     assert torch.equal(q_pos, k_pos)
-                    got += [(int(qs[0]) % R, int(q_pos[i]), int(k_pos[j]))
-                            for i in range(len(qs)) for j in range(i + 1)]
                 else:
                     assert int(k_pos.max()) < int(q_pos.min())  # every key precedes every query
-                    got += [(int(qs[0]) % R, int(a), int(b)) for a in q_pos for b in k_pos]
+                for i in range(nq):
+                    hi = i + 1 if call.causal else nk
+                    lo = 0 if call.window is None else max(0, i + nk - nq - call.window)
+                    assert hi > lo, "a query row that sees no key of its segment"
+                    got += [(int(qs[0]) % R, int(q_pos[i]), int(k_pos[j])) for j in range(lo, hi)]
     return got
 
 
-def _check(ids, cp, layout):
+def _check(ids, cp, layout, window=None):
     ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
     R = ids.shape[0]
     ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
     lay = build_layout(layout, ids, cp)
     for rank in range(cp):
-        plan = build_plan(ids, lay, rank)
-        want = _expected_pairs(ids, lay.runs.positions(rank))
+        plan = build_plan(ids, lay, rank, window=window)
+        want = _expected_pairs(ids, lay.runs.positions(rank), window)
         for kind in ("ring", "needed"):
             got = _covered_pairs(plan, lay, kind, R)
             assert len(got) == len(set(got)), (layout, cp, rank, kind, "a pair attended twice")
             assert set(got) == want, (layout, cp, rank, kind)
+        # The needed-only steps deliver exactly the remote keys some query needs: the lower bound.
+        mine = set(lay.runs.positions(rank).tolist())
+        remote = {k for _, _, k in want if k not in mine}
+        assert sum(s.chunk_len for s in plan.stream["needed"].steps[1:]) == len(remote) == int(
+            plan.needed_remote[rank]), (layout, cp, rank, window)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -78,6 +88,15 @@ def _check(ids, cp, layout):
 def test_steps_cover_every_pair_once(case, cp):
     for layout in ("contiguous", "zigzag", "balanced"):
         _check(make_doc_ids(case, 96, cp), cp, layout)
+
+
+@pytest.mark.parametrize("case", ["single", "short", "len1_boundaries", "pad_middle", "b2"])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("window", [0, 1, 5, 23, 200])
+def test_windowed_steps_cover_every_windowed_pair_once(case, cp, window):
+    # Windows smaller than, equal to and larger than documents and shards, crossing rank boundaries.
+    for layout in ("contiguous", "zigzag", "balanced"):
+        _check(make_doc_ids(case, 96, cp), cp, layout, window)
 
 
 def test_thd_layout_and_random_rows():

@@ -377,10 +377,10 @@ def agreements_per_step(every_call, layers=4):
 @pytest.mark.timeout(120)
 def test_qkv_agreement_runs_once_per_step_unless_every_call_is_asked(pool2):
     for calls in pool2.run(agreements_per_step, False):
-        # One 16-int64 q/k/v agreement on the first layer, one tiny failure check at the step's end.
-        assert calls[0] == 16 and len(calls) == 2, calls
+        # One 22-int64 q/k/v agreement on the first layer, one tiny failure check at the step's end.
+        assert calls[0] == 22 and len(calls) == 2, calls
     for calls in pool2.run(agreements_per_step, True):
-        assert calls[:4] == [16] * 4 and len(calls) == 5, calls
+        assert calls[:4] == [22] * 4 and len(calls) == 5, calls
 
 
 # ---------------------------------------------------------------------------

@@ -108,12 +108,17 @@ def _gather(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
     return x if index is None else x.index_select(0, index)
 
 
-def _transport(kind: str, k, v, state, stats, prefix: str):
-    chunk_rows = state.plan.stream[kind].chunk_rows
+def _transport(kind: str, k, v, state, plan, stats, prefix: str):
+    chunk_rows = plan.stream[kind].chunk_rows
     if kind == "ring":
         return RingTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix)
     return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
-                           state.send_indices_on(k.device), state.plan.exchange.counts)
+                           state.send_indices_on(k.device, plan.window), plan.exchange.counts)
+
+
+def _sink_logits(softmax_offset: Optional[torch.Tensor], groups: int, dtype) -> Optional[torch.Tensor]:
+    # One logit per query head, [Hq]; the batch folded into heads repeats it per group.
+    return None if softmax_offset is None else softmax_offset.detach().to(dtype).repeat(groups)
 
 
 def _dropout_seed(backend: str, q: torch.Tensor, dropout_p: float) -> int:
@@ -129,12 +134,13 @@ class _StreamedAttention(torch.autograd.Function):
     """Forward: attend chunk by chunk as they arrive, merge by lse. Backward: per chunk, send dK/dV home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, state, backend, scale, dropout_p):
+    def forward(ctx, q, k, v, softmax_offset, state, backend, scale, dropout_p, window):
         start = time.perf_counter()
         geo = _Geometry(q, k, v, state.rows)
         kind = chunk_kind(state.kv_exchange) if state.cp > 1 else "needed"
-        steps = state.plan.stream[kind].steps
-        calls = state.stream_on(kind, q.device)
+        plan = state.plan_for(window)
+        steps = plan.stream[kind].steps
+        calls = state.stream_on(kind, q.device, window)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats
         for key in ("bytes_sent", "bytes_received", "wait_seconds", "compute_seconds"):
@@ -168,7 +174,7 @@ class _StreamedAttention(torch.autograd.Function):
         save = state.kv_backward == "save"
         saved: List[torch.Tensor] = []  # save mode: the received chunks that have calls
         saved_at: List[int] = []  # per remote step, its index in ``saved`` (-1: not kept)
-        transport = _transport(kind, k, v, state, stats, "") if state.cp > 1 else None
+        transport = _transport(kind, k, v, state, plan, stats, "") if state.cp > 1 else None
         pending = transport.start((steps[1].round, steps[1].piece)) if len(steps) > 1 else None
         attend(calls[0], geo.kv_flat(k), geo.kv_flat(v))
         for s in range(1, len(steps)):
@@ -182,21 +188,31 @@ class _StreamedAttention(torch.autograd.Function):
             if keep:
                 saved.append(chunk)
             del chunk  # refetch: gone before the next one lands (the ring's transport keeps it to forward)
+        sink = _sink_logits(softmax_offset, geo.g, acc.lse.dtype)
+        if sink is not None:
+            # An attention sink: one more logit in every row's denominator, with no value. The
+            # merged lse makes it a rescale; the kernels' backward then sees the final lse.
+            lse_total = torch.logaddexp(acc.lse, sink)
+            acc.out.mul_(torch.exp(acc.lse - lse_total).unsqueeze(-1))
+            acc.lse = lse_total
         out = (acc.out.zero_() if failed else acc.out).to(q.dtype).view(geo.L, geo.b, geo.hq, geo.dv)
         stats["forward_seconds"] = time.perf_counter() - start
         ctx.state, ctx.backend, ctx.scale, ctx.dropout_p = state, backend, scale, dropout_p
-        ctx.kind, ctx.aux, ctx.failed, ctx.saved_at = kind, aux, bool(failed), saved_at
-        ctx.save_for_backward(q, k, v, out, acc.lse, *saved)
+        ctx.kind, ctx.aux, ctx.failed, ctx.saved_at, ctx.window = kind, aux, bool(failed), saved_at, window
+        ctx.has_sink = sink is not None
+        ctx.save_for_backward(q, k, v, out, acc.lse, *(() if sink is None else (sink,)), *saved)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         start = time.perf_counter()
         q, k, v, out, lse, *saved = ctx.saved_tensors
+        sink = saved.pop(0) if ctx.has_sink else None
         state, backend, scale, dropout_p = ctx.state, ctx.backend, ctx.scale, ctx.dropout_p
         geo = _Geometry(q, k, v, state.rows)
-        steps = state.plan.stream[ctx.kind].steps
-        calls = state.stream_on(ctx.kind, q.device)
+        plan = state.plan_for(ctx.window)
+        steps = plan.stream[ctx.kind].steps
+        calls = state.stream_on(ctx.kind, q.device, ctx.window)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats
         for key in ("backward_bytes_sent", "backward_bytes_received", "backward_grad_bytes_sent",
@@ -243,7 +259,7 @@ class _StreamedAttention(torch.autograd.Function):
         dkv = differentiate(calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L).view(geo.L, geo.b, -1)
         if len(steps) > 1:
             refetch = state.kv_backward != "save"
-            transport = _transport(ctx.kind, k, v, state, stats, "backward_")
+            transport = _transport(ctx.kind, k, v, state, plan, stats, "backward_")
             pending = transport.start((steps[1].round, steps[1].piece)) if refetch else None
             in_flight = None  # (transfer, local rows) of the last gradient sent home
 
@@ -284,7 +300,12 @@ class _StreamedAttention(torch.autograd.Function):
         dkv = dkv.view(geo.L, geo.b, geo.hkv, geo.dk + geo.dv)
         stats["backward_seconds"] = time.perf_counter() - start
         dk, dv = dkv[..., :geo.dk].to(k.dtype), dkv[..., geo.dk:].to(v.dtype)
-        return dq.to(q.dtype).view(q.shape), dk, dv, None, None, None, None
+        d_sink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            # d(loss)/d(sink) = -sum over rows of p_sink * (dout . out): the sink only rescales out.
+            delta = (do_flat.to(acc_dtype) * o_flat.to(acc_dtype)).sum(-1)  # [rows, g * Hq]
+            d_sink = -(torch.exp(sink - lse) * delta).sum(0).view(geo.g, geo.hq).sum(0)
+        return dq.to(q.dtype).view(q.shape), dk, dv, d_sink, None, None, None, None, None
 
 
 def record_kernel_failure(state, backend: str, phase: str, exc: Exception) -> None:
@@ -304,9 +325,12 @@ def _local_qkv_error(state, q, k, v) -> str:
         return (f"q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} positions but the state expects "
                 f"local_len={state.local_len} (sequence {state.seq_len}, padded {state.padded_len}, "
                 f"cp={state.cp}); shard the batch with this state (state.shard / shard_batch)")
-    if k.shape != v.shape or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree "
-                "(batch, head dim, or k vs v)")
+    if k.shape[:3] != v.shape[:3] or q.shape[1] != k.shape[1]:
+        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree in batch or heads "
+                "(k and v must have the same [s, b, heads]; v's head dim may differ, as in MLA)")
+    if q.shape[3] != k.shape[3]:
+        return (f"q and k head dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}; queries and keys share "
+                "a head dim (MLA's k_channels), values may have their own (v_channels)")
     if q.shape[2] % k.shape[2] != 0:
         return (f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for "
                 "grouped-query attention")
@@ -318,13 +342,14 @@ def _local_qkv_error(state, q, k, v) -> str:
     return ""
 
 
-_SIGNATURE = ("q_len", "k_len", "batch", "q_heads", "kv_heads", "head_dim", "dtype")
+_SIGNATURE = ("q_len", "k_len", "batch", "q_heads", "kv_heads", "head_dim", "v_head_dim", "dtype", "window",
+              "sink")
 
 
-def agree_on_qkv(state, q, k, v, cp_group) -> None:
+def agree_on_qkv(state, q, k, v, cp_group, window: Optional[int] = None, sink: bool = False) -> None:
     """Raise on every CP rank when any rank's q/k/v is invalid or differs from its peers'.
 
-    One all-reduce of 16 int64 on q's device, the first time a state sees a q/k/v
+    One all-reduce of 22 int64 on q's device, the first time a state sees a q/k/v
     signature (CP > 1): a model's layers share a few signatures, so a step pays it
     once or a few times, not per layer. Nothing at CP = 1. Every call agrees when
     ``MEGATRON_EXT_CP_CHECK_EVERY_CALL`` is set (a per-rank shape bug that appears
@@ -341,11 +366,13 @@ def agree_on_qkv(state, q, k, v, cp_group) -> None:
         if error:
             raise BlockDiagCPError(error)
         return
-    signature = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device)
+    signature = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device, window,
+                 sink)
     if not error and signature in state.agreed_signatures and not check_every_call():
         return
     values = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[-1],
-              _DTYPE_CODES.get(q.dtype, 99)) if q.dim() == 4 and k.dim() == 4 else (-1,) * 7
+              v.shape[-1] if v.dim() == 4 else -1, _DTYPE_CODES.get(q.dtype, 99),
+              -1 if window is None else window, int(sink)) if q.dim() == 4 and k.dim() == 4 else (-1,) * 10
     facts = dict(zip(_SIGNATURE, values), invalid=1 if error else 0)
     agreed = agree(facts, state.group, state.cp, device=q.device)
     if agreed.max("invalid"):
@@ -362,12 +389,33 @@ def agree_on_qkv(state, q, k, v, cp_group) -> None:
     state.agreed_signatures.add(signature)
 
 
-def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=None, cp_group=None):
+def _window_from(window_size) -> Optional[int]:
+    """Megatron's window_size (left, right) -> the left reach, None for unbounded; causal only."""
+    if window_size is None:
+        return None
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise BlockDiagCPError(f"window_size must be a (left, right) pair, got {window_size!r}") from None
+    if right != 0 or left < -1:
+        raise BlockDiagCPError(
+            f"window_size={tuple(window_size)} is not a causal sliding window: block-diagonal CP attention "
+            "is causal within each document, so right must be 0 and left >= 0 (or -1: no window)")
+    return None if left == -1 else left
+
+
+def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=None, cp_group=None,
+                           window_size=None, softmax_offset=None):
     """Per-document causal attention of this rank's queries over the CP group's keys.
 
-    q: [local_len, b, Hq, D]; k, v: [local_len, b, Hkv, D] -> [local_len, b, Hq, D].
+    q: [local_len, b, Hq, Dqk]; k: [local_len, b, Hkv, Dqk]; v: [local_len, b, Hkv, Dv]
+    -> [local_len, b, Hq, Dv] (Dv may differ from Dqk: MLA).
     ``state``: the microbatch's own state (pipeline schedules, Megatron's mask and
     THD paths pass it); None reads the state ``blockdiag_cp_step`` published.
+    ``window_size``: Megatron's sliding window (left, 0): query p sees keys
+    [max(document start, p - left), p]. ``softmax_offset``: [Hq] attention-sink
+    logits (Megatron's ``softmax_offset``: zeros for "off-by-one", the learnable
+    parameter for "learnable"), one more term in every row's softmax denominator.
     """
     _count_cp_attn_fire()
     state = resolve_step_state() if state is None else state
@@ -381,10 +429,14 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
                 "`with blockdiag_cp_step(state):` (state from shard_batch or BlockDiagCPState.build); "
                 "refusing to attend to local keys only")
         return _single_document_causal(q, k, v, scale, dropout_p)
-    agree_on_qkv(state, q, k, v, cp_group)
-    backend = call_backend(state, q, dropout_p, kv_heads=k.shape[2])
+    window = _window_from(window_size)
+    if softmax_offset is not None and tuple(softmax_offset.shape) != (q.shape[2],):
+        raise BlockDiagCPError(f"softmax_offset has shape {tuple(softmax_offset.shape)}; expected [{q.shape[2]}] "
+                               "(one sink logit per query head of this rank)")
+    agree_on_qkv(state, q, k, v, cp_group, window, softmax_offset is not None)
+    backend = call_backend(state, q, dropout_p, kv_heads=k.shape[2], window=window)
     state.kv_row_bytes = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
-    return _StreamedAttention.apply(q, k, v, state, backend, scale, dropout_p)
+    return _StreamedAttention.apply(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)
 
 
 def _single_document_causal(q, k, v, scale, dropout_p):

@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .intervals import DocRuns, RankRuns, clip, ranges
+from .intervals import DocRuns, RankRuns, clip, map_ranges, ranges
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -61,6 +61,9 @@ class CallPlan:
     k_index: torch.Tensor  # [Nk] rows of the flattened chunk buffer (slot * R + row)
     q_lens: Tuple[int, ...]
     k_lens: Tuple[int, ...]
+    # A sliding window in the kernels' bottom-right convention: a segment's query i sees keys
+    # j >= i + (n_k - n_q) - window (flash's window_size[0]). None: no lower bound.
+    window: Optional[int] = None
 
     @property
     def num_segments(self) -> int:
@@ -69,9 +72,13 @@ class CallPlan:
     @property
     def pairs(self) -> int:
         """Query-key pairs this call attends (the work it stands for)."""
-        if self.causal:
-            return sum(n * (n + 1) // 2 for n in self.q_lens)
-        return sum(a * b for a, b in zip(self.q_lens, self.k_lens))
+        total = 0
+        for nq, nk in zip(self.q_lens, self.k_lens):
+            i = torch.arange(nq)
+            hi = i + 1 if self.causal else torch.full_like(i, nk)  # keys [lo, hi) per query
+            lo = (i + nk - nq - self.window).clamp(min=0) if self.window is not None else torch.zeros_like(i)
+            total += int((hi - lo).clamp(min=0).sum())
+        return total
 
 
 # A source's K/V arrives in chunks of at most ceil(local_len / CHUNKS_PER_SHARD) positions.
@@ -91,7 +98,7 @@ class Step:
     source: int
     first: int  # slot of the chunk's first row in the source's whole delivery
     chunk_len: int  # positions this rank receives in this step (0: it only sends, or nothing moves)
-    calls: Tuple[CallPlan, ...]  # 0-2 calls, full before causal
+    calls: Tuple[CallPlan, ...]  # full (then banded, with a window) before causal
 
     @property
     def pairs(self) -> int:
@@ -209,19 +216,90 @@ def _group_calls(src: torch.Tensor, chunk: torch.Tensor, row: torch.Tensor, doc:
     return calls
 
 
+def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, window: int, c: int, R: int,
+                    row, ds, pa, pb, q_first) -> Dict[Tuple[int, int], List[CallPlan]]:
+    """Per (source, chunk): the full and banded calls of a sliding window.
+
+    Piece [pa, pb) of a document starting at ds needs keys [max(ds, pa - window), pa)
+    from other pieces; each run of a source's positions in that range, cut at chunk
+    boundaries, is one segment [ka, kb) for the piece's queries that see any of it,
+    [pa, min(pb, kb + window)). Where the last of them still sees ka, every query sees
+    every key (full); else the band's lower edge is the window in bottom-right terms,
+    window - (q_end - kb), and segments sharing that value share a call.
+    """
+    L = runs.local_len
+    lo = torch.maximum(ds, pa - window)
+    by_start, by_len, _ = runs.by_position()
+    piece, k_start, n = map_ranges(by_start, by_len, by_start, lo, pa - lo)  # key position runs, split at runs
+    if piece.numel() == 0:
+        return {}
+    owner_run = torch.searchsorted(by_start, k_start, right=True) - 1
+    src = runs.rank[runs.by_position()[2][owner_run]]
+    flat = runs.flat_before(k_start)  # [cp, m]
+    cols = torch.arange(k_start.numel())
+    if kind == "ring":
+        slot = flat[src, cols] - src * L
+    else:
+        slot = _needed_offsets(runs, rank, *intervals, k_start)[src, cols]
+        own = src == rank
+        slot = torch.where(own, flat[src, cols] - src * L, slot)
+    remote = src != rank
+    first = torch.where(remote, slot // c, torch.zeros_like(slot))
+    last = torch.where(remote, (slot + n - 1) // c, torch.zeros_like(slot))
+    which = torch.repeat_interleave(torch.arange(src.numel()), last - first + 1)
+    chunk = ranges(first, last - first + 1)
+    s_lo = torch.where(remote[which], torch.maximum(slot[which], chunk * c), slot[which])
+    s_hi = torch.where(remote[which], torch.minimum((slot + n)[which], (chunk + 1) * c), (slot + n)[which])
+    ka = k_start[which] + s_lo - slot[which]
+    kb = ka + (s_hi - s_lo)
+    p = piece[which]
+    q_end = torch.minimum(pb[p], kb + window)
+    band = ka < q_end - 1 - window
+    win = torch.where(band, window - (q_end - kb), torch.full_like(kb, -1))  # -1: full
+    s_src = src[which]
+    chunk_first = torch.where(s_src == rank, torch.zeros_like(chunk), chunk * c)
+    order = torch.argsort(((s_src * (int(chunk.max()) + 1) + chunk) * (window + 2) + win + 1) * (p.numel() + 1)
+                          + torch.arange(p.numel()))
+    out: Dict[Tuple[int, int], List[CallPlan]] = {}
+    cols = [t[order] for t in (s_src, chunk, win, p, s_lo - chunk_first, kb - ka, q_end - pa[p])]
+    keys = list(zip(cols[0].tolist(), cols[1].tolist(), cols[2].tolist()))
+    start = 0
+    while start < len(keys):
+        stop = start
+        while stop < len(keys) and keys[stop] == keys[start]:
+            stop += 1
+        s, ch, w = keys[start]
+        pp, k_first, nk, nq = (t[start:stop] for t in cols[3:])
+        q_index = ranges(q_first[pp], nq) * R + torch.repeat_interleave(row[pp], nq)
+        k_index = ranges(k_first, nk) * R + torch.repeat_interleave(row[pp], nk)
+        out.setdefault((s, ch), []).append(CallPlan(False, q_index, k_index, tuple(nq.tolist()),
+                                                    tuple(nk.tolist()), None if w < 0 else w))
+        start = stop
+    return out
+
+
 def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
-                      counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-                      ) -> StreamPlan:
-    """This rank's steps for chunk ``kind``; ``counts``/``intervals`` are the plan's global tables."""
+                      counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      window: Optional[int] = None) -> StreamPlan:
+    """This rank's steps for chunk ``kind``; ``counts``/``intervals`` are the plan's global tables.
+
+    ``window``: a sliding window (query p sees keys from p - window), see ``_windowed_calls``.
+    """
     if kind not in CHUNK_KINDS:
         raise KeyError(f"unknown chunk kind {kind!r}; known: {CHUNK_KINDS}")
     cp, L, R = runs.cp, runs.local_len, len(rows)
     c = chunk_rows_for(L)
     row, doc, ds, pa, pb, q_first = _pieces(runs, rows, rank)
     n_q = pb - pa
-    calls: Dict[Tuple[int, int], CallPlan] = {}
+    calls: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
     causal: Optional[CallPlan] = None
-    if row.numel():
+    if row.numel() and window is not None:
+        calls = {key: tuple(v) for key, v in _windowed_calls(kind, runs, rank, counts, intervals, window, c, R,
+                                                              row, ds, pa, pb, q_first).items()}
+        diag = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
+        lens = tuple(n_q.tolist())
+        causal = CallPlan(True, diag, diag, lens, lens, window if int(n_q.max()) > window + 1 else None)
+    elif row.numel():
         before_ds = runs.flat_before(ds)  # [cp, n]
         n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
         if kind == "ring":
@@ -231,18 +309,19 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
             slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
         src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
         src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
-        calls = _group_calls(src, chunk, row[piece], doc[piece], n, lo, q_first[piece], n_q[piece], R,
-                             torch.where(src == rank, torch.zeros_like(chunk), chunk * c))
+        calls = {key: (call,) for key, call in _group_calls(
+            src, chunk, row[piece], doc[piece], n, lo, q_first[piece], n_q[piece], R,
+            torch.where(src == rank, torch.zeros_like(chunk), chunk * c)).items()}
         diag = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
         lens = tuple(n_q.tolist())
         causal = CallPlan(True, diag, diag, lens, lens)
-    own = tuple(x for x in (calls.get((rank, 0)), causal) if x is not None)
+    own = calls.get((rank, 0), ()) + ((causal,) if causal is not None else ())
     steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
     for i, j in remote_steps(kind, counts, L, c):
         src = (rank - i) % cp
         delivered = L if kind == "ring" else int(counts[src, rank])
         n = max(0, min(c, delivered - j * c))
-        steps.append(Step(i, j, src, j * c, n, (calls[(src, j)],) if (src, j) in calls else ()))
+        steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))
 
 

@@ -208,11 +208,26 @@ def needed_intervals(rank: torch.Tensor, doc: torch.Tensor, doc_start: torch.Ten
     return rank[last], doc_start[last], pb[last]
 
 
-def work_and_intervals(runs: RankRuns, rows: Sequence[DocRuns]
+def window_pairs(pa: torch.Tensor, pb: torch.Tensor, s: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """Query-key pairs of queries [pa, pb) of a document starting at s: query p sees keys
+    [max(s, p - window), p], min(p - s + 1, window + 1) of them (all p - s + 1 without a window)."""
+    lo, hi = pa - s + 1, pb - s  # each query's key count before the window, first and last
+    if window is None:
+        return (lo + hi) * (hi - lo + 1) // 2
+    w = window + 1
+    top = torch.minimum(hi, torch.full_like(hi, w))  # counts that grow: lo .. top
+    grow = torch.where(top >= lo, (lo + top) * (top - lo + 1) // 2, torch.zeros_like(lo))
+    flat = (hi - torch.maximum(lo - 1, torch.full_like(lo, w))).clamp(min=0) * w
+    return grow + flat
+
+
+def work_and_intervals(runs: RankRuns, rows: Sequence[DocRuns], window: Optional[int] = None
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(work [cp], dst, a, b): causal pairs per rank and every rank's disjoint needed intervals.
+    """(work [cp], dst, a, b): attention pairs per rank and every rank's disjoint needed intervals.
 
     ``rows``: ``document_runs`` of each row of doc ids; intervals sorted by (dst, a).
+    ``window``: a sliding window (query p sees keys from p - window): a piece [pa, pb)
+    then needs [max(start, pa - window), pb), not its whole document's prefix.
     """
     cp = runs.cp
     run_end = runs.start + runs.length
@@ -223,11 +238,13 @@ def work_and_intervals(runs: RankRuns, rows: Sequence[DocRuns]
         real = d_id[doc] > 0
         run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
         owner, s = runs.rank[run], d_start[doc]
-        # Query p of a document starting at s attends p - s + 1 keys: an arithmetic series per piece.
-        work.index_add_(0, owner, (pa + pb - 2 * s + 1) * (pb - pa) // 2)
-        parts.append(needed_intervals(owner, doc, s, pb))
+        work.index_add_(0, owner, window_pairs(pa, pb, s, window))
+        if window is None:
+            parts.append(needed_intervals(owner, doc, s, pb))
+        else:
+            parts.append((owner, torch.maximum(s, pa - window), pb))
     dst, a, b = (torch.cat(x) for x in zip(*parts))
-    if len(rows) > 1:
+    if len(rows) > 1 or window is not None:
         dst, a, b = merge_intervals(dst, a, b, runs.padded_len)
     return work, dst, a, b
 
@@ -276,8 +293,9 @@ def flat_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, src: Optional[
     return runs.flat_before(a, src), runs.flat_before(b, src)
 
 
-def needed_remote(runs: RankRuns, rows: Sequence[DocRuns]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(work [cp], needed [cp]): causal pairs and K/V positions each rank needs and does not own."""
-    work, dst, a, b = work_and_intervals(runs, rows)
+def needed_remote(runs: RankRuns, rows: Sequence[DocRuns], window: Optional[int] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(work [cp], needed [cp]): attention pairs and K/V positions each rank needs and does not own."""
+    work, dst, a, b = work_and_intervals(runs, rows, window)
     counts = overlap_counts(runs, dst, a, b)
     return work, counts.sum(0)

@@ -11,7 +11,9 @@ Every kernel is a forward/backward pair over varlen segments (``Segments``):
 Segment i's queries attend its keys either all of them (``seg.causal`` False: the
 keys precede the queries) or causally on a square diagonal block (``seg.causal``
 True: the same positions, where top-left and bottom-right alignment agree), so no
-kernel ever needs an offset mask. ``backward`` takes the *final* out and lse of
+kernel ever needs an offset mask. A sliding window (``seg.window``, flash's
+``window_size[0]`` in its bottom-right convention) further hides, for query i of n_q,
+the keys j < i + (n_k - n_q) - window. ``backward`` takes the *final* out and lse of
 the whole attention, not this call's: it then returns exactly this call's share
 of the gradients (the rows' softmax normalizer and the dout.out correction are
 global). That is what lets the streamed op attend K/V chunk by chunk, merge the
@@ -55,6 +57,7 @@ class Segments:
     q_lens: Tuple[int, ...]  # host copies, so the dense loop needs no device sync
     k_lens: Tuple[int, ...]
     causal: bool  # square diagonal blocks; else every key precedes every query
+    window: Optional[int] = None  # bottom-right sliding window (see the module docstring); None: none
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ def _cpu_flash_usable(q, v, dropout_p: float) -> bool:
     return q.device.type == "cpu" and dropout_p == 0.0
 
 
+def _window_binds(nq: int, nk: int, window: Optional[int]) -> bool:
+    """Whether a window hides any key of a segment (the last query's lowest key is past the first)."""
+    return window is not None and nk - 1 - window > 0
+
+
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).unsqueeze(0)  # [n, H, D] -> [1, H, n, D]: a view
 
@@ -98,11 +106,14 @@ def _math_blocks(n: int, heads: int, m: int):
     return [(start, min(n, start + block)) for start in range(0, n, block)]
 
 
-def _math_scores(qs, ks, causal: bool, start: int, stop: int, scale: float, acc):
+def _math_scores(qs, ks, causal: bool, start: int, stop: int, scale: float, acc, window=None):
     s = torch.einsum("qhd,khd->hqk", qs[start:stop].to(acc), ks.to(acc)) * scale  # [H, bq, m]
+    rows = torch.arange(start, stop, device=qs.device).unsqueeze(1)
+    cols = torch.arange(ks.shape[0], device=qs.device).unsqueeze(0)
     if causal:
-        rows = torch.arange(start, stop, device=qs.device).unsqueeze(1)
-        s = s.masked_fill(torch.arange(ks.shape[0], device=qs.device).unsqueeze(0) > rows, float("-inf"))
+        s = s.masked_fill(cols > rows, float("-inf"))
+    if window is not None:
+        s = s.masked_fill(cols < rows + (ks.shape[0] - qs.shape[0]) - window, float("-inf"))
     return s
 
 
@@ -112,12 +123,12 @@ def _math_keep(shape, dropout_p: float, gen, device) -> Optional[torch.Tensor]:
     return (torch.rand(shape, generator=gen, device=device) >= dropout_p).to(torch.float32) / (1.0 - dropout_p)
 
 
-def _math_forward_segment(qs, ks, vs, causal, scale, dropout_p, gen, acc):
+def _math_forward_segment(qs, ks, vs, causal, scale, dropout_p, gen, acc, window=None):
     rep = qs.shape[1] // ks.shape[1]
     ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)  # CPU/dense fallback only
     outs, lses = [], []
     for start, stop in _math_blocks(qs.shape[0], qs.shape[1], ks.shape[0]):
-        s = _math_scores(qs, ks, causal, start, stop, scale, acc)
+        s = _math_scores(qs, ks, causal, start, stop, scale, acc, window)
         lse = torch.logsumexp(s, dim=-1)  # [H, bq]
         p = torch.exp(s - lse.unsqueeze(-1))
         keep = _math_keep(p.shape, dropout_p, gen, qs.device)
@@ -128,7 +139,7 @@ def _math_forward_segment(qs, ks, vs, causal, scale, dropout_p, gen, acc):
     return torch.cat(outs), torch.cat(lses)
 
 
-def _math_backward_segment(dos, qs, ks, vs, os_, lses, causal, scale, dropout_p, gen, acc):
+def _math_backward_segment(dos, qs, ks, vs, os_, lses, causal, scale, dropout_p, gen, acc, window=None):
     hkv = ks.shape[1]
     rep = qs.shape[1] // hkv
     kr, vr = ks.repeat_interleave(rep, 1).to(acc), vs.repeat_interleave(rep, 1).to(acc)
@@ -137,7 +148,7 @@ def _math_backward_segment(dos, qs, ks, vs, os_, lses, causal, scale, dropout_p,
     dv = torch.zeros(vr.shape, dtype=acc, device=qs.device)
     delta = (dos.to(acc) * os_.to(acc)).sum(-1)  # [n, H]: dout . out with the final out
     for start, stop in _math_blocks(qs.shape[0], qs.shape[1], ks.shape[0]):
-        s = _math_scores(qs, kr, causal, start, stop, scale, acc)
+        s = _math_scores(qs, kr, causal, start, stop, scale, acc, window)
         p = torch.exp(s - lses[start:stop].t().to(acc).unsqueeze(-1))  # final lse: this call's share
         keep = _math_keep(p.shape, dropout_p, gen, qs.device)
         do = dos[start:stop].to(acc)
@@ -163,7 +174,7 @@ def dense_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, 
     parts = zip(q.split(seg.q_lens), k.split(seg.k_lens), v.split(seg.k_lens),
                 out.split(seg.q_lens), lse.split(seg.q_lens))
     for i, (qs, ks, vs, os_, ls) in enumerate(parts):
-        if fast:
+        if fast and not _window_binds(qs.shape[0], ks.shape[0], seg.window):
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 _as_4d(_pad_last(qs, width)), _as_4d(_pad_last(ks, width)), _as_4d(_pad_last(vs, width)),
                 0.0, seg.causal, scale=scale)
@@ -171,7 +182,7 @@ def dense_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, 
             ls.copy_(l[0].t())
         else:
             o, l = _math_forward_segment(qs, ks, vs, seg.causal, scale, dropout_p,
-                                         _segment_generator(seed, i, q.device), acc)
+                                         _segment_generator(seed, i, q.device), acc, seg.window)
             os_.copy_(o)
             ls.copy_(l)
     return out, lse, seed
@@ -186,7 +197,7 @@ def dense_backward(dout, q, k, v, out, lse, seed, seg: Segments, scale: float, d
                 out.split(seg.q_lens), lse.split(seg.q_lens), dq.split(seg.q_lens), dk.split(seg.k_lens),
                 dv.split(seg.k_lens))
     for i, (dos, qs, ks, vs, os_, ls, dqs, dks, dvs) in enumerate(parts):
-        if fast:
+        if fast and not _window_binds(qs.shape[0], ks.shape[0], seg.window):
             g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 *(_as_4d(_pad_last(t, width)) for t in (dos, qs, ks, vs, os_)),
                 ls.t().unsqueeze(0).to(acc if q.dtype == torch.float64 else torch.float32),
@@ -194,7 +205,7 @@ def dense_backward(dout, q, k, v, out, lse, seed, seg: Segments, scale: float, d
             grads = [x[0].transpose(0, 1) for x in g]
         else:
             grads = _math_backward_segment(dos, qs, ks, vs, os_, ls, seg.causal, scale, dropout_p,
-                                           _segment_generator(seed, i, q.device), acc)
+                                           _segment_generator(seed, i, q.device), acc, seg.window)
         dqs.copy_(grads[0][..., :q.shape[-1]])
         dks.copy_(grads[1][..., :k.shape[-1]])
         dvs.copy_(grads[2][..., :v.shape[-1]])
@@ -218,7 +229,10 @@ def _library(name: str):
 
 @functools.lru_cache(maxsize=None)
 def _parameters(fn) -> Tuple[str, ...]:
-    """A callable's parameter names, looked up once per callable (not per call)."""
+    """A callable's parameter names (a torch op's from its schema), looked up once per callable."""
+    schema = getattr(getattr(fn, "default", None), "_schema", None)
+    if schema is not None:
+        return tuple(arg.name for arg in schema.arguments)
     try:
         return tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
@@ -282,38 +296,63 @@ def _flash_lse_rows(lse: torch.Tensor, nq: int) -> torch.Tensor:
     return lse.t()
 
 
+def _flash_window(seg: Segments) -> Tuple[int, int]:
+    # flash's (left, right): -1 is unbounded; a causal segment's right edge is the diagonal.
+    return (-1 if seg.window is None else seg.window), (0 if seg.causal else -1)
+
+
+def _flash_padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    # flash takes one head dim for q, k and v: a narrower V (MLA) is zero-padded, its output cut back.
+    return _pad_last(t, width).contiguous()
+
+
 def flash_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
-    iface = _flash_attn_interface()
+    width, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+    q, k, v = (_flash_padded(t, width) for t in (q, k, v))
     args = (q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k)
+    left, right = _flash_window(seg)
+    iface = _flash_attn_interface()
     if iface is not None:
         fn = iface._flash_attn_varlen_forward
         res = fn(*args, dropout_p, scale, seg.causal,
-                 **_known_kwargs(fn, window_size_left=-1, window_size_right=-1,
+                 **_known_kwargs(fn, window_size_left=left, window_size_right=right,
                                  softcap=0.0, alibi_slopes=None, return_softmax=False))
-        out, lse, rng_state = res[0], res[1], res[-1]
-        return out, _flash_lse_rows(lse, q.shape[0]), ("flash_attn", rng_state)
-    ops = _torch_flash_ops()
-    out, lse, rng_state, unused, _ = ops._flash_attention_forward(*args, dropout_p, seg.causal, False,
-                                                                  scale=scale)
-    return out, _flash_lse_rows(lse, q.shape[0]), ("torch", (rng_state, unused))
+        out, lse, aux = res[0], res[1], ("flash_attn", res[-1])
+    else:
+        fn = _torch_flash_ops()._flash_attention_forward
+        window = {} if seg.window is None else dict(window_size_left=left, window_size_right=right)
+        out, lse, rng_state, unused, _ = fn(*args, dropout_p, seg.causal, False, scale=scale, **window)
+        aux = ("torch", (rng_state, unused))
+    return out[..., :dv], _flash_lse_rows(lse, q.shape[0]), aux
 
 
 def flash_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dropout_p: float = 0.0):
     impl, state = aux
+    width, dk, dv = max(q.shape[-1], v.shape[-1]), k.shape[-1], v.shape[-1]
+    q, k, v, dout, out = (_flash_padded(t, width) for t in (q, k, v, dout, out))
     lse_hq = lse.t().contiguous().float()  # back to the kernel's [H, total_q]
     cu = (seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k)
-    dout, out = dout.contiguous(), out.contiguous()
+    left, right = _flash_window(seg)
     if impl == "flash_attn":
         fn = _flash_attn_interface()._flash_attn_varlen_backward
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        fn(dout, q, k, v, out, lse_hq, dq, dk, dv, *cu, dropout_p, scale, seg.causal,
-           **_known_kwargs(fn, window_size_left=-1, window_size_right=-1,
+        dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fn(dout, q, k, v, out, lse_hq, dq, dk_, dv_, *cu, dropout_p, scale, seg.causal,
+           **_known_kwargs(fn, window_size_left=left, window_size_right=right,
                            softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=state))
-        return dq, dk, dv
-    rng_state, unused = state
-    dq, dk, dv = _torch_flash_ops()._flash_attention_backward(
-        dout, q, k, v, out, lse_hq, *cu, dropout_p, seg.causal, rng_state, unused, scale=scale)
-    return dq, dk, dv
+    else:
+        rng_state, unused = state
+        window = {} if seg.window is None else dict(window_size_left=left, window_size_right=right)
+        dq, dk_, dv_ = _torch_flash_ops()._flash_attention_backward(
+            dout, q, k, v, out, lse_hq, *cu, dropout_p, seg.causal, rng_state, unused, scale=scale, **window)
+    return dq[..., :dk], dk_[..., :dk], dv_[..., :dv]
+
+
+def flash_supports_window() -> bool:
+    """flash-attn 2.6+ always; torch's flash ops where their schema has window_size_left."""
+    if _flash_attn_interface() is not None:
+        return True
+    ops = _torch_flash_ops()
+    return ops is not None and "window_size_left" in _parameters(ops._flash_attention_forward)
 
 
 # ---------------------------------------------------------------------------
@@ -377,12 +416,28 @@ def _te_backend(fa):
     return fa.FusedAttnBackend["F16_arbitrary_seqlen"]
 
 
+def _te_window(fn, seg: Segments) -> Dict:
+    if seg.window is None:
+        return {}
+    # Only offered where fused_attn has bottom_right_diagonal (te_supports_window): a full segment's
+    # window is measured from its bottom-right corner, as flash's.
+    return dict(window_size=(seg.window, 0 if seg.causal else -1), bottom_right_diagonal=True)
+
+
+def te_supports_window() -> bool:
+    fa = _library(TE_FUSED_ATTN)
+    names = _parameters(fa.fused_attn_fwd) if fa is not None else ()
+    return "window_size" in names and "bottom_right_diagonal" in names
+
+
 def te_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
     fa = _library(TE_FUSED_ATTN)
     lens, mask = _te_call_args(seg)
     fn = fa.fused_attn_fwd
+    q, k, v = (t.contiguous() for t in (q, k, v))
     out, aux = fn(True, *lens, q, k, v, q.dtype, _te_backend(fa), attn_scale=scale, dropout=dropout_p,
-                  qkv_layout="thd_thd_thd", attn_mask_type=mask, **_known_kwargs(fn, o_format="thd"))[:2]
+                  qkv_layout="thd_thd_thd", attn_mask_type=mask, **_known_kwargs(fn, o_format="thd"),
+                  **_te_window(fn, seg))[:2]
     out = out.view(q.shape[0], q.shape[1], v.shape[-1])
     return out, _te_stats_rows(aux[0], seg).to(lse_dtype(q.dtype)), list(aux)
 
@@ -392,9 +447,11 @@ def te_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dropo
     lens, mask = _te_call_args(seg)
     fn = fa.fused_attn_bwd
     aux = [_te_stats_like(lse, aux[0], seg)] + list(aux[1:])
+    q, k, v = (t.contiguous() for t in (q, k, v))
     grads = fn(*lens, q, k, v, out.contiguous(), dout.contiguous(), q.dtype, aux, _te_backend(fa),
                attn_scale=scale, dropout=dropout_p, qkv_layout="thd_thd_thd", attn_mask_type=mask,
-               **_known_kwargs(fn, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd"))
+               **_known_kwargs(fn, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd"),
+               **_te_window(fn, seg))
     return grads[0], grads[1], grads[2]
 
 
@@ -443,11 +500,17 @@ def static_availability(backend: str, device: torch.device) -> Tuple[bool, str]:
     return installed(backend)
 
 
-def call_availability(backend: str, q: torch.Tensor, dropout_p: float, kv_heads: int = None
-                      ) -> Tuple[bool, str]:
-    """What depends on the call: dtype, device, dropout, grouped K/V heads."""
+def call_availability(backend: str, q: torch.Tensor, dropout_p: float, kv_heads: int = None,
+                      window: Optional[int] = None) -> Tuple[bool, str]:
+    """What depends on the call: dtype, device, dropout, grouped K/V heads, a sliding window."""
     if backend == "dense":
         return True, "dense takes any dtype"
+    if window is not None:  # a library feature: asked even of a test double standing in for the library
+        if backend == "flash" and not flash_supports_window():
+            return False, "this torch's flash ops take no sliding window (window_size_left)"
+        if backend == "te" and not te_supports_window():
+            return False, ("this TransformerEngine's fused_attn_fwd has no window_size/bottom_right_diagonal "
+                           "for sliding windows")
     override = _AVAILABILITY_OVERRIDES.get(backend)
     if override is not None and override.any_call:
         return True, override.reason

@@ -17,7 +17,7 @@ ring) or the source's positions this rank needs, ascending (halo / a2a; what
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,6 +48,7 @@ class StepPlan:
     work_per_rank: torch.Tensor  # [cp] query-key pairs (summed over rows)
     exchange: ExchangeTables
     stream: Mapping  # chunk kind ("ring" | "needed") -> StreamPlan (the streamed op's steps), lazily
+    window: Optional[int] = None  # the sliding window this plan is for (None: whole documents)
 
     def positions_moved(self, kind: str) -> Tuple[int, int]:
         """(sent, received) K/V positions of this rank per attention call, for a chunk kind."""
@@ -81,10 +82,12 @@ class _Lazy(Mapping):
 
 
 def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
-               kinds: Sequence[str] = CHUNK_KINDS) -> StepPlan:
+               kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None) -> StepPlan:
     """doc_ids: [R, P] int64 (padded); all tables are global except this rank's indices.
 
     ``kinds``: the chunk kinds whose steps are built now; any other is built on first access.
+    ``window``: a sliding window (query p sees keys [max(start, p - window), p]): work,
+    needed K/V, exchange tables and kernel calls count only keys inside the windows.
     Works on the layout's runs and each row's document runs (``intervals``): one
     pass over the doc ids, the rest over runs, documents and this rank's indices.
     """
@@ -92,10 +95,10 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     cp, L = layout.cp, layout.local_len
     runs = layout.runs
     rows = [document_runs(doc_ids[row]) for row in range(R)]
-    work_per_rank, dst, a, b = work_and_intervals(runs, rows)
+    work_per_rank, dst, a, b = work_and_intervals(runs, rows, window)
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
-    if layout.name == "thd" and R == 1 and cp > 1:  # every rank needs every document: closed form
+    if layout.name == "thd" and R == 1 and cp > 1 and window is None:  # every rank needs every document
         counts = thd_exchange_counts(doc_ids[0], cp)
     else:
         counts = overlap_counts(runs, dst, a, b)
@@ -126,10 +129,11 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     halo_ok, halo_reason = _halo_check(runs, counts)
     exchange = ExchangeTables(counts, send_index, recv_positions, halo_ok, halo_reason)
 
-    stream = _Lazy(lambda kind: build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b)), CHUNK_KINDS)
+    stream = _Lazy(lambda kind: build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b), window),
+                   CHUNK_KINDS)
     for kind in kinds:
         stream[kind]
-    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream)
+    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window)
 
 
 def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:

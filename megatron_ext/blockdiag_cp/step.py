@@ -179,6 +179,7 @@ class BlockDiagCPState:
         self.kv_row_bytes: Optional[int] = None
         self.kernel_failures: list = []
         self.agreed_signatures: set = set()  # q/k/v signatures every CP rank agreed on (attention_op)
+        self._window_plans: Dict[int, StepPlan] = {}
         self._device_index: Dict[tuple, tuple] = {}
 
     # -- public contract ---------------------------------------------------
@@ -412,24 +413,36 @@ class BlockDiagCPState:
             self._device_index[key] = torch.cat(self.plan.exchange.send_index).to(device)
         return self._device_index[key]
 
-    def send_indices_on(self, device: torch.device) -> List[Optional[torch.Tensor]]:
+    def plan_for(self, window: Optional[int] = None) -> StepPlan:
+        """The step's plan for a sliding window (None: the whole-document plan built with the state).
+
+        Windowed plans are built on the first layer that asks, from the replicated ids and
+        the layout, so every rank builds the same one with no communication.
+        """
+        if window is None:
+            return self.plan
+        if window not in self._window_plans:
+            self._window_plans[window] = build_plan(self.doc_ids, self.layout, self.rank, kinds=(), window=window)
+        return self._window_plans[window]
+
+    def send_indices_on(self, device: torch.device, window: Optional[int] = None) -> List[Optional[torch.Tensor]]:
         """Per destination, the local rows this rank sends it (needed-only), on the device once per step.
 
         None: every local row in order (a long document's whole shard), sent without a gather copy.
         """
-        key = ("send_list", str(device))
+        key = ("send_list", str(device), window)
         if key not in self._device_index:
             self._device_index[key] = [_non_identity(t, self.local_len, device)
-                                       for t in self.plan.exchange.send_index]
+                                       for t in self.plan_for(window).exchange.send_index]
         return self._device_index[key]
 
-    def stream_on(self, kind: str, device: torch.device) -> List[List["DeviceCall"]]:
+    def stream_on(self, kind: str, device: torch.device, window: Optional[int] = None) -> List[List["DeviceCall"]]:
         """Per step, the kernel calls of the streamed plan with their indices on the device."""
-        key = ("stream", kind, str(device))
+        key = ("stream", kind, str(device), window)
         if key not in self._device_index:
             self._device_index[key] = [[DeviceCall.of(call, self.local_len * self.rows, step.chunk_len * self.rows,
                                                       device) for call in step.calls]
-                                       for step in self.plan.stream[kind].steps]
+                                       for step in self.plan_for(window).stream[kind].steps]
         return self._device_index[key]
 
 
@@ -444,7 +457,7 @@ class DeviceCall:
         cu_q = torch.tensor((0,) + call.q_lens, dtype=torch.long).cumsum(0).to(torch.int32)
         cu_k = torch.tensor((0,) + call.k_lens, dtype=torch.long).cumsum(0).to(torch.int32)
         seg = kernels.Segments(cu_q.to(device), cu_k.to(device), max(call.q_lens), max(call.k_lens),
-                               call.q_lens, call.k_lens, call.causal)
+                               call.q_lens, call.k_lens, call.causal, call.window)
         # None marks an identity index (every row used, in order): no gather copy needed.
         return cls(call, _non_identity(call.q_index, q_rows, device), _non_identity(call.k_index, k_rows, device),
                    seg)

@@ -22,18 +22,30 @@ def doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return same & causal & (ids.unsqueeze(-1) > 0)
 
 
-def reference_attention(q, k, v, doc_ids, scale=None):
-    """q: [S, b, Hq, D], k/v: [S, b, Hkv, D] -> [S, b, Hq, D]; padding rows give zeros."""
+def reference_attention(q, k, v, doc_ids, scale=None, window=None, sink=None):
+    """q: [S, b, Hq, Dqk], k: [S, b, Hkv, Dqk], v: [S, b, Hkv, Dv] -> [S, b, Hq, Dv]; padding rows give zeros.
+
+    ``window``: query i sees keys j >= i - window only (Megatron's window_size (window, 0)).
+    ``sink``: [Hq] logits appended to every row's softmax with no value (attention sinks,
+    Megatron's softmax_offset): softmax over [scores, sink], the sink's column dropped.
+    """
     S, b, hq, d = q.shape
     rep = hq // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
     scale = d ** -0.5 if scale is None else scale
     mask = doc_mask(doc_ids).to(q.device)  # [R, S, S]
+    if window is not None:
+        i = torch.arange(S, device=q.device)
+        mask = mask & (i.unsqueeze(0) >= i.unsqueeze(1) - window)
     mask = mask.expand(b, S, S) if mask.shape[0] == 1 else mask
     scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sink is not None:
+        column = sink.to(scores.dtype).view(1, hq, 1, 1).expand(b, hq, S, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # fully masked (padding) rows
     return torch.einsum("bhst,tbhd->sbhd", probs, v)
 

@@ -1,0 +1,123 @@
+"""Sliding windows, attention sinks and MLA head dims under CP, against an fp64 reference.
+
+Every layout x exchange (dense kernel) at cp 1, 2 and 3: output and every input
+gradient (and the sink logits' gradient, summed over the CP ranks as Megatron's
+gradient all-reduce does) equal ``reference_attention`` with the same window / sink
+on one process. Windows smaller than, equal to and larger than documents, windows
+reaching across rank boundaries, documents of length 1, sinks with windows, and a
+value head dim different from the query/key one with grouped K/V heads.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.testing import WorkerPool, reference_attention
+from megatron_ext.testing.cases import make_doc_ids
+
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+EXCHANGES = ("allgather", "halo", "a2a")
+TOL = 1e-9
+
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"cp{n}")
+def pool(request):
+    p = WorkerPool(request.param)
+    yield p
+    p.close()
+
+
+def _rel(a, b):
+    # Window 0 leaves each query its own key: dq and dk are rounding noise, so the floor is absolute.
+    return float((a.detach() - b).abs().max() / b.abs().max().clamp_min(1e-3))
+
+
+def check_variant(case, window, sink_kind, heads, kv_backwards=("refetch",), S=96):
+    """On every rank: {(layout, exchange, kv_backward): [errors of out, dq, dk, dv, dsink]}."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    cp = dist.get_world_size()
+    hq, hkv, dk, dv = heads
+    doc_ids = make_doc_ids(case, S, cp)
+    b = doc_ids.shape[0] if doc_ids.dim() == 2 else 1
+    S = doc_ids.shape[-1]
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(S, b, hq, dk, generator=g, dtype=torch.float64)
+    k = torch.randn(S, b, hkv, dk, generator=g, dtype=torch.float64)
+    v = torch.randn(S, b, hkv, dv, generator=g, dtype=torch.float64)
+    w = torch.randn(S, b, hq, dv, generator=g, dtype=torch.float64)
+    sink = None if sink_kind is None else (
+        torch.zeros(hq, dtype=torch.float64) if sink_kind == "off-by-one"
+        else torch.randn(hq, generator=g, dtype=torch.float64))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_sink = None if sink is None else sink.clone().requires_grad_(sink_kind == "learnable")
+    ref = reference_attention(*ref_in, doc_ids, window=window, sink=ref_sink)
+    (ref * w).sum().backward()
+    results = {}
+    for layout in LAYOUTS:
+        for exchange in EXCHANGES:
+            for kv_backward in kv_backwards:
+                state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange,
+                                                    attn_backend="dense", kv_backward=kv_backward)
+                local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+                offset = None if sink is None else sink.clone().requires_grad_(sink_kind == "learnable")
+                with bdcp.blockdiag_cp_step(state):
+                    out = bdcp.blockdiag_cp_attention(
+                        *local, window_size=None if window is None else (window, 0), softmax_offset=offset)
+                    (out * state.shard(w)).sum().backward()
+                errs = [_rel(out, state.shard(ref))] + [
+                    _rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
+                if sink_kind == "learnable":
+                    grad = offset.grad.clone()
+                    dist.all_reduce(grad)  # every rank's queries contribute (Megatron reduces over DP x CP)
+                    errs.append(_rel(grad, ref_sink.grad))
+                results[(layout, exchange, kv_backward)] = errs
+    return results
+
+
+def _assert_all(results):
+    for rank, per_rank in enumerate(results):
+        for key, errs in per_rank.items():
+            assert max(errs) < TOL, (rank, key, errs)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["single", "short", "len1_boundaries", "pad_middle", "b2"])
+@pytest.mark.parametrize("window", [0, 5, 23, 200])
+def test_sliding_window(pool, case, window):
+    # short documents are 1-12 tokens: window 5 cuts some, 23 and 200 none; single: every window cuts
+    # across rank boundaries (S = 96); len1_boundaries puts length-1 documents at every shard boundary.
+    modes = ("refetch", "save") if window == 23 else ("refetch",)
+    _assert_all(pool.run(check_variant, case, window, None, (4, 2, 8, 8), modes))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sink", ["off-by-one", "learnable"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("case", ["single", "short", "pad_middle"])
+def test_attention_sinks(pool, sink, window, case):
+    _assert_all(pool.run(check_variant, case, window, sink, (4, 2, 8, 8)))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["single", "short", "b2"])
+def test_mla_head_dims_with_grouped_kv(pool, case):
+    # q/k head dim 12, v head dim 8 (DeepSeek-V3's 192/128 in small), 4 query heads over 2 K/V heads.
+    _assert_all(pool.run(check_variant, case, None, None, (4, 2, 12, 8), ("refetch", "save")))
+    _assert_all(pool.run(check_variant, case, 9, "learnable", (4, 4, 6, 10)))  # wider V, window, sink
+
+
+def test_window_size_must_be_causal():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    state = bdcp.BlockDiagCPState.build(torch.ones(8, dtype=torch.long), attn_backend="dense")
+    q = torch.randn(8, 1, 2, 4)
+    for bad, needle in (((4, 2), "right must be 0"), ((-3, 0), "left >= 0"), ("x", "pair")):
+        with pytest.raises(bdcp.BlockDiagCPError, match=needle):
+            with bdcp.blockdiag_cp_step(state):
+                bdcp.blockdiag_cp_attention(q, q, q, window_size=bad)
+    with pytest.raises(bdcp.BlockDiagCPError, match="softmax_offset has shape"):
+        with bdcp.blockdiag_cp_step(state):
+            bdcp.blockdiag_cp_attention(q, q, q, softmax_offset=torch.zeros(3))
