@@ -121,3 +121,89 @@ def test_window_size_must_be_causal():
     with pytest.raises(bdcp.BlockDiagCPError, match="softmax_offset has shape"):
         with bdcp.blockdiag_cp_step(state):
             bdcp.blockdiag_cp_attention(q, q, q, softmax_offset=torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------
+# the flash and TE argument plumbing through the library doubles (megatron_ext.testing.doubles)
+# ---------------------------------------------------------------------------
+
+
+def _libraries(setup):
+    from megatron_ext.testing import doubles as fd
+
+    if setup == "flash_attn":
+        lib, iface = fd.fake_flash_attn("2.8.3")
+        return "flash", {"flash_attn": lib, "flash_attn.flash_attn_interface": iface}
+    if setup in ("torch_flash", "torch_flash_no_window"):
+        return "flash", {"flash_attn": None, "torch.nn.attention.varlen": object(),
+                         "torch.ops.aten.flash": fd.fake_torch_flash_ops(window=setup == "torch_flash")}
+    return "te", fd.fake_te()
+
+
+def check_through_double(setup, window, sink_kind, heads, strict=False):
+    """One step per layout x exchange with a backend's library double behind it; errors and backends."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing import doubles as fd
+    from megatron_ext.testing import override_availability, override_libraries
+
+    backend, libraries = _libraries(setup)
+    hq, hkv, dk, dv = heads
+    doc_ids = make_doc_ids("single", 96, dist.get_world_size())
+    g = torch.Generator().manual_seed(3)
+    q, k, v, w = (torch.randn(96, 1, h, d, generator=g, dtype=torch.float64)
+                  for h, d in ((hq, dk), (hkv, dk), (hkv, dv), (hq, dv)))
+    sink = None if sink_kind is None else torch.randn(hq, generator=g, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    (reference_attention(*ref_in, doc_ids, window=window, sink=sink) * w).sum().backward()
+    out = {}
+    fd.CALLS.clear()
+    with override_libraries(libraries), override_availability(backend, None, any_call=True):
+        for layout in LAYOUTS:
+            for exchange in ("allgather", "a2a"):
+                state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange,
+                                                    attn_backend=backend, strict=strict)
+                local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+                try:
+                    with bdcp.blockdiag_cp_step(state):
+                        o = bdcp.blockdiag_cp_attention(*local, window_size=None if window is None else (window, 0),
+                                                        softmax_offset=sink)
+                        (o * state.shard(w)).sum().backward()
+                except bdcp.BlockDiagCPError as exc:
+                    out[(layout, exchange)] = str(exc)
+                    continue
+                errs = [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
+                out[(layout, exchange)] = (errs, state.report()["attn_backend"], state.report()["attn_backend_reason"])
+    windows = {c.get("window") for c in fd.CALLS}
+    return out, sorted(windows, key=str), sorted({c["kind"] for c in fd.CALLS})
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setup", ["flash_attn", "torch_flash", "te"])
+def test_windows_sinks_and_mla_through_the_library_doubles(pool2, setup):
+    # window 20 over one 96-token document at cp = 2: bands cut at chunk edges, windowed diagonals.
+    for out, windows, kinds in pool2.run(check_through_double, setup, 20, "learnable", (4, 2, 12, 8)):
+        assert kinds == [{"flash_attn": "flash_attn", "torch_flash": "torch_flash", "te": "te"}[setup]], kinds
+        assert any(w not in (None,) for w in windows), windows  # windows reached the library
+        for key, (errs, backend, _) in out.items():
+            assert backend == ("te" if setup == "te" else "flash"), (key, backend)
+            assert max(errs) < 1e-5, (key, errs)  # the libraries hand the lse back in fp32
+
+
+@pytest.mark.timeout(300)
+def test_flash_without_window_support_falls_back_or_raises_in_strict(pool2):
+    for out, _, kinds in pool2.run(check_through_double, "torch_flash_no_window", 20, None, (4, 2, 8, 8)):
+        assert kinds == [], kinds  # the library was never called with a window it cannot take
+        for key, (errs, backend, reason) in out.items():
+            assert backend == "dense" and "take no sliding window" in reason, (key, backend, reason)
+            assert max(errs) < TOL
+    for out, _, _ in pool2.run(check_through_double, "torch_flash_no_window", 20, None, (4, 2, 8, 8), True):
+        assert all(isinstance(r, str) and "strict mode" in r and "sliding window" in r for r in out.values()), out

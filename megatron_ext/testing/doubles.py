@@ -35,11 +35,16 @@ def _check(cond: bool, message: str) -> None:
         raise ContractError(message)
 
 
-def check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, round_to: int = 1) -> tuple:
-    """Validate what a real varlen kernel relies on; return host copies of cu_seqlens."""
+def check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, round_to: int = 1,
+                          same_head_dim: bool = False) -> tuple:
+    """Validate what a real varlen kernel relies on; return host copies of cu_seqlens.
+
+    ``same_head_dim``: the kernel takes one head dim for q, k and v (flash).
+    """
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q/k/v must be [T, H, D]: {q.shape} {k.shape}")
     _check(k.shape[:2] == v.shape[:2], f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in rows/heads")
     _check(q.shape[2] == k.shape[2], "q and k head dims differ")
+    _check(not same_head_dim or v.shape[2] == q.shape[2], f"flash takes one head dim: q {q.shape}, v {v.shape}")
     _check(q.shape[1] % k.shape[1] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k.shape[1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check(t.stride(-1) == 1, f"{name} must have a contiguous last dimension (stride {t.stride()})")
@@ -67,15 +72,19 @@ def check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, round
     return cq, ck
 
 
-def _segment_scores(qs, ks, scale, causal):
+def _segment_scores(qs, ks, scale, causal, window=None):
     scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+    nq, nk = qs.shape[0], ks.shape[0]
+    i, j = torch.arange(nq).unsqueeze(1), torch.arange(nk).unsqueeze(0)
+    hidden = torch.zeros(nq, nk, dtype=torch.bool)
     if causal:
-        n = qs.shape[0]
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1).to(scores.device), float("-inf"))
-    return scores
+        hidden |= j > i
+    if window is not None and window >= 0:  # flash's bottom-right sliding window
+        hidden |= j < i + nk - nq - window
+    return scores.masked_fill(hidden.to(scores.device), float("-inf"))
 
 
-def varlen_math(q, k, v, cq: List[int], ck: List[int], scale: float, causal: bool):
+def varlen_math(q, k, v, cq: List[int], ck: List[int], scale: float, causal: bool, window=None):
     """(out [T, Hq, Dv], lse [T, Hq]): explicit per-segment softmax attention."""
     rep = q.shape[1] // k.shape[1]
     outs, lses = [], []
@@ -83,21 +92,21 @@ def varlen_math(q, k, v, cq: List[int], ck: List[int], scale: float, causal: boo
         qs = q[cq[i]:cq[i + 1]]
         ks = k[ck[i]:ck[i + 1]].repeat_interleave(rep, dim=1)
         vs = v[ck[i]:ck[i + 1]].repeat_interleave(rep, dim=1)
-        scores = _segment_scores(qs, ks, scale, causal)
+        scores = _segment_scores(qs, ks, scale, causal, window)
         lse = torch.logsumexp(scores, dim=-1)  # [H, n]
         outs.append(torch.einsum("hqk,khd->qhd", torch.exp(scores - lse.unsqueeze(-1)), vs))
         lses.append(lse.t())
     return torch.cat(outs), torch.cat(lses)
 
 
-def varlen_math_backward(dout, q, k, v, out, lse, cq, ck, scale, causal):
+def varlen_math_backward(dout, q, k, v, out, lse, cq, ck, scale, causal, window=None):
     """(dq, dk, dv) of this call, given the final out [T, Hq, Dv] and lse [T, Hq]."""
     rep = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for i in range(len(cq) - 1):
         a, b, c, e = cq[i], cq[i + 1], ck[i], ck[i + 1]
         ks, vs = k[c:e].repeat_interleave(rep, dim=1), v[c:e].repeat_interleave(rep, dim=1)
-        probs = torch.exp(_segment_scores(q[a:b], ks, scale, causal) - lse[a:b].t().unsqueeze(-1))
+        probs = torch.exp(_segment_scores(q[a:b], ks, scale, causal, window) - lse[a:b].t().unsqueeze(-1))
         d_probs = torch.einsum("qhd,khd->hqk", dout[a:b], vs)
         delta = (dout[a:b] * out[a:b]).sum(-1).t().unsqueeze(-1)  # [H, n, 1]
         d_scores = probs * (d_probs - delta) * scale
@@ -126,8 +135,8 @@ def _double_forward(q, k, v, seg, softmax_scale, dropout_p=0.0, seed=0):
                                    seg.max_seqlen_k, seg.causal)
     _check(list(seg.q_lens) == [b - a for a, b in zip(cq[:-1], cq[1:])], "host q_lens disagree with cu_seqlens_q")
     _check(list(seg.k_lens) == [b - a for a, b in zip(ck[:-1], ck[1:])], "host k_lens disagree with cu_seqlens_k")
-    _record("kernel", q, k, cq, seg.causal)
-    out, lse = varlen_math(q, k, v, cq, ck, softmax_scale, seg.causal)
+    _record("kernel", q, k, cq, seg.causal, window=seg.window)
+    out, lse = varlen_math(q, k, v, cq, ck, softmax_scale, seg.causal, seg.window)
     return out, lse, ("double", len(cq))
 
 
@@ -135,7 +144,7 @@ def _double_backward(dout, q, k, v, out, lse, aux, seg, softmax_scale, dropout_p
     _check(aux[0] == "double" and aux[1] == seg.cu_seqlens_q.numel(), "backward got another call's aux")
     _check(out.shape[:2] == q.shape[:2] and lse.shape == q.shape[:2], "out/lse rows differ from q's")
     return varlen_math_backward(dout, q, k, v, out, lse, seg.cu_seqlens_q.tolist(), seg.cu_seqlens_k.tolist(),
-                                softmax_scale, seg.causal)
+                                softmax_scale, seg.causal, seg.window)
 
 
 def kernel_double():
@@ -154,18 +163,50 @@ def _rng_state(device):
     return torch.zeros(2, dtype=torch.int64, device=device)
 
 
-def fake_torch_flash_ops():
+def _window_of(left, right, causal):
+    """flash's (left, right) -> the double's window; a right edge other than the causal one is a misuse."""
+    left = -1 if left is None else left
+    right = -1 if right is None else right
+    _check(right == (0 if causal else -1) or (left == -1 and right == -1),
+           f"window right edge {right} with causal={causal}")
+    return None if left < 0 else left
+
+
+def fake_torch_flash_ops(window: bool = True):
+    """Stands in for ``torch.ops.aten._flash_attention_forward/_backward`` (varlen: lse [H, T]).
+
+    ``window=False``: an older torch whose ops take no window_size_left/right.
+    """
+    ops = _torch_flash_ops_with_window()
+    if window:
+        return ops
+
+    def forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                return_debug_mask, *, scale=None):
+        return ops._flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                                            is_causal, return_debug_mask, scale=scale)
+
+    def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                 is_causal, rng_state, unused, *, scale=None):
+        return ops._flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                                             max_q, max_k, dropout_p, is_causal, rng_state, unused, scale=scale)
+
+    return types.SimpleNamespace(_flash_attention_forward=forward, _flash_attention_backward=backward)
+
+
+def _torch_flash_ops_with_window():
     """Stands in for ``torch.ops.aten._flash_attention_forward/_backward`` (varlen: lse [H, T])."""
 
     def _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                                  return_debug_mask, *, scale=None, window_size_left=None,
                                  window_size_right=None, seqused_k=None, alibi_slopes=None):
         _check(dropout_p == 0.0, "the double has no dropout")
-        _check(window_size_left in (None, -1) and window_size_right in (None, -1), "no window expected")
-        cq, ck = check_varlen_metadata(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal)
-        _record("torch_flash", query, key, cq, is_causal)
+        window = _window_of(window_size_left, window_size_right, is_causal)
+        cq, ck = check_varlen_metadata(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                                       same_head_dim=True)
+        _record("torch_flash", query, key, cq, is_causal, window=window)
         out, lse = varlen_math(query, key, value, cq, ck, query.shape[-1] ** -0.5 if scale is None else scale,
-                               is_causal)
+                               is_causal, window)
         return out, lse.t().contiguous().float(), _rng_state(query.device), torch.empty(0), torch.empty(0)
 
     def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
@@ -173,9 +214,11 @@ def fake_torch_flash_ops():
                                   window_size_left=None, window_size_right=None):
         _check(logsumexp.shape == (query.shape[1], query.shape[0]), f"lse must be [H, T], got {logsumexp.shape}")
         _check(rng_state.numel() == 2, "rng_state is not the forward's")
-        cq, ck = check_varlen_metadata(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal)
+        cq, ck = check_varlen_metadata(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                                       same_head_dim=True)
         return varlen_math_backward(grad_out, query, key, value, out, logsumexp.t().to(query.dtype), cq, ck,
-                                    query.shape[-1] ** -0.5 if scale is None else scale, is_causal)
+                                    query.shape[-1] ** -0.5 if scale is None else scale, is_causal,
+                                    _window_of(window_size_left, window_size_right, is_causal))
 
     return types.SimpleNamespace(_flash_attention_forward=_flash_attention_forward,
                                  _flash_attention_backward=_flash_attention_backward)
@@ -189,10 +232,11 @@ def fake_flash_attn(version: str = "2.8.3"):
                                    softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
                                    leftpad_k=None, seqused_k=None):
         _check(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None, "plain attention expected")
-        _check((window_size_left, window_size_right) == (-1, -1), "no window expected")
-        cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
-        _record("flash_attn", q, k, cq, causal)
-        out, lse = varlen_math(q, k, v, cq, ck, softmax_scale, causal)
+        window = _window_of(window_size_left, window_size_right, causal)
+        cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                       same_head_dim=True)
+        _record("flash_attn", q, k, cq, causal, window=window)
+        out, lse = varlen_math(q, k, v, cq, ck, softmax_scale, causal, window)
         return out, lse.t().contiguous().float(), None, _rng_state(q.device)
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -200,9 +244,10 @@ def fake_flash_attn(version: str = "2.8.3"):
                                     window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
                                     deterministic=False, rng_state=None, zero_tensors=False):
         _check(softmax_lse.shape == (q.shape[1], q.shape[0]), f"lse must be [H, T], got {softmax_lse.shape}")
-        cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                       same_head_dim=True)
         grads = varlen_math_backward(dout, q, k, v, out, softmax_lse.t().to(q.dtype), cq, ck, softmax_scale,
-                                     causal)
+                                     causal, _window_of(window_size_left, window_size_right, causal))
         for dst, src in zip((dq, dk, dv), grads):
             dst.copy_(src)
         return None
@@ -231,19 +276,28 @@ class FakeFusedAttn(types.SimpleNamespace):
         cq, ck = check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal, round_to=64)
         return cq, ck, causal
 
+    def _window(self, window_size, bottom_right_diagonal, causal):
+        if tuple(window_size) == (-1, -1):
+            return None
+        _check(bottom_right_diagonal is True, "a window needs bottom_right_diagonal=True (flash's alignment)")
+        _check(window_size[1] == (0 if causal else -1), f"window_size {window_size} with causal={causal}")
+        return window_size[0]
+
     def fused_attn_fwd(self, is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
                        fake_dtype, fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None,
                        cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None,
                        o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True,
                        qkv_layout="sbh3d", o_format="sbhd", attn_bias_type="no_bias",
                        attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
-                       rng_gen=None, softmax_offset=None, return_max_logit=False):
+                       bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False):
         _check(is_training and dropout == 0.0 and o_format == "thd", "training, no dropout, thd output")
+        _check(softmax_type == "vanilla", "sinks are the engine's (once per row), never a kernel's (once per call)")
         cq, ck, causal = self._common(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
                                       fake_dtype, fused_attention_backend, qkv_layout, attn_mask_type)
+        window = self._window(window_size, bottom_right_diagonal, causal)
         self.calls.append({"mask": attn_mask_type, "max_seqlen_q": max_seqlen_q, "max_seqlen_kv": max_seqlen_kv})
-        _record("te", q, k, cq, causal)
-        out, lse = varlen_math(q, k, v, cq, ck, attn_scale, causal)
+        _record("te", q, k, cq, causal, window=window)
+        out, lse = varlen_math(q, k, v, cq, ck, attn_scale, causal, window)
         if self.stats_layout == "thd":
             stats = lse.float().unsqueeze(-1)
         else:
@@ -258,7 +312,7 @@ class FakeFusedAttn(types.SimpleNamespace):
                        attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd",
                        do_format="sbhd", dqkv_layout="sbh3d", attn_bias_type="no_bias",
                        attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
-                       deterministic=False):
+                       bottom_right_diagonal=None, deterministic=False):
         _check((o_format, do_format, dqkv_layout) == ("thd", "thd", "thd_thd_thd"), "thd formats expected")
         cq, ck, causal = self._common(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
                                       fake_dtype, fused_attention_backend, qkv_layout, attn_mask_type)
@@ -272,7 +326,8 @@ class FakeFusedAttn(types.SimpleNamespace):
             lse = torch.cat([stats[i, :, :cq[i + 1] - cq[i], 0].t() for i in range(len(cq) - 1)])
         o = o.view(q.shape[0], q.shape[1], -1)
         d_o = d_o.view(o.shape)
-        dq, dk, dv = varlen_math_backward(d_o, q, k, v, o, lse.to(q.dtype), cq, ck, attn_scale, causal)
+        dq, dk, dv = varlen_math_backward(d_o, q, k, v, o, lse.to(q.dtype), cq, ck, attn_scale, causal,
+                                          self._window(window_size, bottom_right_diagonal, causal))
         return [dq, dk, dv, None, None]
 
 
