@@ -266,8 +266,15 @@ class BlockDiagCPAttention(MegatronModule):
                 "(shard_batch(..., cp_group=parallel_state.get_context_parallel_group()))")
 
 
-def rng_tracker_applies(device) -> bool:
-    """Whether megatron's model-parallel RNG tracker is set up and holds states for ``device``."""
-    from megatron.core import tensor_parallel
+def tracker_device(device) -> bool:
+    """Whether megatron's RNG tracker holds generator states for ``device`` (CUDA's only)."""
+    return device.type == "cuda"
 
-    return device.type == "cuda" and tensor_parallel.get_cuda_rng_tracker().is_initialized()
+
+def rng_tracker_applies(device) -> bool:
+    """Whether megatron's model-parallel RNG state is set up, for ``device``."""
+    from megatron.core.tensor_parallel import random
+
+    tracker = random.get_cuda_rng_tracker()
+    return (tracker_device(device) and tracker.is_initialized()
+            and random._MODEL_PARALLEL_RNG_TRACKER_NAME in tracker.get_states())

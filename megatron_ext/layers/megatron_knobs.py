@@ -149,11 +149,13 @@ def apply_megatron_knobs(config, cp_comm_type=None) -> Dict[str, str]:
     megatron = megatron_knob_values(config, cp_comm_type)
     current = _current()
     target = dict(current)
+    pinned_now = set()
     for knob, (mapped, megatron_flag, given) in megatron.items():
         pinned = _PINNED.get(knob)
         if pinned is None and current[knob] != _DEFAULT[knob] and current[knob] != _APPLIED.get(knob):
             pinned = (current[knob], f"configure_cp_varlen({knob}={current[knob]!r})")
         if pinned is not None:
+            pinned_now.add(knob)
             if given and mapped is not None and mapped != pinned[0]:
                 raise BlockDiagCPError(
                     f"{pinned[1]} (ours: {knob} {pinned[0]!r}) and {megatron_flag} (Megatron's: maps to "
@@ -166,9 +168,11 @@ def apply_megatron_knobs(config, cp_comm_type=None) -> Dict[str, str]:
             target[knob] = _DEFAULT[knob]  # an earlier model's Megatron value no longer applies
     if target != current:
         knobs.configure_cp_varlen(target["attn_backend"], target["kv_exchange"])
-    for knob, (mapped, _, _) in megatron.items():
-        if knob not in _PINNED and mapped is not None and target[knob] == mapped:
+    for knob, (mapped, _, _) in megatron.items():  # remember what Megatron's values set, only that
+        if knob in pinned_now:
+            continue
+        if mapped is not None:
             _APPLIED[knob] = mapped
-        elif target[knob] == _DEFAULT[knob]:
+        else:
             _APPLIED.pop(knob, None)
     return _current()
