@@ -177,6 +177,18 @@ def test_ours_and_megatrons_disagreeing_is_refused(results):
     assert "--cp-kv-exchange a2a" in s["errors"][0] and "--cp-comm-type allgather" in s["errors"][0]
 
 
+def test_hierarchical_a2a_p2p_refused(results):
+    s = results["scenarios"]["a2a_p2p"]
+    _refused(s, "--cp-comm-type a2a+p2p", 2)
+    assert "--cp-kv-exchange a2a" in s["errors"][0]
+
+
+def test_attention_backend_local_never_runs_without_our_layer(results):
+    # Megatron-LM's own validate_args refuses it with any --spec but local; our layer and spec refuse
+    # it too where no such check runs (test_layer_config.py).
+    _refused(results["scenarios"]["attention_backend_local"], "--attention-backend local", 2)
+
+
 def test_strict_flag_takes_effect(results):
     _refused(results["scenarios"]["strict_fallback"], "strict mode: attention backend 'te'", 2)
 

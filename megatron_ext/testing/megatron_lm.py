@@ -202,6 +202,12 @@ SCENARIOS = {s["name"]: s for s in (
     _scenario("conflict", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--cp-kv-exchange", "a2a", "--cp-comm-type", "allgather"],
         ours=True, reference=False, expect_error="disagree"),
+    _scenario("a2a_p2p", 2, 2, BASE + SPEC + MASK + MOCK + [
+        "--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+        "2", "1"], reference=False, expect_error="a2a+p2p"),
+    _scenario("attention_backend_local", 2, 2, BASE + SPEC + MASK + MOCK + [
+        "--context-parallel-size", "2", "--attention-backend", "local"], reference=False,
+        expect_error="--attention-backend local"),
     _scenario("strict_fallback", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--cp-attn-backend", "te", "--cp-attn-backend-strict"],
         ours=True, reference=False, expect_error="strict mode"),
