@@ -133,6 +133,12 @@ class BlockDiagCPAttention(MegatronModule):
     in ``packed_seq_params.blockdiag_state``; one built from THD ``packed_seq_params``;
     one derived from Megatron's per-document causal ``attention_mask``; the state
     published by ``blockdiag_cp_step``. Self-attention with a causal mask type only.
+
+    At construction: every config field megatron's core attentions read is honoured or
+    refused (``CORE_ATTENTION_CONFIG``); ``k_channels`` / ``v_channels`` (what megatron's MLA
+    passes) set the head dim, and differing ones are refused until the kernels take them;
+    Megatron's ``attention_backend`` / ``cp_comm_type`` set our knobs (``megatron_knobs``).
+    Attention dropout runs inside megatron's model-parallel RNG fork, as megatron's own.
     """
 
     def __init__(
