@@ -347,11 +347,11 @@ def _params_and_grads(chunks):
         names = _global_param_names(chunk)
         for name, p in chunk.named_parameters():
             params[names[name]] = p.detach().clone()
-            grads[names[name]] = (p.grad if p.grad is not None else torch_zeros_like(p)).detach().clone()
+            grads[names[name]] = (p.grad if p.grad is not None else _zeros_like(p)).detach().clone()
     return params, grads
 
 
-def torch_zeros_like(p):
+def _zeros_like(p):
     import torch
 
     return torch.zeros_like(p)
