@@ -115,14 +115,14 @@ def plan_ahead_provider(batch):
     """The CP layout + plan of a micro batch, built one step ahead on the loop's planning thread."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext import parallel_state as ps
-    from megatron_ext.blockdiag_cp.plan import segment_kind
+    from megatron_ext.blockdiag_cp.plan import chunk_kind
 
     args = get_args()
     cp = ps.get_cp_world_size()
     return bdcp.prepare_plan(
         bdcp.doc_ids_from_eod(batch["tokens"].cpu(), EOD), cp, ps.get_cp_rank(),
         layout=args.cp_layout_canonical, cost_model=cp_cost_model(),
-        kinds=(segment_kind(args.cp_kv_exchange_canonical) if cp > 1 else "sparse",))
+        kinds=(chunk_kind(args.cp_kv_exchange_canonical) if cp > 1 else "needed",))
 
 
 def get_batch(data_iterator):

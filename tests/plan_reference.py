@@ -82,58 +82,5 @@ def reference_build_plan(doc_ids: torch.Tensor, layout, rank: int) -> dict:
     exchange = dict(counts=counts, send_index=send_index, recv_positions=recv_positions,
                     halo_ok=halo_ok, halo_reason=halo_reason)
 
-    # Buffer slot of every global position this rank may read, per exchange kind.
-    allgather_slot = owner * L + local_index
-    sparse_slot = torch.full((P,), -1, dtype=torch.long)
-    sparse_slot[layout.positions[rank]] = torch.arange(L)
-    received = torch.cat(recv_positions) if recv_positions else torch.empty(0, dtype=torch.long)
-    sparse_slot[received] = L + torch.arange(received.numel())
-    segments = {
-        "allgather": _segments(doc_ids, starts, layout.positions[rank], allgather_slot),
-        "sparse": _segments(doc_ids, starts, layout.positions[rank], sparse_slot),
-    }
     return dict(rank=rank, cp=cp, rows=R, local_len=L, needed_remote=needed_remote,
-                work_per_rank=work_per_rank, exchange=exchange, segments=segments)
-
-
-def _segments(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor,
-              slot: torch.Tensor) -> tuple:
-    R = doc_ids.shape[0]
-    L = positions.numel()
-    q_parts, k_parts, q_lens, k_lens = [], [], [], []
-    local = torch.arange(L)
-    for row in range(R):
-        d = doc_ids[row, positions]
-        new_seg = torch.ones(L, dtype=torch.bool)
-        new_seg[1:] = (d[1:] != d[:-1]) | (positions[1:] != positions[:-1] + 1)
-        seg_id = new_seg.long().cumsum(0) - 1
-        real = d > 0
-        if not bool(real.any()):
-            continue
-        first = torch.nonzero(new_seg & real).flatten()  # local index of each segment's first query
-        n_q = torch.bincount(seg_id[real], minlength=int(seg_id[-1]) + 1)[seg_id[first]]
-        last_pos = positions[first + n_q - 1]
-        key_start = starts[row, positions[first]]
-        n_k = last_pos + 1 - key_start
-        q_parts.append(local[real] * R + row)
-        k_pos = _ranges(key_start, n_k)
-        k_slot = slot[k_pos]
-        assert bool((k_slot >= 0).all()), "plan bug: a needed key is not delivered"
-        k_parts.append(k_slot * R + row)
-        q_lens.append(n_q)
-        k_lens.append(n_k)
-    if not q_parts:
-        empty = torch.empty(0, dtype=torch.long)
-        zero = torch.zeros(1, dtype=torch.int32)
-        return (empty, empty, zero, zero, 0, 0)
-    q_lens_t, k_lens_t = torch.cat(q_lens), torch.cat(k_lens)
-    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), q_lens_t.cumsum(0)]).to(torch.int32)
-    cu_k = torch.cat([torch.zeros(1, dtype=torch.long), k_lens_t.cumsum(0)]).to(torch.int32)
-    return (torch.cat(q_parts), torch.cat(k_parts), cu_q, cu_k, int(q_lens_t.max()), int(k_lens_t.max()))
-
-
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenation of arange(s, s + n) for each (s, n)."""
-    total = int(lengths.sum())
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - offsets, lengths) + torch.arange(total)
+                work_per_rank=work_per_rank, exchange=exchange)

@@ -313,22 +313,15 @@ def test_thd_sft_form_cu_seqlens_q_equal_to_padded(pool2):
 # ---------------------------------------------------------------------------
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    """Identity forward; its backward fails (a kernel whose backward breaks)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("injected failure in the kernel's backward")
+def _raise_in_backward(*args, **kwargs):
+    raise RuntimeError("injected failure in the kernel's backward")
 
 
-def _fails_in_backward(q, k, v, seg, scale, dropout_p=0.0):
+def _fails_in_backward():
+    """The dense kernel, with a backward that breaks."""
     from megatron_ext.blockdiag_cp import kernels
 
-    return _RaiseInBackward.apply(kernels.dense_varlen(q, k, v, seg, scale, dropout_p))
+    return kernels.Kernel(kernels.dense_forward, _raise_in_backward)
 
 
 def schedule_forward_later_backward():
@@ -371,7 +364,7 @@ def schedule_forward_later_backward():
         # A kernel failure in a backward that runs later (rank 0 only): no error there, then the
         # next microbatch's build raises it on every rank.
         third = forward(batches[2])
-        broken = override_kernel("dense", _fails_in_backward) if dist.get_rank() == 0 \
+        broken = override_kernel("dense", _fails_in_backward()) if dist.get_rank() == 0 \
             else contextlib.nullcontext()
         with broken:
             silent = catch(third.backward)
@@ -384,12 +377,15 @@ def schedule_forward_later_backward():
 
 @pytest.mark.timeout(300)
 def test_schedule_backward_outside_any_step_and_failures_raised_at_next_build(pool2):
-    for (err_1, err_2), fires, silent, raised, after in pool2.run(schedule_forward_later_backward):
+    for rank, ((err_1, err_2), fires, silent, raised, after) in enumerate(
+            pool2.run(schedule_forward_later_backward)):
         assert err_1 < TOL and err_2 < TOL, (err_1, err_2)
         assert fires == 8, fires  # 2 microbatches x 2 layers x (forward + recompute)
         assert silent is None
         assert raised is not None and raised[0] == "BlockDiagCPError", raised
         assert "kernel failed" in raised[1] and "raised at this step's build" in raised[1], raised
+        if rank == 0:  # the rank whose kernel broke names the cause
+            assert "injected failure in the kernel's backward" in raised[1], raised
         assert after is None
 
 

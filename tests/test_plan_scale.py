@@ -39,11 +39,6 @@ def _assert_same_plan(new, old):
     assert all(torch.equal(a, b) for a, b in zip(new.exchange.send_index, ex["send_index"]))
     assert all(torch.equal(a, b) for a, b in zip(new.exchange.recv_positions, ex["recv_positions"]))
     assert (new.exchange.halo_ok, new.exchange.halo_reason) == (ex["halo_ok"], ex["halo_reason"])
-    for kind in ("allgather", "sparse"):
-        s, o = new.segments[kind], old["segments"][kind]
-        assert all(torch.equal(a, b) for a, b in zip(
-            (s.q_index, s.k_index, s.cu_seqlens_q, s.cu_seqlens_k), o[:4])), kind
-        assert (s.max_seqlen_q, s.max_seqlen_k) == o[4:], kind
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -64,13 +59,13 @@ def test_interval_plan_equals_the_old_planner(seed):
                 _assert_same_plan(build_plan(ids, lay, rank), reference_build_plan(ids, lay, rank))
 
 
-def test_lazy_segments_build_only_what_is_asked():
+def test_lazy_rounds_build_only_what_is_asked():
     ids = _random_ids(1, 200, torch.Generator().manual_seed(3))
-    plan = build_plan(ids, build_layout("contiguous", ids, 4), 1, kinds=("sparse",))
-    assert list(plan.segments._built) == ["sparse"]
-    assert plan.segments["allgather"].num_segments > 0 and set(plan.segments) == {"allgather", "sparse"}
-    with pytest.raises(KeyError, match="unknown segment kind"):
-        plan.segments["ring"]
+    plan = build_plan(ids, build_layout("contiguous", ids, 4), 1, kinds=("needed",))
+    assert list(plan.stream._built) == ["needed"]
+    assert plan.stream["ring"].steps[0].round == 0 and set(plan.stream) == {"ring", "needed"}
+    with pytest.raises(KeyError, match="unknown chunk kind"):
+        plan.stream["sparse"]
 
 
 def _brute_force(ids_row, positions):
@@ -147,8 +142,9 @@ def test_cp1_build_uses_the_prepared_plan():
     assert state.plan is prep.plan and state.layout is prep.layout
     inline = bdcp.BlockDiagCPState.build(ids, layout="zigzag", attn_backend="dense")
     assert torch.equal(inline.layout.positions, prep.layout.positions)
-    s, o = inline.plan.segments["sparse"], prep.plan.segments["sparse"]
-    assert torch.equal(s.k_index, o.k_index) and torch.equal(s.cu_seqlens_q, o.cu_seqlens_q)
+    s, o = inline.plan.stream["needed"].steps[0].calls, prep.plan.stream["needed"].steps[0].calls
+    assert [(c.causal, c.q_lens, c.k_lens) for c in s] == [(c.causal, c.q_lens, c.k_lens) for c in o]
+    assert all(torch.equal(a.k_index, b.k_index) for a, b in zip(s, o))
     # A plan prepared for other ids is not used: the build plans in line.
     other = bdcp.BlockDiagCPState.build(ids.flip(-1), layout="zigzag", attn_backend="dense", prepared=prep)
     assert other.plan is not prep.plan
@@ -159,7 +155,7 @@ def _build_with_and_without_prepared(layout, exchange):
 
     cp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     ids = _random_ids(1, 301, torch.Generator().manual_seed(9), max_doc=80)[0]
-    prep = bdcp.prepare_plan(ids, cp, rank, layout=layout, kinds=("sparse",))
+    prep = bdcp.prepare_plan(ids, cp, rank, layout=layout, kinds=("needed",))
     built = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
                                         prepared=prep)
     inline = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense")
@@ -171,7 +167,8 @@ def _build_with_and_without_prepared(layout, exchange):
         "counts": torch.equal(a.exchange.counts, b.exchange.counts),
         "send": all(torch.equal(x, y) for x, y in zip(a.exchange.send_index, b.exchange.send_index)),
         "recv": all(torch.equal(x, y) for x, y in zip(a.exchange.recv_positions, b.exchange.recv_positions)),
-        "segments": torch.equal(a.segments["sparse"].k_index, b.segments["sparse"].k_index),
+        "segments": all(torch.equal(x.k_index, y.k_index) for ra, rb in zip(
+            a.stream["needed"].steps, b.stream["needed"].steps) for x, y in zip(ra.calls, rb.calls)),
         "needed": a.needed_remote.tolist() == summary["needed_positions_per_rank"],
         "work": a.work_per_rank.tolist() == summary["work_per_rank"],
     }

@@ -128,6 +128,7 @@ def build_per_rank(kwargs_per_rank, ids_per_rank=None):
     ("kv_exchange", ["halo", "a2a"], "kv_exchange ('a2a' vs 'halo')"),
     ("attn_backend", ["dense", "te"], "attn_backend"),
     ("strict", [False, True], "strict"),
+    ("kv_backward", ["refetch", "save"], "kv_backward ('refetch' vs 'save')"),
 ])
 def test_knobs_that_differ_across_ranks_raise_on_every_rank(pool2, knob, values, needle):
     kwargs = [{"attn_backend": "dense", knob: value} for value in values]
@@ -194,7 +195,9 @@ def failure_outside_a_step(fail_on_rank, backend_name="dense"):
     def broken(*args, **kw):
         raise RuntimeError("injected kernel failure")
 
-    with override_kernel("dense", broken) if rank == fail_on_rank else contextlib.nullcontext():
+    from megatron_ext.blockdiag_cp.kernels import Kernel
+
+    with override_kernel("dense", Kernel(broken, broken)) if rank == fail_on_rank else contextlib.nullcontext():
         out = bdcp.blockdiag_cp_attention(q, k, v, state=state)  # explicit state, no step context
         out.sum().backward()
     zeros = bool((out == 0).all())
@@ -341,6 +344,45 @@ def test_qkv_agreement_is_one_small_collective(pool2):
     assert all(0 < t < 1.0 for t in per_call), per_call
 
 
+def agreements_per_step(every_call, layers=4):
+    """All-reduces issued by ``layers`` attention calls of one step (K/V moves point to point)."""
+    import os
+
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.attention_op import CHECK_EVERY_CALL_ENV
+
+    state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense", kv_exchange="a2a")
+    q, k, v = (_local(state, t) for t in _qkv(GOOD.numel(), seed=3))
+    calls = []
+    real = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].numel())
+        return real(*args, **kwargs)
+
+    os.environ[CHECK_EVERY_CALL_ENV] = "1" if every_call else ""
+    dist.all_reduce = counted
+    try:
+        with bdcp.blockdiag_cp_step(state):
+            outs = [bdcp.blockdiag_cp_attention(q, k, v) for _ in range(layers)]
+            sum(o.sum() for o in outs).backward()
+    finally:
+        dist.all_reduce = real
+        os.environ.pop(CHECK_EVERY_CALL_ENV)
+    return calls
+
+
+@pytest.mark.timeout(120)
+def test_qkv_agreement_runs_once_per_step_unless_every_call_is_asked(pool2):
+    for calls in pool2.run(agreements_per_step, False):
+        # One 16-int64 q/k/v agreement on the first layer, one tiny failure check at the step's end.
+        assert calls[0] == 16 and len(calls) == 2, calls
+    for calls in pool2.run(agreements_per_step, True):
+        assert calls[:4] == [16] * 4 and len(calls) == 5, calls
+
+
 # ---------------------------------------------------------------------------
 # 9. uint64 doc ids
 # ---------------------------------------------------------------------------
@@ -405,12 +447,12 @@ def test_non_reentrant_checkpoint_fires_twice_with_cp(pool2):
 
 
 # ---------------------------------------------------------------------------
-# the guarded kernel's own graph is freed after backward (no reference cycle)
+# what the op saves for backward is freed after backward (no reference cycle)
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("retain", [False, True])
-def test_kernel_graph_is_freed_after_backward(retain):
+def test_saved_tensors_are_freed_after_backward(retain):
     import gc
     import weakref
 
@@ -420,19 +462,23 @@ def test_kernel_graph_is_freed_after_backward(retain):
 
     refs = []
 
-    def recording_dense(*args, **kw):
-        # exp saves its own output for backward: the case that used to form a reference cycle
-        saved_output = kernels.dense_varlen(*args, **kw).exp()
-        refs.append(weakref.ref(saved_output))
-        return saved_output.log()
+    def recording_forward(*args, **kw):
+        out, lse, aux = kernels.dense_forward(*args, **kw)
+        refs.append(weakref.ref(lse))
+        return out, lse, aux
 
     state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
     q, k, v = (_local(state, t) for t in _qkv(GOOD.numel(), seed=12))
-    with override_kernel("dense", recording_dense), bdcp.blockdiag_cp_step(state):
-        loss = bdcp.blockdiag_cp_attention(q, k, v).sum()
+    with override_kernel("dense", kernels.Kernel(recording_forward, kernels.dense_backward)), \
+            bdcp.blockdiag_cp_step(state):
+        out = bdcp.blockdiag_cp_attention(q, k, v)
+        saved = weakref.ref(out.grad_fn)
+        loss = out.sum()
+        del out
         loss.backward(retain_graph=retain)
         if retain:
             loss.backward()  # the retained graph still differentiates (see the accumulation tests)
     del loss
     gc.collect()
-    assert refs and refs[0]() is None, "the kernel's output (and its graph) outlived the step"
+    assert refs and all(r() is None for r in refs), "a kernel's lse outlived the step"
+    assert saved() is None, "the op's node (and what it saved) outlived the step"

@@ -54,8 +54,12 @@ class AgreedFacts:
         return [name for name in names if not self.agreed(name)]
 
 
-def agree(facts: Dict[str, int], group, cp: int) -> AgreedFacts:
-    """One int64 MAX all-reduce of (x, ~x) for every fact; a plain copy when cp == 1."""
+def agree(facts: Dict[str, int], group, cp: int, device=None) -> AgreedFacts:
+    """One int64 MAX all-reduce of (x, ~x) for every fact; a plain copy when cp == 1.
+
+    NCCL reduces on ``device`` (the caller's tensors' device; default the current
+    CUDA device); other backends on the CPU.
+    """
     names = list(facts)
     local = []
     for name in names:
@@ -65,7 +69,7 @@ def agree(facts: Dict[str, int], group, cp: int) -> AgreedFacts:
         return AgreedFacts(names, local)
     vec = torch.tensor(local, dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
-        vec = vec.cuda()
+        vec = vec.to(device) if device is not None and torch.device(device).type == "cuda" else vec.cuda()
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     return AgreedFacts(names, vec.cpu().tolist())
 

@@ -1,15 +1,29 @@
-"""blockdiag_cp_attention(): exchange K/V, gather the plan's segments, run the kernel, scatter back.
+"""blockdiag_cp_attention(): stream the needed K/V chunk by chunk, merge by log-sum-exp.
 
-Per forward call, before any K/V moves, the CP ranks agree on the q/k/v shape
-and dtype signature (one small all-reduce): a rank whose tensors are off raises
-the same ``BlockDiagCPError`` as its peers instead of leaving them waiting in
-the exchange. The kernel runs inside ``_GuardedKernel``: a failing kernel never
-stops a rank half-way (its peers would wait in the backward collectives); the
-failure is recorded and raised on every rank at the next agreement point.
+One autograd op per attention call (``_StreamedAttention``). Forward attends this
+rank's queries to its own K/V while the first remote chunk is in flight, then to
+each remote chunk as it arrives (``chunks``: one chunk per source rank, at most two
+varlen kernel calls each), merging the partial outputs by their log-sum-exp
+(online softmax); the next chunk moves while the current one computes. Backward
+keeps only local q, k, v, the output and the log-sum-exp: it moves the chunks
+again (``kv_backward="refetch"``, memory O(S / cp)) or reads the ones forward kept
+(``"save"``), differentiates each chunk with the kernel's backward against the
+final output and log-sum-exp, and sends each chunk's K/V gradient home.
+
+The first call of a step's state, and every new q/k/v shape after it, runs one
+small agreement all-reduce of the q/k/v signature, so a rank whose tensors are
+off raises with its peers instead of leaving them waiting in the exchange; the
+calls after that run no collective besides the K/V transfers and no host sync
+(``MEGATRON_EXT_CP_CHECK_EVERY_CALL=1`` agrees on every call, for debugging). A
+kernel that fails never stops a rank half-way (its peers would wait in the
+transfers): the failure is recorded, the call contributes zeros, every transfer
+still runs, and every rank raises it at the next agreement point.
 """
 
 import logging
-from typing import Optional
+import os
+import time
+from typing import List, Optional
 
 import torch
 
@@ -17,71 +31,260 @@ from .. import parallel_state as ps
 from . import kernels
 from .agreement import PENDING_KERNEL_FAILURES, BlockDiagCPError, agree
 from .backend import call_backend
-from .exchange import allgather_kv, needed_kv
+from .chunks import chunk_kind
+from .exchange import NeededTransport, RingTransport, return_gradient
 from .resolve import resolve_step_state
 from .state import _count_cp_attn_fire
 
 logger = logging.getLogger("megatron_ext.blockdiag_cp")
 
 _DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+CHECK_EVERY_CALL_ENV = "MEGATRON_EXT_CP_CHECK_EVERY_CALL"
 
 
-def _pack_plain(t):
-    # Detached: a saved output that kept its grad_fn would point back at the node saving it,
-    # a reference cycle through C++ that no garbage collector frees (one layer leaked per call).
-    return t.detach()
+def check_every_call() -> bool:
+    return os.environ.get(CHECK_EVERY_CALL_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _unpack_plain(t):
-    return t
+class _Geometry:
+    """How one call's tensors flatten for the kernels.
 
-
-class _GuardedKernel(torch.autograd.Function):
-    """Forward: run the kernel on a graph of its own, recording (not raising) a failure.
-    Backward: differentiate that graph (again, when the caller retains the graph), likewise.
-
-    The kernel's graph is saved with ``save_for_backward`` so autograd owns its
-    lifetime: freed after a backward that does not retain the graph, kept for the
-    next one when it does. It records its tensors under identity saved-tensor
-    hooks, outside an enclosing checkpoint's: a non-reentrant checkpoint then
-    recomputes this whole op once, instead of once more for the nested backward
-    (a separate graph task), which would run the K/V collectives a third time.
+    Rows with their own doc ids flatten into tokens (``s * R + row``); shared ids
+    fold the batch into heads. A remote chunk is K and V fused, [n, b, Hkv * (Dk + Dv)].
     """
 
-    @staticmethod
-    def forward(ctx, q, k, v, fn, state, backend):
-        ctx.state, ctx.backend = state, backend
-        ctx.shapes = [(t.shape, t.dtype, t.device, t.requires_grad) for t in (q, k, v)]
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-        try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack_plain, _unpack_plain):
-                out = fn(*inputs)
-        except Exception as exc:  # noqa: BLE001 - recorded, then raised on every rank
-            record_kernel_failure(state, backend, "forward", exc)
-            ctx.failed = True
-            return q.new_zeros(q.shape)
-        ctx.failed = False
-        ctx.save_for_backward(out, *inputs)
-        return out.detach()
+    def __init__(self, q, k, v, rows: int):
+        self.L, self.b, self.hq, self.dk = q.shape
+        self.hkv, self.dv = k.shape[2], v.shape[-1]
+        self.R = rows
+        self.g = self.b // rows
+
+    def q_flat(self, q):  # [L, b, Hq, D] -> [L * R, g * Hq, D]
+        return q.reshape(self.L * self.R, self.g * self.hq, q.shape[-1])
+
+    def kv_flat(self, t):  # own k or v [L, b, Hkv, D] -> [L * R, g * Hkv, D]
+        return t.reshape(self.L * self.R, self.g * self.hkv, t.shape[-1])
+
+    def split(self, chunk):  # [n, b, F] -> k [n * R, g * Hkv, Dk], v [n * R, g * Hkv, Dv] (views)
+        flat = chunk.view(chunk.shape[0] * self.R, self.g * self.hkv, self.dk + self.dv)
+        return flat[..., :self.dk], flat[..., self.dk:]
+
+    def grad_chunk(self, n, dtype, device):  # zeros [n * R, g * Hkv, Dk + Dv]
+        return torch.zeros(n * self.R, self.g * self.hkv, self.dk + self.dv, dtype=dtype, device=device)
+
+
+class _Accumulator:
+    """Online softmax over kernel calls: out and lse per flattened query row, merged in place."""
+
+    def __init__(self, rows: int, heads: int, dv: int, dtype, device):
+        self.out = torch.zeros(rows, heads, dv, dtype=dtype, device=device)
+        self.lse = torch.full((rows, heads), float("-inf"), dtype=dtype, device=device)
+        self.fresh = True
+
+    def merge(self, index: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
+        out, lse = out.to(self.out.dtype), lse.to(self.lse.dtype)
+        if self.fresh:  # nothing merged yet: a copy
+            if index is None:
+                self.out.copy_(out)
+                self.lse.copy_(lse)
+            else:
+                self.out.index_copy_(0, index, out)
+                self.lse.index_copy_(0, index, lse)
+            self.fresh = False
+            return
+        old_out = self.out if index is None else self.out.index_select(0, index)
+        old_lse = self.lse if index is None else self.lse.index_select(0, index)
+        new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
+        old_out.mul_(torch.exp(old_lse - new_lse).unsqueeze(-1))
+        old_out.addcmul_(out, torch.exp(lse - new_lse).unsqueeze(-1))
+        if index is None:
+            self.lse.copy_(new_lse)
+        else:
+            self.out.index_copy_(0, index, old_out)
+            self.lse.index_copy_(0, index, new_lse)
+
+
+def _gather(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+def _transport(kind: str, k, v, state, stats, prefix: str):
+    chunk_rows = state.plan.stream[kind].chunk_rows
+    if kind == "ring":
+        return RingTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix)
+    return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+                           state.send_indices_on(k.device), state.plan.exchange.counts)
+
+
+def _dropout_seed(backend: str, q: torch.Tensor, dropout_p: float) -> int:
+    # Dense draws its masks from generators seeded here, from q's device's default generator (the
+    # model-parallel RNG tracker's fork, under Megatron): recompute restores that generator, so it
+    # draws the same seed; backward replays the masks from the seed. CUDA kernels keep their own state.
+    if dropout_p == 0.0 or backend != "dense":
+        return 0
+    return int(torch.randint(1 << 62, (1,), device=q.device))
+
+
+class _StreamedAttention(torch.autograd.Function):
+    """Forward: attend chunk by chunk as they arrive, merge by lse. Backward: per chunk, send dK/dV home."""
 
     @staticmethod
-    def backward(ctx, grad):
-        # Zero (not None) gradients on failure keep the exchange's backward collectives running.
-        zeros = [torch.zeros(s, dtype=dt, device=dev) if rg else None for s, dt, dev, rg in ctx.shapes]
-        if ctx.failed:
-            return tuple(zeros) + (None, None, None)
-        out, *inputs = ctx.saved_tensors
-        wanted = [t for t in inputs if t.requires_grad]
-        if not out.requires_grad or not wanted:  # no segments on this rank (all padding)
-            return tuple(zeros) + (None, None, None)
-        try:
-            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True, retain_graph=True))
-            result = [next(grads) if t.requires_grad else None for t in inputs]
-        except Exception as exc:  # noqa: BLE001
-            record_kernel_failure(ctx.state, ctx.backend, "backward", exc)
-            return tuple(zeros) + (None, None, None)
-        result = [z if r is None and z is not None else r for r, z in zip(result, zeros)]
-        return tuple(result) + (None, None, None)
+    def forward(ctx, q, k, v, state, backend, scale, dropout_p):
+        start = time.perf_counter()
+        geo = _Geometry(q, k, v, state.rows)
+        kind = chunk_kind(state.kv_exchange) if state.cp > 1 else "needed"
+        steps = state.plan.stream[kind].steps
+        calls = state.stream_on(kind, q.device)
+        kernel = kernels.kernel_for(backend)
+        stats = state.comm_stats
+        for key in ("bytes_sent", "bytes_received", "wait_seconds", "compute_seconds"):
+            stats[key] = 0
+        seed = _dropout_seed(backend, q, dropout_p)
+        acc = _Accumulator(geo.L * geo.R, geo.g * geo.hq, geo.dv, kernels.lse_dtype(q.dtype), q.device)
+        q_flat = geo.q_flat(q)
+        aux: List = []
+        failed = []
+
+        def attend(step_calls, chunk_k, chunk_v):
+            t0 = time.perf_counter()
+            for call in step_calls:
+                if failed:  # zeros from here on; the transfers still run
+                    aux.append(None)
+                    continue
+                qp = _gather(q_flat, call.q_index)
+                kp, vp = _gather(chunk_k, call.k_index), _gather(chunk_v, call.k_index)
+                try:
+                    o, lse, a = kernel.forward(qp, kp, vp, call.seg, scale, dropout_p, seed + len(aux))
+                except Exception as exc:  # noqa: BLE001 - recorded, raised on every rank later
+                    record_kernel_failure(state, backend, "forward", exc)
+                    failed.append(True)
+                    aux.append(None)
+                    continue
+                aux.append(a)
+                acc.merge(call.q_index, o, lse)
+                del qp, kp, vp, o, lse  # before the next call allocates its own
+            stats["compute_seconds"] += time.perf_counter() - t0
+
+        save = state.kv_backward == "save"
+        saved: List[torch.Tensor] = []  # save mode: the received chunks that have calls
+        saved_at: List[int] = []  # per remote step, its index in ``saved`` (-1: not kept)
+        transport = _transport(kind, k, v, state, stats, "") if state.cp > 1 else None
+        pending = transport.start((steps[1].round, steps[1].piece)) if len(steps) > 1 else None
+        attend(calls[0], geo.kv_flat(k), geo.kv_flat(v))
+        for s in range(1, len(steps)):
+            chunk = pending.wait()
+            transport.received(chunk)
+            pending = transport.start((steps[s + 1].round, steps[s + 1].piece)) if s + 1 < len(steps) else None
+            if chunk is not None:
+                attend(calls[s], *geo.split(chunk))
+            keep = save and chunk is not None and bool(calls[s])
+            saved_at.append(len(saved) if keep else -1)
+            if keep:
+                saved.append(chunk)
+            del chunk  # refetch: gone before the next one lands (the ring's transport keeps it to forward)
+        out = (acc.out.zero_() if failed else acc.out).to(q.dtype).view(geo.L, geo.b, geo.hq, geo.dv)
+        stats["forward_seconds"] = time.perf_counter() - start
+        ctx.state, ctx.backend, ctx.scale, ctx.dropout_p = state, backend, scale, dropout_p
+        ctx.kind, ctx.aux, ctx.failed, ctx.saved_at = kind, aux, bool(failed), saved_at
+        ctx.save_for_backward(q, k, v, out, acc.lse, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        start = time.perf_counter()
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        state, backend, scale, dropout_p = ctx.state, ctx.backend, ctx.scale, ctx.dropout_p
+        geo = _Geometry(q, k, v, state.rows)
+        steps = state.plan.stream[ctx.kind].steps
+        calls = state.stream_on(ctx.kind, q.device)
+        kernel = kernels.kernel_for(backend)
+        stats = state.comm_stats
+        for key in ("backward_bytes_sent", "backward_bytes_received", "backward_grad_bytes_sent",
+                    "backward_grad_bytes_received", "backward_wait_seconds", "backward_compute_seconds"):
+            stats[key] = 0
+        acc_dtype = kernels.lse_dtype(q.dtype)
+        q_flat, o_flat = geo.q_flat(q), geo.q_flat(out)
+        do_flat = geo.q_flat(dout.contiguous())
+        dq = torch.zeros(q_flat.shape, dtype=acc_dtype, device=q.device)
+        aux = iter(ctx.aux)
+        failed = [ctx.failed]
+
+        def differentiate(step_calls, chunk_k, chunk_v, n_rows):
+            """This step's dq into ``dq``; returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient."""
+            t0 = time.perf_counter()
+            grad = geo.grad_chunk(n_rows, acc_dtype, q.device)
+            for call in step_calls:
+                a = next(aux)
+                if failed[0]:
+                    continue
+                qi, ki = call.q_index, call.k_index
+                try:
+                    gq, gk, gv = kernel.backward(
+                        _gather(do_flat, qi), _gather(q_flat, qi), _gather(chunk_k, ki), _gather(chunk_v, ki),
+                        _gather(o_flat, qi), _gather(lse, qi), a, call.seg, scale, dropout_p)
+                except Exception as exc:  # noqa: BLE001
+                    record_kernel_failure(state, backend, "backward", exc)
+                    failed[0] = True
+                    continue
+                if qi is None:
+                    dq.add_(gq)
+                else:
+                    dq.index_add_(0, qi, gq.to(acc_dtype))
+                if ki is None:
+                    grad[..., :geo.dk].add_(gk)
+                    grad[..., geo.dk:].add_(gv)
+                else:
+                    grad[..., :geo.dk].index_add_(0, ki, gk.to(acc_dtype))
+                    grad[..., geo.dk:].index_add_(0, ki, gv.to(acc_dtype))
+                del gq, gk, gv
+            stats["backward_compute_seconds"] += time.perf_counter() - t0
+            return grad
+
+        dkv = differentiate(calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L).view(geo.L, geo.b, -1)
+        if len(steps) > 1:
+            refetch = state.kv_backward != "save"
+            transport = _transport(ctx.kind, k, v, state, stats, "backward_")
+            pending = transport.start((steps[1].round, steps[1].piece)) if refetch else None
+            in_flight = None  # (transfer, local rows) of the last gradient sent home
+
+            def settle(transfer, rows):
+                grad_back = transfer.wait()
+                if grad_back is None:
+                    return
+                if isinstance(rows, slice):
+                    dkv[rows].add_(grad_back)
+                else:
+                    dkv.index_add_(0, rows, grad_back.to(acc_dtype))
+
+            for s in range(1, len(steps)):
+                step = steps[s]
+                if refetch:
+                    chunk = pending.wait()
+                    transport.received(chunk)
+                    pending = (transport.start((steps[s + 1].round, steps[s + 1].piece))
+                               if s + 1 < len(steps) else None)
+                else:
+                    index = ctx.saved_at[s - 1]
+                    chunk = saved[index] if index >= 0 else None
+                grad_chunk = None
+                if calls[s]:
+                    grad_chunk = differentiate(calls[s], *geo.split(chunk), chunk.shape[0]).view(
+                        chunk.shape[0], geo.b, -1).to(k.dtype)
+                elif step.chunk_len:  # received keys nobody here attends (the ring): zero gradient
+                    grad_chunk = torch.zeros((step.chunk_len,) + tuple(dkv.shape[1:]), dtype=k.dtype,
+                                             device=k.device)
+                rows, incoming = transport.sent_rows((step.round, step.piece))
+                if in_flight is not None:  # one gradient transfer in flight: the last step's lands first
+                    settle(*in_flight)
+                in_flight = (return_gradient(grad_chunk, step.round, incoming, state.rank, state.cp,
+                                             torch.empty((0,) + tuple(dkv.shape[1:]), dtype=k.dtype, device=k.device), state.group, stats), rows)
+                del chunk, grad_chunk
+            if in_flight is not None:
+                settle(*in_flight)
+        dkv = dkv.view(geo.L, geo.b, geo.hkv, geo.dk + geo.dv)
+        stats["backward_seconds"] = time.perf_counter() - start
+        dk, dv = dkv[..., :geo.dk].to(k.dtype), dkv[..., geo.dk:].to(v.dtype)
+        return dq.to(q.dtype).view(q.shape), dk, dv, None, None, None, None
 
 
 def record_kernel_failure(state, backend: str, phase: str, exc: Exception) -> None:
@@ -121,7 +324,11 @@ _SIGNATURE = ("q_len", "k_len", "batch", "q_heads", "kv_heads", "head_dim", "dty
 def agree_on_qkv(state, q, k, v, cp_group) -> None:
     """Raise on every CP rank when any rank's q/k/v is invalid or differs from its peers'.
 
-    One all-reduce of 16 int64 per forward call (CP > 1); nothing at CP = 1.
+    One all-reduce of 16 int64 on q's device, the first time a state sees a q/k/v
+    signature (CP > 1): a model's layers share a few signatures, so a step pays it
+    once or a few times, not per layer. Nothing at CP = 1. Every call agrees when
+    ``MEGATRON_EXT_CP_CHECK_EVERY_CALL`` is set (a per-rank shape bug that appears
+    only in a later layer then still raises instead of hanging).
     """
     if cp_group is not None and ps.group_size(cp_group) != state.cp:
         # A layer/state pairing error, the same on every rank of a real model: raised before agreeing,
@@ -134,10 +341,13 @@ def agree_on_qkv(state, q, k, v, cp_group) -> None:
         if error:
             raise BlockDiagCPError(error)
         return
+    signature = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device)
+    if not error and signature in state.agreed_signatures and not check_every_call():
+        return
     values = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[-1],
               _DTYPE_CODES.get(q.dtype, 99)) if q.dim() == 4 and k.dim() == 4 else (-1,) * 7
     facts = dict(zip(_SIGNATURE, values), invalid=1 if error else 0)
-    agreed = agree(facts, state.group, state.cp)
+    agreed = agree(facts, state.group, state.cp, device=q.device)
     if agreed.max("invalid"):
         raise BlockDiagCPError(error or "invalid q/k/v on another CP rank (see its error); every CP "
                                         "rank raises it")
@@ -149,6 +359,7 @@ def agree_on_qkv(state, q, k, v, cp_group) -> None:
                                                     for t, c in _DTYPE_CODES.items()) + ")"
         raise BlockDiagCPError(f"q/k/v differ across the CP ranks: {detail}; every CP rank must run "
                                f"the same model config (heads, head dim, dtype, micro batch)")
+    state.agreed_signatures.add(signature)
 
 
 def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=None, cp_group=None):
@@ -171,51 +382,9 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
                 "refusing to attend to local keys only")
         return _single_document_causal(q, k, v, scale, dropout_p)
     agree_on_qkv(state, q, k, v, cp_group)
-    backend = call_backend(state, q, dropout_p)
-
-    L, b, hq, d = q.shape
-    hkv = k.shape[2]
-    R = state.rows
-    # Rows with their own doc ids flatten into tokens; shared ids fold the batch into heads.
-    g = b // R
-    q_flat = q.reshape(L * R, g * hq, d)
-    state.kv_row_bytes = 2 * k[0].numel() * k.element_size()
-    if state.cp == 1:
-        # Nothing to exchange: gather K and V directly, skipping the fused copy.
-        q_index, k_index, seg = state.segments_on("sparse", q.device)
-        k_packed = _gather(k.reshape(L * R, g * hkv, d), k_index)
-        v_packed = _gather(v.reshape(L * R, g * hkv, d), k_index)
-    else:
-        kv = torch.cat([k, v], dim=-1).view(L, b, -1)  # [L, b, Hkv * 2D]: one collective for both
-        if state.kv_exchange == "allgather":
-            kind = "allgather"
-            buf = allgather_kv(kv, state.group, state.comm_stats)
-        else:
-            kind = "sparse"
-            buf = needed_kv(kv, state.send_index_on(kv.device), state.plan.exchange.counts, state.rank,
-                            state.group, use_p2p=state.kv_exchange == "halo", stats=state.comm_stats)
-        q_index, k_index, seg = state.segments_on(kind, q.device)
-        buf_flat = buf.reshape(buf.shape[0] * R, g * hkv, 2 * d)
-        k_packed, v_packed = _gather(buf_flat, k_index).split(d, dim=-1)  # [Nk, g*Hkv, D]
-    q_packed = _gather(q_flat, q_index)  # [Nq, g*Hq, D]
-
-    fn = kernels.kernel_for(backend)
-
-    def run(qp, kp, vp):
-        if qp.shape[0] == 0:
-            # Every query of this rank is padding: no kernel call (varlen kernels are not promised to
-            # take zero segments); _GuardedKernel still returns zero grads so backward collectives run.
-            return qp.new_zeros(qp.shape)
-        return fn(qp, kp.contiguous(), vp.contiguous(), seg, scale, dropout_p)
-
-    out_packed = _GuardedKernel.apply(q_packed, k_packed, v_packed, run, state, backend)
-    out_packed = out_packed.to(q.dtype)
-    out = out_packed if q_index is None else q_flat.new_zeros(q_flat.shape).index_copy(0, q_index, out_packed)
-    return out.view(L, b, hq, d)
-
-
-def _gather(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    return x if index is None else x.index_select(0, index)
+    backend = call_backend(state, q, dropout_p, kv_heads=k.shape[2])
+    state.kv_row_bytes = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+    return _StreamedAttention.apply(q, k, v, state, backend, scale, dropout_p)
 
 
 def _single_document_causal(q, k, v, scale, dropout_p):

@@ -49,11 +49,11 @@ def resolve_backend(requested: str, available: Dict[str, bool], static: Dict[str
     raise AssertionError("dense is always available")
 
 
-def call_backend(state, q, dropout_p: float) -> str:
-    """The backend for this call; falls back (or raises under strict) on dtype/device/dropout."""
+def call_backend(state, q, dropout_p: float, kv_heads: int = None) -> str:
+    """The backend for this call; falls back (or raises under strict) on dtype/device/dropout/heads."""
     backend = state.attn_backend
     while True:
-        ok, reason = kernels.call_availability(backend, q, dropout_p)
+        ok, reason = kernels.call_availability(backend, q, dropout_p, kv_heads)
         if ok:
             return backend
         # Same dtype/device/dropout on every rank (agreed per call), so every rank takes this branch.

@@ -1,14 +1,28 @@
-"""Attention kernels over the plan's varlen segments: dense (torch SDPA), flash varlen, TE thd.
+"""Attention kernels with the log-sum-exp: dense (torch's CPU flash / math), flash varlen, TE fused.
 
-Every kernel has one contract, the flash varlen one:
-    q [Nq, Hq, D], k/v [Nk, Hkv, D], cu_seqlens_q/k [n+1] int32 -> out [Nq, Hq, D]
-segment i's queries attend its keys with bottom-right causal alignment (the last
-query sees the last key), which is right for a document whose keys begin on an
-earlier rank. Hq % Hkv == 0 (GQA).
+Every kernel is a forward/backward pair over varlen segments (``Segments``):
+
+    forward (q, k, v, seg, scale, dropout_p, seed)            -> out, lse, aux
+    backward(dout, q, k, v, out, lse, aux, seg, scale, dropout_p) -> dq, dk, dv
+
+    q [Nq, Hq, Dqk], k [Nk, Hkv, Dqk], v [Nk, Hkv, Dv]; out [Nq, Hq, Dv];
+    lse [Nq, Hq] float32 (float64 for float64 inputs): log sum_j exp(scale * q.k_j)
+
+Segment i's queries attend its keys either all of them (``seg.causal`` False: the
+keys precede the queries) or causally on a square diagonal block (``seg.causal``
+True: the same positions, where top-left and bottom-right alignment agree), so no
+kernel ever needs an offset mask. ``backward`` takes the *final* out and lse of
+the whole attention, not this call's: it then returns exactly this call's share
+of the gradients (the rows' softmax normalizer and the dout.out correction are
+global). That is what lets the streamed op attend K/V chunk by chunk, merge the
+partial outputs by their lse, and differentiate each chunk on its own. ``aux`` is
+what the backward needs to replay the forward's dropout (a seed, or the CUDA
+kernel's RNG state). Hq % Hkv == 0 (GQA), never repeated into Hq heads on CUDA.
 
 ``te`` and ``flash`` are imported lazily and are only ever "available" on CUDA
 with fp16/bf16 inputs; each availability check returns (ok, reason) and never
-raises.
+raises. Their library versions are gated (below) because their older releases
+compute something else (top-left causal alignment) or lack the calls used here.
 
 The kernel table, the availability answers and the library lookups have test
 hooks (the ``_*_OVERRIDES`` tables at the end). They are not part of the public
@@ -17,6 +31,7 @@ face: tests and benchmarks set them only through ``megatron_ext.testing``
 restores them on exit.
 """
 
+import functools
 import importlib
 import inspect
 import math
@@ -24,64 +39,170 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
-# Largest bool mask (elements) the dense kernel builds for one query block.
-_DENSE_MASK_BUDGET = 1 << 24
+# Largest score block (elements) the math path builds at once.
+_MATH_BLOCK_BUDGET = 1 << 24
 
 
 @dataclass(frozen=True)
 class Segments:
-    """Device-side view of KernelSegments for one call."""
+    """Device-side varlen metadata of one kernel call."""
 
-    cu_seqlens_q: torch.Tensor  # int32 on the kernel's device
+    cu_seqlens_q: torch.Tensor  # [n + 1] int32 on the kernel's device
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
     q_lens: Tuple[int, ...]  # host copies, so the dense loop needs no device sync
     k_lens: Tuple[int, ...]
+    causal: bool  # square diagonal blocks; else every key precedes every query
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A forward/backward pair with the contract of this module's docstring."""
+
+    forward: Callable
+    backward: Callable
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------------------
-# dense
+# dense: torch's CPU flash kernel per segment, or explicit math (dropout, CUDA, MLA-style Dv)
 # ---------------------------------------------------------------------------
 
 
-def dense_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0.0):
-    """One SDPA per segment; only an (nq x nk) block mask where keys start earlier."""
-    outs = []
-    gqa = q.shape[1] != k.shape[1]
-    for qs, ks, vs in zip(q.split(seg.q_lens), k.split(seg.k_lens), v.split(seg.k_lens)):
-        # [1, H, n, D]: SDPA's fused CPU kernel takes 4-D inputs only (3-D falls back to math)
-        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
-        outs.append(_causal_bottom_right(qs, ks, vs, softmax_scale, dropout_p, gqa)[0].transpose(0, 1))
-    if not outs:
-        return q.new_zeros(q.shape)
-    return torch.cat(outs, dim=0)
+def _cpu_flash_usable(q, v, dropout_p: float) -> bool:
+    # torch's CPU flash kernel has no dropout and one head dim for q/k/v (wider v: zero-padded).
+    return q.device.type == "cpu" and dropout_p == 0.0
 
 
-def _causal_bottom_right(q, k, v, scale, dropout_p, gqa):
-    nq, nk = q.shape[-2], k.shape[-2]
-    if nq == nk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              dropout_p=dropout_p, enable_gqa=gqa)
-    # Keys begin before the first query: query j sees keys [0, nk - nq + j]. Block the
-    # queries so no mask exceeds the budget (never O(local_len x S) at once).
-    block = max(1, min(nq, _DENSE_MASK_BUDGET // max(nk, 1)))
-    outs = []
-    for start in range(0, nq, block):
-        stop = min(nq, start + block)
-        visible = nk - nq + stop  # keys the block's last query sees
-        rows = torch.arange(start, stop, device=q.device).unsqueeze(1) + (nk - nq)
-        mask = torch.arange(visible, device=q.device).unsqueeze(0) <= rows  # [block, visible]
-        outs.append(F.scaled_dot_product_attention(
-            q[..., start:stop, :], k[..., :visible, :], v[..., :visible, :], attn_mask=mask,
-            scale=scale, dropout_p=dropout_p, enable_gqa=gqa))
-    return torch.cat(outs, dim=-2)
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).unsqueeze(0)  # [n, H, D] -> [1, H, n, D]: a view
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def _segment_generator(seed: int, segment: int, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + segment * 7_919) % (1 << 63))
+    return gen
+
+
+def _math_blocks(n: int, heads: int, m: int):
+    block = max(1, _MATH_BLOCK_BUDGET // max(1, heads * m))
+    return [(start, min(n, start + block)) for start in range(0, n, block)]
+
+
+def _math_scores(qs, ks, causal: bool, start: int, stop: int, scale: float, acc):
+    s = torch.einsum("qhd,khd->hqk", qs[start:stop].to(acc), ks.to(acc)) * scale  # [H, bq, m]
+    if causal:
+        rows = torch.arange(start, stop, device=qs.device).unsqueeze(1)
+        s = s.masked_fill(torch.arange(ks.shape[0], device=qs.device).unsqueeze(0) > rows, float("-inf"))
+    return s
+
+
+def _math_keep(shape, dropout_p: float, gen, device) -> Optional[torch.Tensor]:
+    if dropout_p == 0.0:
+        return None
+    return (torch.rand(shape, generator=gen, device=device) >= dropout_p).to(torch.float32) / (1.0 - dropout_p)
+
+
+def _math_forward_segment(qs, ks, vs, causal, scale, dropout_p, gen, acc):
+    rep = qs.shape[1] // ks.shape[1]
+    ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)  # CPU/dense fallback only
+    outs, lses = [], []
+    for start, stop in _math_blocks(qs.shape[0], qs.shape[1], ks.shape[0]):
+        s = _math_scores(qs, ks, causal, start, stop, scale, acc)
+        lse = torch.logsumexp(s, dim=-1)  # [H, bq]
+        p = torch.exp(s - lse.unsqueeze(-1))
+        keep = _math_keep(p.shape, dropout_p, gen, qs.device)
+        if keep is not None:
+            p = p * keep.to(acc)
+        outs.append(torch.einsum("hqk,khd->qhd", p, vs.to(acc)))
+        lses.append(lse.t())
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _math_backward_segment(dos, qs, ks, vs, os_, lses, causal, scale, dropout_p, gen, acc):
+    hkv = ks.shape[1]
+    rep = qs.shape[1] // hkv
+    kr, vr = ks.repeat_interleave(rep, 1).to(acc), vs.repeat_interleave(rep, 1).to(acc)
+    dq = torch.zeros(qs.shape, dtype=acc, device=qs.device)
+    dk = torch.zeros(kr.shape, dtype=acc, device=qs.device)
+    dv = torch.zeros(vr.shape, dtype=acc, device=qs.device)
+    delta = (dos.to(acc) * os_.to(acc)).sum(-1)  # [n, H]: dout . out with the final out
+    for start, stop in _math_blocks(qs.shape[0], qs.shape[1], ks.shape[0]):
+        s = _math_scores(qs, kr, causal, start, stop, scale, acc)
+        p = torch.exp(s - lses[start:stop].t().to(acc).unsqueeze(-1))  # final lse: this call's share
+        keep = _math_keep(p.shape, dropout_p, gen, qs.device)
+        do = dos[start:stop].to(acc)
+        p_kept = p if keep is None else p * keep.to(acc)
+        dv += torch.einsum("hqk,qhd->khd", p_kept, do)
+        dp = torch.einsum("qhd,khd->hqk", do, vr)
+        if keep is not None:
+            dp = dp * keep.to(acc)
+        ds = p * (dp - delta[start:stop].t().unsqueeze(-1))
+        dq[start:stop] = torch.einsum("hqk,khd->qhd", ds, kr) * scale
+        dk += torch.einsum("hqk,qhd->khd", ds, qs[start:stop].to(acc)) * scale
+    fold = (ks.shape[0], hkv, rep)
+    return dq, dk.view(*fold, -1).sum(2), dv.view(*fold, -1).sum(2)
+
+
+def dense_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
+    """Per segment: torch's CPU flash kernel (returns the lse), else blockwise math; aux = seed."""
+    acc = lse_dtype(q.dtype)
+    out = q.new_empty(q.shape[:2] + v.shape[2:])
+    lse = torch.empty(q.shape[:2], dtype=acc, device=q.device)
+    fast = _cpu_flash_usable(q, v, dropout_p)
+    width = max(q.shape[-1], v.shape[-1])
+    parts = zip(q.split(seg.q_lens), k.split(seg.k_lens), v.split(seg.k_lens),
+                out.split(seg.q_lens), lse.split(seg.q_lens))
+    for i, (qs, ks, vs, os_, ls) in enumerate(parts):
+        if fast:
+            o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _as_4d(_pad_last(qs, width)), _as_4d(_pad_last(ks, width)), _as_4d(_pad_last(vs, width)),
+                0.0, seg.causal, scale=scale)
+            os_.copy_(o[0, ..., :v.shape[-1]].transpose(0, 1))
+            ls.copy_(l[0].t())
+        else:
+            o, l = _math_forward_segment(qs, ks, vs, seg.causal, scale, dropout_p,
+                                         _segment_generator(seed, i, q.device), acc)
+            os_.copy_(o)
+            ls.copy_(l)
+    return out, lse, seed
+
+
+def dense_backward(dout, q, k, v, out, lse, seed, seg: Segments, scale: float, dropout_p: float = 0.0):
+    acc = lse_dtype(q.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fast = _cpu_flash_usable(q, v, dropout_p)
+    width = max(q.shape[-1], v.shape[-1])
+    parts = zip(dout.split(seg.q_lens), q.split(seg.q_lens), k.split(seg.k_lens), v.split(seg.k_lens),
+                out.split(seg.q_lens), lse.split(seg.q_lens), dq.split(seg.q_lens), dk.split(seg.k_lens),
+                dv.split(seg.k_lens))
+    for i, (dos, qs, ks, vs, os_, ls, dqs, dks, dvs) in enumerate(parts):
+        if fast:
+            g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *(_as_4d(_pad_last(t, width)) for t in (dos, qs, ks, vs, os_)),
+                ls.t().unsqueeze(0).to(acc if q.dtype == torch.float64 else torch.float32),
+                0.0, seg.causal, scale=scale)
+            grads = [x[0].transpose(0, 1) for x in g]
+        else:
+            grads = _math_backward_segment(dos, qs, ks, vs, os_, ls, seg.causal, scale, dropout_p,
+                                           _segment_generator(seed, i, q.device), acc)
+        dqs.copy_(grads[0][..., :q.shape[-1]])
+        dks.copy_(grads[1][..., :k.shape[-1]])
+        dvs.copy_(grads[2][..., :v.shape[-1]])
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------
-# flash
+# library lookups (cached; test hooks may stand in)
 # ---------------------------------------------------------------------------
 
 
@@ -95,77 +216,186 @@ def _library(name: str):
         return None
 
 
-def _flash_attn_func() -> Optional[Callable]:
-    return getattr(_library("flash_attn"), "flash_attn_varlen_func", None)
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> Tuple[str, ...]:
+    """A callable's parameter names, looked up once per callable (not per call)."""
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
-def _torch_varlen_func() -> Optional[Callable]:
-    return getattr(_library("torch.nn.attention.varlen"), "varlen_attn", None)
+def _known_kwargs(fn, **kwargs):
+    names = _parameters(fn)
+    return {key: value for key, value in kwargs.items() if key in names}
+
+
+def _version_tuple(text) -> Tuple[int, ...]:
+    out = []
+    for part in str(text).split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# flash: flash-attn's varlen forward/backward (>= 2.6), else torch's own flash ops
+# ---------------------------------------------------------------------------
+
+FLASH_ATTN_MIN = (2, 6)  # the private varlen forward/backward spelled with window_size_left/right
+TORCH_FLASH_OPS = "torch.ops.aten.flash"  # test-hook name of torch's _flash_attention_forward/backward
+
+
+def _flash_attn_interface():
+    """flash-attn's interface module when its version has the calls used here, else None."""
+    lib = _library("flash_attn")
+    if lib is None or _version_tuple(getattr(lib, "__version__", "0")) < FLASH_ATTN_MIN:
+        return None
+    iface = _library("flash_attn.flash_attn_interface")
+    if iface is None or not hasattr(iface, "_flash_attn_varlen_forward"):
+        return None
+    return iface
+
+
+def _torch_flash_ops():
+    if TORCH_FLASH_OPS in _LIBRARY_OVERRIDES:
+        return _LIBRARY_OVERRIDES[TORCH_FLASH_OPS]
+    aten = torch.ops.aten
+    if hasattr(aten, "_flash_attention_forward") and hasattr(aten, "_flash_attention_backward"):
+        return aten
+    return None
 
 
 def flash_impl_name() -> Optional[str]:
-    if _flash_attn_func() is not None:
+    if _flash_attn_interface() is not None:
         return "flash_attn"
-    if _torch_varlen_func() is not None:
+    if _torch_flash_ops() is not None and _library("torch.nn.attention.varlen") is not None:
         return "torch_varlen_attn"
     return None
 
 
-def flash_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0.0):
-    fn = _flash_attn_func()
-    if fn is not None:
-        # flash-attn >= 2.1: causal with seqlen_q != seqlen_k is bottom-right aligned.
-        return fn(q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k,
-                  dropout_p=dropout_p, softmax_scale=softmax_scale, causal=True)
-    fn = _torch_varlen_func()
-    params = inspect.signature(fn).parameters
-    kwargs = {}
-    if "scale" in params:
-        kwargs["scale"] = softmax_scale
-    elif abs(softmax_scale * math.sqrt(q.shape[-1]) - 1.0) > 1e-12:
-        # The first varlen_attn (is_causal spelling) has no scale, always 1/sqrt(D): fold the ratio into q.
-        q = q * (softmax_scale * math.sqrt(q.shape[-1]))
-    if "window_size" in params:  # later torch: (-1, 0) is causal, bottom-right aligned
-        kwargs["window_size"] = (-1, 0)
-    else:  # the first varlen_attn spells it is_causal
-        kwargs["is_causal"] = True
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return fn(q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k,
-              **kwargs)
+def _flash_lse_rows(lse: torch.Tensor, nq: int) -> torch.Tensor:
+    # Varlen flash returns the lse as [H, total_q]; ours is [total_q, H].
+    if lse.dim() != 2 or lse.shape[1] != nq:
+        raise RuntimeError(f"flash returned an lse of shape {tuple(lse.shape)}; expected [heads, {nq}] "
+                           "(varlen, unpadded): this flash version is not supported")
+    return lse.t()
+
+
+def flash_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
+    iface = _flash_attn_interface()
+    args = (q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k)
+    if iface is not None:
+        fn = iface._flash_attn_varlen_forward
+        res = fn(*args, dropout_p, scale, seg.causal,
+                 **_known_kwargs(fn, window_size_left=-1, window_size_right=-1,
+                                 softcap=0.0, alibi_slopes=None, return_softmax=False))
+        out, lse, rng_state = res[0], res[1], res[-1]
+        return out, _flash_lse_rows(lse, q.shape[0]), ("flash_attn", rng_state)
+    ops = _torch_flash_ops()
+    out, lse, rng_state, unused, _ = ops._flash_attention_forward(*args, dropout_p, seg.causal, False,
+                                                                  scale=scale)
+    return out, _flash_lse_rows(lse, q.shape[0]), ("torch", (rng_state, unused))
+
+
+def flash_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dropout_p: float = 0.0):
+    impl, state = aux
+    lse_hq = lse.t().contiguous().float()  # back to the kernel's [H, total_q]
+    cu = (seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k)
+    dout, out = dout.contiguous(), out.contiguous()
+    if impl == "flash_attn":
+        fn = _flash_attn_interface()._flash_attn_varlen_backward
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fn(dout, q, k, v, out, lse_hq, dq, dk, dv, *cu, dropout_p, scale, seg.causal,
+           **_known_kwargs(fn, window_size_left=-1, window_size_right=-1,
+                           softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=state))
+        return dq, dk, dv
+    rng_state, unused = state
+    dq, dk, dv = _torch_flash_ops()._flash_attention_backward(
+        dout, q, k, v, out, lse_hq, *cu, dropout_p, seg.causal, rng_state, unused, scale=scale)
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------
-# te
+# te: TransformerEngine's fused attention (cuDNN), thd, with its softmax stats
 # ---------------------------------------------------------------------------
 
-_TE_MODULES: Dict[tuple, torch.nn.Module] = {}
+TE_MIN = (1, 9)
+TE_FUSED_ATTN = "transformer_engine.pytorch.cpp_extensions.fused_attn"
+CUDNN_THD_GQA_MIN = 90600  # cuDNN 9.6: THD with fewer K/V heads than query heads
 
 
 def _te_pytorch():
     return _library("transformer_engine.pytorch")
 
 
-def te_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0.0):
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    key = (hq, hkv, d, float(softmax_scale), float(dropout_p), q.device, q.dtype)
-    module = _TE_MODULES.get(key)
-    if module is None:
-        te = _te_pytorch()
-        module = te.DotProductAttention(
-            num_attention_heads=hq, kv_channels=d, num_gqa_groups=hkv,
-            attention_dropout=dropout_p, qkv_format="thd",
-            attn_mask_type="padding_causal_bottom_right", softmax_scale=softmax_scale,
-        ).to(device=q.device)
-        _TE_MODULES[key] = module
-    out = module(q, k, v, qkv_format="thd", attn_mask_type="padding_causal_bottom_right",
-                 cu_seqlens_q=seg.cu_seqlens_q, cu_seqlens_kv=seg.cu_seqlens_k,
-                 max_seqlen_q=seg.max_seqlen_q, max_seqlen_kv=seg.max_seqlen_k)
-    return out.view(q.shape[0], hq, d)
+def _te_version() -> Tuple[int, ...]:
+    te = _library("transformer_engine")
+    return _version_tuple(getattr(te, "__version__", "0")) if te is not None else (0,)
+
+
+def te_cudnn_version() -> int:
+    """cuDNN's version as TE reports it (e.g. 90600), 0 when unknown."""
+    tex = _library("transformer_engine_torch")
+    get = getattr(tex, "get_cudnn_version", None)
+    try:
+        return int(get()) if get is not None else int(torch.backends.cudnn.version() or 0)
+    except Exception:
+        return 0
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _te_stats_rows(stats: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """TE's softmax stats -> [total_q, H]: [tq, h, 1] (newer cuDNN) or [b, h, sq, 1] (older)."""
+    if stats.dim() == 3:
+        return stats[..., 0]
+    rows = [stats[i, :, :n, 0].t() for i, n in enumerate(seg.q_lens)]
+    return torch.cat(rows) if rows else stats.new_empty(0, stats.shape[1])
+
+
+def _te_stats_like(lse: torch.Tensor, like: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """The final lse in the layout TE's forward gave its stats."""
+    if like.dim() == 3:
+        return lse.to(like.dtype).unsqueeze(-1).contiguous()
+    stats = torch.zeros_like(like)
+    for i, part in enumerate(lse.split(seg.q_lens)):
+        stats[i, :, :part.shape[0], 0] = part.t()
+    return stats
+
+
+def _te_call_args(seg: Segments):
+    # cuDNN >= 9.6 wants max_seqlen % 64 == 0 for THD; rounding up is harmless on older ones.
+    mask = "padding_causal" if seg.causal else "padding"
+    return (_round_up(seg.max_seqlen_q, 64), _round_up(seg.max_seqlen_k, 64), seg.cu_seqlens_q,
+            seg.cu_seqlens_k), mask
+
+
+def _te_backend(fa):
+    return fa.FusedAttnBackend["F16_arbitrary_seqlen"]
+
+
+def te_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
+    fa = _library(TE_FUSED_ATTN)
+    lens, mask = _te_call_args(seg)
+    fn = fa.fused_attn_fwd
+    out, aux = fn(True, *lens, q, k, v, q.dtype, _te_backend(fa), attn_scale=scale, dropout=dropout_p,
+                  qkv_layout="thd_thd_thd", attn_mask_type=mask, **_known_kwargs(fn, o_format="thd"))[:2]
+    out = out.view(q.shape[0], q.shape[1], v.shape[-1])
+    return out, _te_stats_rows(aux[0], seg).to(lse_dtype(q.dtype)), list(aux)
+
+
+def te_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dropout_p: float = 0.0):
+    fa = _library(TE_FUSED_ATTN)
+    lens, mask = _te_call_args(seg)
+    fn = fa.fused_attn_bwd
+    aux = [_te_stats_like(lse, aux[0], seg)] + list(aux[1:])
+    grads = fn(*lens, q, k, v, out.contiguous(), dout.contiguous(), q.dtype, aux, _te_backend(fa),
+               attn_scale=scale, dropout=dropout_p, qkv_layout="thd_thd_thd", attn_mask_type=mask,
+               **_known_kwargs(fn, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd"))
+    return grads[0], grads[1], grads[2]
 
 
 # ---------------------------------------------------------------------------
@@ -174,18 +404,32 @@ def te_varlen(q, k, v, seg: Segments, softmax_scale: float, dropout_p: float = 0
 
 
 def installed(backend: str) -> Tuple[bool, str]:
-    """Whether ``backend``'s library imports here (says nothing of the device)."""
+    """Whether ``backend``'s library imports here at a usable version (says nothing of the device)."""
     override = _AVAILABILITY_OVERRIDES.get(backend)
     if override is not None and override.installed is not None:
         return override.installed
     if backend == "dense":
         return True, "torch SDPA is always available"
     if backend == "te":
-        return (True, "TransformerEngine importable") if _te_pytorch() is not None else (
-            False, "TransformerEngine is not installed (pip install megatron-ext[te])")
+        if _te_pytorch() is None:
+            return False, "TransformerEngine is not installed (pip install megatron-ext[te])"
+        version = _te_version()
+        if version < TE_MIN:
+            return False, (f"TransformerEngine {'.'.join(map(str, version))} is older than "
+                           f"{'.'.join(map(str, TE_MIN))} (no bottom-right causal mask); upgrade it")
+        if _library(TE_FUSED_ATTN) is None:
+            return False, "TransformerEngine has no cpp_extensions.fused_attn (fused_attn_fwd/bwd)"
+        return True, "TransformerEngine importable"
     name = flash_impl_name()
-    return (True, f"{name} importable") if name else (
-        False, "neither flash-attn nor torch.nn.attention.varlen is available")
+    if name:
+        return True, f"{name} importable"
+    lib = _library("flash_attn")
+    if lib is not None:
+        return False, (f"flash-attn {getattr(lib, '__version__', '?')} is older than "
+                       f"{'.'.join(map(str, FLASH_ATTN_MIN))} (before 2.1 its causal mask is top-left "
+                       "aligned; before 2.6 its varlen forward/backward differ) and torch has no "
+                       "flash ops; upgrade flash-attn")
+    return False, "neither flash-attn nor torch.nn.attention.varlen is available"
 
 
 def static_availability(backend: str, device: torch.device) -> Tuple[bool, str]:
@@ -199,8 +443,9 @@ def static_availability(backend: str, device: torch.device) -> Tuple[bool, str]:
     return installed(backend)
 
 
-def call_availability(backend: str, q: torch.Tensor, dropout_p: float) -> Tuple[bool, str]:
-    """What depends on the call: dtype, device, dropout."""
+def call_availability(backend: str, q: torch.Tensor, dropout_p: float, kv_heads: int = None
+                      ) -> Tuple[bool, str]:
+    """What depends on the call: dtype, device, dropout, grouped K/V heads."""
     if backend == "dense":
         return True, "dense takes any dtype"
     override = _AVAILABILITY_OVERRIDES.get(backend)
@@ -210,16 +455,24 @@ def call_availability(backend: str, q: torch.Tensor, dropout_p: float) -> Tuple[
         return False, f"{backend} needs CUDA tensors (got {q.device.type})"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False, f"{backend} needs fp16/bf16 inputs (got {str(q.dtype).replace('torch.', '')})"
-    if backend == "flash" and dropout_p > 0 and flash_impl_name() == "torch_varlen_attn":
-        return False, "torch varlen_attn has no attention dropout"
+    if backend == "te" and kv_heads is not None and kv_heads != q.shape[-2]:
+        cudnn = te_cudnn_version()
+        if cudnn < CUDNN_THD_GQA_MIN:
+            # Below 9.6 TE silently takes its unfused path, which pads THD to [segments, max_seqlen].
+            return False, (f"te needs cuDNN >= 9.6 for THD with grouped K/V heads (found {cudnn}); "
+                           "TE would fall back to its unfused path and pad every segment")
     return True, "ok"
 
 
-_KERNELS: Dict[str, Callable] = {"te": te_varlen, "flash": flash_varlen, "dense": dense_varlen}
+_KERNELS: Dict[str, Kernel] = {
+    "te": Kernel(te_forward, te_backward),
+    "flash": Kernel(flash_forward, flash_backward),
+    "dense": Kernel(dense_forward, dense_backward),
+}
 
 
-def kernel_for(backend: str) -> Callable:
-    """The kernel the engine calls for ``backend`` (the flash varlen contract above)."""
+def kernel_for(backend: str) -> Kernel:
+    """The forward/backward pair the engine calls for ``backend`` (the contract above)."""
     return _KERNEL_OVERRIDES.get(backend) or _KERNELS[backend]
 
 
@@ -242,6 +495,6 @@ class AvailabilityOverride:
     reason: str = "test override"
 
 
-_KERNEL_OVERRIDES: Dict[str, Callable] = {}
+_KERNEL_OVERRIDES: Dict[str, Kernel] = {}
 _AVAILABILITY_OVERRIDES: Dict[str, AvailabilityOverride] = {}
 _LIBRARY_OVERRIDES: Dict[str, object] = {}  # module name -> stand-in module, or None: "not importable"

@@ -1,19 +1,18 @@
-"""Doc ids + layout -> needed K/V, exchange counts and varlen segments (pure, host side).
+"""Doc ids + layout -> needed K/V, exchange counts and the streamed kernel calls (pure, host side).
 
 Computed once per step from the replicated document ids; every rank computes the
 same global tables (who sends what to whom), so every exchange decision is taken
-identically on every rank without communication. Only this rank's kernel
-segments are materialized. Everything is interval arithmetic on the layout's
+identically on every rank without communication. Only this rank's kernel calls
+(``chunks``: one round per source rank) are materialized. Everything is interval arithmetic on the layout's
 runs and the documents' runs (``intervals``), never a mask over ``P`` per rank;
 the THD layout's counts have a closed form (``layout.thd_exchange_counts``).
 
 Index conventions. Sequence-aligned tensors are flattened as ``s * R + row``
 where R is the number of document-id rows (1 when every batch row shares them;
-then the batch folds into the head dimension). A rank's K/V *buffer* is what the
-exchange delivers:
-- allgather: every rank's local K/V, rank-major ([cp * L] rows);
-- halo / a2a: this rank's local K/V followed by the received positions, grouped
-  by source rank in rank order, ascending global position within a source.
+then the batch folds into the head dimension). What a round delivers from a
+source is described in ``chunks``: the source's whole local K/V (the all-gather
+ring) or the source's positions this rank needs, ascending (halo / a2a; what
+``ExchangeTables.send_index`` sends).
 """
 
 from collections.abc import Mapping
@@ -22,7 +21,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .intervals import (RankRuns, clip, document_runs, flat_ranges, map_ranges, overlap_counts, ranges,
+from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
+from .intervals import (RankRuns, document_runs, flat_ranges, map_ranges, overlap_counts, ranges,
                         work_and_intervals)
 from .layout import Layout, thd_exchange_counts
 
@@ -39,25 +39,6 @@ class ExchangeTables:
 
 
 @dataclass(frozen=True)
-class KernelSegments:
-    """This rank's per-document varlen segments (bottom-right causal)."""
-
-    q_index: torch.Tensor  # [Nq] rows of the flattened local q (s * R + row)
-    k_index: torch.Tensor  # [Nk] rows of the flattened K/V buffer (slot * R + row)
-    cu_seqlens_q: torch.Tensor  # [n_seg + 1] int32
-    cu_seqlens_k: torch.Tensor  # [n_seg + 1] int32
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-    @property
-    def num_segments(self) -> int:
-        return self.cu_seqlens_q.numel() - 1
-
-    def lengths(self) -> Tuple[List[int], List[int]]:
-        return (self.cu_seqlens_q.diff().tolist(), self.cu_seqlens_k.diff().tolist())
-
-
-@dataclass(frozen=True)
 class StepPlan:
     rank: int
     cp: int
@@ -66,51 +47,44 @@ class StepPlan:
     needed_remote: torch.Tensor  # [cp] positions each rank needs and does not own (lower bound)
     work_per_rank: torch.Tensor  # [cp] query-key pairs (summed over rows)
     exchange: ExchangeTables
-    segments: Mapping  # exchange kind ("allgather" | "sparse") -> KernelSegments, built lazily
+    stream: Mapping  # chunk kind ("ring" | "needed") -> StreamPlan (the streamed op's steps), lazily
 
     def positions_moved(self, kind: str) -> Tuple[int, int]:
-        """(sent, received) K/V positions of this rank per attention call."""
-        if kind == "allgather":
+        """(sent, received) K/V positions of this rank per attention call, for a chunk kind."""
+        if kind == "ring":
             moved = (self.cp - 1) * self.local_len
             return moved, moved
         counts = self.exchange.counts
         return int(counts[self.rank].sum()), int(counts[:, self.rank].sum())
 
 
-class _Segments(Mapping):
-    """exchange kind -> KernelSegments, built on first access (only the exchange in use pays)."""
+class _Lazy(Mapping):
+    """kind -> what ``make`` builds for it, on first access (only the exchange in use pays)."""
 
-    def __init__(self, make):
+    def __init__(self, make, kinds: Sequence[str]):
         self._make = make
-        self._built: Dict[str, KernelSegments] = {}
+        self._kinds = tuple(kinds)
+        self._built: Dict[str, object] = {}
 
-    def __getitem__(self, kind: str) -> KernelSegments:
-        if kind not in SEGMENT_KINDS:
-            raise KeyError(f"unknown segment kind {kind!r}; known: {SEGMENT_KINDS}")
+    def __getitem__(self, kind: str):
+        if kind not in self._kinds:
+            raise KeyError(f"unknown chunk kind {kind!r}; known: {self._kinds}")
         if kind not in self._built:
             self._built[kind] = self._make(kind)
         return self._built[kind]
 
     def __iter__(self):
-        return iter(SEGMENT_KINDS)
+        return iter(self._kinds)
 
     def __len__(self) -> int:
-        return len(SEGMENT_KINDS)
-
-
-SEGMENT_KINDS = ("allgather", "sparse")
-
-
-def segment_kind(kv_exchange: str) -> str:
-    """The segments an exchange reads: allgather's rank-major buffer, or the needed-only one."""
-    return "allgather" if kv_exchange == "allgather" else "sparse"
+        return len(self._kinds)
 
 
 def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
-               kinds: Sequence[str] = SEGMENT_KINDS) -> StepPlan:
+               kinds: Sequence[str] = CHUNK_KINDS) -> StepPlan:
     """doc_ids: [R, P] int64 (padded); all tables are global except this rank's indices.
 
-    ``kinds``: the segment kinds built now; any other is built on first access.
+    ``kinds``: the chunk kinds whose steps are built now; any other is built on first access.
     Works on the layout's runs and each row's document runs (``intervals``): one
     pass over the doc ids, the rest over runs, documents and this rank's indices.
     """
@@ -152,24 +126,10 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     halo_ok, halo_reason = _halo_check(runs, counts)
     exchange = ExchangeTables(counts, send_index, recv_positions, halo_ok, halo_reason)
 
-    def make(kind: str) -> KernelSegments:
-        # The buffer as disjoint position ranges sorted by position, each with its first slot.
-        if kind == "allgather":
-            start, length, run = runs.by_position()
-            slots = (start, length, runs.flat[run])  # rank-major buffer: owner * L + local index
-        else:
-            mine_runs = runs.of_rank(rank)
-            offsets = torch.cumsum(recv_len, 0) - recv_len
-            start = torch.cat([runs.start[mine_runs], recv_start])
-            order = torch.argsort(start)
-            slots = (start[order], torch.cat([runs.length[mine_runs], recv_len])[order],
-                     torch.cat([runs.local[mine_runs], L + offsets])[order])
-        return _segments(rows, runs, rank, slots)
-
-    segments = _Segments(make)
+    stream = _Lazy(lambda kind: build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b)), CHUNK_KINDS)
     for kind in kinds:
-        segments[kind]
-    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, segments)
+        stream[kind]
+    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream)
 
 
 def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
@@ -191,51 +151,9 @@ def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
                    f"adjacent to its own (a document straddles more than one boundary)")
 
 
-def _segments(rows, runs: RankRuns, rank: int, slots) -> KernelSegments:
-    """Per row: this rank's runs cut at the row's documents; one segment per real piece.
-
-    A piece [pa, pb) of a document starting at s reads keys [s, pb), looked up
-    in the buffer's slot table ``slots`` = (start, length, first slot).
-    """
-    R = len(rows)
-    mine = runs.of_rank(rank)
-    r_start, r_len, r_local = runs.start[mine], runs.length[mine], runs.local[mine]
-    q_parts, k_parts, q_lens, k_lens = [], [], [], []
-    for row, (d_start, d_end, d_id) in enumerate(rows):
-        run, doc, pa, pb = clip(r_start, r_start + r_len, d_start, d_end)
-        real = d_id[doc] > 0
-        if not bool(real.any()):
-            continue
-        run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
-        n_q = pb - pa
-        key_start = d_start[doc]
-        n_k = pb - key_start
-        q_parts.append(ranges(r_local[run] + pa - r_start[run], n_q) * R + row)
-        which, slot, n = map_ranges(*slots, key_start, n_k)
-        delivered = torch.zeros_like(n_k).index_add_(0, which, n)
-        assert torch.equal(delivered, n_k), "plan bug: a needed key is not delivered"
-        k_parts.append(ranges(slot, n) * R + row)
-        q_lens.append(n_q)
-        k_lens.append(n_k)
-    if not q_parts:
-        empty = torch.empty(0, dtype=torch.long)
-        zero = torch.zeros(1, dtype=torch.int32)
-        return KernelSegments(empty, empty, zero, zero, 0, 0)
-    q_lens_t, k_lens_t = torch.cat(q_lens), torch.cat(k_lens)
-    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), q_lens_t.cumsum(0)]).to(torch.int32)
-    cu_k = torch.cat([torch.zeros(1, dtype=torch.long), k_lens_t.cumsum(0)]).to(torch.int32)
-    return KernelSegments(torch.cat(q_parts), torch.cat(k_parts), cu_q, cu_k,
-                          int(q_lens_t.max()), int(k_lens_t.max()))
-
-
-def segment_pairs(n_q: torch.Tensor, n_k: torch.Tensor) -> torch.Tensor:
-    """Query-key pairs of bottom-right causal segments."""
-    return n_q * (n_k - n_q) + n_q * (n_q + 1) // 2
-
-
 def lower_bound_positions(plan: StepPlan) -> int:
     return int(plan.needed_remote[plan.rank])
 
 
-__all__ = ["StepPlan", "KernelSegments", "ExchangeTables", "build_plan", "segment_pairs",
-           "segment_kind", "lower_bound_positions", "SEGMENT_KINDS"]
+__all__ = ["StepPlan", "ExchangeTables", "build_plan", "chunk_kind", "lower_bound_positions",
+           "CHUNK_KINDS", "StreamPlan"]

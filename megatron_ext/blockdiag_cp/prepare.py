@@ -19,7 +19,7 @@ import torch
 
 from .cost import CostModel, resolve_cost_model
 from .layout import Layout, build_layout, padded_length
-from .plan import SEGMENT_KINDS, StepPlan, build_plan
+from .plan import CHUNK_KINDS, StepPlan, build_plan
 from . import state as knobs
 from .state import normalize_layout
 
@@ -58,11 +58,11 @@ def _as_rows(doc_ids) -> torch.Tensor:
 
 def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
                  cost_model: Optional[CostModel] = None,
-                 kinds: Sequence[str] = SEGMENT_KINDS) -> PreparedPlan:
+                 kinds: Sequence[str] = CHUNK_KINDS) -> PreparedPlan:
     """Pad, lay out and plan one step for ``rank`` of ``cp`` (host only, no collective).
 
     ``layout`` None: the configured knob (``configure_cp_varlen``); ``kinds``: the
-    segment kinds built now (the others are built on first access).
+    chunk kinds whose steps are built now (the others are built on first access).
     """
     if int(cp) < 1 or not 0 <= int(rank) < int(cp):
         raise ValueError(f"prepare_plan: need cp >= 1 and 0 <= rank < cp, got cp={cp}, rank={rank}")
@@ -123,13 +123,13 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
     """What a layout costs for these doc ids at ``cp`` ranks: no process group, no device.
 
     Runs ``prepare_plan`` for ``rank`` (default: the last rank) with the
-    needed-only exchange's segments, exactly as a real build does, and times it.
+    needed-only exchange's steps, exactly as a real build does, and times it.
     Counts are per attention call of one layer; seconds come from ``cost_model``
     (default: ``cost.default_cost_model()``, NVLink without a process group).
     """
     cost = resolve_cost_model(cost_model)
     rank = cp - 1 if rank is None else rank
-    prep = prepare_plan(doc_ids, cp, rank, layout=layout, cost_model=cost, kinds=("sparse",))
+    prep = prepare_plan(doc_ids, cp, rank, layout=layout, cost_model=cost, kinds=("needed",))
     plan, lay = prep.plan, prep.layout
     work = plan.work_per_rank.double()
     needed = plan.needed_remote

@@ -10,7 +10,7 @@ step on the host, and never enters a K/V collective its peers skip.
 """
 
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,7 @@ from .agreement import (
 from .backend import log_once, resolve_backend
 from .cost import default_cost_model
 from .layout import Layout, build_layout, padded_length
-from .plan import StepPlan, build_plan, segment_kind
+from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
     ATTN_BACKEND_VALUES,
     KV_BACKWARD_VALUES,
@@ -178,6 +178,7 @@ class BlockDiagCPState:
         self.comm_stats: Dict[str, int] = {}
         self.kv_row_bytes: Optional[int] = None
         self.kernel_failures: list = []
+        self.agreed_signatures: set = set()  # q/k/v signatures every CP rank agreed on (attention_op)
         self._device_index: Dict[tuple, tuple] = {}
 
     # -- public contract ---------------------------------------------------
@@ -304,7 +305,7 @@ class BlockDiagCPState:
             lay = build_layout(layout_name, ids, cp, cost_model=cost_model)
             # Only the exchange in use is planned now; the other kind is built if ever read.
             plan = build_plan(ids, lay, rank,
-                              kinds=(segment_kind(requested["kv_exchange"]) if cp > 1 else "sparse",))
+                              kinds=(chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed",))
 
         available = {b: agreed.max("unavailable_" + b) == 0 for b in ATTN_BACKEND_VALUES}
         backend_req = requested["attn_backend"]
@@ -411,19 +412,42 @@ class BlockDiagCPState:
             self._device_index[key] = torch.cat(self.plan.exchange.send_index).to(device)
         return self._device_index[key]
 
-    def segments_on(self, kind: str, device: torch.device):
-        """(q_index or None, k_index or None, kernels.Segments) for an exchange kind, on the device."""
-        key = (kind, str(device))
+    def send_indices_on(self, device: torch.device) -> List[Optional[torch.Tensor]]:
+        """Per destination, the local rows this rank sends it (needed-only), on the device once per step.
+
+        None: every local row in order (a long document's whole shard), sent without a gather copy.
+        """
+        key = ("send_list", str(device))
         if key not in self._device_index:
-            seg = self.plan.segments[kind]
-            q_lens, k_lens = seg.lengths()
-            dev = kernels.Segments(seg.cu_seqlens_q.to(device), seg.cu_seqlens_k.to(device),
-                                   seg.max_seqlen_q, seg.max_seqlen_k, tuple(q_lens), tuple(k_lens))
-            # None marks an identity index (every row used, in order): no gather copy needed.
-            self._device_index[key] = (_non_identity(seg.q_index, self.local_len * self.rows, device),
-                                       _non_identity(seg.k_index, self.local_len * self.rows, device)
-                                       if kind == "sparse" else seg.k_index.to(device), dev)
+            self._device_index[key] = [_non_identity(t, self.local_len, device)
+                                       for t in self.plan.exchange.send_index]
         return self._device_index[key]
+
+    def stream_on(self, kind: str, device: torch.device) -> List[List["DeviceCall"]]:
+        """Per step, the kernel calls of the streamed plan with their indices on the device."""
+        key = ("stream", kind, str(device))
+        if key not in self._device_index:
+            self._device_index[key] = [[DeviceCall.of(call, self.local_len * self.rows, step.chunk_len * self.rows,
+                                                      device) for call in step.calls]
+                                       for step in self.plan.stream[kind].steps]
+        return self._device_index[key]
+
+
+class DeviceCall:
+    """A ``chunks.CallPlan`` on the kernel's device: gather indices and ``kernels.Segments``."""
+
+    def __init__(self, plan, q_index: Optional[torch.Tensor], k_index: torch.Tensor, seg: kernels.Segments):
+        self.plan, self.q_index, self.k_index, self.seg = plan, q_index, k_index, seg
+
+    @classmethod
+    def of(cls, call, q_rows: int, k_rows: int, device) -> "DeviceCall":
+        cu_q = torch.tensor((0,) + call.q_lens, dtype=torch.long).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor((0,) + call.k_lens, dtype=torch.long).cumsum(0).to(torch.int32)
+        seg = kernels.Segments(cu_q.to(device), cu_k.to(device), max(call.q_lens), max(call.k_lens),
+                               call.q_lens, call.k_lens, call.causal)
+        # None marks an identity index (every row used, in order): no gather copy needed.
+        return cls(call, _non_identity(call.q_index, q_rows, device), _non_identity(call.k_index, k_rows, device),
+                   seg)
 
 
 def _non_identity(index: torch.Tensor, rows: int, device) -> Optional[torch.Tensor]:

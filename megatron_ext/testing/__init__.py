@@ -7,7 +7,7 @@ and the GPU check (``scripts/gpu_check.sh``). Not part of the engine's public fa
 - ``mixes``: the benchmarks' document-length mixes and the GPU check's packed mix;
 - ``doubles``: plain-torch doubles behind the flash and TE kernel contracts;
 - ``overrides``: the engine's test hooks as context managers (``override_kernel``,
-  ``override_availability``, ``override_library``, ``captured_engine_logs``);
+  ``override_availability``, ``override_library(ies)``, ``captured_engine_logs``);
 - ``timing``: CUDA-event / wall-clock timers, the measured matmul peak, per-rank kernel timing;
 - ``isolation``: make megatron-core unimportable, as on a machine without it;
 - ``gpt``: GPTModel builders and a single-process reference for the model tests (imports
@@ -21,8 +21,8 @@ from .overrides import (
     captured_engine_logs,
     override_availability,
     override_kernel,
+    override_libraries,
     override_library,
-    te_modules_cached,
 )
 from .pool import WorkerPool, catch, pool_fixture
 from .reference import doc_mask, reference_attention, runs_to_doc_ids
@@ -30,6 +30,6 @@ from .timing import matmul_tflops, median_ms
 
 __all__ = [
     "WorkerPool", "captured_engine_logs", "catch", "doc_mask", "matmul_tflops", "median_ms",
-    "override_availability", "override_kernel", "override_library", "pool_fixture", "reference_attention",
-    "runs_to_doc_ids", "te_modules_cached",
+    "override_availability", "override_kernel", "override_libraries", "override_library", "pool_fixture",
+    "reference_attention", "runs_to_doc_ids",
 ]

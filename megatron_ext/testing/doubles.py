@@ -1,24 +1,27 @@
-"""Test doubles for the flash and TE varlen kernels: plain-torch math behind their call contracts.
+"""Test doubles for the flash and TE kernels: plain-torch math behind their call contracts, with lse.
 
 What these doubles test: OUR side of the contract -- the metadata the engine
 hands a varlen kernel (cu_seqlens, max_seqlen, dtypes, devices, strides, head
-counts, the bottom-right causal flag, the TE keyword arguments, TE module
-caching) and the plumbing around the call (packing, GQA head order, the exchange
-feeding the keys). They run on CPU in fp32/fp64.
+counts, the causal flag of each call, the keyword arguments and their spelling,
+the log-sum-exp layouts each library returns and takes back in backward) and the
+plumbing around the call (chunks, GQA head order, the transfers feeding the keys,
+merging partial outputs). They run on CPU in fp32/fp64.
 
-What they do NOT test: the real CUDA kernels (flash-attn, torch's varlen_attn,
+What they do NOT test: the real CUDA kernels (flash-attn, torch's flash ops,
 TransformerEngine's fused attention), their numerics in bf16, or whether a given
 GPU/driver/library version accepts the call. The GPU check
 (``scripts/gpu_check.sh``) does that on a GPU machine.
 
-Every double computes, for each segment i, softmax(q_i k_i^T * scale) v_i over
-q[cu_q[i]:cu_q[i+1]] and k/v[cu_k[i]:cu_k[i+1]] with a bottom-right causal mask
-(query j of n_q sees keys 0 .. n_k - n_q + j), GQA by repeat_interleave of the
-K/V heads -- explicit math, sharing no code with megatron_ext's dense kernel.
+Every double computes, per segment i, softmax(q_i k_i^T * scale) v_i over
+q[cu_q[i]:cu_q[i+1]] and k/v[cu_k[i]:cu_k[i+1]], causal (square, on the diagonal)
+or full as the call says, GQA by repeat_interleave of the K/V heads, and returns
+the log-sum-exp in the library's layout; its backward takes the (final) output and
+log-sum-exp it is given, as the real kernels do -- explicit math, sharing no code
+with megatron_ext's dense kernel.
 """
 
 import types
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -32,11 +35,11 @@ def _check(cond: bool, message: str) -> None:
         raise ContractError(message)
 
 
-def check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k) -> tuple:
+def check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, round_to: int = 1) -> tuple:
     """Validate what a real varlen kernel relies on; return host copies of cu_seqlens."""
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q/k/v must be [T, H, D]: {q.shape} {k.shape}")
-    _check(k.shape == v.shape, f"k {tuple(k.shape)} != v {tuple(v.shape)}")
-    _check(q.shape[2] == k.shape[2], "head dims differ")
+    _check(k.shape[:2] == v.shape[:2], f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in rows/heads")
+    _check(q.shape[2] == k.shape[2], "q and k head dims differ")
     _check(q.shape[1] % k.shape[1] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k.shape[1]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check(t.stride(-1) == 1, f"{name} must have a contiguous last dimension (stride {t.stride()})")
@@ -53,170 +56,232 @@ def check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k) -> tuple:
     _check(ck[-1] == k.shape[0], f"cu_seqlens_k[-1]={ck[-1]} but k has {k.shape[0]} rows")
     nq = [b - a for a, b in zip(cq[:-1], cq[1:])]
     nk = [b - a for a, b in zip(ck[:-1], ck[1:])]
-    _check(min(nq) >= 0 and min(nk) >= 0, "cu_seqlens must be non-decreasing")
-    _check(all(b >= a for a, b in zip(nq, nk)),
-           "a segment has fewer keys than queries (its keys must include its own queries)")
-    _check(int(max_q) == max(nq), f"max_seqlen_q={max_q} but the longest query segment is {max(nq)}")
-    _check(int(max_k) == max(nk), f"max_seqlen_k={max_k} but the longest key segment is {max(nk)}")
+    _check(min(nq) >= 1 and min(nk) >= 1, "empty segments (every segment needs a query and a key)")
+    if causal:
+        _check(nq == nk, "a causal call's segments must be square (queries and keys the same positions)")
+    want_q, want_k = max(nq), max(nk)
+    if round_to > 1:
+        want_q, want_k = -(-want_q // round_to) * round_to, -(-want_k // round_to) * round_to
+    _check(int(max_q) == want_q, f"max_seqlen_q={max_q}, expected {want_q}")
+    _check(int(max_k) == want_k, f"max_seqlen_k={max_k}, expected {want_k}")
     return cq, ck
 
 
-def varlen_math(q, k, v, cq: List[int], ck: List[int], scale: float):
-    """Per-segment bottom-right causal softmax attention, explicit (einsum + masked softmax)."""
+def _segment_scores(qs, ks, scale, causal):
+    scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+    if causal:
+        n = qs.shape[0]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1).to(scores.device), float("-inf"))
+    return scores
+
+
+def varlen_math(q, k, v, cq: List[int], ck: List[int], scale: float, causal: bool):
+    """(out [T, Hq, Dv], lse [T, Hq]): explicit per-segment softmax attention."""
     rep = q.shape[1] // k.shape[1]
-    outs = []
+    outs, lses = [], []
     for i in range(len(cq) - 1):
         qs = q[cq[i]:cq[i + 1]]
         ks = k[ck[i]:ck[i + 1]].repeat_interleave(rep, dim=1)
         vs = v[ck[i]:ck[i + 1]].repeat_interleave(rep, dim=1)
-        n_q, n_k = qs.shape[0], ks.shape[0]
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        visible = torch.arange(n_k).unsqueeze(0) <= torch.arange(n_q).unsqueeze(1) + (n_k - n_q)
-        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        outs.append(torch.einsum("hqk,khd->qhd", probs, vs))
-    return torch.cat(outs, dim=0)
+        scores = _segment_scores(qs, ks, scale, causal)
+        lse = torch.logsumexp(scores, dim=-1)  # [H, n]
+        outs.append(torch.einsum("hqk,khd->qhd", torch.exp(scores - lse.unsqueeze(-1)), vs))
+        lses.append(lse.t())
+    return torch.cat(outs), torch.cat(lses)
 
 
-# ---------------------------------------------------------------------------
-# engine-level double: stands in for the flash kernel (override_kernel("flash", ...))
-# ---------------------------------------------------------------------------
+def varlen_math_backward(dout, q, k, v, out, lse, cq, ck, scale, causal):
+    """(dq, dk, dv) of this call, given the final out [T, Hq, Dv] and lse [T, Hq]."""
+    rep = q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for i in range(len(cq) - 1):
+        a, b, c, e = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        ks, vs = k[c:e].repeat_interleave(rep, dim=1), v[c:e].repeat_interleave(rep, dim=1)
+        probs = torch.exp(_segment_scores(q[a:b], ks, scale, causal) - lse[a:b].t().unsqueeze(-1))
+        d_probs = torch.einsum("qhd,khd->hqk", dout[a:b], vs)
+        delta = (dout[a:b] * out[a:b]).sum(-1).t().unsqueeze(-1)  # [H, n, 1]
+        d_scores = probs * (d_probs - delta) * scale
+        dq[a:b] = torch.einsum("hqk,khd->qhd", d_scores, ks)
+        dk[c:e] = torch.einsum("hqk,qhd->khd", d_scores, q[a:b]).unflatten(1, (-1, rep)).sum(2)
+        dv[c:e] = torch.einsum("hqk,qhd->khd", probs, dout[a:b]).unflatten(1, (-1, rep)).sum(2)
+    return dq, dk, dv
+
 
 CALLS: List[dict] = []  # metadata of every double call in this process (tests read and clear it)
 
 
-def flash_kernel_double(q, k, v, seg, softmax_scale, dropout_p=0.0):
-    """Drop-in for the engine's flash kernel (the kernel contract of kernels.py)."""
+def _record(kind, q, k, cq, causal, **extra):
+    CALLS.append({"kind": kind, "segments": len(cq) - 1, "hq": q.shape[1], "hkv": k.shape[1],
+                  "causal": causal, **extra})
+
+
+# ---------------------------------------------------------------------------
+# engine-level double: stands in for a backend's kernel pair (override_kernel(backend, KERNEL_DOUBLE))
+# ---------------------------------------------------------------------------
+
+
+def _double_forward(q, k, v, seg, softmax_scale, dropout_p=0.0, seed=0):
     _check(dropout_p == 0.0, "the double has no dropout")
-    cq, ck = check_varlen_metadata(q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k,
-                                   seg.max_seqlen_q, seg.max_seqlen_k)
+    cq, ck = check_varlen_metadata(q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q,
+                                   seg.max_seqlen_k, seg.causal)
     _check(list(seg.q_lens) == [b - a for a, b in zip(cq[:-1], cq[1:])], "host q_lens disagree with cu_seqlens_q")
     _check(list(seg.k_lens) == [b - a for a, b in zip(ck[:-1], ck[1:])], "host k_lens disagree with cu_seqlens_k")
-    CALLS.append({"kind": "kernel", "segments": len(cq) - 1, "hq": q.shape[1], "hkv": k.shape[1]})
-    return varlen_math(q, k, v, cq, ck, softmax_scale)
+    _record("kernel", q, k, cq, seg.causal)
+    out, lse = varlen_math(q, k, v, cq, ck, softmax_scale, seg.causal)
+    return out, lse, ("double", len(cq))
+
+
+def _double_backward(dout, q, k, v, out, lse, aux, seg, softmax_scale, dropout_p=0.0):
+    _check(aux[0] == "double" and aux[1] == seg.cu_seqlens_q.numel(), "backward got another call's aux")
+    _check(out.shape[:2] == q.shape[:2] and lse.shape == q.shape[:2], "out/lse rows differ from q's")
+    return varlen_math_backward(dout, q, k, v, out, lse, seg.cu_seqlens_q.tolist(), seg.cu_seqlens_k.tolist(),
+                                softmax_scale, seg.causal)
+
+
+def kernel_double():
+    """A ``kernels.Kernel`` made of the explicit math above (for ``override_kernel``)."""
+    from megatron_ext.blockdiag_cp.kernels import Kernel
+
+    return Kernel(_double_forward, _double_backward)
 
 
 # ---------------------------------------------------------------------------
-# library-level doubles: what kernels.flash_varlen calls
+# library-level doubles: what kernels.flash_forward / te_forward call
 # ---------------------------------------------------------------------------
 
 
-def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                softcap=0.0, alibi_slopes=None, deterministic=False,
-                                return_attn_probs=False, block_table=None):
-    """flash-attn 2.x ``flash_attn_varlen_func`` signature; causal is bottom-right (>= 2.1)."""
-    _check(causal is True, "flash_attn_varlen_func must be called with causal=True")
-    _check(tuple(window_size) == (-1, -1), "no sliding window expected")
-    _check(dropout_p == 0.0, "the double has no dropout")
-    cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    CALLS.append({"kind": "flash_attn", "segments": len(cq) - 1, "hq": q.shape[1], "hkv": k.shape[1]})
-    return varlen_math(q, k, v, cq, ck, scale)
+def _rng_state(device):
+    return torch.zeros(2, dtype=torch.int64, device=device)
 
 
-def _torch_varlen_common(api, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, gqa_ok):
-    _check(causal, f"torch varlen_attn ({api}) must be called causal")
-    if not gqa_ok:
-        _check(q.shape[1] == k.shape[1], f"torch varlen_attn ({api}) has no GQA: K/V heads must be repeated")
-    cq, ck = check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k)
-    CALLS.append({"kind": f"torch_varlen_{api}", "segments": len(cq) - 1, "hq": q.shape[1],
-                  "hkv": k.shape[1]})
-    return varlen_math(q, k, v, cq, ck, q.shape[-1] ** -0.5 if scale is None else scale)
+def fake_torch_flash_ops():
+    """Stands in for ``torch.ops.aten._flash_attention_forward/_backward`` (varlen: lse [H, T])."""
+
+    def _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                                 return_debug_mask, *, scale=None, window_size_left=None,
+                                 window_size_right=None, seqused_k=None, alibi_slopes=None):
+        _check(dropout_p == 0.0, "the double has no dropout")
+        _check(window_size_left in (None, -1) and window_size_right in (None, -1), "no window expected")
+        cq, ck = check_varlen_metadata(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal)
+        _record("torch_flash", query, key, cq, is_causal)
+        out, lse = varlen_math(query, key, value, cq, ck, query.shape[-1] ** -0.5 if scale is None else scale,
+                               is_causal)
+        return out, lse.t().contiguous().float(), _rng_state(query.device), torch.empty(0), torch.empty(0)
+
+    def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                                  max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+                                  window_size_left=None, window_size_right=None):
+        _check(logsumexp.shape == (query.shape[1], query.shape[0]), f"lse must be [H, T], got {logsumexp.shape}")
+        _check(rng_state.numel() == 2, "rng_state is not the forward's")
+        cq, ck = check_varlen_metadata(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal)
+        return varlen_math_backward(grad_out, query, key, value, out, logsumexp.t().to(query.dtype), cq, ck,
+                                    query.shape[-1] ** -0.5 if scale is None else scale, is_causal)
+
+    return types.SimpleNamespace(_flash_attention_forward=_flash_attention_forward,
+                                 _flash_attention_backward=_flash_attention_backward)
 
 
-def fake_varlen_attn_is_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
-                                return_aux=None):
-    """The first public spelling (older torch docs): ``is_causal``, no ``scale``, no GQA."""
-    return _torch_varlen_common("is_causal", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                is_causal, None, gqa_ok=False)
+def fake_flash_attn(version: str = "2.8.3"):
+    """(flash_attn, flash_attn.flash_attn_interface) stand-ins with flash-attn 2.6+'s private varlen calls."""
+
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, window_size_left=-1, window_size_right=-1,
+                                   softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+                                   leftpad_k=None, seqused_k=None):
+        _check(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None, "plain attention expected")
+        _check((window_size_left, window_size_right) == (-1, -1), "no window expected")
+        cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        _record("flash_attn", q, k, cq, causal)
+        out, lse = varlen_math(q, k, v, cq, ck, softmax_scale, causal)
+        return out, lse.t().contiguous().float(), None, _rng_state(q.device)
+
+    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, rng_state=None, zero_tensors=False):
+        _check(softmax_lse.shape == (q.shape[1], q.shape[0]), f"lse must be [H, T], got {softmax_lse.shape}")
+        cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        grads = varlen_math_backward(dout, q, k, v, out, softmax_lse.t().to(q.dtype), cq, ck, softmax_scale,
+                                     causal)
+        for dst, src in zip((dq, dk, dv), grads):
+            dst.copy_(src)
+        return None
+
+    iface = types.SimpleNamespace(_flash_attn_varlen_forward=_flash_attn_varlen_forward,
+                                  _flash_attn_varlen_backward=_flash_attn_varlen_backward)
+    return types.SimpleNamespace(__version__=version, flash_attn_interface=iface), iface
 
 
-def fake_varlen_attn_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
-                            scale=None, window_size=(-1, -1)):
-    """Later spelling: keyword-only ``scale`` and ``window_size`` ((-1, 0) = causal), no GQA."""
-    return _torch_varlen_common("window", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                tuple(window_size) == (-1, 0), scale, gqa_ok=False)
+class FakeFusedAttn(types.SimpleNamespace):
+    """Stands in for ``transformer_engine.pytorch.cpp_extensions.fused_attn`` (TE 2.x spelling).
 
-
-def fake_varlen_attn_window_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
-                                return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False,
-                                seqused_k=None, block_table=None, num_splits=None):
-    """torch 2.12/2.13 spelling: adds ``enable_gqa``."""
-    return _torch_varlen_common("window_gqa", query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                tuple(window_size) == (-1, 0), scale, gqa_ok=enable_gqa)
-
-
-TORCH_VARLEN_FAKES = {"is_causal": fake_varlen_attn_is_causal, "window": fake_varlen_attn_window,
-                      "window_gqa": fake_varlen_attn_window_gqa}
-
-
-# ---------------------------------------------------------------------------
-# TE double: a stand-in ``transformer_engine.pytorch`` module
-# ---------------------------------------------------------------------------
-
-
-class FakeDotProductAttention(torch.nn.Module):
-    """Mimics TE's ``DotProductAttention`` constructor and forward keywords (thd format).
-
-    Records every construction (``CONSTRUCTED``) and call (``FORWARDS``); the
-    signatures spell TE's parameter names, so a misspelt keyword fails here as it
-    would in TE. Output is [t, h * d], as TE returns for thd.
+    ``stats_layout``: "thd" gives the softmax stats as [T, H, 1] (newer cuDNN), "padded"
+    as [segments, H, max_seqlen_q, 1] (older cuDNN); the engine must take either back.
     """
 
-    CONSTRUCTED: List[dict] = []
-    FORWARDS: List[dict] = []
+    def __init__(self, stats_layout: str = "thd"):
+        super().__init__(FusedAttnBackend={"F16_arbitrary_seqlen": 1}, stats_layout=stats_layout, calls=[])
 
-    def __init__(self, num_attention_heads: int, kv_channels, num_gqa_groups: Optional[int] = None,
-                 attention_dropout: float = 0.0, qkv_format: str = "sbhd", attn_mask_type: str = "causal",
-                 window_size=None, sequence_parallel: bool = False, tp_size: int = 1,
-                 get_rng_state_tracker=None, tp_group=None, layer_number=None, attention_type: str = "self",
-                 cp_group=None, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p",
-                 softmax_scale: Optional[float] = None):
-        super().__init__()
-        self.config = dict(num_attention_heads=num_attention_heads, kv_channels=kv_channels,
-                           num_gqa_groups=num_gqa_groups, attention_dropout=attention_dropout,
-                           qkv_format=qkv_format, attn_mask_type=attn_mask_type,
-                           softmax_scale=softmax_scale, cp_group=cp_group)
-        FakeDotProductAttention.CONSTRUCTED.append(dict(self.config))
+    def _common(self, max_q, max_k, cu_q, cu_k, q, k, v, fake_dtype, backend, qkv_layout, attn_mask_type):
+        _check(backend == 1, f"fused attention backend {backend!r}, expected F16_arbitrary_seqlen")
+        _check(qkv_layout == "thd_thd_thd", f"qkv_layout {qkv_layout!r}")
+        _check(attn_mask_type in ("padding", "padding_causal"), f"attn_mask_type {attn_mask_type!r}")
+        _check(fake_dtype == q.dtype, "fake_dtype must be q's dtype")
+        causal = attn_mask_type == "padding_causal"
+        cq, ck = check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal, round_to=64)
+        return cq, ck, causal
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
-                cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-                max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None, window_size=None,
-                checkpoint_core_attention=False, core_attention_bias_type="no_bias",
-                core_attention_bias=None, alibi_slopes=None, fast_zero_fill=True, inference_params=None):
-        cfg = self.config
-        _check(qkv_format == "thd" and cfg["qkv_format"] == "thd", f"qkv_format {qkv_format!r}")
-        _check(attn_mask_type == "padding_causal_bottom_right" == cfg["attn_mask_type"],
-               f"attn_mask_type {attn_mask_type!r} / {cfg['attn_mask_type']!r}")
-        _check(cfg["cp_group"] is None, "TE must not run its own CP: the engine already exchanged K/V")
-        _check(attention_mask is None and window_size is None, "no mask tensor / window expected")
-        _check(query_layer.shape[1] == cfg["num_attention_heads"], "query heads != num_attention_heads")
-        _check(key_layer.shape[1] == cfg["num_gqa_groups"], "K/V heads != num_gqa_groups")
-        _check(query_layer.shape[2] == cfg["kv_channels"], "head dim != kv_channels")
-        _check(cfg["attention_dropout"] == 0.0, "the double has no dropout")
-        cq, ck = check_varlen_metadata(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv,
-                                       max_seqlen_q, max_seqlen_kv)
-        FakeDotProductAttention.FORWARDS.append({"segments": len(cq) - 1, "max_seqlen_q": max_seqlen_q,
-                                                 "max_seqlen_kv": max_seqlen_kv})
-        scale = cfg["softmax_scale"]
-        scale = query_layer.shape[-1] ** -0.5 if scale is None else scale
-        out = varlen_math(query_layer, key_layer, value_layer, cq, ck, scale)
-        return out.reshape(out.shape[0], -1)  # [t, h * d]
+    def fused_attn_fwd(self, is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
+                       fake_dtype, fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None,
+                       cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None,
+                       o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True,
+                       qkv_layout="sbh3d", o_format="sbhd", attn_bias_type="no_bias",
+                       attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
+                       rng_gen=None, softmax_offset=None, return_max_logit=False):
+        _check(is_training and dropout == 0.0 and o_format == "thd", "training, no dropout, thd output")
+        cq, ck, causal = self._common(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
+                                      fake_dtype, fused_attention_backend, qkv_layout, attn_mask_type)
+        self.calls.append({"mask": attn_mask_type, "max_seqlen_q": max_seqlen_q, "max_seqlen_kv": max_seqlen_kv})
+        _record("te", q, k, cq, causal)
+        out, lse = varlen_math(q, k, v, cq, ck, attn_scale, causal)
+        if self.stats_layout == "thd":
+            stats = lse.float().unsqueeze(-1)
+        else:
+            stats = torch.zeros(len(cq) - 1, q.shape[1], max_seqlen_q, 1)
+            for i in range(len(cq) - 1):
+                stats[i, :, :cq[i + 1] - cq[i], 0] = lse[cq[i]:cq[i + 1]].t().float()
+        return out.reshape(out.shape[0], -1), [stats, _rng_state(q.device)]
+
+    def fused_attn_bwd(self, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o,
+                       fake_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None,
+                       cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None,
+                       attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd",
+                       do_format="sbhd", dqkv_layout="sbh3d", attn_bias_type="no_bias",
+                       attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
+                       deterministic=False):
+        _check((o_format, do_format, dqkv_layout) == ("thd", "thd", "thd_thd_thd"), "thd formats expected")
+        cq, ck, causal = self._common(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
+                                      fake_dtype, fused_attention_backend, qkv_layout, attn_mask_type)
+        stats = aux_ctx_tensors[0]
+        _check(len(aux_ctx_tensors) == 2 and aux_ctx_tensors[1].numel() == 2, "aux must be [stats, rng_state]")
+        if self.stats_layout == "thd":
+            _check(stats.shape == (q.shape[0], q.shape[1], 1), f"stats must be [T, H, 1], got {stats.shape}")
+            lse = stats[..., 0]
+        else:
+            _check(stats.dim() == 4 and stats.shape[0] == len(cq) - 1, f"padded stats, got {stats.shape}")
+            lse = torch.cat([stats[i, :, :cq[i + 1] - cq[i], 0].t() for i in range(len(cq) - 1)])
+        o = o.view(q.shape[0], q.shape[1], -1)
+        d_o = d_o.view(o.shape)
+        dq, dk, dv = varlen_math_backward(d_o, q, k, v, o, lse.to(q.dtype), cq, ck, attn_scale, causal)
+        return [dq, dk, dv, None, None]
 
 
-def fake_te_pytorch() -> types.ModuleType:
-    """A stand-in ``transformer_engine.pytorch`` with the fake ``DotProductAttention``.
-
-    Hand it to ``override_library("transformer_engine.pytorch", ...)``; its call logs start empty.
-    """
-    module = types.ModuleType("transformer_engine.pytorch")
-    module.DotProductAttention = FakeDotProductAttention
-    FakeDotProductAttention.CONSTRUCTED.clear()
-    FakeDotProductAttention.FORWARDS.clear()
-    return module
-
-
-def library_with(attribute: str, fn) -> types.SimpleNamespace:
-    """A stand-in library module exposing one function, e.g. ``flash_attn.flash_attn_varlen_func``."""
-    return types.SimpleNamespace(**{attribute: fn})
+def fake_te(version: str = "2.8.0", stats_layout: str = "thd", cudnn: int = 90800):
+    """Libraries to override for a stand-in TransformerEngine: {module name: module}."""
+    fused = FakeFusedAttn(stats_layout)
+    return {
+        "transformer_engine": types.SimpleNamespace(__version__=version),
+        "transformer_engine.pytorch": types.SimpleNamespace(),
+        "transformer_engine.pytorch.cpp_extensions.fused_attn": fused,
+        "transformer_engine_torch": types.SimpleNamespace(get_cudnn_version=lambda: cudnn),
+    }

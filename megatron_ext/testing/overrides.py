@@ -15,7 +15,7 @@ the next task because every context restores the previous value on exit.
 
 import contextlib
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 ENGINE_LOGGER = "megatron_ext.blockdiag_cp"
 
@@ -40,9 +40,9 @@ def _set(table: dict, key, value):
             table[key] = saved
 
 
-def override_kernel(backend: str, fn: Callable):
-    """The engine calls ``fn`` (the kernel contract of kernels.py) for ``backend`` inside the block."""
-    return _set(_kernels()._KERNEL_OVERRIDES, backend, fn)
+def override_kernel(backend: str, kernel):
+    """The engine calls ``kernel`` (a ``kernels.Kernel``: forward/backward with the lse) for ``backend``."""
+    return _set(_kernels()._KERNEL_OVERRIDES, backend, kernel)
 
 
 def override_availability(backend: str, ok: Optional[bool] = True, reason: Optional[str] = None, *,
@@ -68,22 +68,22 @@ def override_availability(backend: str, ok: Optional[bool] = True, reason: Optio
 def override_library(name: str, module):
     """The engine's lazy import of ``name`` returns ``module`` (None: "not importable") inside the block.
 
-    Names the engine looks up: ``flash_attn``, ``torch.nn.attention.varlen``,
-    ``transformer_engine.pytorch``. TE modules cached before or built inside the block
-    are dropped on entry and exit: they belong to the library that built them.
+    Names the engine looks up: ``flash_attn``, ``flash_attn.flash_attn_interface``,
+    ``torch.nn.attention.varlen``, ``torch.ops.aten.flash`` (torch's flash ops),
+    ``transformer_engine``, ``transformer_engine.pytorch``,
+    ``transformer_engine.pytorch.cpp_extensions.fused_attn``, ``transformer_engine_torch``.
     """
-    kernels = _kernels()
-    kernels._TE_MODULES.clear()
-    try:
-        with _set(kernels._LIBRARY_OVERRIDES, name, module):
-            yield
-    finally:
-        kernels._TE_MODULES.clear()
+    with _set(_kernels()._LIBRARY_OVERRIDES, name, module):
+        yield
 
 
-def te_modules_cached() -> int:
-    """How many TE ``DotProductAttention`` modules the engine holds (one per head/scale/dtype key)."""
-    return len(_kernels()._TE_MODULES)
+@contextlib.contextmanager
+def override_libraries(modules: dict):
+    """``override_library`` for several names at once ({name: module})."""
+    with contextlib.ExitStack() as stack:
+        for name, module in modules.items():
+            stack.enter_context(override_library(name, module))
+        yield
 
 
 @contextlib.contextmanager

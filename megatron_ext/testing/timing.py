@@ -4,10 +4,10 @@
 calls first, then the median of ``reps``. ``matmul_tflops`` measures the device's
 dense matmul rate in the same run, the peak a kernel's TFLOP/s is compared with.
 
-``time_kernels`` runs the engine's kernels on the segments each CP rank gets for one
-layout: the engine's own plan (layout, needed K/V, bottom-right causal varlen
-segments) gives rank r its packed q [Nq, Hq, D] and delivered K/V [Nk, Hkv, D], and
-every backend runs forward and forward+backward on the same random inputs. The ranks
+``time_kernels`` runs the engine's kernel calls each CP rank makes (every round) for one
+layout: the engine's own streamed plan (layout, chunks, full and causal varlen
+calls) gives rank r its calls' shapes, and every backend runs each call forward and
+forward+backward (with the lse) on the same random inputs. The ranks
 run one after another in this process (one GPU takes one rank at a time; NCCL refuses
 two ranks on one device), so the K/V exchange is not in these times; a step's
 attention time is the slowest rank's.
@@ -64,21 +64,19 @@ def matmul_tflops(device, dtype: torch.dtype, n: int = 8192, reps: int = 10) -> 
 
 
 @dataclass(frozen=True)
-class RankSegments:
-    """One CP rank's varlen segments for a layout, ready for a kernel call on ``device``."""
+class RankCalls:
+    """One CP rank's streamed kernel calls (every round) for a layout, ready on ``device``."""
 
     rank: int
-    segments: object  # kernels.Segments on the device
-    num_q: int  # packed query rows
-    num_k: int  # packed K/V rows delivered to the kernel
-    pairs: int  # useful query-key pairs (bottom-right causal within each document)
+    calls: List  # [(kernels.Segments, num_q, num_k)] over every round, own chunk first
+    pairs: int  # useful query-key pairs (causal within each document)
 
 
-def rank_segments(doc_ids: torch.Tensor, layout: str, cp: int, device) -> List[RankSegments]:
-    """Every rank's kernel segments for ``doc_ids`` ([S] or [R, S]) under ``layout`` at ``cp``."""
-    from megatron_ext.blockdiag_cp import kernels
+def rank_calls(doc_ids: torch.Tensor, layout: str, cp: int, device) -> List[RankCalls]:
+    """Every rank's kernel calls for ``doc_ids`` ([S] or [R, S]) under ``layout`` at ``cp``."""
     from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
-    from megatron_ext.blockdiag_cp.plan import build_plan, segment_pairs
+    from megatron_ext.blockdiag_cp.plan import build_plan
+    from megatron_ext.blockdiag_cp.step import DeviceCall
 
     ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [R, S]
     S = ids.shape[1]
@@ -86,58 +84,57 @@ def rank_segments(doc_ids: torch.Tensor, layout: str, cp: int, device) -> List[R
     lay = build_layout(layout, ids, cp)
     out = []
     for rank in range(cp):
-        seg = build_plan(ids, lay, rank).segments["sparse"]
-        q_lens, k_lens = seg.lengths()
-        device_seg = kernels.Segments(seg.cu_seqlens_q.to(device), seg.cu_seqlens_k.to(device),
-                                      seg.max_seqlen_q, seg.max_seqlen_k, tuple(q_lens), tuple(k_lens))
-        pairs = int(segment_pairs(torch.tensor(q_lens, dtype=torch.long),
-                                  torch.tensor(k_lens, dtype=torch.long)).sum()) if q_lens else 0
-        out.append(RankSegments(rank, device_seg, sum(q_lens), sum(k_lens), pairs))
+        stream = build_plan(ids, lay, rank, kinds=("needed",)).stream["needed"]
+        calls = [(DeviceCall.of(c, 0, 0, device).seg, sum(c.q_lens), sum(c.k_lens))
+                 for step in stream.steps for c in step.calls]
+        out.append(RankCalls(rank, calls, sum(step.pairs for step in stream.steps)))
     return out
 
 
 def time_kernels(doc_ids: torch.Tensor, layout: str, cp: int, backends: Sequence[str],
                  heads: Tuple[int, int, int], device, dtype: torch.dtype, reps: int = 5,
                  warmup: int = 2, seed: int = 3) -> Dict:
-    """Per rank and backend: forward and forward+backward ms of the engine's kernel on that rank.
+    """Per rank and backend: forward and forward+backward ms of the engine's kernel calls on that rank.
 
-    heads = (Hq, Hkv, D). Returns {"pairs": [per rank], "backends": {backend: {"fwd_ms": [...],
-    "fwd_bwd_ms": [...]}}, "max_rel_diff_vs_dense": float or None} -- the last compares each
-    backend's forward output with dense's on the same inputs (when dense is among ``backends``).
-    A rank without queries costs 0 ms (the engine makes no kernel call there).
+    heads = (Hq, Hkv, D). Every call of every round of the rank's streamed plan runs on
+    random inputs of its shape (the merging of partial outputs is not timed). Returns
+    {"pairs": [per rank], "backends": {backend: {"fwd_ms": [...], "fwd_bwd_ms": [...]}},
+    "max_rel_diff_vs_dense": float or None} -- the last compares each backend's forward
+    output with dense's on the same inputs (when dense is among ``backends``). A rank
+    without queries costs 0 ms (the engine makes no kernel call there).
     """
     from megatron_ext.blockdiag_cp import kernels
 
     hq, hkv, d = heads
     scale = kernels.default_softmax_scale(d)
     g = torch.Generator().manual_seed(seed)
-    ranks = rank_segments(doc_ids, layout, cp, device)
+    ranks = rank_calls(doc_ids, layout, cp, device)
     times = {b: {"fwd_ms": [], "fwd_bwd_ms": []} for b in backends}
     diffs = []
     for r in ranks:
-        q, k, v = (torch.randn(n, h, d, generator=g).to(dtype).to(device)
-                   for n, h in ((r.num_q, hq), (r.num_k, hkv), (r.num_k, hkv)))
-        grad = torch.randn(q.shape, generator=g).to(dtype).to(device)
+        inputs = [tuple(torch.randn(n, h, d, generator=g).to(dtype).to(device)
+                        for n, h in ((nq, hq), (nk, hkv), (nk, hkv), (nq, hq)))
+                  for _, nq, nk in r.calls]  # q, k, v, dout per call
         outs = {}
         for backend in backends:
-            if r.num_q == 0:
+            if not r.calls:
                 times[backend]["fwd_ms"].append(0.0)
                 times[backend]["fwd_bwd_ms"].append(0.0)
                 continue
-            ok, why = kernels.call_availability(backend, q, 0.0)
+            ok, why = kernels.call_availability(backend, inputs[0][0], 0.0, hkv)
             if not ok:
                 raise RuntimeError(f"{backend} cannot take this call: {why}")
-            fn = kernels.kernel_for(backend)
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            kernel = kernels.kernel_for(backend)
 
             def fwd():
-                with torch.no_grad():
-                    return fn(q, k, v, r.segments, scale, 0.0)
+                return [kernel.forward(q, k, v, seg, scale, 0.0) for (seg, _, _), (q, k, v, _) in
+                        zip(r.calls, inputs)]
 
             def fwd_bwd():
-                fn(*leaves, r.segments, scale, 0.0).backward(grad)
+                for (seg, _, _), (q, k, v, do), (o, lse, aux) in zip(r.calls, inputs, fwd()):
+                    kernel.backward(do, q, k, v, o, lse, aux, seg, scale, 0.0)
 
-            outs[backend] = fwd().float()
+            outs[backend] = torch.cat([o.float().flatten() for o, _, _ in fwd()])
             times[backend]["fwd_ms"].append(median_ms(fwd, device, reps, warmup))
             times[backend]["fwd_bwd_ms"].append(median_ms(fwd_bwd, device, reps, warmup))
         if "dense" in outs:

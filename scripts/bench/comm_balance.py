@@ -19,9 +19,15 @@ EXCHANGES = ("allgather", "halo", "a2a")
 HEAD_DIM = 8
 
 
-def _no_kernel(q, k, v, seg, softmax_scale, dropout_p=0.0):
-    """Stands in for the attention kernel: the exchange has already run and counted its bytes."""
-    return q.new_zeros(q.shape)
+def _no_kernel_forward(q, k, v, seg, softmax_scale, dropout_p=0.0, seed=0):
+    """Stands in for the attention kernel: the transfers run and count their bytes regardless."""
+    return q.new_zeros(q.shape[:2] + v.shape[2:]), q.new_zeros(q.shape[:2]), None
+
+
+def _no_kernel():
+    from megatron_ext.blockdiag_cp.kernels import Kernel
+
+    return Kernel(_no_kernel_forward, None)  # the bench runs forward only
 
 
 def measure_worker(mix: str, S: int, layouts=LAYOUTS, exchanges=EXCHANGES,
@@ -47,7 +53,7 @@ def measure_worker(mix: str, S: int, layouts=LAYOUTS, exchanges=EXCHANGES,
 
     doc_ids = make_doc_ids(mix, S)
     out = {}
-    with contextlib.nullcontext() if real_kernel else override_kernel("dense", _no_kernel):
+    with contextlib.nullcontext() if real_kernel else override_kernel("dense", _no_kernel()):
         _measure(bdcp, doc_ids, layouts, exchanges, out)
     return out
 

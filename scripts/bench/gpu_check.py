@@ -78,14 +78,17 @@ def timing_doc_ids(S):
 
 @contextlib.contextmanager
 def check_backends(dry_run):
-    """Yields the backends to check; a dry run puts the CPU flash double behind "flash"."""
+    """Yields the backends to check; a dry run puts a CPU double of torch's flash ops behind "flash"
+    (the engine's own flash forward/backward code runs, over plain-torch math)."""
     from megatron_ext.blockdiag_cp import kernels
-    from megatron_ext.testing import override_availability, override_kernel
-    from megatron_ext.testing.doubles import flash_kernel_double
+    from megatron_ext.testing import override_availability, override_libraries
+    from megatron_ext.testing.doubles import fake_torch_flash_ops
 
     with contextlib.ExitStack() as stack:
         if dry_run:
-            stack.enter_context(override_kernel("flash", flash_kernel_double))
+            stack.enter_context(override_libraries({
+                "flash_attn": None, "torch.ops.aten.flash": fake_torch_flash_ops(),
+                "torch.nn.attention.varlen": object()}))
             stack.enter_context(override_availability("flash", True, "CPU flash test double",
                                                       any_call=True))
         backends = ["flash", "dense"]

@@ -1,0 +1,272 @@
+"""The streamed attention plan: this rank's kernel calls, one K/V chunk at a time (host side).
+
+A rank attends its queries to one chunk of keys at a time and merges the partial
+outputs by their log-sum-exp, so it never holds more than a few chunks of remote
+K/V. A chunk is a key range of one source rank's K/V, at most ``chunk_rows``
+positions (a quarter of a shard): a long document's keys arrive in pieces, so the
+buffers in flight stay a fraction of a shard however many ranks it spans.
+
+    step 0         the rank's own K/V (nothing to wait for)
+    step s >= 1    (round i, piece j): piece j of the K/V of source (rank - i) mod cp,
+                   in flight while step s - 1 computes
+
+Each chunk is attended with at most two varlen calls, whose every segment is
+either *full* (all its keys precede all its queries) or *causal* (a square block on
+the diagonal: the same positions as queries and keys, where top-left and
+bottom-right alignment coincide):
+
+    query piece [pa, pb) of a document starting at ds, on this rank
+    ---------------------------------------------------------------
+    chunk of another rank:  full   over that rank's positions in [ds, pa) in the chunk
+    own chunk:              full   over this rank's positions in [ds, pa)   (earlier local pieces)
+                            causal over [pa, pb) itself
+
+A remote chunk never holds a position of this rank's queries, so it needs no mask
+at all. Pieces of one document that see the same keys of a chunk (zigzag's two
+pieces of a long document, for the keys before the first) share one segment: the
+keys are gathered once per chunk, not once per piece.
+
+Chunk buffers (``slot`` = row within a source's whole delivery; a step holds
+slots [first, first + chunk_len)):
+- ring (all-gather): the source's whole local K/V in its local order, slot =
+  local index on the source; piece j of every source travels the ring before
+  piece j + 1 (steps ordered piece-major), so a rank forwards only the piece it
+  just received;
+- needed (a2a / halo): exactly the source's positions inside this rank's needed
+  intervals, ascending, slot = rank among them (what ``ExchangeTables`` sends);
+  steps ordered round-major. Every rank walks the same steps (a round has as many
+  pieces as its largest transfer needs), so each pair's transfers pair up in order.
+
+Sequence-aligned rows flatten as ``slot * R + row`` (R rows of document ids; the
+batch folds into heads when R = 1), as in ``plan``. Everything is interval
+arithmetic over runs (``intervals``), vectorized over (source, piece) pairs.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .intervals import DocRuns, RankRuns, clip, ranges
+
+CHUNK_KINDS = ("ring", "needed")
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """One varlen kernel call: segments over this rank's queries and one chunk's keys."""
+
+    causal: bool  # every segment square and on the diagonal; else every key precedes every query
+    q_index: torch.Tensor  # [Nq] rows of the flattened local q (local * R + row), each at most once
+    k_index: torch.Tensor  # [Nk] rows of the flattened chunk buffer (slot * R + row)
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs this call attends (the work it stands for)."""
+        if self.causal:
+            return sum(n * (n + 1) // 2 for n in self.q_lens)
+        return sum(a * b for a, b in zip(self.q_lens, self.k_lens))
+
+
+# A source's K/V arrives in chunks of at most ceil(local_len / CHUNKS_PER_SHARD) positions.
+CHUNKS_PER_SHARD = 4
+
+
+def chunk_rows_for(local_len: int) -> int:
+    return max(1, -(-local_len // CHUNKS_PER_SHARD))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One chunk this rank attends, and where it sits in its source's delivery."""
+
+    round: int  # i: 0 = own K/V; the source is (rank - i) mod cp
+    piece: int  # j: which chunk of that round's delivery
+    source: int
+    first: int  # slot of the chunk's first row in the source's whole delivery
+    chunk_len: int  # positions this rank receives in this step (0: it only sends, or nothing moves)
+    calls: Tuple[CallPlan, ...]  # 0-2 calls, full before causal
+
+    @property
+    def pairs(self) -> int:
+        return sum(c.pairs for c in self.calls)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """Every step of one rank for one chunk kind ("ring" or "needed"), the same steps on every rank."""
+
+    kind: str
+    rank: int
+    cp: int
+    rows: int  # R
+    local_len: int
+    chunk_rows: int  # the most positions one remote step moves
+    steps: Tuple[Step, ...]  # own K/V first, then the remote steps in transfer order
+
+    @property
+    def key_rows(self) -> int:
+        """K/V rows the kernels read, summed over steps (each step's are gone before the next's)."""
+        return sum(int(c.k_index.numel()) for step in self.steps for c in step.calls)
+
+    @property
+    def max_chunk_rows(self) -> int:
+        """The largest remote chunk (positions): what one step holds besides the local K/V."""
+        return max((step.chunk_len for step in self.steps[1:]), default=0)
+
+
+def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
+    """This rank's real query pieces, in (row, position) order: row, doc, ds, pa, pb, q rows start."""
+    mine = runs.of_rank(rank)
+    r_start, r_len, r_local = runs.start[mine], runs.length[mine], runs.local[mine]
+    parts = []
+    for row, (d_start, d_end, d_id) in enumerate(rows):
+        run, doc, pa, pb = clip(r_start, r_start + r_len, d_start, d_end)
+        real = d_id[doc] > 0
+        run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
+        parts.append((torch.full_like(doc, row), doc, d_start[doc], pa, pb, r_local[run] + pa - r_start[run]))
+    return [torch.cat(x) for x in zip(*parts)]
+
+
+def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    ds: torch.Tensor) -> torch.Tensor:
+    """[cp, n] slot of position ds in each source's needed chunk for this rank.
+
+    The chunk holds the source's positions inside this rank's needed intervals
+    (sorted, disjoint), ascending: slot(x) = (source positions in earlier
+    intervals) + (source positions in [a_j, x)) for the interval j holding x.
+    """
+    mine = dst == rank
+    a, b = a[mine], b[mine]
+    if a.numel() == 0:
+        return torch.zeros(runs.cp, ds.numel(), dtype=torch.long)
+    before_a = runs.flat_before(a)  # [cp, J]
+    count = runs.flat_before(b) - before_a
+    offset = torch.cumsum(count, 1) - count  # [cp, J]
+    j = torch.searchsorted(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
+    return offset[:, j] + runs.flat_before(ds) - before_a[:, j]
+
+
+def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
+    """Cut each (source, piece) key range at multiples of ``chunk_rows`` (not the own source's).
+
+    Returns (source, chunk index, piece, slot, length) sorted by (source, chunk, piece).
+    """
+    if src.numel() == 0:
+        return src, src, src, src, src
+    remote = src != rank
+    first = torch.where(remote, slot // chunk_rows, torch.zeros_like(slot))
+    last = torch.where(remote, (slot + n_k - 1) // chunk_rows, torch.zeros_like(slot))
+    count = last - first + 1
+    which = torch.repeat_interleave(torch.arange(src.numel()), count)
+    chunk = ranges(first, count)
+    lo = torch.where(remote[which], torch.maximum(slot[which], chunk * chunk_rows), slot[which])
+    hi = torch.where(remote[which], torch.minimum((slot + n_k)[which], (chunk + 1) * chunk_rows),
+                     (slot + n_k)[which])
+    order = torch.argsort((src[which] * (chunk.max() + 1) + chunk) * (piece.max() + 1) + piece[which])
+    which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
+    return src[which], chunk, piece[which], lo, hi - lo
+
+
+def _group_calls(src: torch.Tensor, chunk: torch.Tensor, row: torch.Tensor, doc: torch.Tensor,
+                 n_k: torch.Tensor, slot: torch.Tensor, q_first: torch.Tensor, n_q: torch.Tensor, R: int,
+                 chunk_first: torch.Tensor) -> Dict[Tuple[int, int], CallPlan]:
+    """Full calls per (source, chunk) from pairs sorted by (source, chunk, row, position).
+
+    Consecutive pieces of one document that see the same keys of a chunk form one
+    segment (their visible sets are nested, so equal counts mean equal keys).
+    ``chunk_first``: per pair, the slot its chunk's buffer starts at.
+    """
+    if src.numel() == 0:
+        return {}
+    new = torch.ones_like(src, dtype=torch.bool)
+    new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (row[1:] != row[:-1])
+               | (doc[1:] != doc[:-1]) | (n_k[1:] != n_k[:-1]) | (slot[1:] != slot[:-1]))
+    head = torch.nonzero(new).flatten()
+    group = torch.cumsum(new.long(), 0) - 1
+    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, n_q)
+    seg_k, seg_slot, seg_row = n_k[head], slot[head] - chunk_first[head], row[head]
+    key = src[head] * (int(chunk.max()) + 1) + chunk[head]
+    q_index = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
+    k_index = ranges(seg_slot, seg_k) * R + torch.repeat_interleave(seg_row, seg_k)
+    # Split per (source, chunk): pairs, segments and their rows are all in that order.
+    keys, seg_per_call = torch.unique_consecutive(key, return_counts=True)
+    call_of_seg = torch.repeat_interleave(torch.arange(keys.numel()), seg_per_call)
+    q_split = torch.zeros(keys.numel(), dtype=torch.long).index_add_(0, call_of_seg, seg_q)
+    k_split = torch.zeros_like(q_split).index_add_(0, call_of_seg, seg_k)
+    heads = head[torch.cumsum(seg_per_call, 0) - seg_per_call]
+    calls = {}
+    for s, c, qi, ki, ql, kl in zip(src[heads].tolist(), chunk[heads].tolist(), q_index.split(q_split.tolist()),
+                                    k_index.split(k_split.tolist()), seg_q.split(seg_per_call.tolist()),
+                                    seg_k.split(seg_per_call.tolist())):
+        calls[(s, c)] = CallPlan(False, qi, ki, tuple(ql.tolist()), tuple(kl.tolist()))
+    return calls
+
+
+def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
+                      counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                      ) -> StreamPlan:
+    """This rank's steps for chunk ``kind``; ``counts``/``intervals`` are the plan's global tables."""
+    if kind not in CHUNK_KINDS:
+        raise KeyError(f"unknown chunk kind {kind!r}; known: {CHUNK_KINDS}")
+    cp, L, R = runs.cp, runs.local_len, len(rows)
+    c = chunk_rows_for(L)
+    row, doc, ds, pa, pb, q_first = _pieces(runs, rows, rank)
+    n_q = pb - pa
+    calls: Dict[Tuple[int, int], CallPlan] = {}
+    causal: Optional[CallPlan] = None
+    if row.numel():
+        before_ds = runs.flat_before(ds)  # [cp, n]
+        n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
+        if kind == "ring":
+            slot = before_ds - (torch.arange(cp) * L).unsqueeze(1)
+        else:
+            slot = _needed_offsets(runs, rank, *intervals, ds)
+            slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
+        src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
+        src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
+        calls = _group_calls(src, chunk, row[piece], doc[piece], n, lo, q_first[piece], n_q[piece], R,
+                             torch.where(src == rank, torch.zeros_like(chunk), chunk * c))
+        diag = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
+        lens = tuple(n_q.tolist())
+        causal = CallPlan(True, diag, diag, lens, lens)
+    own = tuple(x for x in (calls.get((rank, 0)), causal) if x is not None)
+    steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
+    for i, j in remote_steps(kind, counts, L, c):
+        src = (rank - i) % cp
+        delivered = L if kind == "ring" else int(counts[src, rank])
+        n = max(0, min(c, delivered - j * c))
+        steps.append(Step(i, j, src, j * c, n, (calls[(src, j)],) if (src, j) in calls else ()))
+    return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))
+
+
+def remote_steps(kind: str, counts: torch.Tensor, local_len: int, chunk_rows: int) -> List[Tuple[int, int]]:
+    """(round, piece) of every remote step, in transfer order; the same on every rank.
+
+    ring: piece-major (each piece goes around the ring before the next starts);
+    needed: round-major, a round having as many pieces as its largest transfer.
+    """
+    cp = counts.shape[0]
+    if kind == "ring":
+        pieces = -(-local_len // chunk_rows)
+        return [(i, j) for j in range(pieces) for i in range(1, cp)]
+    out = []
+    for i in range(1, cp):
+        largest = int(counts[torch.arange(cp), (torch.arange(cp) + i) % cp].max())
+        out += [(i, j) for j in range(-(-largest // chunk_rows))]
+    return out
+
+
+def chunk_kind(kv_exchange: str) -> str:
+    """The chunk buffers an exchange delivers: the ring's whole local K/V, or the needed rows."""
+    return "ring" if kv_exchange == "allgather" else "needed"
+
+
+__all__ = ["CallPlan", "Step", "StreamPlan", "build_stream_plan", "chunk_kind", "chunk_rows_for",
+           "remote_steps", "CHUNK_KINDS", "CHUNKS_PER_SHARD"]

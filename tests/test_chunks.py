@@ -1,0 +1,117 @@
+"""The streamed plan (``chunks``) against a brute force: every (query, key) pair once.
+
+For random and edge-case document ids, every layout, every rank and both chunk
+kinds, the pairs the kernel calls of all steps cover -- reading each chunk
+buffer as the transports deliver it (a source's whole local K/V for the ring,
+``ExchangeTables.recv_positions`` for the needed-only steps) -- are exactly the
+per-document causal pairs of this rank's queries, each exactly once; causal calls
+are square diagonal blocks and full calls never see a key after a query.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.plan import build_plan
+from megatron_ext.testing.cases import CASES, make_doc_ids
+
+
+def _expected_pairs(ids, positions):
+    """{(row, query position, key position)} of per-document causal attention, position by position."""
+    out = set()
+    for row in range(ids.shape[0]):
+        d = ids[row].tolist()
+        start = list(range(len(d)))
+        for p in range(1, len(d)):
+            if d[p] == d[p - 1]:
+                start[p] = start[p - 1]
+        for p in positions.tolist():
+            if d[p] > 0:
+                out |= {(row, p, k) for k in range(start[p], p + 1)}
+    return out
+
+
+def _covered_pairs(plan, lay, kind, R):
+    mine = lay.runs.positions(plan.rank)
+    got = []
+    stream = plan.stream[kind]
+    c = stream.chunk_rows
+    for step in stream.steps:
+        whole = (lay.runs.positions(step.source) if kind == "ring" or step.round == 0
+                 else plan.exchange.recv_positions[step.source])
+        chunk = whole[step.first:step.first + step.chunk_len]
+        assert chunk.numel() == step.chunk_len, (kind, step)
+        assert step.round == 0 or step.chunk_len <= c, (kind, step)  # a remote chunk is a piece of a shard
+        assert len(step.calls) <= 2 and (step.round == 0 or all(not c.causal for c in step.calls))
+        for call in step.calls:
+            if call.causal:
+                assert call.q_lens == call.k_lens
+            for qs, ks in zip(call.q_index.split(list(call.q_lens)), call.k_index.split(list(call.k_lens))):
+                q_pos, k_pos = mine[qs // R], chunk[ks // R]
+                assert bool((qs % R == qs[0] % R).all()) and bool((ks % R == qs[0] % R).all())
+                if call.causal:
+                    assert torch.equal(q_pos, k_pos)
+                    got += [(int(qs[0]) % R, int(q_pos[i]), int(k_pos[j]))
+                            for i in range(len(qs)) for j in range(i + 1)]
+                else:
+                    assert int(k_pos.max()) < int(q_pos.min())  # every key precedes every query
+                    got += [(int(qs[0]) % R, int(a), int(b)) for a in q_pos for b in k_pos]
+    return got
+
+
+def _check(ids, cp, layout):
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    R = ids.shape[0]
+    ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
+    lay = build_layout(layout, ids, cp)
+    for rank in range(cp):
+        plan = build_plan(ids, lay, rank)
+        want = _expected_pairs(ids, lay.runs.positions(rank))
+        for kind in ("ring", "needed"):
+            got = _covered_pairs(plan, lay, kind, R)
+            assert len(got) == len(set(got)), (layout, cp, rank, kind, "a pair attended twice")
+            assert set(got) == want, (layout, cp, rank, kind)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_steps_cover_every_pair_once(case, cp):
+    for layout in ("contiguous", "zigzag", "balanced"):
+        _check(make_doc_ids(case, 96, cp), cp, layout)
+
+
+def test_thd_layout_and_random_rows():
+    g = torch.Generator().manual_seed(4)
+    for cp in (2, 3):
+        lengths = torch.randint(1, 20, (6,), generator=g).tolist()
+        parts = []
+        for i, n in enumerate(lengths):  # each document padded to a multiple of 2 * cp, as THD packs
+            parts += [torch.full((n,), i + 1), torch.zeros(-(-n // (2 * cp)) * 2 * cp - n, dtype=torch.long)]
+        _check(torch.cat(parts), cp, "thd")
+        rows = torch.stack([torch.repeat_interleave(torch.arange(1, 61), torch.randint(1, 9, (60,), generator=g))[:72]
+                            for _ in range(3)])
+        _check(rows, cp, "zigzag")
+
+
+def test_zigzag_prefix_keys_are_gathered_once_per_chunk():
+    # One document over cp = 4 zigzag: rank 3 holds chunks 3 and 4. From a source before chunk 3, both
+    # of its pieces see the same keys: one segment, the keys gathered once (not once per piece).
+    ids = torch.ones(1, 64, dtype=torch.long)
+    lay = build_layout("zigzag", ids, 4)
+    plan = build_plan(ids, lay, 3)
+    ring = plan.stream["ring"]
+    for step in ring.steps[1:]:
+        for call in step.calls:
+            assert call.k_index.numel() == call.k_index.unique().numel(), step
+    assert max(int(c.k_index.numel()) for s in ring.steps[1:] for c in s.calls) <= ring.chunk_rows
+
+
+def test_every_rank_walks_the_same_steps():
+    # The transfers pair up only if every rank posts its steps in one order.
+    ids = torch.cat([torch.ones(70, dtype=torch.long), torch.full((26,), 2)]).unsqueeze(0)
+    for kind in ("ring", "needed"):
+        for layout in ("contiguous", "zigzag", "balanced"):
+            lay = build_layout(layout, ids, 4)
+            orders = {tuple((s.round, s.piece) for s in build_plan(ids, lay, r).stream[kind].steps)
+                      for r in range(4)}
+            assert len(orders) == 1, (kind, layout)
