@@ -240,7 +240,7 @@ def megatron_thd_slice(batch, cu, cu_padded, cp, rank, group):
                                   max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
 
 
-def thd_path_matches_reference(cp, exchanges):
+def thd_path_matches_reference(cp, exchanges, sft_form=False):
     import megatron.core.utils as mcore_utils
     import torch.distributed as dist
 
@@ -263,6 +263,14 @@ def thd_path_matches_reference(cp, exchanges):
         local, params = megatron_thd_slice(batch, cu, cu_padded, cp, dist.get_rank(group), group)
     finally:
         mcore_utils.tex, mcore_utils.is_te_min_version = saved
+    if sft_form:
+        # Megatron-LM's SFT forward_step: cu_seqlens_q = cu_seqlens_kv = cu_seqlens_padded (its TODO).
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        padded = params.cu_seqlens_q_padded
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=padded, cu_seqlens_kv=padded,
+                                 cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                                 max_seqlen_q=params.max_seqlen_q, max_seqlen_kv=params.max_seqlen_kv)
     out = {}
     for exchange in exchanges:
         out[exchange] = step_errors(model, local, batch["loss_mask"].sum(), exchange, group, ref_loss,
@@ -288,6 +296,16 @@ def test_thd_per_document_partition_with_cp(request, pool_name):
         for exchange, (loss_err, grad_err, layout) in per_rank.items():
             assert layout == "thd", layout
             assert loss_err < TOL and grad_err < TOL, (cp, exchange, loss_err, grad_err)
+
+
+@pytest.mark.timeout(300)
+def test_thd_sft_form_cu_seqlens_q_equal_to_padded(pool2):
+    """Megatron-LM's SFT path passes cu_seqlens_q = cu_seqlens_padded: documents are the padded
+    extents, padding at each one's end, so every real token (the loss) is exact."""
+    for per_rank in pool2.run(thd_path_matches_reference, 2, ["allgather", "a2a"], True):
+        for exchange, (loss_err, grad_err, layout) in per_rank.items():
+            assert layout == "thd", layout
+            assert loss_err < TOL and grad_err < TOL, (exchange, loss_err, grad_err)
 
 
 # ---------------------------------------------------------------------------
@@ -496,7 +514,18 @@ def thd_bad_inputs():
         "short_extent": catch(lambda: state_from_thd(params(i32(0, 5, 16), i32(0, 4, 16)), 8, group)),
         "tokens": catch(lambda: state_from_thd(params(i32(0, 3, 10), i32(0, 4, 12)), 5, group)),
         "not_multiple": catch(lambda: state_from_thd(params(i32(0, 3, 9), i32(0, 6, 12)), 6, group)),
+        "kv_differs": catch(lambda: state_from_thd(
+            PackedSeqParams(qkv_format="thd", cu_seqlens_q=i32(0, 4, 8), cu_seqlens_kv=i32(0, 2, 8)), 4,
+            group)),
+        "kv_padded_differs": catch(lambda: state_from_thd(
+            PackedSeqParams(qkv_format="thd", cu_seqlens_q=i32(0, 3, 7), cu_seqlens_kv=i32(0, 3, 7),
+                            cu_seqlens_q_padded=i32(0, 4, 8), cu_seqlens_kv_padded=i32(0, 8, 8)), 4,
+            group)),
     }
+    # The same values in other tensors are fine (TE's callers often pass copies).
+    same = state_from_thd(PackedSeqParams(qkv_format="thd", cu_seqlens_q=i32(0, 4, 8),
+                                          cu_seqlens_kv=i32(0, 4, 8)), 4, group)
+    out["kv_copy_layout"] = same.layout.name
     bdcp.configure_cp_thd_partition("per_document")
     try:
         out["knob_not_multiple"] = catch(lambda: state_from_thd(params(i32(0, 6, 12)), 6, group))
@@ -517,9 +546,12 @@ def test_bad_thd_input_raises_on_every_rank(pool2):
     needles = {"int64": "1-D int32", "2d": "1-D int32", "decreasing": "decreases",
                "short_extent": "does not hold", "tokens": "this rank holds 5 tokens",
                "not_multiple": "configure_cp_thd_partition('per_sequence')",
-               "knob_not_multiple": "not a multiple of 2 * cp = 4"}
+               "knob_not_multiple": "not a multiple of 2 * cp = 4",
+               "kv_differs": "cu_seqlens_kv = [0, 2, 8] differs from cu_seqlens_q = [0, 4, 8]",
+               "kv_padded_differs": "cu_seqlens_kv_padded = [0, 8, 8] differs from cu_seqlens_q_padded"}
     for out in pool2.run(thd_bad_inputs):
         for case, needle in needles.items():
             assert out[case] is not None and out[case][0] == "BlockDiagCPError", (case, out[case])
             assert needle in out[case][1], (case, out[case][1])
         assert out["knob_per_sequence"] == "zigzag"
+        assert out["kv_copy_layout"] == "zigzag"  # no padded cu_seqlens: the per-sequence cut

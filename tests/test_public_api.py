@@ -11,6 +11,7 @@ USER_NAMES = {
     "configure_cp_varlen", "cp_varlen_runtime_config", "configure_cp_layout", "cp_layout_runtime_config",
     "configure_cp_thd_partition", "normalize_attn_backend", "normalize_kv_exchange", "normalize_layout",
     "configure_cp_kv_backward", "cp_kv_backward_runtime_config", "normalize_kv_backward",
+    "configure_cp_strict", "cp_strict_runtime_config",
     "CostModel", "default_cost_model", "PreparedPlan", "prepare_plan", "plan_summary",
     "thd_partitioned_indices",
     "cp_attn_fire_count", "reset_cp_attn_fire_count",

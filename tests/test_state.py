@@ -110,6 +110,31 @@ def test_non_string_values_list_the_accepted_ones(fn, values, bad):
     assert all(v in str(err.value) for v in values)
 
 
+def test_attn_backend_error_says_attention_backend():
+    # The documented module's own tests match these words (issue 17, item 6).
+    for bad in ("bogus", 7):
+        with pytest.raises(ValueError, match="attention backend") as err:
+            st.normalize_attn_backend(bad)
+        assert "accepted values" in str(err.value)
+    with pytest.raises(ValueError, match="attention backend"):
+        st.configure_cp_varlen("cudnn", "a2a")
+
+
+def test_strict_knob_beside_the_documented_pair():
+    assert st.cp_strict_runtime_config() == {"strict": False}
+    try:
+        st.configure_cp_strict(True)
+        assert st._CP_STRICT is True and st.cp_strict_runtime_config() == {"strict": True}
+        st.configure_cp_varlen()  # the varlen pair does not touch it
+        assert st._CP_STRICT is True
+        with pytest.raises(ValueError, match="strict must be True or False"):
+            st.configure_cp_strict("yes")
+        assert st._CP_STRICT is True
+    finally:
+        st.configure_cp_strict()
+    assert st._CP_STRICT is False
+
+
 def test_kv_exchange_error_names_kv_exchange():
     # The upstream unit test matches this word.
     with pytest.raises(ValueError, match="kv_exchange"):

@@ -11,11 +11,13 @@ from .resolve import resolve_step_state
 from .state import (
     configure_cp_kv_backward,
     configure_cp_layout,
+    configure_cp_strict,
     configure_cp_thd_partition,
     configure_cp_varlen,
     cp_attn_fire_count,
     cp_kv_backward_runtime_config,
     cp_layout_runtime_config,
+    cp_strict_runtime_config,
     cp_varlen_runtime_config,
     normalize_attn_backend,
     normalize_kv_backward,
@@ -37,6 +39,7 @@ __all__ = [
     "configure_cp_varlen", "cp_varlen_runtime_config", "configure_cp_layout", "cp_layout_runtime_config",
     "configure_cp_thd_partition", "normalize_attn_backend", "normalize_kv_exchange", "normalize_layout",
     "configure_cp_kv_backward", "cp_kv_backward_runtime_config", "normalize_kv_backward",
+    "configure_cp_strict", "cp_strict_runtime_config",
     # planning ahead and to look
     "CostModel", "default_cost_model", "PreparedPlan", "prepare_plan", "plan_summary",
     "thd_partitioned_indices",

@@ -31,6 +31,14 @@ reach a THD layer with CP:
   ``use_per_sequence_balancing=True``): the whole pack cut zigzag -> layout
   ``zigzag``.
 
+Keys come from the same documents (self-attention): ``cu_seqlens_kv`` (and
+``cu_seqlens_kv_padded``) different from the query ones are refused, where
+TransformerEngine would read them for the keys. Megatron-LM's SFT path passes
+``cu_seqlens_q = cu_seqlens_q_padded`` (an upstream TODO): the documents are then the
+padded extents, each with its padding at its end; causal attention never lets a real
+token see the padding after it, so every real token's output is exact, and the
+padding rows (loss-masked) compute finite values nothing reads.
+
 Megatron-LM builds the per-sequence case without ``cu_seqlens_q_padded`` (its
 GPTDataset makes none) and the per-document case with it, extents padded to
 2cp; ``auto`` follows that. Padded extents that are not multiples of 2cp are
@@ -206,6 +214,9 @@ class ThdSource(ReplicatedDocIds):
             "at 0 and be non-decreasing, with every padded extent at least its document's length",
         12: "THD token count: {detail}",
         13: "THD partition: {detail}",
+        14: "THD keys: {detail}; BlockDiagCPAttention is self-attention over one set of documents and "
+            "reads cu_seqlens_q (and cu_seqlens_q_padded) for queries and keys alike, so "
+            "cu_seqlens_kv (and cu_seqlens_kv_padded) must equal them (or be None)",
     })
     must_agree = dict(ReplicatedDocIds.must_agree)
     must_agree["same_thd_partition"] = ("THD batches were partitioned differently across the CP ranks "
@@ -239,6 +250,18 @@ class ThdSource(ReplicatedDocIds):
                 return 11, f"{name} is {what}"
         q = cu_q.to("cpu", torch.int64)
         padded = q if cu_padded is None else cu_padded.to("cpu", torch.int64)
+        for kv_name, q_name, mine in (("cu_seqlens_kv", "cu_seqlens_q", q),
+                                      ("cu_seqlens_kv_padded", "cu_seqlens_q_padded",
+                                       None if cu_padded is None else padded)):
+            theirs = getattr(p, kv_name, None)
+            if theirs is None or theirs is getattr(p, q_name, None):
+                continue
+            if not isinstance(theirs, torch.Tensor) or mine is None \
+                    or not torch.equal(theirs.to("cpu", torch.int64), mine):
+                shown = _short(theirs.to("cpu", torch.int64)) if isinstance(theirs, torch.Tensor) \
+                    else repr(theirs)
+                return 14, (f"{kv_name} = {shown} differs from {q_name} = "
+                            f"{_short(mine) if mine is not None else None}")
         for name, cu in (("cu_seqlens_q", q), ("cu_seqlens_q_padded", padded)):
             if int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
                 return 11, f"{name} = {_short(cu)} does not start at 0 or decreases"
@@ -293,7 +316,7 @@ def _short(cu: torch.Tensor) -> str:
 
 def _knob_key(group):
     return (group_ranks(group), knobs._CP_ATTN_BACKEND, knobs._CP_KV_EXCHANGE, knobs._CP_LAYOUT,
-            knobs._CP_THD_PARTITION)
+            knobs._CP_THD_PARTITION, knobs._CP_KV_BACKWARD, knobs._CP_STRICT)
 
 
 class _MaskStateCache:
@@ -339,7 +362,7 @@ def state_from_mask(attention_mask: torch.Tensor, group, batch: Optional[int] = 
     if state is None:
         cp, rank = ps.group_size(group), ps.group_rank(group)
         state = BlockDiagCPState.from_source(MegatronMaskSource(attention_mask, cp, rank, batch),
-                                             cp_group=group, device=device)
+                                             cp_group=group, device=device, strict=knobs._CP_STRICT)
         _MASK_STATES.put(attention_mask, group, state)
     return state
 
@@ -352,7 +375,7 @@ def state_from_thd(packed_seq_params, local_tokens: int, group, device=None) -> 
     if cached is not None and cached[0] == key:
         return cached[1]
     source = ThdSource(packed_seq_params, local_tokens, ps.group_size(group), knobs._CP_THD_PARTITION)
-    state = BlockDiagCPState.from_source(source, cp_group=group, device=device)
+    state = BlockDiagCPState.from_source(source, cp_group=group, device=device, strict=knobs._CP_STRICT)
     packed_seq_params._blockdiag_cp_state = (key, state)
     return state
 

@@ -103,7 +103,8 @@ def _normalize(value: Any, reverse: Dict[str, str], default: str, knob: str) -> 
 
 def normalize_attn_backend(value: Any) -> str:
     """Canonicalize an attention-backend knob to one of ``ATTN_BACKEND_VALUES`` (None/''/auto/default: te)."""
-    return _normalize(value, _ATTN_BACKEND_REVERSE, ATTN_BACKEND_DEFAULT, "attn_backend")
+    # The documented module's tests match the words "attention backend" in this error.
+    return _normalize(value, _ATTN_BACKEND_REVERSE, ATTN_BACKEND_DEFAULT, "attention backend (attn_backend)")
 
 
 def normalize_kv_exchange(value: Any) -> str:
@@ -174,6 +175,9 @@ _CP_KV_EXCHANGE = KV_EXCHANGE_DEFAULT
 _CP_LAYOUT = LAYOUT_DEFAULT
 _CP_THD_PARTITION = THD_PARTITION_DEFAULT
 _CP_KV_BACKWARD = KV_BACKWARD_DEFAULT
+# Whether a backend or exchange fallback is an error (raised on every rank) for the states the
+# layer builds itself (Megatron's mask and THD paths); shard_batch takes strict= per step.
+_CP_STRICT = False
 # A plain one-element list, as documented (``_CP_ATTN_FIRE_COUNT[0] += 1`` works);
 # our own increments take the lock so concurrent recomputes never lose a count.
 _CP_ATTN_FIRE_COUNT: list = [0]
@@ -226,6 +230,19 @@ def configure_cp_kv_backward(kv_backward: str = KV_BACKWARD_DEFAULT) -> None:
 def cp_kv_backward_runtime_config() -> Dict[str, str]:
     """Return the configured K/V-in-backward mode: {"kv_backward": ...}."""
     return {"kv_backward": _CP_KV_BACKWARD}
+
+
+def configure_cp_strict(strict: bool = False) -> None:
+    """Strict mode for the states built from Megatron's mask / THD batches: a fallback raises."""
+    global _CP_STRICT
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False, got {strict!r} ({type(strict).__name__})")
+    _CP_STRICT = strict
+
+
+def cp_strict_runtime_config() -> Dict[str, bool]:
+    """Return the configured strict mode: {"strict": ...}."""
+    return {"strict": _CP_STRICT}
 
 
 def cp_attn_fire_count() -> int:

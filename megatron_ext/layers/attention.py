@@ -1,7 +1,9 @@
 """BlockDiagCPAttention: megatron-core core attention for packed documents under CP."""
 
+import contextlib
+import dataclasses
 import math
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor
 
@@ -15,9 +17,111 @@ from .. import parallel_state as ps
 from ..blockdiag_cp import BlockDiagCPError, blockdiag_cp_attention
 from ..blockdiag_cp.resolve import resolve_step_state
 
+from . import megatron_knobs
+
 # Causal within each document is what the plan computes; Megatron's padding_causal (THD, SFT)
 # is the same here, padding being positions outside every document.
 SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigRule:
+    """What BlockDiagCPAttention does with one TransformerConfig field.
+
+    ``allowed`` empty: honoured (used, or it cannot change the result), ``how`` says which.
+    Otherwise only these values are accepted and any other is refused at construction with
+    an error naming the field and ``how`` (why, and what to do).
+    """
+
+    how: str
+    allowed: Tuple[Any, ...] = ()
+
+    @property
+    def honoured(self) -> bool:
+        return not self.allowed
+
+
+def _honoured(how: str) -> ConfigRule:
+    return ConfigRule(how)
+
+
+def _refused_unless(*allowed, why: str) -> ConfigRule:
+    return ConfigRule(why, tuple(allowed))
+
+
+# Every TransformerConfig field megatron-core's DotProductAttention and TEDotProductAttention read
+# (tests/test_layer_config.py walks their source and fails on a field missing here), and the
+# Megatron attention fields the layer maps to its knobs. To lift a refusal, make it honoured.
+CORE_ATTENTION_CONFIG: Dict[str, ConfigRule] = {
+    "num_attention_heads": _honoured("query heads, split over the TP group"),
+    "num_query_groups": _honoured("K/V heads (GQA), split over the TP group"),
+    "kv_channels": _honoured("the head dim (k_channels / v_channels override it, as megatron's MLA "
+                             "passes them)"),
+    "tensor_model_parallel_size": _honoured("heads per partition come from the TP group"),
+    "context_parallel_size": _honoured("checked against the CP group at construction and per call"),
+    "sequence_parallel": _honoured("as megatron: attention dropout runs in the model-parallel RNG "
+                                   "fork unless sequence parallel"),
+    "attention_dropout": _honoured("dropout inside the kernel, drawn in megatron's model-parallel RNG "
+                                   "fork (each TP rank's heads drop independently)"),
+    "apply_query_key_layer_scaling": _honoured("divides and re-multiplies the scores by layer_number: "
+                                               "the net softmax scale is unchanged (our softmax is fp32)"),
+    "attention_softmax_in_fp32": _honoured("our kernels always take the softmax in fp32"),
+    "masked_softmax_fusion": _honoured("a fusion choice of megatron's own softmax; no effect here"),
+    "fp16": _honoured("the kernels run in q/k/v's dtype"),
+    "bf16": _honoured("the kernels run in q/k/v's dtype"),
+    "params_dtype": _honoured("only for the learnable softmax offset (refused with softmax_type)"),
+    "init_method": _honoured("only for the learnable softmax offset (refused with softmax_type)"),
+    "perform_initialization": _honoured("only for the learnable softmax offset (refused with "
+                                        "softmax_type)"),
+    "attention_backend": _honoured("mapped to our attention backend (flash -> flash, fused -> te, "
+                                   "unfused -> dense, auto -> ours); local is refused (megatron_knobs)"),
+    "cp_comm_type": _honoured("mapped to our K/V exchange (p2p -> halo, a2a -> a2a, allgather -> "
+                              "allgather); a2a+p2p is refused (megatron_knobs)"),
+    "softmax_type": _refused_unless(
+        "vanilla", why="attention sinks (off-by-one, learnable softmax offsets) are not implemented yet"),
+    "window_size": _refused_unless(
+        None, why="sliding-window attention is not implemented yet: the layer would attend to the whole "
+                  "document"),
+    "window_attn_skip_freq": _refused_unless(
+        None, why="sliding-window attention is not implemented yet"),
+    "qk_clip": _refused_unless(
+        False, why="QK-clip needs the max pre-softmax logit per head, which our kernels do not return "
+                   "(megatron's clip_qk() would find no current_max_attn_logits)"),
+    "log_max_attention_logit": _refused_unless(
+        False, why="the max attention logit per head is not computed by our kernels"),
+    "batch_invariant_mode": _refused_unless(
+        False, why="our kernels (and the K/V exchange) are not batch invariant"),
+    "deterministic_mode": _refused_unless(
+        False, why="the K/V exchange's backward (index_add over received rows) and the TE/flash "
+                   "backward kernels are not bitwise deterministic on GPUs"),
+    "fp8_dot_product_attention": _refused_unless(
+        False, why="our kernels compute attention in q/k/v's dtype, never fp8"),
+}
+
+_MISSING = object()
+
+
+def check_core_attention_config(config, k_channels: Optional[int] = None,
+                                v_channels: Optional[int] = None) -> None:
+    """Refuse, naming the field, every config value BlockDiagCPAttention would ignore.
+
+    Fields an installed megatron-core does not have are skipped. ``k_channels != v_channels``
+    (megatron's MultiLatentAttention: q/k head dim != v head dim) is refused too.
+    """
+    for field, rule in CORE_ATTENTION_CONFIG.items():
+        if rule.honoured:
+            continue
+        value = getattr(config, field, _MISSING)
+        if value is _MISSING or value in rule.allowed:
+            continue
+        raise BlockDiagCPError(
+            f"TransformerConfig.{field}={value!r} is not supported by BlockDiagCPAttention: {rule.how}; "
+            f"set {field}={rule.allowed[0]!r} (or use megatron's own core attention without CP)")
+    if k_channels is not None and v_channels is not None and k_channels != v_channels:
+        raise BlockDiagCPError(
+            f"multi-latent attention (MLA: q/k head dim k_channels={k_channels} != v head dim "
+            f"v_channels={v_channels}) is not yet supported by BlockDiagCPAttention; "
+            "drop --multi-latent-attention or use megatron's own core attention for MLA")
 
 
 class BlockDiagCPAttention(MegatronModule):
@@ -29,6 +133,12 @@ class BlockDiagCPAttention(MegatronModule):
     in ``packed_seq_params.blockdiag_state``; one built from THD ``packed_seq_params``;
     one derived from Megatron's per-document causal ``attention_mask``; the state
     published by ``blockdiag_cp_step``. Self-attention with a causal mask type only.
+
+    At construction: every config field megatron's core attentions read is honoured or
+    refused (``CORE_ATTENTION_CONFIG``); ``k_channels`` / ``v_channels`` (what megatron's MLA
+    passes) set the head dim, and differing ones are refused until the kernels take them;
+    Megatron's ``attention_backend`` / ``cp_comm_type`` set our knobs (``megatron_knobs``).
+    Attention dropout runs inside megatron's model-parallel RNG fork, as megatron's own.
     """
 
     def __init__(
@@ -41,10 +151,13 @@ class BlockDiagCPAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         self.config = config
         self.layer_number = max(1, layer_number)
+        check_core_attention_config(config, k_channels, v_channels)
         self._check_mask_type(attn_mask_type)
         if attention_type != "self":
             raise BlockDiagCPError(
@@ -52,7 +165,11 @@ class BlockDiagCPAttention(MegatronModule):
                 "use megatron's own core attention for cross attention")
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
-        self.cp_comm_type = cp_comm_type  # accepted for spec compatibility; the plan decides
+        self.cp_comm_type = cp_comm_type
+        # Megatron's --attention-backend / --cp-comm-type (and, under Megatron-LM, our --cp-* flags)
+        # set the process-wide knobs now, so cp_varlen_runtime_config() reports them once built.
+        megatron_knobs.apply_megatron_knobs(config, cp_comm_type)
+        self.k_channels, self.v_channels = k_channels, v_channels
 
         tp_size = pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp") \
             else ps.get_tp_world_size()
@@ -60,8 +177,8 @@ class BlockDiagCPAttention(MegatronModule):
             else None
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
-        self.hidden_size_per_attention_head = divide(config.kv_channels * config.num_attention_heads,
-                                                     config.num_attention_heads)
+        self.hidden_size_per_attention_head = k_channels if k_channels is not None else divide(
+            config.kv_channels * config.num_attention_heads, config.num_attention_heads)
         # query-key layer scaling divides the scores by layer_number and multiplies them back
         # inside the fp32 softmax (megatron's FusedScaleMaskSoftmax): the net scale is unchanged,
         # and our kernels always take the softmax in fp32.
@@ -119,12 +236,29 @@ class BlockDiagCPAttention(MegatronModule):
         if state is not None and state.cp > 1:
             self._check_state_group(state, group)
         dropout_p = self.attention_dropout_p if self.training else 0.0
-        out = blockdiag_cp_attention(query, key, value, softmax_scale=self.softmax_scale,
-                                     dropout_p=dropout_p, state=state, cp_group=group)
+        # The op draws its dropout seed from the device's default generator (and replays it in
+        # backward and recompute); inside megatron's fork that generator holds this TP rank's
+        # model-parallel state, so each TP rank's heads drop independently.
+        with self._dropout_rng(dropout_p, query.device):
+            out = blockdiag_cp_attention(query, key, value, softmax_scale=self.softmax_scale,
+                                         dropout_p=dropout_p, state=state, cp_group=group)
         sq, b, np_, hn = out.shape
         if thd:
             return out.reshape(sq, np_ * hn)  # [t, np * hn]; megatron adds the batch dim back
         return out.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
+
+    def _dropout_rng(self, dropout_p: float, device):
+        """Megatron's model-parallel RNG fork, as its own core attention (and TE's) takes it.
+
+        Only with dropout, not under sequence parallelism (megatron draws attention dropout from
+        the default generator there), when the tracker is initialized, and on CUDA: megatron's
+        tracker holds CUDA generator states.
+        """
+        if dropout_p == 0.0 or self.config.sequence_parallel or not rng_tracker_applies(device):
+            return contextlib.nullcontext()
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.get_cuda_rng_tracker().fork()
 
     @staticmethod
     def _check_state_group(state, group) -> None:
@@ -136,3 +270,17 @@ class BlockDiagCPAttention(MegatronModule):
                 f"the step state was built for CP ranks {dist.get_process_group_ranks(state.group)} "
                 f"but this layer's CP group is {theirs}; build the state with this model's CP group "
                 "(shard_batch(..., cp_group=parallel_state.get_context_parallel_group()))")
+
+
+def tracker_device(device) -> bool:
+    """Whether megatron's RNG tracker holds generator states for ``device`` (CUDA's only)."""
+    return device.type == "cuda"
+
+
+def rng_tracker_applies(device) -> bool:
+    """Whether megatron's model-parallel RNG state is set up, for ``device``."""
+    from megatron.core.tensor_parallel import random
+
+    tracker = random.get_cuda_rng_tracker()
+    return (tracker_device(device) and tracker.is_initialized()
+            and random._MODEL_PARALLEL_RNG_TRACKER_NAME in tracker.get_states())

@@ -18,6 +18,7 @@ import os
 import pathlib
 import sys
 
+from .. import megatron_lm
 from . import data
 
 _GLOBAL_ARGS = None
@@ -112,24 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: nccl with CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 
-    g = p.add_argument_group("block-diagonal CP attention (megatron_ext)")
-    g.add_argument("--cp-attn-backend", default=None,
-                   help="te | flash | dense, or a synonym (transformer_engine, flash_attn, sdpa...); "
-                        "default: the engine's default with its fallbacks")
-    g.add_argument("--cp-kv-exchange", default=None,
-                   help="allgather | halo | a2a, or a synonym; default: the engine's default")
-    g.add_argument("--cp-layout", default=None,
-                   help="contiguous | zigzag | balanced, or a synonym; default: the engine's default")
-    g.add_argument("--cp-kv-backward", default=None,
-                   help="refetch | save | auto: backward exchanges the remote K/V again (memory "
-                        "O(S/cp)) or keeps what forward received; default auto (save within a "
-                        "memory budget)")
-    g.add_argument("--cp-attn-backend-strict", action="store_true",
-                   help="a backend/exchange fallback is an error instead of a logged downgrade")
-    g.add_argument("--cp-cost-model", default="auto", choices=["auto", "nvlink", "ib"],
-                   help="the link the balanced layout's cost model assumes, with this model's heads "
-                        "and head dim: auto = NVLink when the CP group sits on one node, InfiniBand "
-                        "when it spans nodes")
+    # One definition of the --cp-* knobs, shared with Megatron-LM's extra_args_provider.
+    megatron_lm.add_blockdiag_cp_arguments(p)
+    g = p.add_argument_group("block-diagonal CP attention: this script only")
     g.add_argument("--no-cp-plan-ahead", dest="cp_plan_ahead", action="store_false",
                    help="plan each micro batch in line instead of on a background thread one step "
                         "ahead (the plan is the same; only the agreement all-reduce stays in line)")

@@ -1,0 +1,197 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` with BlockDiagCPAttention: our flags and its checks.
+
+Megatron-LM picks the layer with ``--spec megatron_ext.layers blockdiag_cp_gpt_layer_spec``
+and needs nothing else: at model build the layer reads Megatron's ``--attention-backend`` and
+``--cp-comm-type`` (see ``megatron_ext.layers.megatron_knobs``) and, through
+``configure_from_args``, the Megatron-LM flags that never reach the ``TransformerConfig``.
+
+Our own knobs need the one line Megatron-LM offers for extra flags::
+
+    args = parse_and_validate_args(extra_args_provider=megatron_ext.megatron_lm.extra_args_provider,
+                                   args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})
+
+which adds ``--cp-attn-backend --cp-kv-exchange --cp-layout --cp-kv-backward
+--cp-attn-backend-strict --cp-cost-model``. Bad values exit at parse time (argparse, code 2)
+on every rank. Nothing else is to call: the model build applies them (``configure_from_args``
+is public for scripts that want the check earlier).
+
+What ``configure_from_args`` refuses, on every rank at model build (before any step), each
+with an error naming the flags:
+
+- document masking that would not reach every layer: ``--reset-attention-mask`` on the
+  mask path with pipeline middle stages (PP >= 3, or PP = 2 with virtual stages: Megatron-LM's
+  ``get_batch`` gives them no mask), or with ``--no-create-attention-mask-in-dataloader``;
+  at CP > 1 the same without ``--reset-attention-mask`` (the layer has no documents there).
+  The THD path, ``--dataloader-inter-document-masking``, delivers ``cu_seqlens`` to every
+  stage and is the one to use;
+- ``--cp-layout`` other than the layout Megatron-LM's data path cut (zigzag; TE's per-document
+  ``thd`` for ``--sft``), ``--cp-cost-model`` other than auto (it steers the balanced layout,
+  which Megatron-LM's data path cannot use), ``--hybrid-context-parallel``;
+- ours and Megatron's flags naming different kernels or exchanges (in ``megatron_knobs``).
+
+This module imports neither torch nor megatron at import time (the pretrain script shares
+``add_blockdiag_cp_arguments`` and must exit on a bad flag in well under a second).
+"""
+
+import argparse
+import importlib.util
+import pathlib
+import sys
+from typing import Callable, Optional
+
+# Megatron-LM's flags that drive our knobs; "given" means on the command line (their defaults,
+# auto and p2p, give way to ours).
+MEGATRON_KNOB_FLAGS = ("--attention-backend", "--cp-comm-type")
+
+
+def _knobs():
+    """megatron_ext.blockdiag_cp.state without importing the engine (torch); see training.arguments."""
+    loaded = sys.modules.get("megatron_ext.blockdiag_cp.state")
+    if loaded is not None:
+        return loaded
+    path = pathlib.Path(__file__).resolve().parent / "blockdiag_cp" / "state.py"
+    spec = importlib.util.spec_from_file_location("_megatron_ext_cp_knobs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _checked(normalize: Callable[[str], str]) -> Callable[[str], Optional[str]]:
+    """argparse type: the canonical value, None for the default words; a bad value exits 2."""
+    def parse(value: str) -> Optional[str]:
+        if str(value).strip().lower() in ("", "auto", "default"):
+            return None
+        try:
+            return normalize(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = normalize.__name__.replace("normalize_", "")  # argparse names it in errors
+    return parse
+
+
+def add_blockdiag_cp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Our CP knobs as flags (one definition for Megatron-LM and for our pretrain script)."""
+    k = _knobs()
+    g = parser.add_argument_group("block-diagonal CP attention (megatron_ext)")
+    g.add_argument("--cp-attn-backend", default=None, type=_checked(k.normalize_attn_backend),
+                   help="te | flash | dense, or a synonym (transformer_engine, flash_attn, sdpa...); "
+                        "default: the engine's default with its fallbacks (under Megatron-LM: "
+                        "--attention-backend's)")
+    g.add_argument("--cp-kv-exchange", default=None, type=_checked(k.normalize_kv_exchange),
+                   help="allgather | halo | a2a, or a synonym; default: the engine's default "
+                        "(under Megatron-LM: --cp-comm-type's, p2p -> halo)")
+    g.add_argument("--cp-layout", default=None, type=_checked(k.normalize_layout),
+                   help="contiguous | zigzag | balanced, or a synonym; default: the engine's default "
+                        "(under Megatron-LM the data path fixes it: zigzag, thd for --sft)")
+    g.add_argument("--cp-kv-backward", default=None, type=_checked(k.normalize_kv_backward),
+                   help="refetch | save | auto: backward exchanges the remote K/V again (memory "
+                        "O(S/cp)) or keeps what forward received; default auto (save within a "
+                        "memory budget)")
+    g.add_argument("--cp-attn-backend-strict", action="store_true",
+                   help="a backend/exchange fallback is an error instead of a logged downgrade")
+    g.add_argument("--cp-cost-model", default="auto", choices=["auto", "nvlink", "ib"],
+                   help="the link the balanced layout's cost model assumes, with this model's heads "
+                        "and head dim: auto = NVLink when the CP group sits on one node, InfiniBand "
+                        "when it spans nodes")
+    return parser
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``parse_and_validate_args(extra_args_provider=...)``: adds our ``--cp-*`` flags."""
+    return add_blockdiag_cp_arguments(parser)
+
+
+def _given_on_command_line(flags, argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    return {f for f in flags if any(a == f or a.startswith(f + "=") for a in argv)}
+
+
+def _refuse(message: str):
+    from .blockdiag_cp import BlockDiagCPError
+
+    raise BlockDiagCPError(message)
+
+
+def data_path_of(args) -> str:
+    """Which of Megatron-LM's data paths reaches the layer: 'sft', 'thd' or 'mask'."""
+    if getattr(args, "sft", False):
+        return "sft"
+    if getattr(args, "dataloader_inter_document_masking", False):
+        return "thd"
+    return "mask"
+
+
+def _has_middle_stages(args) -> bool:
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    return pp * vp > 2
+
+
+def check_data_path(args) -> None:
+    """Refuse data paths on which some layer would get no documents (see the module docstring)."""
+    path = data_path_of(args)
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if getattr(args, "hybrid_context_parallel", False):
+        _refuse("--hybrid-context-parallel (per-sample CP groups) is not supported by "
+                "BlockDiagCPAttention; drop it (our exchanges already move only the K/V each rank needs)")
+    if path != "mask":
+        return
+    reset = bool(getattr(args, "reset_attention_mask", False))
+    mask = bool(getattr(args, "create_attention_mask_in_dataloader", True))
+    thd_hint = ("use --dataloader-inter-document-masking: it gives every layer the documents as THD "
+                "cu_seqlens, on every pipeline stage")
+    if _has_middle_stages(args) and (reset or cp > 1):
+        pp = args.pipeline_model_parallel_size
+        vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+        what = "--reset-attention-mask" if reset else f"--context-parallel-size {cp}"
+        _refuse(f"{what} on the attention-mask path with pipeline middle stages "
+                f"(--pipeline-model-parallel-size {pp}"
+                f"{f', {vp} virtual stages' if vp else ''}): Megatron-LM's get_batch gives middle stages "
+                "no attention mask, so their layers would " +
+                ("attend across documents" if reset and cp == 1 else "have no documents") +
+                f"; {thd_hint}")
+    if not mask and (reset or cp > 1):
+        what = "--reset-attention-mask" if reset else f"--context-parallel-size {cp}"
+        _refuse(f"{what} with --no-create-attention-mask-in-dataloader: the layer gets neither the mask "
+                "nor cu_seqlens, so it cannot find the documents; drop "
+                f"--no-create-attention-mask-in-dataloader (the mask path) or {thd_hint}")
+
+
+def configure_from_args(args) -> dict:
+    """Apply our flags from Megatron-LM's parsed ``args`` and refuse what cannot run; the knobs in force.
+
+    Idempotent; called by every BlockDiagCPAttention built under Megatron-LM. Megatron's own
+    ``--attention-backend`` / ``--cp-comm-type`` are merged by the layer (megatron_knobs).
+    """
+    from .blockdiag_cp import state as knobs
+    from .layers import megatron_knobs
+
+    check_data_path(args)
+    path = data_path_of(args)
+    layout = getattr(args, "cp_layout", None)
+    expected = "thd" if path == "sft" and (args.context_parallel_size or 1) > 1 else "zigzag"
+    if layout is not None and layout != expected:
+        _refuse(f"--cp-layout {layout}: Megatron-LM's get_batch_on_this_cp_rank cuts the batch before the "
+                f"layer sees it ({expected} on this data path, "
+                f"{'--sft' if path == 'sft' else '--dataloader-inter-document-masking' if path == 'thd' else 'the mask path'}"
+                "), so no other layout can apply; drop --cp-layout (other layouts: megatron_ext's "
+                "scripts/pretrain_gpt.py)")
+    cost_model = getattr(args, "cp_cost_model", "auto")
+    if cost_model not in (None, "auto"):
+        _refuse(f"--cp-cost-model {cost_model} steers the balanced layout, which Megatron-LM's data path "
+                "cannot use (its batch arrives cut zigzag); drop --cp-cost-model")
+    megatron_knobs.reset_pins(_given_on_command_line(MEGATRON_KNOB_FLAGS))
+    ours = {"attn_backend": getattr(args, "cp_attn_backend", None),
+            "kv_exchange": getattr(args, "cp_kv_exchange", None)}
+    for knob, value in ours.items():
+        if value is not None:
+            megatron_knobs.pin(knob, value, f"--{'cp-attn-backend' if knob == 'attn_backend' else 'cp-kv-exchange'} "
+                                            f"{value}")
+    current = knobs.cp_varlen_runtime_config()
+    knobs.configure_cp_varlen(ours["attn_backend"] or current["attn_backend"],
+                              ours["kv_exchange"] or current["kv_exchange"])
+    if hasattr(args, "cp_kv_backward"):  # our flags are present: they are the authority
+        knobs.configure_cp_kv_backward(args.cp_kv_backward)
+        knobs.configure_cp_strict(bool(args.cp_attn_backend_strict))
+    return dict(knobs.cp_varlen_runtime_config(), **knobs.cp_kv_backward_runtime_config(),
+                **knobs.cp_strict_runtime_config())
