@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import megatron_ext.blockdiag_cp as bdcp
-import megatron_ext.testing.gpt as H
 from megatron_ext.testing import pool_fixture
+import megatron_ext.testing.gpt as H
 
 pool1 = pool_fixture(1)
 pool2 = pool_fixture(2)
@@ -89,8 +89,7 @@ def test_every_field_megatrons_core_attentions_read_is_honoured_or_refused(which
     assert not missing, f"{which}: megatron's core attention reads {missing}, which our table does not list"
 
 
-NON_DEFAULT = {"softmax_type": "off-by-one", "window_size": (7, 0), "window_attn_skip_freq": 2,
-               "qk_clip": True, "log_max_attention_logit": True, "batch_invariant_mode": True,
+NON_DEFAULT = {"qk_clip": True, "log_max_attention_logit": True, "batch_invariant_mode": True,
                "deterministic_mode": True, "fp8_dot_product_attention": True}
 
 
@@ -123,10 +122,11 @@ def test_qk_clip_leaves_no_silent_clip_qk():
         BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
 
 
-def test_mla_keywords_accepted_and_unequal_head_dims_refused():
+def test_mla_keywords_and_unequal_head_dims():
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_ext.layers import BlockDiagCPAttention
+    from megatron_ext.testing import reference_attention
 
     cfg = H.config(cp=1)  # hidden 32, 4 heads: kv_channels 8
     layer = BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self", k_channels=12, v_channels=12)
@@ -134,9 +134,84 @@ def test_mla_keywords_accepted_and_unequal_head_dims_refused():
     assert layer.softmax_scale == pytest.approx(12 ** -0.5)
     q = torch.randn(6, 1, 4, 12)
     assert layer(q, q, q, None).shape == (6, 1, 48)  # [sq, b, np * hn]
-    with pytest.raises(bdcp.BlockDiagCPError, match=r"multi-latent attention \(MLA.*k_channels=192 != "
-                                                    r"v head dim v_channels=128\) is not yet supported"):
-        BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self", k_channels=192, v_channels=128)
+    # DeepSeek-V3's shape in small: q/k head dim 12, v head dim 8, MLA's own softmax scale.
+    mla = BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self", softmax_scale=0.3, k_channels=12, v_channels=8)
+    k, v = torch.randn(6, 1, 4, 12), torch.randn(6, 1, 4, 8)
+    out = mla(q, k, v, None)
+    assert out.shape == (6, 1, 32)
+    want = reference_attention(q, k, v, torch.ones(6, dtype=torch.long), scale=0.3).reshape(6, 1, 32)
+    assert torch.allclose(out, want, atol=1e-6)
+
+
+def test_window_per_layer_follows_megatrons_rule():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from megatron_ext.layers import BlockDiagCPAttention
+    from megatron_ext.testing import reference_attention
+
+    for skip in (None, 2, 3, [1, 0, 0, 1]):
+        cfg = H.config(cp=1, layers=4)
+        cfg.window_size, cfg.window_attn_skip_freq = (3, 0), skip
+        for number in range(1, 5):
+            layer = BlockDiagCPAttention(cfg, number, AttnMaskType.causal, "self")
+            windowed = is_layer_window_attention((3, 0), skip, number)
+            assert layer.window_size == ((3, 0) if windowed else None), (skip, number)
+    q = torch.randn(10, 1, 4, 8)
+    ids = torch.ones(10, dtype=torch.long)
+    layer = BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")  # skip [1, 0, 0, 1]: layer 1 windowed
+    assert torch.allclose(layer(q, q, q, None), reference_attention(q, q, q, ids, window=3).reshape(10, 1, 32),
+                          atol=1e-6)
+    cfg.window_size = (3, 2)  # not causal: refused when the layer runs
+    with pytest.raises(bdcp.BlockDiagCPError, match="right must be 0"):
+        BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")(q, q, q, None)
+
+
+def _megatron_dot_product_attention(cfg):
+    """megatron's own DotProductAttention on CPU (its softmax_offset asks for the current CUDA device)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    with H.cuda_calls_on_cpu():
+        return DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+
+
+def softmax_offset_checks(kind):
+    """In a one-rank pool (megatron's DotProductAttention needs parallel_state)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ext.layers import BlockDiagCPAttention
+    from megatron_ext.testing import reference_attention
+
+    H.ensure_mpu(tp=1, cp=1)
+    cfg = H.config(cp=1, softmax_type=kind)
+    ours = BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
+    theirs = _megatron_dot_product_attention(cfg)
+    assert ours.softmax_offset.shape == theirs.softmax_offset.shape == (4,)
+    assert ours.softmax_offset.dtype == theirs.softmax_offset.dtype
+    assert set(ours.state_dict()) == set(theirs.state_dict())  # learnable: {"softmax_offset"}; off-by-one: {}
+    assert isinstance(ours.softmax_offset, torch.nn.Parameter) == (kind == "learnable")
+    if kind == "learnable":
+        with torch.no_grad():
+            theirs.softmax_offset.copy_(torch.randn(4))
+        ours.load_state_dict(theirs.state_dict())  # megatron's checkpoint into ours ...
+        theirs.load_state_dict(ours.state_dict())  # ... and back
+        assert torch.equal(ours.softmax_offset, theirs.softmax_offset)
+    q = torch.randn(7, 1, 4, 8, dtype=torch.float32)
+    ids = torch.ones(7, dtype=torch.long)
+    out = ours(q, q, q, None)
+    want = reference_attention(q, q, q, ids, sink=ours.softmax_offset.detach()).reshape(7, 1, 32)
+    assert torch.allclose(out, want, atol=1e-6)
+    if kind == "learnable":  # the sink's gradient flows
+        out.sum().backward()
+        assert ours.softmax_offset.grad is not None and bool((ours.softmax_offset.grad != 0).all())
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["off-by-one", "learnable"])
+def test_softmax_offset_is_megatrons_and_checkpoints_load_both_ways(pool1, kind):
+    assert pool1.run(softmax_offset_checks, kind) == [True]
 
 
 # ---------------------------------------------------------------------------

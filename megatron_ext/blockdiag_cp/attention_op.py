@@ -200,6 +200,7 @@ class _StreamedAttention(torch.autograd.Function):
         ctx.state, ctx.backend, ctx.scale, ctx.dropout_p = state, backend, scale, dropout_p
         ctx.kind, ctx.aux, ctx.failed, ctx.saved_at, ctx.window = kind, aux, bool(failed), saved_at, window
         ctx.has_sink = sink is not None
+        ctx.sink_dtype = None if softmax_offset is None else softmax_offset.dtype
         ctx.save_for_backward(q, k, v, out, acc.lse, *(() if sink is None else (sink,)), *saved)
         return out
 
@@ -304,7 +305,7 @@ class _StreamedAttention(torch.autograd.Function):
         if sink is not None and ctx.needs_input_grad[3]:
             # d(loss)/d(sink) = -sum over rows of p_sink * (dout . out): the sink only rescales out.
             delta = (do_flat.to(acc_dtype) * o_flat.to(acc_dtype)).sum(-1)  # [rows, g * Hq]
-            d_sink = -(torch.exp(sink - lse) * delta).sum(0).view(geo.g, geo.hq).sum(0)
+            d_sink = -(torch.exp(sink - lse) * delta).sum(0).view(geo.g, geo.hq).sum(0).to(ctx.sink_dtype)
         return dq.to(q.dtype).view(q.shape), dk, dv, d_sink, None, None, None, None, None
 
 
@@ -420,6 +421,7 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
     _count_cp_attn_fire()
     state = resolve_step_state() if state is None else state
     scale = kernels.default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    window = _window_from(window_size)
     if state is None:
         group = ps.get_cp_group() if cp_group is None else cp_group
         if ps.group_size(group) > 1:
@@ -428,8 +430,12 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
                 "attention mask or THD packed_seq_params, or wrap forward and backward in "
                 "`with blockdiag_cp_step(state):` (state from shard_batch or BlockDiagCPState.build); "
                 "refusing to attend to local keys only")
-        return _single_document_causal(q, k, v, scale, dropout_p)
-    window = _window_from(window_size)
+        if window is None and softmax_offset is None:
+            return _single_document_causal(q, k, v, scale, dropout_p)
+        # The whole local sequence is one document; windows and sinks take the engine's path.
+        from .step import BlockDiagCPState
+
+        state = BlockDiagCPState.build(torch.ones(q.shape[0], dtype=torch.long), cp_group=group, device=q.device)
     if softmax_offset is not None and tuple(softmax_offset.shape) != (q.shape[2],):
         raise BlockDiagCPError(f"softmax_offset has shape {tuple(softmax_offset.shape)}; expected [{q.shape[2]}] "
                                "(one sink logit per query head of this rank)")

@@ -69,21 +69,19 @@ CORE_ATTENTION_CONFIG: Dict[str, ConfigRule] = {
     "masked_softmax_fusion": _honoured("a fusion choice of megatron's own softmax; no effect here"),
     "fp16": _honoured("the kernels run in q/k/v's dtype"),
     "bf16": _honoured("the kernels run in q/k/v's dtype"),
-    "params_dtype": _honoured("only for the learnable softmax offset (refused with softmax_type)"),
-    "init_method": _honoured("only for the learnable softmax offset (refused with softmax_type)"),
-    "perform_initialization": _honoured("only for the learnable softmax offset (refused with "
-                                        "softmax_type)"),
+    "params_dtype": _honoured("the softmax offset's dtype, as megatron's"),
+    "init_method": _honoured("initializes the learnable softmax offset, as megatron's"),
+    "perform_initialization": _honoured("whether the learnable softmax offset is initialized, as megatron's"),
     "attention_backend": _honoured("mapped to our attention backend (flash -> flash, fused -> te, "
                                    "unfused -> dense, auto -> ours); local is refused (megatron_knobs)"),
     "cp_comm_type": _honoured("mapped to our K/V exchange (p2p -> halo, a2a -> a2a, allgather -> "
                               "allgather); a2a+p2p is refused (megatron_knobs)"),
-    "softmax_type": _refused_unless(
-        "vanilla", why="attention sinks (off-by-one, learnable softmax offsets) are not implemented yet"),
-    "window_size": _refused_unless(
-        None, why="sliding-window attention is not implemented yet: the layer would attend to the whole "
-                  "document"),
-    "window_attn_skip_freq": _refused_unless(
-        None, why="sliding-window attention is not implemented yet"),
+    "softmax_type": _honoured("vanilla; off-by-one and learnable attention sinks: megatron's "
+                              "softmax_offset (name, shape, init, TP sharding) as one more logit in every "
+                              "row's denominator, applied once per row after the chunks' lse merge"),
+    "window_size": _honoured("sliding window (left, 0) within each document; the plan moves only the "
+                             "keys inside the windows (a right reach other than 0 is refused per call)"),
+    "window_attn_skip_freq": _honoured("which layers are windowed, as megatron's is_layer_window_attention"),
     "qk_clip": _refused_unless(
         False, why="QK-clip needs the max pre-softmax logit per head, which our kernels do not return "
                    "(megatron's clip_qk() would find no current_max_attn_logits)"),
@@ -101,12 +99,10 @@ CORE_ATTENTION_CONFIG: Dict[str, ConfigRule] = {
 _MISSING = object()
 
 
-def check_core_attention_config(config, k_channels: Optional[int] = None,
-                                v_channels: Optional[int] = None) -> None:
+def check_core_attention_config(config) -> None:
     """Refuse, naming the field, every config value BlockDiagCPAttention would ignore.
 
-    Fields an installed megatron-core does not have are skipped. ``k_channels != v_channels``
-    (megatron's MultiLatentAttention: q/k head dim != v head dim) is refused too.
+    Fields an installed megatron-core does not have are skipped.
     """
     for field, rule in CORE_ATTENTION_CONFIG.items():
         if rule.honoured:
@@ -117,11 +113,34 @@ def check_core_attention_config(config, k_channels: Optional[int] = None,
         raise BlockDiagCPError(
             f"TransformerConfig.{field}={value!r} is not supported by BlockDiagCPAttention: {rule.how}; "
             f"set {field}={rule.allowed[0]!r} (or use megatron's own core attention without CP)")
-    if k_channels is not None and v_channels is not None and k_channels != v_channels:
-        raise BlockDiagCPError(
-            f"multi-latent attention (MLA: q/k head dim k_channels={k_channels} != v head dim "
-            f"v_channels={v_channels}) is not yet supported by BlockDiagCPAttention; "
-            "drop --multi-latent-attention or use megatron's own core attention for MLA")
+    if getattr(config, "softmax_type", "vanilla") not in SOFTMAX_TYPES:
+        raise BlockDiagCPError(f"TransformerConfig.softmax_type={config.softmax_type!r} is not one of "
+                               f"{SOFTMAX_TYPES}")
+
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def layer_window_size(config, layer_number: int):
+    """The window this layer uses: config.window_size where window_attn_skip_freq makes it windowed.
+
+    megatron-core's own rule (``is_layer_window_attention``): no window_size -> none; no skip
+    frequency -> every layer; an int N -> every layer but each N-th (1-based); a list -> its 0/1.
+    """
+    window, skip = getattr(config, "window_size", None), getattr(config, "window_attn_skip_freq", None)
+    try:
+        from megatron.core.transformer.utils import is_layer_window_attention
+    except ImportError:  # older megatron-core: the same rule, spelled here
+        is_layer_window_attention = None
+    if is_layer_window_attention is not None:
+        return window if is_layer_window_attention(window, skip, layer_number) else None
+    if not window:
+        return None
+    if skip is None:
+        return window
+    if isinstance(skip, int):
+        return window if layer_number % skip != 0 else None
+    return window if skip[layer_number - 1] else None
 
 
 class BlockDiagCPAttention(MegatronModule):
@@ -136,9 +155,11 @@ class BlockDiagCPAttention(MegatronModule):
 
     At construction: every config field megatron's core attentions read is honoured or
     refused (``CORE_ATTENTION_CONFIG``); ``k_channels`` / ``v_channels`` (what megatron's MLA
-    passes) set the head dim, and differing ones are refused until the kernels take them;
-    Megatron's ``attention_backend`` / ``cp_comm_type`` set our knobs (``megatron_knobs``).
-    Attention dropout runs inside megatron's model-parallel RNG fork, as megatron's own.
+    passes) set the q/k and v head dims, which may differ; ``window_size`` /
+    ``window_attn_skip_freq`` give this layer's sliding window; ``softmax_type`` makes
+    megatron's ``softmax_offset`` (attention sinks); Megatron's ``attention_backend`` /
+    ``cp_comm_type`` set our knobs (``megatron_knobs``). Attention dropout runs inside
+    megatron's model-parallel RNG fork, as megatron's own.
     """
 
     def __init__(
@@ -157,7 +178,7 @@ class BlockDiagCPAttention(MegatronModule):
         super().__init__(config=config)
         self.config = config
         self.layer_number = max(1, layer_number)
-        check_core_attention_config(config, k_channels, v_channels)
+        check_core_attention_config(config)
         self._check_mask_type(attn_mask_type)
         if attention_type != "self":
             raise BlockDiagCPError(
@@ -173,6 +194,8 @@ class BlockDiagCPAttention(MegatronModule):
 
         tp_size = pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp") \
             else ps.get_tp_world_size()
+        self.tp_group = pg_collection.tp if pg_collection is not None and hasattr(pg_collection, "tp") \
+            else ps.get_tp_group()
         self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") \
             else None
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
@@ -188,7 +211,37 @@ class BlockDiagCPAttention(MegatronModule):
                               if softmax_scale is None else softmax_scale)
         self.attention_dropout_p = config.attention_dropout if attention_dropout is None \
             else attention_dropout
+        self.window_size = layer_window_size(config, self.layer_number)
+        self._make_softmax_offset()
         self._check_cp_size()
+
+    def _make_softmax_offset(self) -> None:
+        """megatron's ``softmax_offset``: the same name, shape [heads per TP rank], dtype and init.
+
+        vanilla: None; off-by-one: a zero tensor (no parameter, not in the state dict);
+        learnable: a parameter, ``config.init_method`` when ``perform_initialization``.
+        """
+        import torch
+
+        kind = getattr(self.config, "softmax_type", "vanilla")
+        shape = (self.num_attention_heads_per_partition,)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        dtype = self.config.params_dtype
+        if kind == "vanilla":
+            self.softmax_offset = None
+        elif kind == "off-by-one":
+            self.softmax_offset = torch.zeros(shape, device=device, dtype=dtype)
+        else:
+            self.register_parameter("softmax_offset", torch.nn.Parameter(torch.empty(shape, device=device,
+                                                                                    dtype=dtype)))
+            if self.config.perform_initialization:
+                self.softmax_offset = self.config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable softmax offset sharded over TP on dim 0, as megatron's core attention."""
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return DotProductAttention.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def _group(self):
         return self.cp_group if self.cp_group is not None else ps.get_cp_group()
@@ -235,13 +288,15 @@ class BlockDiagCPAttention(MegatronModule):
                                    local_tokens=query.shape[0], batch=query.shape[1], device=query.device)
         if state is not None and state.cp > 1:
             self._check_state_group(state, group)
+            self._check_mla_layout(state)
         dropout_p = self.attention_dropout_p if self.training else 0.0
         # The op draws its dropout seed from the device's default generator (and replays it in
         # backward and recompute); inside megatron's fork that generator holds this TP rank's
         # model-parallel state, so each TP rank's heads drop independently.
         with self._dropout_rng(dropout_p, query.device):
             out = blockdiag_cp_attention(query, key, value, softmax_scale=self.softmax_scale,
-                                         dropout_p=dropout_p, state=state, cp_group=group)
+                                         dropout_p=dropout_p, state=state, cp_group=group,
+                                         window_size=self.window_size, softmax_offset=self.softmax_offset)
         sq, b, np_, hn = out.shape
         if thd:
             return out.reshape(sq, np_ * hn)  # [t, np * hn]; megatron adds the batch dim back
@@ -259,6 +314,16 @@ class BlockDiagCPAttention(MegatronModule):
         from megatron.core import tensor_parallel
 
         return tensor_parallel.get_cuda_rng_tracker().fork()
+
+    def _check_mla_layout(self, state) -> None:
+        # megatron's MLA applies its RoPE inside attention, slicing positions as megatron's data path
+        # cuts the batch (zigzag, or TE's THD partition): any other layout would rotate by wrong positions.
+        if self.k_channels is not None and self.v_channels is not None and state.layout.name not in ("zigzag",
+                                                                                                     "thd"):
+            raise BlockDiagCPError(
+                f"multi-latent attention with the {state.layout.name!r} layout: megatron's MLA rotates q/k "
+                "by positions sliced zigzag inside its attention, so under CP it needs layout 'zigzag' "
+                "(or THD batches); shard the batch with layout='zigzag'")
 
     @staticmethod
     def _check_state_group(state, group) -> None:

@@ -75,6 +75,13 @@ def get_tp_world_size() -> int:
     return 1
 
 
+def get_tp_group() -> Optional["dist.ProcessGroup"]:
+    """megatron's TP group once parallel_state is initialized, else None (no TP)."""
+    if megatron_initialized():
+        return _megatron_parallel_state().get_tensor_model_parallel_group()
+    return None
+
+
 def local_world_size() -> int:
     """Processes per node (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node)."""
     for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):

@@ -34,15 +34,37 @@ def make_reference_core_attention():
     from megatron.core.transformer.module import MegatronModule
 
     class ReferenceCoreAttention(MegatronModule):
-        """Dense per-document causal attention over the full sequence (no CP)."""
+        """Dense per-document causal attention over the full sequence (no CP).
+
+        Honours what the model config asks of core attention the way megatron's own does:
+        the layer's sliding window (``window_size`` where ``window_attn_skip_freq`` makes the
+        layer windowed, megatron's rule re-spelled here), ``softmax_type`` with a
+        ``softmax_offset`` of megatron's name and shape, MLA's ``k_channels`` / ``v_channels``
+        and ``softmax_scale``.
+        """
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                     attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                     attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
+                     k_channels=None, v_channels=None):
             super().__init__(config=config)
+            window, skip = getattr(config, "window_size", None), getattr(config, "window_attn_skip_freq", None)
+            windowed = bool(window) and (skip is None or (layer_number % skip != 0 if isinstance(skip, int)
+                                                          else bool(skip[layer_number - 1])))
+            self.window = window[0] if windowed else None
+            self.scale = softmax_scale
+            heads = config.num_attention_heads  # no TP in the reference
+            kind = getattr(config, "softmax_type", "vanilla")
+            if kind == "off-by-one":
+                self.softmax_offset = torch.zeros(heads, dtype=config.params_dtype)
+            elif kind == "learnable":
+                self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            else:
+                self.softmax_offset = None
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            out = reference_attention(query, key, value, _REF["doc_ids"])
+            out = reference_attention(query, key, value, _REF["doc_ids"], scale=self.scale, window=self.window,
+                                      sink=self.softmax_offset)
             return out.reshape(out.shape[0], out.shape[1], -1)
 
     return ReferenceCoreAttention
@@ -124,15 +146,17 @@ def reference_loss_and_grads(ref, batch, doc_ids):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
 
-def cp_loss(model, local, state, total_tokens):
+def cp_loss(model, local, state, total_tokens, carry_state=True):
+    """``carry_state``: pass the state in packed_seq_params (False: the step context publishes it;
+    megatron's MLA reads any packed_seq_params as a THD batch)."""
     from megatron_ext.layers import packed_seq_params_for
 
     losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                   packed_seq_params=packed_seq_params_for(state))
+                   packed_seq_params=packed_seq_params_for(state) if carry_state else None)
     return (losses * local["loss_mask"]).sum() / total_tokens
 
 
-def cp_step_errors(model, batch, group, layout, exchange, ref_loss, ref_grads):
+def cp_step_errors(model, batch, group, layout, exchange, ref_loss, ref_grads, carry_state=True):
     """One CP step of ``model``; (loss rel. error, max grad rel. error, state) vs the reference."""
     import megatron_ext.blockdiag_cp as bdcp
 
@@ -140,7 +164,7 @@ def cp_step_errors(model, batch, group, layout, exchange, ref_loss, ref_grads):
                                     attn_backend="dense", kv_exchange=exchange)
     model.zero_grad()
     with bdcp.blockdiag_cp_step(state):
-        loss = cp_loss(model, local, state, batch["loss_mask"].sum())
+        loss = cp_loss(model, local, state, batch["loss_mask"].sum(), carry_state)
         loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
@@ -159,6 +183,25 @@ def cp_reduced_grads(model, group):
 
 def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@contextlib.contextmanager
+def cuda_calls_on_cpu():
+    """``torch.cuda.current_device()`` answers the CPU and ``Tensor.cuda()`` stays put, inside the block.
+
+    Only CUDA calls: megatron's MLA builds its RoPE on the current CUDA device and moves its
+    CP index to the GPU from pinned memory (``megatron_lm.cuda_tensors_on_cpu``'s function mode).
+    """
+    from .megatron_lm import cuda_tensors_on_cpu
+
+    saved = torch.cuda.current_device, torch.Tensor.cuda
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        with cuda_tensors_on_cpu():
+            yield
+    finally:
+        torch.cuda.current_device, torch.Tensor.cuda = saved
 
 
 @contextlib.contextmanager
