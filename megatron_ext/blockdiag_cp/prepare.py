@@ -41,6 +41,7 @@ class PreparedPlan:
     def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str) -> bool:
         """Planned for these [R, S] ids, this group size, rank and layout."""
         return (self.cp == cp and self.rank == rank and self.layout.name == layout_name
+                and self.plan.window is None  # a windowed plan is for its windowed layers only
                 and tuple(doc_ids.shape) == (self.doc_ids.shape[0], self.seq_len)
                 and torch.equal(self.doc_ids[:, :self.seq_len], doc_ids))
 
@@ -58,9 +59,10 @@ def _as_rows(doc_ids) -> torch.Tensor:
 
 def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
                  cost_model: Optional[CostModel] = None,
-                 kinds: Sequence[str] = CHUNK_KINDS) -> PreparedPlan:
+                 kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None) -> PreparedPlan:
     """Pad, lay out and plan one step for ``rank`` of ``cp`` (host only, no collective).
 
+    ``window``: plan for a sliding window (work and needed K/V inside the windows only).
     ``layout`` None: the configured knob (``configure_cp_varlen``); ``kinds``: the
     chunk kinds whose steps are built now (the others are built on first access).
     """
@@ -74,7 +76,7 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
     padded = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
     lay = build_layout(name, padded, cp, cost_model=cost)
     t1 = time.perf_counter()
-    plan = build_plan(padded, lay, rank, kinds=kinds)
+    plan = build_plan(padded, lay, rank, kinds=kinds, window=window)
     t2 = time.perf_counter()
     return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0)
 
@@ -119,7 +121,8 @@ def modeled_lower_bound(doc_ids: torch.Tensor, cp: int, local_len: int, cost_mod
 
 
 def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
-                 cost_model: Optional[CostModel] = None, rank: Optional[int] = None) -> dict:
+                 cost_model: Optional[CostModel] = None, rank: Optional[int] = None,
+                 window: Optional[int] = None) -> dict:
     """What a layout costs for these doc ids at ``cp`` ranks: no process group, no device.
 
     Runs ``prepare_plan`` for ``rank`` (default: the last rank) with the
@@ -129,7 +132,7 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
     """
     cost = resolve_cost_model(cost_model)
     rank = cp - 1 if rank is None else rank
-    prep = prepare_plan(doc_ids, cp, rank, layout=layout, cost_model=cost, kinds=("needed",))
+    prep = prepare_plan(doc_ids, cp, rank, layout=layout, cost_model=cost, kinds=("needed",), window=window)
     plan, lay = prep.plan, prep.layout
     work = plan.work_per_rank.double()
     needed = plan.needed_remote
@@ -138,9 +141,10 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
     modeled = cost.modeled_seconds(work, needed)
     modeled_allgather = cost.modeled_seconds(work, allgather)
     ideal = cost.ideal_seconds(work)
-    bound = modeled_lower_bound(prep.doc_ids, cp, lay.local_len, cost) if prep.doc_ids.shape[0] == 1 else ideal
+    bound = (modeled_lower_bound(prep.doc_ids, cp, lay.local_len, cost)
+             if prep.doc_ids.shape[0] == 1 and window is None else ideal)
     return {
-        "layout": lay.name, "cp": cp, "rank": rank, "seq_len": prep.seq_len,
+        "layout": lay.name, "cp": cp, "rank": rank, "seq_len": prep.seq_len, "window": window,
         "padded_len": lay.padded_len, "local_len": lay.local_len,
         "positions": lay.positions,  # [cp, local_len] global padded positions per rank
         "work_per_rank": plan.work_per_rank.tolist(),

@@ -13,6 +13,7 @@ profiled iteration each), memory (per-rank peak and held memory of one layer as 
 cp 2-8, every layout x exchange x kv_backward; scripts/bench/memory.py),
 model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without CUDA),
 scale (plan only, no processes: layout + plan cost and modeled time at 32k-1M tokens, cp 8-64),
+window (plan only: K/V bytes and work with and without a sliding window, 32k-128k at cp 8),
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
 Megatron-mask document derivation and the per-call q/k/v agreement against one layer at
 32k tokens, cp=4). One JSON object per
@@ -35,9 +36,9 @@ for _p in (HERE, REPO_ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "gpu_check",
-              "dropin")
-DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale")  # gpu: a skipped row without CUDA
+ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "window",
+              "gpu_check", "dropin")
+DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "window")  # gpu: a skipped row without CUDA
 
 
 def parse_args(argv=None):
@@ -149,6 +150,13 @@ def main(argv=None) -> int:
         else:
             rows += scale.run(log=_log)
         timings["scale"] = time.perf_counter() - t0
+
+    if "window" in suites:
+        import window
+
+        t0 = time.perf_counter()
+        rows += window.run(points=((131072, 8),) if args.quick else window.POINTS, log=_log)
+        timings["window"] = time.perf_counter() - t0
 
     if "dropin" in suites:
         import dropin
