@@ -12,7 +12,9 @@ Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
 - matmul_peak: the device's bf16 matmul TFLOP/s measured in this run (the H200's data
   sheet says ~989); timing rows give their fraction of it.
 - accuracy: every layout x exchange at cp=2 and cp=4, forward and backward, each backend in
-  bf16 against an fp32 reference (same bf16-rounded inputs), max abs / rel error of out, dq, dk, dv.
+  bf16 against an fp32 reference (same bf16-rounded inputs), max abs / rel error of out, dq, dk, dv;
+  a ``variants`` case adds a sliding window (512), a learnable attention sink and MLA head dims
+  (q/k 192, v 128), which flash / te must take (or fall back, which fails the check).
 - engine_cp1: the whole engine call (forward + backward) at cp=1 on a realistic pack
   (32k tokens, 32 query heads, 8 KV heads, head dim 128), its error vs an fp32 dense run,
   and the engine's overhead: the fraction of its time not spent in the kernel itself.
@@ -58,9 +60,12 @@ TOL_FP32 = {"out": 1e-4, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
 
 def sizes(dry_run):
     if dry_run:
-        return {"acc_cases": [("mix", 64, 1), ("rows2", 48, 2)], "acc_heads": (4, 2, 8),
+        return {"acc_cases": [("mix", 64, 1), ("rows2", 48, 2), ("variants", 64, 1)], "acc_heads": (4, 2, 8),
+                "variants": {"window": 9, "sink": True, "heads": (4, 4, 12, 8)},
                 "time_S": 256, "time_heads": (4, 2, 16), "reps": 1, "warmup": 1, "matmul_n": 256}
-    return {"acc_cases": [("mix", 4096, 1), ("rows2", 2048, 2)], "acc_heads": (8, 2, 128),
+    return {"acc_cases": [("mix", 4096, 1), ("rows2", 2048, 2), ("variants", 4096, 1)], "acc_heads": (8, 2, 128),
+            # sliding window + learnable sink + MLA head dims (DeepSeek-V3's 192 / 128)
+            "variants": {"window": 512, "sink": True, "heads": (8, 8, 192, 128)},
             "time_S": 32768, "time_heads": (32, 8, 128), "reps": 5, "warmup": 2, "matmul_n": 8192}
 
 
@@ -224,17 +229,20 @@ def w_accuracy(dry_run):
     device, dtype = device_and_dtype(dry_run)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    hq, hkv, d = sizes(dry_run)["acc_heads"]
     rows = []
     with check_backends(dry_run) as backends:
         for case, S, b in sizes(dry_run)["acc_cases"]:
             doc_ids = case_doc_ids(S, b)
             g = torch.Generator().manual_seed(5)
-            shapes = [(S, b, hq, d), (S, b, hkv, d), (S, b, hkv, d), (S, b, hq, d)]
+            variant = sizes(dry_run)["variants"] if case == "variants" else {}
+            hq, hkv, dk, dv = variant.get("heads", sizes(dry_run)["acc_heads"] + (sizes(dry_run)["acc_heads"][2],))
+            shapes = [(S, b, hq, dk), (S, b, hkv, dk), (S, b, hkv, dv), (S, b, hq, dv)]
             # Inputs rounded to the test dtype once; the fp32 reference sees the same values.
             q, k, v, w = (torch.randn(*s, generator=g).to(dtype).to(device) for s in shapes)
+            window = variant.get("window")
+            sink = torch.randn(hq, generator=g).to(device) if variant.get("sink") else None
             ref_in = [t.float().requires_grad_() for t in (q, k, v)]
-            ref = reference_attention(*ref_in, doc_ids)
+            ref = reference_attention(*ref_in, doc_ids, window=window, sink=sink)
             (ref * w.float()).sum().backward()
             ref_t = {"out": ref.detach(), "dq": ref_in[0].grad, "dk": ref_in[1].grad, "dv": ref_in[2].grad}
             for layout in LAYOUTS:
@@ -247,7 +255,9 @@ def w_accuracy(dry_run):
                                                                 attn_backend=backend, device=device)
                             local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
                             with bdcp.blockdiag_cp_step(state):
-                                out = bdcp.blockdiag_cp_attention(*local)
+                                out = bdcp.blockdiag_cp_attention(
+                                    *local, window_size=None if window is None else (window, 0),
+                                    softmax_offset=sink)
                                 (out.float() * state.shard(w).float()).sum().backward()
                             got = {"out": out, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
                             row["err"], row["ref_max"] = {}, {}
