@@ -37,16 +37,6 @@ EXCHANGES = ("allgather", "halo", "a2a")
 MIXES = ("single", "short", "heavy_tail")
 
 
-def _events_sum_and_peak(prof):
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    cur = peak = 0
-    for _, n in events:
-        cur += n
-        peak = max(peak, cur)
-    return cur, peak
-
-
 def _stub():
     from megatron_ext.blockdiag_cp.kernels import Kernel
 
@@ -104,8 +94,10 @@ def memory_worker(cfg: Dict) -> Dict:
             t.grad = None
         if not profiled:
             return t1 - t0, t2 - t1
-        held, fwd_peak = _events_sum_and_peak(fwd)
-        _, bwd_peak = _events_sum_and_peak(bwd)
+        from megatron_ext.testing.timing import profiler_memory
+
+        held, fwd_peak = profiler_memory(fwd)
+        _, bwd_peak = profiler_memory(bwd)
         return held, max(fwd_peak, held + bwd_peak)
 
     dist.barrier()

@@ -189,13 +189,9 @@ def speed_worker(cfg: Dict, mode: str) -> Optional[Dict]:
 
 
 def _peak_bytes(prof) -> int:
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    cur = peak = 0
-    for _, n in events:
-        cur += n
-        peak = max(peak, cur)
-    return int(peak)
+    from megatron_ext.testing.timing import profiler_memory
+
+    return profiler_memory(prof)[1]
 
 
 # ---------------------------------------------------------------------------
