@@ -145,18 +145,6 @@ def time_kernels(doc_ids: torch.Tensor, layout: str, cp: int, backends: Sequence
             "max_rel_diff_vs_dense": max(diffs) if diffs else None}
 
 
-def profiler_memory(prof) -> Tuple[int, int]:
-    """(net, peak) bytes of the CPU allocator's events in a ``torch.profiler`` run with profile_memory:
-    what the run left allocated, and the most it held at once, both above what was live before it."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    cur = peak = 0
-    for _, n in events:
-        cur += n
-        peak = max(peak, cur)
-    return int(cur), int(peak)
-
-
 def useful_tflops(pairs: int, heads: int, head_dim: int, ms: float, fwd_bwd: bool = True) -> float:
     """TFLOP/s of ``pairs`` useful query-key pairs done in ``ms`` milliseconds."""
     if ms <= 0:

@@ -37,6 +37,21 @@ EXCHANGES = ("allgather", "halo", "a2a")
 MIXES = ("single", "short", "heavy_tail")
 
 
+def profiler_memory(prof):
+    """(net, peak) bytes of the CPU allocator's events in a ``torch.profiler`` run with profile_memory:
+    what the run left allocated, and the most it held at once, both above what was live before it.
+
+    Here, not in megatron_ext.testing: this suite also measures other checkouts of the engine.
+    """
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    cur = peak = 0
+    for _, n in events:
+        cur += n
+        peak = max(peak, cur)
+    return int(cur), int(peak)
+
+
 def _stub():
     from megatron_ext.blockdiag_cp.kernels import Kernel
 
@@ -94,8 +109,6 @@ def memory_worker(cfg: Dict) -> Dict:
             t.grad = None
         if not profiled:
             return t1 - t0, t2 - t1
-        from megatron_ext.testing.timing import profiler_memory
-
         held, fwd_peak = profiler_memory(fwd)
         _, bwd_peak = profiler_memory(bwd)
         return held, max(fwd_peak, held + bwd_peak)

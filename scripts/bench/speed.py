@@ -189,7 +189,7 @@ def speed_worker(cfg: Dict, mode: str) -> Optional[Dict]:
 
 
 def _peak_bytes(prof) -> int:
-    from megatron_ext.testing.timing import profiler_memory
+    from memory import profiler_memory  # this folder's memory suite
 
     return profiler_memory(prof)[1]
 
