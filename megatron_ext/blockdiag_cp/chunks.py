@@ -3,7 +3,7 @@
 A rank attends its queries to one chunk of keys at a time and merges the partial
 outputs by their log-sum-exp, so it never holds more than a few chunks of remote
 K/V. A chunk is a key range of one source rank's K/V, at most ``chunk_rows``
-positions (a quarter of a shard): a long document's keys arrive in pieces, so the
+positions (an eighth of a shard): a long document's keys arrive in pieces, so the
 buffers in flight stay a fraction of a shard however many ranks it spans.
 
     step 0         the rank's own K/V (nothing to wait for)
@@ -81,8 +81,10 @@ class CallPlan:
         return total
 
 
-# A source's K/V arrives in chunks of at most ceil(local_len / CHUNKS_PER_SHARD) positions.
-CHUNKS_PER_SHARD = 4
+# A source's K/V arrives in chunks of at most ceil(local_len / CHUNKS_PER_SHARD) positions: with 8, the
+# buffers a rank holds while the steps stream (the chunk computing, the next in flight, its gradient and
+# the last one going home) stay below what its own K/V step needs, so peak memory shrinks as 1 / cp.
+CHUNKS_PER_SHARD = 8
 
 
 def chunk_rows_for(local_len: int) -> int:
@@ -98,7 +100,7 @@ class Step:
     source: int
     first: int  # slot of the chunk's first row in the source's whole delivery
     chunk_len: int  # positions this rank receives in this step (0: it only sends, or nothing moves)
-    calls: Tuple[CallPlan, ...]  # full (then banded, with a window) before causal
+    calls: Tuple[CallPlan, ...]  # full (then banded, with a window) before causal; remote: <= chunk_rows queries
 
     @property
     def pairs(self) -> int:
@@ -278,6 +280,33 @@ def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, win
     return out
 
 
+def _cap_query_rows(call: CallPlan, cap: int) -> List[CallPlan]:
+    """A remote full call cut into calls of at most ``cap`` query rows (segments cut too, keeping their keys).
+
+    A chunk's keys are an eighth of a shard at most; its queries need not be (a long document's
+    pieces see every chunk before them). Capping the rows per call keeps what a call gathers and
+    returns (q, out, dout and dq of its rows) as small. Windowed calls are left whole.
+    """
+    if call.window is not None or call.causal or sum(call.q_lens) <= cap:
+        return [call]
+    q_parts = call.q_index.split(list(call.q_lens))
+    k_parts = call.k_index.split(list(call.k_lens))
+    out, q_acc, k_acc, ql, kl, rows = [], [], [], [], [], 0
+    for qs, ks in zip(q_parts, k_parts):
+        for start in range(0, qs.numel(), cap):
+            piece = qs[start:start + cap]
+            if rows + piece.numel() > cap and ql:
+                out.append(CallPlan(False, torch.cat(q_acc), torch.cat(k_acc), tuple(ql), tuple(kl)))
+                q_acc, k_acc, ql, kl, rows = [], [], [], [], 0
+            q_acc.append(piece)
+            k_acc.append(ks)
+            ql.append(piece.numel())
+            kl.append(ks.numel())
+            rows += piece.numel()
+    out.append(CallPlan(False, torch.cat(q_acc), torch.cat(k_acc), tuple(ql), tuple(kl)))
+    return out
+
+
 def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
                       counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                       window: Optional[int] = None) -> StreamPlan:
@@ -321,7 +350,8 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
         src = (rank - i) % cp
         delivered = L if kind == "ring" else int(counts[src, rank])
         n = max(0, min(c, delivered - j * c))
-        steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
+        remote = tuple(piece for call in calls.get((src, j), ()) for piece in _cap_query_rows(call, c))
+        steps.append(Step(i, j, src, j * c, n, remote))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))
 
 
