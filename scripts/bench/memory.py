@@ -116,7 +116,7 @@ def memory_worker(cfg: Dict) -> Dict:
     dist.barrier()
     held, peak = layer(True)
     result = {"held_bytes": held, "peak_bytes": peak, "local_bytes": 4 * L * h * d * 4,
-              "kv_backward": state.report().get("kv_backward", "save")}
+              "kv_backward": state.report().get("kv_backward", "n/a")}  # n/a: an engine before the knob
     if cfg["kernel"] == "dense" and cfg.get("timed", True):
         dist.barrier()
         fwd_s, bwd_s = layer(False)
@@ -138,10 +138,22 @@ def configs(mixes, seq_lens, cps, kernel, modes, layouts=LAYOUTS, exchanges=EXCH
                                        kernel=kernel, heads=heads, head_dim=head_dim)
 
 
-def run(grid: List[Dict], engine: str, log=print) -> List[Dict]:
+def _config_key(cfg: Dict) -> tuple:
+    return tuple(cfg[k] for k in ("mix", "S", "cp", "layout", "exchange", "kv_backward", "kernel", "heads",
+                                  "head_dim"))
+
+
+def run(grid: List[Dict], engine: str, log=print, out_path=None) -> List[Dict]:
+    """Every config of ``grid``; with ``out_path``, each row is appended as it lands and configs
+    already there for this engine are skipped (a run stopped half-way resumes)."""
     from megatron_ext.testing import WorkerPool
 
     rows, pools = [], {}
+    if out_path and os.path.exists(out_path):
+        with open(out_path) as f:
+            done = {_config_key({**r, "kv_backward": r["kv_backward_requested"]}) for r in map(json.loads, f)
+                    if r.get("engine") == engine}
+        grid = [cfg for cfg in grid if _config_key(cfg) not in done]
     try:
         for cfg in grid:
             cp = cfg["cp"]
@@ -153,7 +165,7 @@ def run(grid: List[Dict], engine: str, log=print) -> List[Dict]:
             per_rank = pools[cp].run(memory_worker, cfg)
             busiest = max(range(cp), key=lambda r: per_rank[r]["peak_bytes"])
             row = {"suite": "memory", "engine": engine, **cfg, "exchange_requested": cfg["exchange"],
-                   "kv_backward": per_rank[0]["kv_backward"],
+                   "kv_backward_requested": cfg["kv_backward"], "kv_backward": per_rank[0]["kv_backward"],
                    "peak_bytes": per_rank[busiest]["peak_bytes"],
                    "held_bytes": max(r["held_bytes"] for r in per_rank),
                    "local_bytes": per_rank[0]["local_bytes"],
@@ -167,6 +179,9 @@ def run(grid: List[Dict], engine: str, log=print) -> List[Dict]:
                 row["exposed_comm_fraction_per_rank"] = fractions
                 row["exposed_comm_fraction"] = None if None in fractions else max(fractions)
             rows.append(row)
+            if out_path:
+                with open(out_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
             log(f"  memory {engine} {cfg['kernel']} {cfg['mix']} S={cfg['S']} cp={cp} {cfg['layout']}/"
                 f"{cfg['exchange']}/{row['kv_backward']}: peak {row['peak_bytes'] / 2**20:.0f} MiB, held "
                 f"{row['held_bytes'] / 2**20:.1f} MiB, local {row['local_bytes'] / 2**20:.1f} MiB "
@@ -205,10 +220,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.abspath(args.engine_path))
         os.environ["PYTHONPATH"] = os.path.abspath(args.engine_path) + os.pathsep + os.environ.get("PYTHONPATH", "")
     grid = {"default": default_grid, "quick": lambda: default_grid(True), "before_after": before_after_grid}[args.grid]()
-    rows = run(grid, args.engine_label)
-    with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    run(grid, args.engine_label, out_path=args.out)
     return 0
 
 
