@@ -81,6 +81,8 @@ TIE = 0.005
 # Work balance within BALANCE_GOAL is worth this much modeled time: attention imbalance also idles the
 # token-balanced rest of the layer on the other ranks, which the attention-only model does not see.
 BALANCE_PRICE = 0.2
+# Two levels: the split thresholds of the node-level and per-node searches (fewer: there are 1 + nodes).
+NODE_THRESHOLDS = SPLIT_THRESHOLDS
 # Two levels: the node layouts (best first) that get an intra-node search and a full pricing.
 NODE_FINALISTS = 1
 # Runs of consecutive tiny documents are bundled into units of at most this fraction of a rank's share.
@@ -119,7 +121,7 @@ class _Units:
     one unit of at most BUNDLE_FRACTION of a rank's share (never split, so the search loops over
     fewer units)."""
 
-    def __init__(self, table: _UnitTable, spans: Spans, cp: int):
+    def __init__(self, table: _UnitTable, spans: Spans, cp: int, bundle: int = 0):
         self.rows, self.P, self.spans = table.rows, table.P, spans
         self.tokens = sum(b - a for a, b in spans)
         sa = torch.tensor([a for a, _ in spans], dtype=torch.long)
@@ -132,7 +134,7 @@ class _Units:
         self.total = float(work.sum())
         self.start, self.end = [], []
         self.alpha, self.beta, self.work, self.bundle, self.shared = [], [], [], [], []
-        cap = max(1, int(self.tokens // cp * BUNDLE_FRACTION))
+        cap = bundle or max(1, int(self.tokens // cp * BUNDLE_FRACTION))
         for a, b, al, be, w, later in zip(starts.tolist(), ends.tolist(), alpha.tolist(), beta.tolist(),
                                           work.tolist(), read_later):
             tiny = al > 0 and b - a <= cap and not later
@@ -188,12 +190,15 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
         finalists = [(found.labels[c], found.owned(c)) for c in found.order()[:NODE_FINALISTS + 2]]
     else:
         g = cost_model.ranks_per_node
-        nodes = _search(table, whole, cp // g, cost_model.positions_per_pair_inter)
+        # Bundles no coarser than the ranks' (a node-level bundle lands whole in one node's sub-search).
+        nodes = _search(table, whole, cp // g, cost_model.positions_per_pair_inter,
+                        bundle=max(1, int(P // cp * BUNDLE_FRACTION)), thresholds=NODE_THRESHOLDS)
         finalists = []
         for c in nodes.order()[:NODE_FINALISTS]:
             owned, labels = [], []
             for spans in nodes.owned(c):
-                inner = _search(table, _merged(spans), g, cost_model.positions_per_pair)
+                inner = _search(table, _merged(spans), g, cost_model.positions_per_pair,
+                                thresholds=NODE_THRESHOLDS)
                 best = inner.cheapest()
                 owned += inner.owned(best)
                 labels.append(inner.labels[best])
@@ -272,9 +277,13 @@ def _choice(modeled: torch.Tensor, imbalance: torch.Tensor, n_peers: int) -> int
     return int(torch.argmin(torch.where(near, imbalance, inf)))
 
 
-def _search(table: _UnitTable, spans: Spans, cp: int, q: float) -> _Found:
-    """Every candidate laying ``spans`` out over ``cp`` ranks, scored by work + q * max(in, out)."""
-    units = _Units(table, spans, cp)
+def _search(table: _UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
+            thresholds: Sequence[float] = SPLIT_THRESHOLDS) -> _Found:
+    """Every candidate laying ``spans`` out over ``cp`` ranks, scored by work + q * max(in, out).
+
+    ``bundle``: the most tokens a bundle of tiny documents holds (default: BUNDLE_FRACTION of a rank's share).
+    """
+    units = _Units(table, spans, cp, bundle)
     L = units.tokens // cp
     candidates: List[Tuple[str, Owned]] = [("contiguous", _cut(spans, [(r * L, (r + 1) * L) for r in range(cp)]))]
     if L % 2 == 0:
@@ -283,10 +292,10 @@ def _search(table: _UnitTable, spans: Spans, cp: int, q: float) -> _Found:
                                           [((2 * cp - 1 - r) * half, (2 * cp - r) * half) for r in range(cp)])))
     n_peers = len(candidates)  # contiguous (and zigzag): the result is never worse than these
     target = units.total / cp
-    heavy = [i for i in units.by_work if not units.light(i, min(SPLIT_THRESHOLDS) * target, L)]
+    heavy = [i for i in units.by_work if not units.light(i, min(thresholds) * target, L)]
     if heavy:
         seen = set()  # step-1 splits already packed
-        for theta in SPLIT_THRESHOLDS:
+        for theta in thresholds:
             for style in SPLIT_STYLES:
                 packed = _split_and_pack(units, cp, theta, style, seen)
                 if packed is not None:
