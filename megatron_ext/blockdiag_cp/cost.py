@@ -280,6 +280,7 @@ class CostModel:
         for share, fetch_mult in ((FORWARD_SHARE, 1.0), (1 - FORWARD_SHARE, 2.0 if kv_backward == "refetch" else 1.0)):
             total += _stream(local * share, c * share, fetch * fetch_mult, present)
         compute = pair_work.double().sum(0) * self.seconds_per_pair
+        total = torch.maximum(total, compute)  # T_last >= sum C; only float rounding says otherwise
         r = int(torch.argmax(total))
         return Overlapped(float(total[r]), float(compute[r]), float(total[r] - compute[r]), r, total)
 

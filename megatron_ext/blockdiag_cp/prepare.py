@@ -40,10 +40,14 @@ class PreparedPlan:
     layout_seconds: float
     plan_seconds: float  # layout + plan, this rank's host time
 
-    def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str) -> bool:
-        """Planned for these [R, S] ids, this group size, rank and layout."""
+    def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str,
+                cost_model: Optional[CostModel] = None) -> bool:
+        """Planned for these [R, S] ids, this group size, rank and layout (and, for balanced, this
+        cost model when one is given: it decides where the cuts fall)."""
         return (self.cp == cp and self.rank == rank and self.layout.name == layout_name
                 and tuple(doc_ids.shape) == (self.doc_ids.shape[0], self.seq_len)
+                and (cost_model is None or layout_name != "balanced"
+                     or self.cost_model.agreement_key() == cost_model.agreement_key())
                 and torch.equal(self.doc_ids[:, :self.seq_len], doc_ids))
 
 
@@ -194,6 +198,8 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
         "overlap_over_ideal": priced["overlap_seconds"] / ideal if ideal > 0 else 1.0,
         "exposed_share": priced["exposed_share"],
         "overlap_allgather_seconds": priced_allgather["overlap_seconds"],
+        "exposed_allgather_share": priced_allgather["exposed_share"],
+        "traffic_allgather": priced_allgather["traffic"],
     }
 
 

@@ -127,9 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-attn-backend-strict", action="store_true",
                    help="a backend/exchange fallback is an error instead of a logged downgrade")
     g.add_argument("--cp-cost-model", default="auto", choices=["auto", "nvlink", "ib"],
-                   help="the link the balanced layout's cost model assumes, with this model's heads "
-                        "and head dim: auto = NVLink when the CP group sits on one node, InfiniBand "
-                        "when it spans nodes")
+                   help="the topology the balanced layout's cost model assumes, with this model's heads "
+                        "and head dim: auto = NVLink when the CP group sits on one node, two levels "
+                        "(NVLink inside a node, InfiniBand between nodes, CP ranks per node from "
+                        "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE) when it spans nodes; nvlink / ib = "
+                        "that one link for the whole group")
     g.add_argument("--no-cp-plan-ahead", dest="cp_plan_ahead", action="store_false",
                    help="plan each micro batch in line instead of on a background thread one step "
                         "ahead (the plan is the same; only the agreement all-reduce stays in line)")
