@@ -286,3 +286,29 @@ def test_a_cp4_build_on_two_nodes_uses_the_two_level_model_and_trains_like_the_r
         for key, (loss_err, grad_err, model) in per_rank.items():
             assert model.startswith("2xnvlink+ib/hier"), (key, model)
             assert loss_err < 1e-5 and grad_err < 1e-5, (key, loss_err, grad_err)
+
+
+def test_a_node_search_counts_keys_from_other_nodes_and_sends_inside_the_node():
+    """The per-node search's scorer: a rank receives every key of its documents it does not own
+    (another node's too), and sends only to the search's own ranks."""
+    import megatron_ext.blockdiag_cp.balanced as bal
+
+    S, cp = 256, 2
+    ids = _ids(S, 4, top=90)
+    table = bal._UnitTable([document_runs(ids[0])], S)
+    spans = [(0, 40), (96, 160), (200, 224)]  # one node's share (128 tokens) of a larger group
+    units = bal._Units(table, spans, cp)
+    owned = [o for theta in (1.0, 0.25) for o in bal._split_and_pack(units, cp, theta, "zigzag")]
+    n, group, a, b = bal._flatten(owned, cp)
+    work, need, sent = bal._candidate_traffic(units, cp, n, group, a, b)
+    row = ids[0].tolist()
+    start = [0] * S
+    for p in range(1, S):
+        start[p] = start[p - 1] if row[p] == row[p - 1] else p
+    for c, o in enumerate(owned):
+        mine = [{p for x, y in spans_r for p in range(x, y)} for spans_r in o]
+        assert sorted(p for m in mine for p in m) == [p for x, y in spans for p in range(x, y)]
+        needed = [{k for p in m for k in range(start[p], p + 1)} - m for m in mine]
+        assert need[c].tolist() == [len(x) for x in needed]
+        assert sent[c].tolist() == [sum(len(needed[d] & mine[r]) for d in range(cp) if d != r) for r in range(cp)]
+        assert work[c].tolist() == [sum(p - start[p] + 1 for p in m) for m in mine]

@@ -12,16 +12,12 @@ position; a rank whose rows many ranks need pays for sending them). Candidates:
   work and tokens, the ranks' documents laid end to end and cut at multiples of
   the local length; a piece of a document that later pieces on other ranks read
   (a node's head of a document split across nodes) is never kept whole, so no
-  single rank sends it to all of them;
-- carve: for a per-rank budget B (a multiple of the ideal), each heavy document
-  is cut from its end: the rank with the most spare budget takes the longest
-  tail [x, end) whose compute plus the x earlier keys it must receive fits B
-  (tails are thin near the end of a long document, where every key is far from
-  its start), together with a few head tokens of the document where owning
-  them is cheaper than receiving them; the light documents then go densest
-  first to the rank with the most spare budget per free token, so ranks that
-  carry an expensive tail are filled with short documents (tried only where the
-  longest split document's keys cost a quarter of a rank's share).
+  single rank sends it to all of them.
+
+Cut from earlier versions once sends were priced (they never beat these on the
+scale and worst-case mixes, bench/SUMMARY.md): contiguous chunks of equal cost
+and tails carved from a document's end under a budget (both make one rank the
+sender of a document's head to every later piece).
 
 Two levels (a ``CostModel`` whose CP group spans nodes): the same search runs
 twice. First over nodes, each node a rank of g = ranks_per_node shares, at the
@@ -34,11 +30,13 @@ in themselves are the flat contiguous and zigzag layouts. The finalists (and the
 flat contiguous and zigzag) are priced exactly with the full model
 (``hierarchy.layout_traffic``), which picks.
 
-Choice: the least modeled time, except that a candidate within BALANCE_GOAL
-(work max/mean) wins if it costs at most BALANCE_PRICE more and is no worse
-than contiguous or zigzag: at a few thousand tokens per rank the model calls
-balancing dearer than the keys it moves, and an unbalanced attention also
-idles the token-balanced rest of the layer, which the model leaves out.
+Choice (one level): the least modeled time, except that a candidate within
+BALANCE_GOAL (work max/mean) wins if it costs at most BALANCE_PRICE more and is
+no worse than contiguous or zigzag: at a few thousand tokens per rank the model
+calls balancing dearer than the keys it moves, and an unbalanced attention also
+idles the token-balanced rest of the layer, which the model leaves out. Two
+levels (node and per-node searches, and the final pick): the least modeled
+time, near-ties (TIE) broken by work balance.
 
 Work of a run [x, y) inside a unit (a range on which no row changes document)
 is alpha * sum(p) + beta * (y - x) over p in [x, y): alpha real rows, beta the
@@ -66,15 +64,6 @@ SPLIT_THRESHOLDS = (math.inf, 1.0, 0.75, 0.5, 0.35, 0.25)
 # Split styles tried at each threshold (contiguous chunks of equal cost lost to these on every mix once
 # sends are priced: the holder of a document's first chunk sends it to every later one).
 SPLIT_STYLES = ("zigzag", "need")
-# Carving trades work balance for fewer received keys: only tried when receiving the longest split
-# unit's keys costs at least this fraction of a rank's work share (below, zigzag pairs do as well).
-CARVE_MIN_TRAFFIC = 0.25
-# Carve budgets, in multiples of the ideal per-rank work.
-CARVE_BUDGETS = (1.15, 1.5)
-# ... and the filler density they reserve, in multiples of the light units' mean work per token.
-CARVE_FILLERS = (0.5,)
-# ... then around the best budget, these fillers too.
-CARVE_REFINE = (0.0,)
 # Candidates whose modeled time is within this fraction of the best count as ties, broken by work
 # balance (the rest of the layer is token-balanced; imbalance is a preference, not a cost here).
 TIE = 0.005
@@ -160,17 +149,6 @@ class _Units:
     def span(self, i: int, x: int, y: int) -> float:
         """Work of positions [x, y) of unit i."""
         return self.alpha[i] * (y * (y - 1) - x * (x - 1)) / 2 + self.beta[i] * (y - x)
-
-    def reach(self, i: int, x: int, budget: float) -> int:
-        """Largest y with span(i, x, y) <= budget (at least x): the quadratic's root, checked once."""
-        a2, b1 = self.alpha[i] / 2, self.beta[i] - self.alpha[i] / 2
-        c = -(budget + a2 * x * x + b1 * x)  # a2 y^2 + b1 y + c <= 0
-        if a2 <= 0:
-            return self.end[i] if b1 <= 0 else max(x, int(math.floor(-c / b1)))
-        y = int((-b1 + math.sqrt(max(b1 * b1 - 4 * a2 * c, 0.0))) / (2 * a2))
-        if y > x and self.span(i, x, y) > budget:  # float rounding: one step is enough
-            y -= 1
-        return max(y, x)
 
 
 def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
@@ -300,8 +278,6 @@ def _search(table: _UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
                 packed = _split_and_pack(units, cp, theta, style, seen)
                 if packed is not None:
                     candidates += [(f"{style}@{theta}", packed[0]), (f"{style}@{theta}/strict", packed[1])]
-        if q * max(units.end[i] - units.start[i] for i in heavy) >= CARVE_MIN_TRAFFIC * target:
-            candidates += _carve_candidates(units, cp, q, target)
     else:  # nothing worth splitting: one packing
         stream, strict = _split_and_pack(units, cp, math.inf, "zigzag")
         candidates += [("pack", stream), ("pack/strict", strict)]
@@ -359,28 +335,6 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
         best = int(torch.argmin(torch.where(near, imbalance_t, torch.tensor(math.inf, dtype=torch.float64))))
     LAST_CHOICE[:] = [candidates[best][0]]
     return _runs_of(best, cp, group, a, b)
-
-
-def _carve_candidates(units: "_Units", cp: int, q: float, target: float) -> List[Tuple[str, Owned]]:
-    """Carve at every budget (half the light filler reserved), then the best budget with other reserves."""
-    filler = _light_density(units, cp)
-    f0 = CARVE_FILLERS[0]
-    carved = [(f"carve@{mult}/{f0}", _carve(units, cp, q, mult * target, f0 * filler)) for mult in CARVE_BUDGETS]
-    best_mult = CARVE_BUDGETS[0]
-    if len(units.rows) == 1:
-        work, inn, out = _candidate_traffic(units, cp, *_flatten([o for _, o in carved], cp))
-        cost = (work.double() + q * torch.maximum(inn, out).double()).max(1).values
-        best_mult = CARVE_BUDGETS[int(torch.argmin(cost))]
-    return carved + [(f"carve@{best_mult}/{f}", _carve(units, cp, q, best_mult * target, f * filler))
-                     for f in CARVE_REFINE]
-
-
-def _light_density(units: "_Units", cp: int) -> float:
-    """Mean work per token of the units a rank can hold whole (the filler of carved ranks)."""
-    L, share = units.tokens // cp, units.total / cp
-    light = [i for i in range(len(units.start)) if units.light(i, share, L)]
-    tokens = sum(units.end[i] - units.start[i] for i in light)
-    return sum(units.work[i] for i in light) / tokens if tokens else 0.0
 
 
 def _flatten(owned_lists: Sequence[Owned], cp: int) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -584,87 +538,5 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key, cut_in_ke
         ranks.cut_in(rest)
 
 
-def _carve(units: _Units, cp: int, q: float, budget: float, filler: float) -> Owned:
-    """Heavy units cut from their end under a per-rank budget; light ones filled by density.
-
-    ``filler``: the work per token the light units will add to a rank's free
-    tokens, so a tail leaves room in the budget for what fills its rank. A rank
-    that already holds a later piece of the unit needs its earlier keys anyway:
-    another piece there saves q per token instead of costing q per key.
-    """
-    L = units.tokens // cp
-    share = units.total / cp
-    ranks = _Ranks(cp, L)
-    load, room = ranks.load, ranks.room
-    light = []
-    for i in units.by_work:
-        a, b = units.start[i], units.end[i]
-        if units.light(i, share, L):
-            light.append(i)
-            continue
-        # Owning a head position p (relative) costs its work, receiving it costs q: heads pay below q.
-        head_limit = a + int(q / max(units.alpha[i], 1.0))
-        holds = [False] * cp  # holds a later piece of this unit (and so needs everything before it)
-        h, e = a, b
-        while h < e:
-            r = max((r for r in range(cp) if room[r] > 0), key=lambda r: budget - load[r] - filler * room[r])
-            spare = budget - load[r] - filler * room[r]
-            if holds[r]:
-                # [x, e) saves its keys: span(x, e) - (q + filler) * (e - x) <= spare
-                x_low = max(h, e - room[r])
-                x = _tail_start(units, i, x_low, e, spare + (q + filler) * e, q + filler)
-                if x is None:  # over budget anyway: all its room (each token saves a key)
-                    x = x_low
-                ranks.give(r, x, e, units.span(i, x, e) - q * (e - x))
-                e = x
-                continue
-            whole = units.span(i, h, e) + q * (h - a)
-            if e - h <= room[r] and whole - filler * (e - h) <= spare:
-                ranks.give(r, h, e, whole)
-                break
-            k = max(0, min(head_limit - h, room[r] // 2, e - h - 1))
-            head = units.span(i, h, h + k)
-            x_low = max(h + k, e - (room[r] - k))
-            # tail [x, e): span + q * (x - a - k) - filler * (k + e - x) <= spare - head
-            limit = spare - head + q * (a + k) + filler * (k + e)
-            x = _tail_start(units, i, x_low, e, limit, q + filler)
-            if x is None:  # nothing fits the budget: a thin slice, the least bad choice
-                x = max(x_low, e - max(1, (room[r] - k) // 4))
-            if k:
-                ranks.give(r, h, h + k, head)
-            ranks.give(r, x, e, units.span(i, x, e) + q * (x - a - k))
-            holds[r] = True
-            h, e = h + k, x
-    # Light units, densest first, to the rank with the most spare budget per free token.
-    light.sort(key=lambda i: units.start[i] - units.end[i])
-    _fill(ranks, units, light, key=lambda r: -(budget - load[r]) / room[r], cut_in_key_order=False)
-    return ranks.owned
-
-
-def _tail_start(units: _Units, i: int, x_low: int, e: int, limit: float, slope: float) -> Optional[int]:
-    """Smallest x in [x_low, e) with span(i, x, e) + slope * x <= limit, or None.
-
-    Concave in x (work falls as x grows, the linear term rises): once under the
-    limit past its peak it stays there, so a bisection finds the edge.
-    """
-    def cost(x: int) -> float:
-        return units.span(i, x, e) + slope * x
-
-    if x_low >= e:
-        return None
-    if cost(x_low) <= limit:
-        return x_low
-    if cost(e - 1) > limit:
-        return None
-    lo, hi = x_low, e - 1  # cost(lo) > limit >= cost(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if cost(mid) <= limit:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-__all__ = ["balanced_runs", "BALANCE_GOAL", "SPLIT_THRESHOLDS", "CARVE_BUDGETS"]
+__all__ = ["balanced_runs", "BALANCE_GOAL", "SPLIT_THRESHOLDS"]
 
