@@ -70,6 +70,8 @@ TIE = 0.005
 # Work balance within BALANCE_GOAL is worth this much modeled time: attention imbalance also idles the
 # token-balanced rest of the layer on the other ranks, which the attention-only model does not see.
 BALANCE_PRICE = 0.2
+# "need" splits are tried at the thresholds whose zigzag splits cost least, this many.
+NEED_NEAR = 2
 # Two levels: the split thresholds of the node-level and per-node searches (fewer: there are 1 + nodes).
 NODE_THRESHOLDS = SPLIT_THRESHOLDS
 # Two levels: the node layouts (best first) that get an intra-node search and a full pricing.
@@ -274,19 +276,35 @@ def _search(table: _UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
     if heavy:
         seen = set()  # step-1 splits already packed
         for theta in thresholds:
-            for style in SPLIT_STYLES:
-                packed = _split_and_pack(units, cp, theta, style, seen)
+            packed = _split_and_pack(units, cp, theta, "zigzag", seen)
+            if packed is not None:
+                candidates += [(f"zigzag@{theta}", packed[0]), (f"zigzag@{theta}/strict", packed[1])]
+        if "need" in SPLIT_STYLES:
+            # "need" only at the NEED_NEAR thresholds whose zigzag candidates cost least (a second pass).
+            first = _score(units, cp, q, candidates)[0]
+            by_theta = {}
+            for (label, _), cost in zip(candidates, first.tolist()):
+                if label.startswith("zigzag@"):
+                    theta = float(label.split("@")[1].split("/")[0])
+                    by_theta[theta] = min(by_theta.get(theta, math.inf), cost)
+            for theta in sorted(by_theta, key=by_theta.get)[:NEED_NEAR]:
+                packed = _split_and_pack(units, cp, theta, "need", seen)
                 if packed is not None:
-                    candidates += [(f"{style}@{theta}", packed[0]), (f"{style}@{theta}/strict", packed[1])]
+                    candidates += [(f"need@{theta}", packed[0]), (f"need@{theta}/strict", packed[1])]
     else:  # nothing worth splitting: one packing
         stream, strict = _split_and_pack(units, cp, math.inf, "zigzag")
         candidates += [("pack", stream), ("pack/strict", strict)]
 
-    n_cand, group, a, b = _flatten([owned for _, owned in candidates], cp)
-    work, inn, out = _candidate_traffic(units, cp, n_cand, group, a, b)  # [n_candidates, cp]
-    modeled = (work.double() + q * torch.maximum(inn, out).double()).max(1).values
-    imbalance = work.double().max(1).values / max(target, 1e-9)
+    modeled, imbalance, (n_cand, group, a, b) = _score(units, cp, q, candidates)
     return _Found([label for label, _ in candidates], n_cand, group, a, b, cp, modeled, imbalance, n_peers)
+
+
+def _score(units: "_Units", cp: int, q: float, candidates: Sequence[Tuple[str, Owned]]):
+    """(modeled, imbalance, flattened candidates): work + q * max(in, out) of the busiest rank, work max/mean."""
+    flat = _flatten([owned for _, owned in candidates], cp)
+    work, inn, out = _candidate_traffic(units, cp, *flat)  # [n_candidates, cp]
+    modeled = (work.double() + q * torch.maximum(inn, out).double()).max(1).values
+    return modeled, work.double().max(1).values / max(units.total / cp, 1e-9), flat
 
 
 def _cut(spans: Spans, *parts: Sequence[Tuple[int, int]]) -> Owned:
