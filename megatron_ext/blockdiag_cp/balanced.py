@@ -72,7 +72,9 @@ TIE = 0.005
 BALANCE_PRICE = 0.2
 # "need" splits are tried at the thresholds whose zigzag splits cost least, this many.
 NEED_NEAR = 2
-# Two levels: the split thresholds of the node-level and per-node searches (fewer: there are 1 + nodes).
+# Two levels: the split thresholds of the node-level search (over every unit of the sequence) and of
+# the per-node searches.
+NODE_LEVEL_THRESHOLDS = SPLIT_THRESHOLDS
 NODE_THRESHOLDS = SPLIT_THRESHOLDS
 # Two levels: the node layouts (best first) that get an intra-node search and a full pricing.
 NODE_FINALISTS = 1
@@ -172,13 +174,12 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
         g = cost_model.ranks_per_node
         # Bundles no coarser than the ranks' (a node-level bundle lands whole in one node's sub-search).
         nodes = _search(table, whole, cp // g, cost_model.positions_per_pair_inter,
-                        bundle=max(1, int(P // cp * BUNDLE_FRACTION)), thresholds=NODE_THRESHOLDS)
+                        bundle=max(1, int(P // cp * BUNDLE_FRACTION)), thresholds=NODE_LEVEL_THRESHOLDS)
         finalists = []
         for c in nodes.order()[:NODE_FINALISTS]:
             owned, labels = [], []
-            for spans in nodes.owned(c):
-                inner = _search(table, _merged(spans), g, cost_model.positions_per_pair,
-                                thresholds=NODE_THRESHOLDS)
+            for inner in _search_many(table, [_merged(spans) for spans in nodes.owned(c)], g,
+                                      cost_model.positions_per_pair, thresholds=NODE_THRESHOLDS):
                 best = inner.cheapest()
                 owned += inner.owned(best)
                 labels.append(inner.labels[best])
@@ -263,48 +264,87 @@ def _search(table: _UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
 
     ``bundle``: the most tokens a bundle of tiny documents holds (default: BUNDLE_FRACTION of a rank's share).
     """
-    units = _Units(table, spans, cp, bundle)
-    L = units.tokens // cp
-    candidates: List[Tuple[str, Owned]] = [("contiguous", _cut(spans, [(r * L, (r + 1) * L) for r in range(cp)]))]
-    if L % 2 == 0:
-        half = L // 2
-        candidates.append(("zigzag", _cut(spans, [(r * half, (r + 1) * half) for r in range(cp)],
-                                          [((2 * cp - 1 - r) * half, (2 * cp - r) * half) for r in range(cp)])))
-    n_peers = len(candidates)  # contiguous (and zigzag): the result is never worse than these
-    target = units.total / cp
-    heavy = [i for i in units.by_work if not units.light(i, min(thresholds) * target, L)]
-    if heavy:
-        seen = set()  # step-1 splits already packed
-        for theta in thresholds:
-            packed = _split_and_pack(units, cp, theta, "zigzag", seen)
-            if packed is not None:
-                candidates += [(f"zigzag@{theta}", packed[0]), (f"zigzag@{theta}/strict", packed[1])]
-        if "need" in SPLIT_STYLES:
-            # "need" only at the NEED_NEAR thresholds whose zigzag candidates cost least (a second pass).
-            first = _score(units, cp, q, candidates)[0]
-            by_theta = {}
-            for (label, _), cost in zip(candidates, first.tolist()):
-                if label.startswith("zigzag@"):
-                    theta = float(label.split("@")[1].split("/")[0])
-                    by_theta[theta] = min(by_theta.get(theta, math.inf), cost)
-            for theta in sorted(by_theta, key=by_theta.get)[:NEED_NEAR]:
-                packed = _split_and_pack(units, cp, theta, "need", seen)
+    return _search_many(table, [spans], cp, q, bundle, thresholds)[0]
+
+
+def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bundle: int = 0,
+                 thresholds: Sequence[float] = SPLIT_THRESHOLDS) -> List[_Found]:
+    """``_search`` for several independent span sets (a group's nodes), each over its own ``cp`` ranks;
+    all candidates are scored together (one batched count per stage instead of one per span set)."""
+    units = [_Units(table, spans, cp, bundle) for spans in many]
+    cands, n_peers, seen, split = [], [], [], []
+    for spans, u in zip(many, units):
+        L = u.tokens // cp
+        c: List[Tuple[str, Owned]] = [("contiguous", _cut(spans, [(r * L, (r + 1) * L) for r in range(cp)]))]
+        if L % 2 == 0:
+            half = L // 2
+            c.append(("zigzag", _cut(spans, [(r * half, (r + 1) * half) for r in range(cp)],
+                                     [((2 * cp - 1 - r) * half, (2 * cp - r) * half) for r in range(cp)])))
+        n_peers.append(len(c))  # contiguous (and zigzag): the result is never worse than these
+        target = u.total / cp
+        heavy = any(not u.light(i, min(thresholds) * target, L) for i in u.by_work)
+        seen.append(set())  # step-1 splits already packed
+        split.append(heavy)
+        if heavy:
+            for theta in thresholds:
+                packed = _split_and_pack(u, cp, theta, "zigzag", seen[-1])
                 if packed is not None:
-                    candidates += [(f"need@{theta}", packed[0]), (f"need@{theta}/strict", packed[1])]
-    else:  # nothing worth splitting: one packing
-        stream, strict = _split_and_pack(units, cp, math.inf, "zigzag")
-        candidates += [("pack", stream), ("pack/strict", strict)]
+                    c += [(f"zigzag@{theta}", packed[0]), (f"zigzag@{theta}/strict", packed[1])]
+        else:  # nothing worth splitting: one packing
+            stream, strict = _split_and_pack(u, cp, math.inf, "zigzag")
+            c += [("pack", stream), ("pack/strict", strict)]
+        cands.append(c)
+    costs = _score_many(units[0], cp, q, cands)
+    if "need" in SPLIT_STYLES and any(split):
+        # "need" splits only at the NEED_NEAR thresholds whose zigzag candidates cost least (second pass).
+        more = []
+        for u, c, cost, heavy, done in zip(units, cands, costs, split, seen):
+            by_theta = {}
+            for (label, _), value in zip(c, cost[0].tolist()):
+                if heavy and label.startswith("zigzag@"):
+                    theta = float(label.split("@")[1].split("/")[0])
+                    by_theta[theta] = min(by_theta.get(theta, math.inf), value)
+            m = []
+            for theta in sorted(by_theta, key=by_theta.get)[:NEED_NEAR]:
+                packed = _split_and_pack(u, cp, theta, "need", done)
+                if packed is not None:
+                    m += [(f"need@{theta}", packed[0]), (f"need@{theta}/strict", packed[1])]
+            more.append(m)
+        extra = _score_many(units[0], cp, q, more)
+        for k, m in enumerate(more):
+            if m:
+                cands[k] = cands[k] + m
+                costs[k] = _concat(costs[k], extra[k], cp)
+    return [_Found([label for label, _ in c], *cost[2], cp, cost[0], cost[1], n)
+            for c, cost, n in zip(cands, costs, n_peers)]
 
-    modeled, imbalance, (n_cand, group, a, b) = _score(units, cp, q, candidates)
-    return _Found([label for label, _ in candidates], n_cand, group, a, b, cp, modeled, imbalance, n_peers)
+
+def _concat(x, y, cp: int):
+    """Two (modeled, imbalance, flattened) scorings of one search's candidates, as one."""
+    n1 = x[2][0]
+    flat = (n1 + y[2][0], torch.cat([x[2][1], y[2][1] + n1 * cp]), torch.cat([x[2][2], y[2][2]]),
+            torch.cat([x[2][3], y[2][3]]))
+    return torch.cat([x[0], y[0]]), torch.cat([x[1], y[1]]), flat
 
 
-def _score(units: "_Units", cp: int, q: float, candidates: Sequence[Tuple[str, Owned]]):
-    """(modeled, imbalance, flattened candidates): work + q * max(in, out) of the busiest rank, work max/mean."""
-    flat = _flatten([owned for _, owned in candidates], cp)
-    work, inn, out = _candidate_traffic(units, cp, *flat)  # [n_candidates, cp]
+def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tuple[str, Owned]]]):
+    """``_score`` of several searches' candidates in one batch; per search (modeled, imbalance, flat).
+
+    A search's imbalance is its work max over its own mean (its spans' share)."""
+    sizes = [len(c) for c in cands]
+    if sum(sizes) == 0:
+        return [None] * len(cands)
+    flat = _flatten([owned for c in cands for _, owned in c], cp)
+    work, inn, out = _candidate_traffic(units, cp, *flat)  # [all candidates, cp]
     modeled = (work.double() + q * torch.maximum(inn, out).double()).max(1).values
-    return modeled, work.double().max(1).values / max(units.total / cp, 1e-9), flat
+    worst, mean = work.double().max(1).values, work.double().mean(1).clamp(min=1e-9)
+    out_list, first = [], 0
+    for n in sizes:
+        lo, hi = torch.searchsorted(flat[1], torch.tensor([first * cp, (first + n) * cp])).tolist()
+        local = (n, flat[1][lo:hi] - first * cp, flat[2][lo:hi], flat[3][lo:hi])
+        out_list.append((modeled[first:first + n], worst[first:first + n] / mean[first:first + n], local))
+        first += n
+    return out_list
 
 
 def _cut(spans: Spans, *parts: Sequence[Tuple[int, int]]) -> Owned:
@@ -335,16 +375,31 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
 
     P = table.P
     n_cand, group, a, b = _flatten([owned for _, owned in candidates], cp)
-    modeled, imbalance = [], []
-    mean = None
-    for c in range(n_cand):
+    modeled, imbalance = [math.inf] * n_cand, [math.inf] * n_cand
+
+    def price(c: int) -> None:
         runs = RankRuns.build(cp, P, *_runs_of(c, cp, group, a, b))
         work, dst, ia, ib = work_and_intervals(runs, table.rows)
         traffic = layout_traffic(runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib),
                                  counts=overlap_counts(runs, dst, ia, ib))
-        modeled.append(cost_model.modeled_seconds(work, traffic))
-        mean = float(work.double().mean()) if mean is None else mean
-        imbalance.append(float(work.max()) / max(mean, 1e-9))
+        modeled[c] = cost_model.modeled_seconds(work, traffic)
+        imbalance[c] = float(work.max()) / max(float(work.double().mean()), 1e-9)
+
+    if prefer_balance or len(table.rows) > 1:
+        for c in range(n_cand):
+            price(c)
+    else:
+        # The finalists first; a peer is priced only if a lower bound of its time (its work plus every
+        # key it needs at the intra-node price: each arrives over NVLink or the dearer IB) comes near.
+        for c in range(n_peers, n_cand):
+            price(c)
+        best = min(modeled[n_peers:])
+        peer_flat = _flatten([owned for _, owned in candidates[:n_peers]], cp)
+        work, need, _ = _candidate_traffic(table, cp, *peer_flat)
+        bound = (work.double() * cost_model.seconds_per_pair + need.double() * cost_model.seconds_per_position)
+        for c in range(n_peers):
+            if float(bound[c].max()) <= best * (1 + TIE):
+                price(c)
     modeled_t, imbalance_t = torch.tensor(modeled, dtype=torch.float64), torch.tensor(imbalance, dtype=torch.float64)
     if prefer_balance:
         best = _choice(modeled_t, imbalance_t, n_peers)
@@ -368,9 +423,10 @@ def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return group[lo:hi] - c * cp, a[lo:hi], b[lo:hi] - a[lo:hi]
 
 
-def _candidate_traffic(units: "_Units", cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
+def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
                        b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(work, received, sent) [n_candidates, cp] of every candidate at once.
+    """(work, received, sent) [n_candidates, cp] of every candidate at once (``units``: a ``_Units``
+    or the ``_UnitTable``: only its rows of document runs and P are read).
 
     ``group`` = candidate * cp + rank of every range [a, b). A rank's pieces of one
     document need [document start, end of its last piece) minus what it owns
@@ -444,15 +500,19 @@ class _Ranks:
     def cut_in(self, spans: Sequence[Tuple[int, int]], order: Optional[Sequence[int]] = None) -> None:
         """Fill the ranks' free tokens (ranks in ``order``) with these ranges, cutting where one is full."""
         order = list(range(len(self.room))) if order is None else list(order)
+        room, owned = self.room, self.owned
         k = 0
+        r = order[0] if order else 0
         for a, b in spans:
             while a < b:
-                while self.room[order[k]] == 0:
+                while room[r] == 0:
                     k += 1
-                take = min(self.room[order[k]], b - a)
-                self.give(order[k], a, a + take, 0.0)
+                    r = order[k]
+                take = min(room[r], b - a)
+                owned[r].append((a, a + take))
+                room[r] -= take
                 a += take
-        assert all(x == 0 for x in self.room), self.room
+        assert all(x == 0 for x in room), room
 
 
 def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
@@ -516,40 +576,53 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
     work = list(load)
     heap = [(max(work[r] / target, tokens[r] / L), r) for r in range(cp)]
     heapq.heapify(heap)
+    starts, ends, works, replace = units.start, units.end, units.work, heapq.heapreplace
     for i in whole:
-        _, r = heapq.heappop(heap)
+        r = heap[0][1]
         bins[r].append(i)
-        tokens[r] += units.end[i] - units.start[i]
-        work[r] += units.work[i]
-        heapq.heappush(heap, (max(work[r] / target, tokens[r] / L), r))
-    ranks.cut_in((units.start[i], units.end[i]) for b in bins
-                 for i in sorted(b, key=lambda i: units.start[i] - units.end[i]))
+        tokens[r] += ends[i] - starts[i]
+        work[r] += works[i]
+        replace(heap, (max(work[r] / target, tokens[r] / L), r))
+    ranks.cut_in((starts[i], ends[i]) for b in bins for i in sorted(b, key=lambda i: starts[i] - ends[i]))
     return ranks.owned, strict.owned
 
 
 def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key, cut_in_key_order: bool = True) -> None:
     """Whole units in ``order`` to the rank with the smallest ``key`` that has room; the rest cut in
     (into the ranks by ``key``, or in rank order)."""
-    room = ranks.room
+    room, owned, load = ranks.room, ranks.owned, ranks.load
     heap = [(key(r), r) for r in range(len(room)) if room[r] > 0]
     heapq.heapify(heap)
     rest = []
+    starts, ends, works = units.start, units.end, units.work
+    pop, push = heapq.heappop, heapq.heappush
     for i in order:
-        n = units.end[i] - units.start[i]
+        a, b = starts[i], ends[i]
+        n = b - a
+        if heap and room[heap[0][1]] >= n:  # the usual case: the first rank in the heap has room
+            r = heap[0][1]
+            owned[r].append((a, b))
+            room[r] -= n
+            load[r] += works[i]
+            if room[r] > 0:
+                heapq.heapreplace(heap, (key(r), r))
+            else:
+                pop(heap)
+            continue
         stash, placed = [], False
         while heap and len(stash) < 4:
-            _, r = heapq.heappop(heap)
+            _, r = pop(heap)
             if room[r] >= n:
-                ranks.give(r, units.start[i], units.end[i], units.work[i])
+                ranks.give(r, a, b, works[i])
                 if room[r] > 0:
-                    heapq.heappush(heap, (key(r), r))
+                    push(heap, (key(r), r))
                 placed = True
                 break
             stash.append(r)
         for r in stash:
-            heapq.heappush(heap, (key(r), r))
+            push(heap, (key(r), r))
         if not placed:
-            rest.append((units.start[i], units.end[i]))
+            rest.append((a, b))
     if cut_in_key_order:
         ranks.cut_in(rest, order=sorted(range(len(room)), key=key))
     else:
