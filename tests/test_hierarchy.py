@@ -56,10 +56,10 @@ def _simulate(routes, local):
     return outs
 
 
-@pytest.mark.parametrize("cp,per_node", [(4, 2), (8, 2), (8, 4), (6, 3), (4, 1), (4, 4)])
+@pytest.mark.parametrize("cp,per_node", [(4, 2), (8, 2), (8, 4), (6, 3), (4, 1)])
 def test_routes_deliver_the_needed_buffer_and_cross_each_node_once(cp, per_node):
     for seed, (kind, S, rows) in enumerate([("short", 97, 1), ("mixed", 230, 1), ("long", 180, 1),
-                                            ("single", 64, 1), ("mixed", 120, 2)]):
+                                            ("single", 64, 1), ("mixed", 120, 2)][:5 if cp <= 4 else 3]):
         for name in ("contiguous", "zigzag", "balanced"):
             ids, lay = _layout(kind, S, cp, per_node, name, seed, rows)
             routes = [build_hierarchical_route(lay, ids, r, per_node) for r in range(cp)]
