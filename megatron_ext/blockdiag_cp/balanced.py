@@ -7,8 +7,9 @@ position; a rank whose rows many ranks need pays for sending them). Candidates:
 
 - ``contiguous`` and ``zigzag`` themselves, so the result is never worse than either;
 - split-and-pack: documents heavier than ``theta`` of a rank's work share are
-  split over a few ranks (``zigzag`` pairs, which equalise their work;
-  ``need``, zigzag pairs over the least loaded ranks), the rest packed whole by
+  split over a few ranks (``zigzag`` pairs, which equalise their work, at every
+  SPLIT_THRESHOLDS; ``need``, zigzag pairs over the least loaded ranks, at
+  NEED_THRESHOLDS), the rest packed whole by
   work and tokens, the ranks' documents laid end to end and cut at multiples of
   the local length; a piece of a document that later pieces on other ranks read
   (a node's head of a document split across nodes) is never kept whole, so no
@@ -61,17 +62,14 @@ Spans = List[Tuple[int, int]]  # the global ranges a search lays out (all of [0,
 BALANCE_GOAL = 1.05
 # Split thresholds (fraction of a rank's work share a document may carry whole).
 SPLIT_THRESHOLDS = (math.inf, 1.0, 0.75, 0.5, 0.35, 0.25)
-# Split styles tried at each threshold (contiguous chunks of equal cost lost to these on every mix once
-# sends are priced: the holder of a document's first chunk sends it to every later one).
-SPLIT_STYLES = ("zigzag", "need")
 # Candidates whose modeled time is within this fraction of the best count as ties, broken by work
 # balance (the rest of the layer is token-balanced; imbalance is a preference, not a cost here).
 TIE = 0.005
 # Work balance within BALANCE_GOAL is worth this much modeled time: attention imbalance also idles the
 # token-balanced rest of the layer on the other ranks, which the attention-only model does not see.
 BALANCE_PRICE = 0.2
-# "need" splits are tried at the thresholds whose zigzag splits cost least, this many.
-NEED_NEAR = 2
+# "need" splits at these thresholds only (the others never won on the scale and worst-case mixes).
+NEED_THRESHOLDS = (0.5,)
 # Two levels: the split thresholds of the node-level search (over every unit of the sequence) and of
 # the per-node searches.
 NODE_LEVEL_THRESHOLDS = SPLIT_THRESHOLDS
@@ -270,9 +268,9 @@ def _search(table: _UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
 def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bundle: int = 0,
                  thresholds: Sequence[float] = SPLIT_THRESHOLDS) -> List[_Found]:
     """``_search`` for several independent span sets (a group's nodes), each over its own ``cp`` ranks;
-    all candidates are scored together (one batched count per stage instead of one per span set)."""
+    all candidates are scored together (one batched count instead of one per span set)."""
     units = [_Units(table, spans, cp, bundle) for spans in many]
-    cands, n_peers, seen, split = [], [], [], []
+    cands, n_peers = [], []
     for spans, u in zip(many, units):
         L = u.tokens // cp
         c: List[Tuple[str, Owned]] = [("contiguous", _cut(spans, [(r * L, (r + 1) * L) for r in range(cp)]))]
@@ -282,49 +280,23 @@ def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bu
                                      [((2 * cp - 1 - r) * half, (2 * cp - r) * half) for r in range(cp)])))
         n_peers.append(len(c))  # contiguous (and zigzag): the result is never worse than these
         target = u.total / cp
-        heavy = any(not u.light(i, min(thresholds) * target, L) for i in u.by_work)
-        seen.append(set())  # step-1 splits already packed
-        split.append(heavy)
-        if heavy:
+        if any(not u.light(i, min(thresholds) * target, L) for i in u.by_work):
+            seen = set()  # step-1 splits already packed
             for theta in thresholds:
-                packed = _split_and_pack(u, cp, theta, "zigzag", seen[-1])
+                packed = _split_and_pack(u, cp, theta, "zigzag", seen)
                 if packed is not None:
                     c += [(f"zigzag@{theta}", packed[0]), (f"zigzag@{theta}/strict", packed[1])]
+            for theta in NEED_THRESHOLDS:
+                packed = _split_and_pack(u, cp, theta, "need", seen)
+                if packed is not None:
+                    c += [(f"need@{theta}", packed[0]), (f"need@{theta}/strict", packed[1])]
         else:  # nothing worth splitting: one packing
             stream, strict = _split_and_pack(u, cp, math.inf, "zigzag")
             c += [("pack", stream), ("pack/strict", strict)]
         cands.append(c)
     costs = _score_many(units[0], cp, q, cands)
-    if "need" in SPLIT_STYLES and any(split):
-        # "need" splits only at the NEED_NEAR thresholds whose zigzag candidates cost least (second pass).
-        more = []
-        for u, c, cost, heavy, done in zip(units, cands, costs, split, seen):
-            by_theta = {}
-            for (label, _), value in zip(c, cost[0].tolist()):
-                if heavy and label.startswith("zigzag@"):
-                    theta = float(label.split("@")[1].split("/")[0])
-                    by_theta[theta] = min(by_theta.get(theta, math.inf), value)
-            m = []
-            for theta in sorted(by_theta, key=by_theta.get)[:NEED_NEAR]:
-                packed = _split_and_pack(u, cp, theta, "need", done)
-                if packed is not None:
-                    m += [(f"need@{theta}", packed[0]), (f"need@{theta}/strict", packed[1])]
-            more.append(m)
-        extra = _score_many(units[0], cp, q, more)
-        for k, m in enumerate(more):
-            if m:
-                cands[k] = cands[k] + m
-                costs[k] = _concat(costs[k], extra[k], cp)
     return [_Found([label for label, _ in c], *cost[2], cp, cost[0], cost[1], n)
             for c, cost, n in zip(cands, costs, n_peers)]
-
-
-def _concat(x, y, cp: int):
-    """Two (modeled, imbalance, flattened) scorings of one search's candidates, as one."""
-    n1 = x[2][0]
-    flat = (n1 + y[2][0], torch.cat([x[2][1], y[2][1] + n1 * cp]), torch.cat([x[2][2], y[2][2]]),
-            torch.cat([x[2][3], y[2][3]]))
-    return torch.cat([x[0], y[0]]), torch.cat([x[1], y[1]]), flat
 
 
 def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tuple[str, Owned]]]):
