@@ -308,13 +308,13 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
     out.append("")
     out.append("`end keys / share`: the K/V positions the holder of the longest document's last token must "
                "receive (all its earlier ones), times the cost model's pairs per position, over a rank's work "
-               "share. The misses on IB are the points where that document is heavier than a rank's share (so "
-               "it must be split) and this ratio is 0.65-1.04: every rank holding a late piece of it pays "
-               "nearly that traffic before its own work, so the late pieces are thin and spread over many "
-               "ranks that each pay it. The bound sees only the last holder and the ideal work, which is why "
-               "modeled/bound stays at 1.5-1.7 there; the search found nothing under 1.6x. At 32k / cp 8 "
-               "(NVLink) there are 10-25 documents: the split document's pieces and the whole ones do not "
-               "pack finer than 1.20-1.25. `candidate`: the balanced search's choice (balanced.py).\n")
+               "share. Since issue 19 every link is priced by the larger of what a rank receives and sends (an "
+               "owner whose rows many ranks need pays for sending them), so these rows are not comparable with "
+               "the `round 1` column (receives only): one IB link for 16-64 ranks misses 1.6x where a document "
+               "heavier than a rank's share must be split (ratio 0.65-1.04), and the two-level tables above "
+               "show what the same points cost on 8-GPU nodes. At 32k / cp 8 (NVLink) there are 10-25 "
+               "documents: the split document's pieces and the whole ones do not pack finer than 1.20-1.25. "
+               "`candidate`: the balanced search's choice (balanced.py).\n")
     before_path = os.path.join(bench_dir, "scale_before.json")
     if os.path.exists(before_path):
         before = {(r["S"], r["cp"], r["layout"]): r for r in json.load(open(before_path))}
@@ -399,29 +399,30 @@ def worst_case_section(rows: List[Dict], out: List[str], bench_dir: str) -> None
         return
     n_mixes = len({r["mix"] for r in wc})
     before = _before(bench_dir)
-    before_ms = {}
+    side = {}  # (S, cp, layout) -> (worst before, worst after) of the side-by-side run
     for r in before.get("plan_ms", []):
         key = (r["S"], r["cp"], r["layout"])
-        if r["ms"] > before_ms.get(key, (0, ""))[0]:
-            before_ms[key] = (r["ms"], r["mix"])
+        b, a = side.get(key, (0.0, 0.0))
+        side[key] = (max(b, r["before_ms"]), max(a, r["after_ms"]))
     out.append(f"### Worst case over {n_mixes} random mixes (issue 19)\n")
     out.append("Mixes: `megatron_ext.testing.mixes.worst_case_mix_params` (lognormal sigma 0.5-1.5 around 256-8k "
                "tokens, uniform, heavy-tailed with one document of S/8-S/2, one document). Plan: one rank's "
                "layout + plan (`prepare_plan`, last rank), CPU ms of the planning thread, median of 3 after one "
-               "warm-up, worst over the mixes (and which); `before`: the engine before issue 19 "
-               f"({before.get('measured', 'not measured')}).\n")
-    out.append("| S | cp | topology | layout | worst plan ms | mix | before | target |")
-    out.append("|---:|---:|---|---|---:|---|---:|---|")
+               "warm-up, worst over the mixes (and which). `side by side`: the engine before issue 19 and "
+               "this one measured alternately in one run (bench/scale19_before.json, "
+               f"{before.get('measured', 'not measured')}; the machine is shared: compare within a run).\n")
+    out.append("| S | cp | topology | layout | worst plan ms | mix | side by side: before | after | target |")
+    out.append("|---:|---:|---|---|---:|---|---:|---:|---|")
     for S, cp, link, limit in scale.SPEED_POINTS:
         for layout in scale.LAYOUTS + ("te_thd",):
             got = [r for r in wc if r["kind"] == "speed" and (r["S"], r["cp"], r["layout"]) == (S, cp, layout)]
             if not got:
                 continue
             w = max(got, key=lambda r: r["plan_seconds"])
-            b = before_ms.get((S, cp, layout))
+            b, a = side.get((S, cp, layout), (None, None))
             out.append(f"| {S} | {cp} | {link} | {layout} | {1e3 * w['plan_seconds']:.1f} | {w['mix']} | "
-                       f"{'-' if b is None else f'{b[0]:.1f}'} | {_mark(1e3 * w['plan_seconds'] <= limit)} "
-                       f"(<= {limit:.0f}) |")
+                       f"{'-' if b is None else f'{b:.1f}'} | {'-' if a is None else f'{a:.1f}'} | "
+                       f"{_mark(1e3 * w['plan_seconds'] <= limit)} (<= {limit:.0f}) |")
     out.append("")
     out.append("Modeled / ideal over the same mixes (no overlap; overlap with refetch), worst and median over "
                "the mixes, per layout; `fits` = worst over the mixes whose every document fits a node:\n")
