@@ -90,9 +90,11 @@ def add_blockdiag_cp_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     g.add_argument("--cp-attn-backend-strict", action="store_true",
                    help="a backend/exchange fallback is an error instead of a logged downgrade")
     g.add_argument("--cp-cost-model", default="auto", choices=["auto", "nvlink", "ib"],
-                   help="the link the balanced layout's cost model assumes, with this model's heads "
-                        "and head dim: auto = NVLink when the CP group sits on one node, InfiniBand "
-                        "when it spans nodes")
+                   help="the topology the balanced layout's cost model assumes, with this model's heads "
+                        "and head dim: auto = NVLink when the CP group sits on one node, two levels "
+                        "(NVLink inside a node, InfiniBand between nodes, CP ranks per node from "
+                        "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE) when it spans nodes; nvlink / ib = "
+                        "that one link for the whole group")
     return parser
 
 

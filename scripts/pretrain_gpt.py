@@ -96,19 +96,25 @@ def train_dataset_provider(num_samples):
 
 @functools.lru_cache(maxsize=1)
 def cp_cost_model():
-    """The balanced layout's cost model: this model's attention dims over --cp-cost-model's link."""
+    """The balanced layout's cost model: this model's attention dims over --cp-cost-model's topology.
+
+    auto: NVLink when the CP group sits on one node; two levels (NVLink inside a node, InfiniBand
+    between nodes, the group's CP ranks per node from the launch) when it spans nodes.
+    """
     from megatron_ext import parallel_state as ps
     from megatron_ext.blockdiag_cp import CostModel
 
     args = get_args()
+    tp = args.tensor_model_parallel_size
+    dims = dict(heads=args.num_attention_heads // tp, kv_heads=args.num_query_groups // tp,
+                head_dim=args.hidden_size // args.num_attention_heads, dtype_bytes=2 if args.bf16 else 4)
     link = args.cp_cost_model
     if link == "auto":
+        per_node = ps.cp_ranks_per_node() if ps.get_cp_world_size() > 1 and ps.cp_spans_nodes() else 0
+        if per_node:
+            return CostModel.two_level(per_node, **dims)
         link = "ib" if ps.get_cp_world_size() > 1 and ps.cp_spans_nodes() else "nvlink"
-    tp = args.tensor_model_parallel_size
-    return CostModel.preset(link, heads=args.num_attention_heads // tp,
-                            kv_heads=args.num_query_groups // tp,
-                            head_dim=args.hidden_size // args.num_attention_heads,
-                            dtype_bytes=2 if args.bf16 else 4)
+    return CostModel.preset(link, **dims)
 
 
 def plan_ahead_provider(batch):

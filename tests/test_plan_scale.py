@@ -7,6 +7,7 @@ import torch
 import megatron_ext.blockdiag_cp as bdcp
 from megatron_ext.testing import WorkerPool
 from megatron_ext.blockdiag_cp.cost import CostModel
+from megatron_ext.blockdiag_cp.intervals import document_runs
 from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan
 from plan_reference import reference_build_plan
@@ -69,12 +70,14 @@ def test_lazy_rounds_build_only_what_is_asked():
 
 
 def _brute_force(ids_row, positions):
-    """Per rank: causal pairs and remote keys needed, position by position from the doc ids."""
+    """Per rank: causal pairs, remote keys needed and own keys other ranks need (sent), position by
+    position from the doc ids."""
     P = len(ids_row)
     start = [0] * P
     for p in range(1, P):
         start[p] = start[p - 1] if ids_row[p] == ids_row[p - 1] else p
-    work, need = [], []
+    owner = {p: r for r, row in enumerate(positions.tolist()) for p in row}
+    work, need, sent = [], [], [0] * len(positions)
     for row in positions.tolist():
         mine, needed, w = set(row), set(), 0
         for p in row:
@@ -83,7 +86,9 @@ def _brute_force(ids_row, positions):
                 needed.update(range(start[p], p + 1))
         work.append(w)
         need.append(len(needed - mine))
-    return work, need
+        for p in needed - mine:
+            sent[owner[p]] += 1
+    return work, need, sent
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced", "thd"])
@@ -100,12 +105,15 @@ def test_plan_summary_counts_equal_a_brute_force_count_from_its_positions(layout
     P = summary["padded_len"]
     assert positions.shape == (cp, P // cp) and sorted(positions.flatten().tolist()) == list(range(P))
     padded = torch.nn.functional.pad(ids, (0, P - ids.numel())).tolist()
-    work, need = _brute_force(padded, positions)
+    work, need, sent = _brute_force(padded, positions)
     assert summary["work_per_rank"] == work
     assert summary["needed_positions_per_rank"] == need
+    assert summary["traffic"].intra_in.tolist() == need and summary["traffic"].intra_out.tolist() == sent
     assert summary["allgather_positions_per_rank"] == [(cp - 1) * P // cp] * cp
     cm = CostModel.preset(link)
-    modeled = max(w * cm.seconds_per_pair + n * cm.seconds_per_position for w, n in zip(work, need))
+    # One link, full duplex: a rank's exchange takes the larger of what it receives and what it sends.
+    modeled = max(w * cm.seconds_per_pair + max(n, o) * cm.seconds_per_position
+                  for w, n, o in zip(work, need, sent))
     assert summary["modeled_seconds"] == pytest.approx(modeled, rel=1e-12)
     assert summary["ideal_seconds"] == pytest.approx(sum(work) / cp * cm.seconds_per_pair, rel=1e-12)
     assert summary["ideal_seconds"] <= summary["lower_bound_seconds"] * (1 + 1e-12)
@@ -242,33 +250,29 @@ def _heavy_ids(g, S, heavy):
     return ids
 
 
-@pytest.mark.parametrize("link", ["nvlink", "ib"])
-def test_balanced_candidates_count_like_the_plan(link):
+def test_balanced_candidates_count_like_the_plan():
     """The batched candidate scorer equals a position-by-position count, for every candidate kind."""
     import megatron_ext.blockdiag_cp.balanced as bal
 
     g = torch.Generator().manual_seed(17)
     cp, S = 4, 640
     ids = _heavy_ids(g, S, 300).unsqueeze(0)
-    q = CostModel.preset(link).positions_per_pair
-    units = bal._Units(ids, cp)
-    target = units.total / cp
-    owned = [bal._carve(units, cp, q, m * target, f * bal._light_density(units, cp))
-             for m in (1.05, 1.5) for f in (0.0, 0.5)]
-    owned += [o for style in ("zigzag", "chunks", "need")
-              for o in bal._split_and_pack(units, cp, 0.5, style, q)]
+    units = bal._Units(bal._UnitTable([document_runs(ids[0])], S), [(0, S)], cp)
+    owned = [o for theta in (1.0, 0.5, 0.25) for style in ("zigzag", "need")
+             for o in bal._split_and_pack(units, cp, theta, style)]
     n, group, a, b = bal._flatten(owned, cp)
-    work, need = bal._batched_cost(units, cp, n, group, a, b)
+    work, need, sent = bal._candidate_traffic(units, cp, n, group, a, b)
     for c, o in enumerate(owned):
         positions = torch.stack([torch.cat([torch.arange(x, y) for x, y in sorted(spans)]) for spans in o])
         assert sorted(positions.flatten().tolist()) == list(range(S))  # equal tokens, a partition
-        want_work, want_need = _brute_force(ids[0].tolist(), positions)
+        want_work, want_need, want_sent = _brute_force(ids[0].tolist(), positions)
         assert work[c].tolist() == want_work and need[c].tolist() == want_need, c
+        assert sent[c].tolist() == want_sent, c
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_balanced_over_ib_with_a_heavy_document_plans_like_the_old_planner(seed):
-    """Carved layouts (thin tails, pieces on ranks that already hold later ones) plan exactly right."""
+    """Layouts that split a long document over several ranks plan exactly right."""
     g = torch.Generator().manual_seed(seed)
     cp, S = 4, 512
     ids = _heavy_ids(g, S, 256).unsqueeze(0)

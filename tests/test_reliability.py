@@ -138,11 +138,14 @@ def test_knobs_that_differ_across_ranks_raise_on_every_rank(pool2, knob, values,
 
 
 @pytest.mark.timeout(120)
-def test_balanced_cost_models_that_differ_raise_on_every_rank(pool2):
+@pytest.mark.parametrize("models", ["links", "hierarchy", "nodes"])
+def test_balanced_cost_models_that_differ_raise_on_every_rank(pool2, models):
     from megatron_ext.blockdiag_cp import CostModel
 
-    kwargs = [{"attn_backend": "dense", "layout": "balanced", "cost_model": CostModel.preset(link)}
-              for link in ("nvlink", "ib")]
+    pair = {"links": (CostModel.preset("nvlink"), CostModel.preset("ib")),
+            "hierarchy": (CostModel.two_level(1), CostModel.two_level(1, hierarchical=False)),
+            "nodes": (CostModel.two_level(1), CostModel.two_level(2))}[models]
+    kwargs = [{"attn_backend": "dense", "layout": "balanced", "cost_model": cm} for cm in pair]
     for err in pool2.run(build_per_rank, kwargs):
         assert err is not None and "cost model differs across the CP ranks" in err[1], err
 

@@ -1,39 +1,50 @@
 """The cost-aware balanced layout: equal tokens per rank, the smallest modeled time we can find.
 
 Every candidate is built from document runs alone (no per-position arrays) and
-scored exactly: its runs go through the plan's own counting
-(``intervals.needed_remote``), and the modeled time is the busiest rank's
-causal pairs plus ``CostModel.positions_per_pair`` times the K/V positions it
-receives. Candidates:
+scored on its runs: the busiest rank's causal pairs plus ``q`` times the larger
+of the K/V positions it receives and sends (``q``: the cost model's pairs per
+position; a rank whose rows many ranks need pays for sending them). Candidates:
 
 - ``contiguous`` and ``zigzag`` themselves, so the result is never worse than either;
 - split-and-pack: documents heavier than ``theta`` of a rank's work share are
-  split over a few ranks (``zigzag`` pairs, which equalise their work;
-  ``chunks``, contiguous pieces of equal compute plus received keys; ``need``,
-  zigzag pairs over the least loaded ranks), the rest packed whole by work and
-  tokens, the ranks' documents laid end to end and cut at multiples of the
-  local length;
-- carve: for a per-rank budget B (a multiple of the ideal), each heavy document
-  is cut from its end: the rank with the most spare budget takes the longest
-  tail [x, end) whose compute plus the x earlier keys it must receive fits B
-  (tails are thin near the end of a long document, where every key is far from
-  its start), together with a few head tokens of the document where owning
-  them is cheaper than receiving them; the light documents then go densest
-  first to the rank with the most spare budget per free token, so ranks that
-  carry an expensive tail are filled with short documents (tried only where the
-  longest split document's keys cost a quarter of a rank's share).
+  split over a few ranks (``zigzag`` pairs, which equalise their work, at every
+  SPLIT_THRESHOLDS; ``need``, zigzag pairs over the least loaded ranks, at
+  NEED_THRESHOLDS), the rest packed whole by
+  work and tokens, the ranks' documents laid end to end and cut at multiples of
+  the local length; a piece of a document that later pieces on other ranks read
+  (a node's head of a document split across nodes) is never kept whole, so no
+  single rank sends it to all of them.
 
-Choice: the least modeled time, except that a candidate within BALANCE_GOAL
-(work max/mean) wins if it costs at most BALANCE_PRICE more and is no worse
-than contiguous or zigzag: at a few thousand tokens per rank the model calls
-balancing dearer than the keys it moves, and an unbalanced attention also
-idles the token-balanced rest of the layer, which the model leaves out.
+Cut from earlier versions once sends were priced (they never beat these on the
+scale and worst-case mixes, bench/SUMMARY.md): contiguous chunks of equal cost
+and tails carved from a document's end under a budget (both make one rank the
+sender of a document's head to every later piece).
+
+Two levels (a ``CostModel`` whose CP group spans nodes): the same search runs
+twice. First over nodes, each node a rank of g = ranks_per_node shares, at the
+inter-node price: a document light enough for one node stays inside one node,
+and only what does not fit a node is split across nodes (its keys cross IB once
+per node, ``hierarchy``). Then, for the best node layouts, inside every node over
+its g ranks at the intra-node price (what a rank receives includes the remote
+keys its node forwards to it). The node-level peers contiguous and zigzag nested
+in themselves are the flat contiguous and zigzag layouts. The finalists (and the
+flat contiguous and zigzag) are priced exactly with the full model
+(``hierarchy.layout_traffic``), which picks.
+
+Choice (one level): the least modeled time, except that a candidate within
+BALANCE_GOAL (work max/mean) wins if it costs at most BALANCE_PRICE more and is
+no worse than contiguous or zigzag: at a few thousand tokens per rank the model
+calls balancing dearer than the keys it moves, and an unbalanced attention also
+idles the token-balanced rest of the layer, which the model leaves out. Two
+levels (node and per-node searches, and the final pick): the least modeled
+time, near-ties (TIE) broken by work balance.
 
 Work of a run [x, y) inside a unit (a range on which no row changes document)
 is alpha * sum(p) + beta * (y - x) over p in [x, y): alpha real rows, beta the
 sum over them of 1 - document start. One row: alpha = 1, beta = 1 - start.
 """
 
+import bisect
 import heapq
 import math
 from itertools import chain
@@ -42,66 +53,82 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .cost import CostModel
-from .intervals import RankRuns, clip, document_runs, needed_remote
+from .intervals import DocRuns, RankRuns, _expand, clip, document_runs, overlap_counts, work_and_intervals
 
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
+Spans = List[Tuple[int, int]]  # the global ranges a search lays out (all of [0, P), or one node's)
 
 BALANCE_GOAL = 1.05
 # Split thresholds (fraction of a rank's work share a document may carry whole).
 SPLIT_THRESHOLDS = (math.inf, 1.0, 0.75, 0.5, 0.35, 0.25)
-# Equal-cost chunks over many ranks (small thresholds) cost the most to build and next to never win.
-CHUNKS_MIN_THRESHOLD = 1.0
-# Carving trades work balance for fewer received keys: only tried when receiving the longest split
-# unit's keys costs at least this fraction of a rank's work share (below, zigzag pairs do as well).
-CARVE_MIN_TRAFFIC = 0.25
-# Carve budgets, in multiples of the ideal per-rank work.
-CARVE_BUDGETS = (1.05, 1.15, 1.3, 1.5, 1.75, 2.1)
-# ... and the filler density they reserve, in multiples of the light units' mean work per token.
-CARVE_FILLERS = (0.5,)
-# ... then around the best budget, these fillers too.
-CARVE_REFINE = (1.0, 0.0)
 # Candidates whose modeled time is within this fraction of the best count as ties, broken by work
 # balance (the rest of the layer is token-balanced; imbalance is a preference, not a cost here).
 TIE = 0.005
 # Work balance within BALANCE_GOAL is worth this much modeled time: attention imbalance also idles the
 # token-balanced rest of the layer on the other ranks, which the attention-only model does not see.
 BALANCE_PRICE = 0.2
+# "need" splits at these thresholds only (the others never won on the scale and worst-case mixes).
+NEED_THRESHOLDS = (0.5,)
+# Two levels: the split thresholds of the node-level search (over every unit of the sequence) and of
+# the per-node searches.
+NODE_LEVEL_THRESHOLDS = SPLIT_THRESHOLDS
+NODE_THRESHOLDS = SPLIT_THRESHOLDS
+# Two levels: the node layouts (best first) that get an intra-node search and a full pricing.
+NODE_FINALISTS = 1
+# Runs of consecutive tiny documents are bundled into units of at most this fraction of a rank's share.
+BUNDLE_FRACTION = 1 / 16
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
 
 
-class _Units:
-    """What the candidates place: ranges on which no row changes document, with their work
-    coefficients (Python lists); runs of consecutive tiny documents are bundled into one
-    unit of at most L / 32 tokens (never split, so the search loops over fewer units)."""
+class _UnitTable:
+    """The row(s) cut where any row changes document: (start, end, alpha, beta) tensors over [0, P)."""
 
-    def __init__(self, ids: torch.Tensor, cp: int):
-        R, P = ids.shape
-        self.rows = [document_runs(row) for row in ids]
-        if R == 1:
-            starts, ends, doc = self.rows[0]
+    def __init__(self, rows: Sequence[DocRuns], P: int):
+        self.rows, self.P = list(rows), P
+        if len(rows) == 1:
+            starts, ends, doc = rows[0]
             real = (doc > 0).double()
             alpha, beta = real, real * (1 - starts).double()
         else:
-            starts = torch.unique(torch.cat([r[0] for r in self.rows]))
+            starts = torch.unique(torch.cat([r[0] for r in rows]))
             ends = torch.cat([starts[1:], torch.tensor([P])])
             alpha = torch.zeros(starts.numel(), dtype=torch.float64)
             beta = torch.zeros_like(alpha)
-            for row_starts, _, row_doc in self.rows:
+            for row_starts, _, row_doc in rows:
                 which = torch.searchsorted(row_starts, starts, right=True) - 1
                 real = (row_doc[which] > 0).double()
                 alpha += real
                 beta += real * (1 - row_starts[which]).double()
+        self.start, self.end, self.alpha, self.beta = starts, ends, alpha, beta
+        # Where the document of each unit ends (one row): a piece ending before it has later readers.
+        self.doc_end = rows[0][1][torch.searchsorted(rows[0][0], starts, right=True) - 1] if len(rows) == 1 \
+            else ends
+
+
+class _Units:
+    """What the candidates of one search place: the units of ``spans`` (Python lists, global
+    positions) with their work coefficients; runs of consecutive tiny documents are bundled into
+    one unit of at most BUNDLE_FRACTION of a rank's share (never split, so the search loops over
+    fewer units)."""
+
+    def __init__(self, table: _UnitTable, spans: Spans, cp: int, bundle: int = 0):
+        self.rows, self.P, self.spans = table.rows, table.P, spans
+        self.tokens = sum(b - a for a, b in spans)
+        sa = torch.tensor([a for a, _ in spans], dtype=torch.long)
+        sb = torch.tensor([b for _, b in spans], dtype=torch.long)
+        _, unit, starts, ends = clip(sa, sb, table.start, table.end)
+        alpha, beta = table.alpha[unit], table.beta[unit]
+        read_later = (ends < table.doc_end[unit]).tolist()
         n = ends - starts
-        sum_p = (starts + ends - 1).double() * n.double() / 2
-        work = alpha * sum_p + beta * n.double()
-        self.P = P
+        work = alpha * ((starts + ends - 1).double() * n.double() / 2) + beta * n.double()
         self.total = float(work.sum())
         self.start, self.end = [], []
-        self.alpha, self.beta, self.work, self.bundle = [], [], [], []
-        cap = max(1, P // cp // 32)
-        for a, b, al, be, w in zip(starts.tolist(), ends.tolist(), alpha.tolist(), beta.tolist(), work.tolist()):
-            tiny = al > 0 and b - a <= cap
+        self.alpha, self.beta, self.work, self.bundle, self.shared = [], [], [], [], []
+        cap = bundle or max(1, int(self.tokens // cp * BUNDLE_FRACTION))
+        for a, b, al, be, w, later in zip(starts.tolist(), ends.tolist(), alpha.tolist(), beta.tolist(),
+                                          work.tolist(), read_later):
+            tiny = al > 0 and b - a <= cap and not later
             if tiny and self.bundle and self.bundle[-1] and self.end[-1] == a and b - self.start[-1] <= cap:
                 self.end[-1] = b
                 self.work[-1] += w
@@ -112,100 +139,247 @@ class _Units:
             self.beta.append(be)
             self.work.append(w)
             self.bundle.append(tiny)
+            self.shared.append(later)
         self.by_work = sorted(range(len(self.start)), key=lambda i: -self.work[i])
 
     def light(self, i: int, limit: float, L: int) -> bool:
-        """Placed whole: padding, a bundle, or at most L tokens and ``limit`` work."""
-        return self.alpha[i] == 0 or self.bundle[i] or (self.end[i] - self.start[i] <= L and self.work[i] <= limit)
+        """Placed whole: padding, a bundle, or at most L tokens and ``limit`` work, and not a head of a
+        document whose later pieces (on other ranks) read it: one owner would send it to all of them."""
+        return self.alpha[i] == 0 or self.bundle[i] or (
+            self.end[i] - self.start[i] <= L and self.work[i] <= limit and not self.shared[i])
 
     def span(self, i: int, x: int, y: int) -> float:
         """Work of positions [x, y) of unit i."""
         return self.alpha[i] * (y * (y - 1) - x * (x - 1)) / 2 + self.beta[i] * (y - x)
 
-    def reach(self, i: int, x: int, budget: float) -> int:
-        """Largest y with span(i, x, y) <= budget (at least x): the quadratic's root, checked once."""
-        a2, b1 = self.alpha[i] / 2, self.beta[i] - self.alpha[i] / 2
-        c = -(budget + a2 * x * x + b1 * x)  # a2 y^2 + b1 y + c <= 0
-        if a2 <= 0:
-            return self.end[i] if b1 <= 0 else max(x, int(math.floor(-c / b1)))
-        y = int((-b1 + math.sqrt(max(b1 * b1 - 4 * a2 * c, 0.0))) / (2 * a2))
-        if y > x and self.span(i, x, y) > budget:  # float rounding: one step is enough
-            y -= 1
-        return max(y, x)
-
 
 def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
     """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring)."""
-    units = _Units(ids, cp)
-    P = units.P
-    L = P // cp
-    q = cost_model.positions_per_pair
-    candidates: List[Tuple[str, Owned]] = [("contiguous", [[(r * L, (r + 1) * L)] for r in range(cp)])]
-    if P % (2 * cp) == 0:
-        half = P // (2 * cp)
-        candidates.append(("zigzag", [[(r * half, (r + 1) * half), ((2 * cp - 1 - r) * half, (2 * cp - r) * half)]
-                                      for r in range(cp)]))
-    n_peers = len(candidates)  # contiguous (and zigzag): the result is never worse than these
-    target = units.total / cp
-    heavy = [i for i in units.by_work if not units.light(i, min(SPLIT_THRESHOLDS) * target, L)]
-    if heavy:
-        seen = set()  # step-1 splits already packed
-        for theta in SPLIT_THRESHOLDS:
-            for style in ("zigzag", "chunks", "need"):
-                if style == "chunks" and theta < CHUNKS_MIN_THRESHOLD:
-                    continue
-                packed = _split_and_pack(units, cp, theta, style, q, seen)
-                if packed is not None:
-                    candidates += [(f"{style}@{theta}", packed[0]), (f"{style}@{theta}/strict", packed[1])]
-        if q * max(units.end[i] - units.start[i] for i in heavy) >= CARVE_MIN_TRAFFIC * target:
-            candidates += _carve_candidates(units, cp, q, target)
-    else:  # nothing worth splitting: one packing
-        stream, strict = _split_and_pack(units, cp, math.inf, "zigzag", q)
-        candidates += [("pack", stream), ("pack/strict", strict)]
-
-    n_cand, group_t, a_t, b_t = _flatten([owned for _, owned in candidates], cp)
-    if len(units.rows) == 1:
-        work, need = _batched_cost(units, cp, n_cand, group_t, a_t, b_t)  # [n_candidates, cp]
+    cost_model.check_group(cp)
+    R, P = ids.shape
+    table = _UnitTable([document_runs(row) for row in ids], P)
+    whole: Spans = [(0, P)]
+    exact_needed = R > 1 or cost_model.seconds_per_message > 0
+    if not cost_model.spans_nodes(cp) or R > 1:
+        # One level (or several rows of ids: one search, priced exactly at the end).
+        found = _search(table, whole, cp, cost_model.positions_per_pair)
+        if not exact_needed and not cost_model.spans_nodes(cp):
+            best = found.choose()
+            LAST_CHOICE[:] = [found.labels[best]]
+            return found.runs(best)
+        finalists = [(found.labels[c], found.owned(c)) for c in found.order()[:NODE_FINALISTS + 2]]
     else:
-        counted = [needed_remote(RankRuns.build(cp, P, *_runs_of(c, cp, group_t, a_t, b_t)), units.rows)
-                   for c in range(len(candidates))]
-        work, need = (torch.stack(x) for x in zip(*counted))
-    modeled = (work.double() + q * need.double()).max(1).values
-    imbalance = work.double().max(1).values / max(target, 1e-9)
-    # The least modeled time among candidates within BALANCE_GOAL whose modeled time is at most
-    # BALANCE_PRICE above the best and no worse than contiguous or zigzag (candidates 0 and 1);
-    # if none, the least modeled time (near-ties: the best balance).
-    inf = torch.full_like(modeled, math.inf)
-    limit = torch.minimum(modeled.min() * (1 + BALANCE_PRICE), modeled[:n_peers].min())
+        g = cost_model.ranks_per_node
+        # Bundles no coarser than the ranks' (a node-level bundle lands whole in one node's sub-search).
+        nodes = _search(table, whole, cp // g, cost_model.positions_per_pair_inter,
+                        bundle=max(1, int(P // cp * BUNDLE_FRACTION)), thresholds=NODE_LEVEL_THRESHOLDS)
+        finalists = []
+        for c in nodes.order()[:NODE_FINALISTS]:
+            owned, labels = [], []
+            for inner in _search_many(table, [_merged(spans) for spans in nodes.owned(c)], g,
+                                      cost_model.positions_per_pair, thresholds=NODE_THRESHOLDS):
+                best = inner.cheapest()
+                owned += inner.owned(best)
+                labels.append(inner.labels[best])
+            finalists.append((f"{nodes.labels[c]} > {_summarize(labels)}", owned))
+    L = P // cp
+    peers: List[Tuple[str, Owned]] = [("contiguous", [[(r * L, (r + 1) * L)] for r in range(cp)])]
+    if P % (2 * cp) == 0:
+        half = L // 2
+        peers.append(("zigzag", [[(r * half, (r + 1) * half), ((2 * cp - 1 - r) * half, (2 * cp - r) * half)]
+                                 for r in range(cp)]))
+    return _choose_exact(table, cp, cost_model, peers + finalists, n_peers=len(peers),
+                         prefer_balance=not cost_model.spans_nodes(cp))
+
+
+def _summarize(labels: Sequence[str]) -> str:
+    """Per-node choices, counted: 'pack/strict x6, zigzag@0.5 x2'."""
+    counts = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in counts.items())
+
+
+def _merged(spans: Sequence[Tuple[int, int]]) -> Spans:
+    """Sorted, touching ranges merged."""
+    out: Spans = []
+    for a, b in sorted(spans):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+class _Found:
+    """A search's candidates, flattened (``_flatten``), with their modeled cost and work balance."""
+
+    def __init__(self, labels, n_cand, group, a, b, cp, modeled, imbalance, n_peers):
+        self.labels, self.n_cand, self.group, self.a, self.b, self.cp = labels, n_cand, group, a, b, cp
+        self.modeled, self.imbalance, self.n_peers = modeled, imbalance, n_peers
+
+    def choose(self) -> int:
+        return _choice(self.modeled, self.imbalance, self.n_peers)
+
+    def cheapest(self) -> int:
+        """The least modeled cost, near-ties (TIE) broken by work balance."""
+        near = self.modeled <= self.modeled.min() * (1 + TIE)
+        return int(torch.argmin(torch.where(near, self.imbalance, torch.tensor(math.inf, dtype=torch.float64))))
+
+    def order(self) -> List[int]:
+        """Candidates best first: the cheapest, then by modeled cost."""
+        best = self.cheapest()
+        rest = [int(c) for c in torch.argsort(self.modeled, stable=True) if int(c) != best]
+        return [best] + rest
+
+    def runs(self, c: int) -> RunSpec:
+        return _runs_of(c, self.cp, self.group, self.a, self.b)
+
+    def owned(self, c: int) -> Owned:
+        rank, start, length = self.runs(c)
+        out: Owned = [[] for _ in range(self.cp)]
+        for r, s, n in zip(rank.tolist(), start.tolist(), length.tolist()):
+            out[r].append((s, s + n))
+        return out
+
+
+def _choice(modeled: torch.Tensor, imbalance: torch.Tensor, n_peers: int) -> int:
+    """The least modeled time among candidates within BALANCE_GOAL whose modeled time is at most
+    BALANCE_PRICE above the best and no worse than the peers (the first ``n_peers``: contiguous and
+    zigzag); if none, the least modeled time (near-ties: the best balance)."""
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    limit = min(float(modeled.min()) * (1 + BALANCE_PRICE), float(modeled[:n_peers].min()))
     goal = (imbalance <= BALANCE_GOAL + 1e-12) & (modeled <= limit)
     if bool(goal.any()):
-        best = int(torch.argmin(torch.where(goal, modeled, inf)))
+        return int(torch.argmin(torch.where(goal, modeled, inf)))
+    near = modeled <= modeled.min() * (1 + TIE)
+    return int(torch.argmin(torch.where(near, imbalance, inf)))
+
+
+def _search(table: _UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
+            thresholds: Sequence[float] = SPLIT_THRESHOLDS) -> _Found:
+    """Every candidate laying ``spans`` out over ``cp`` ranks, scored by work + q * max(in, out).
+
+    ``bundle``: the most tokens a bundle of tiny documents holds (default: BUNDLE_FRACTION of a rank's share).
+    """
+    return _search_many(table, [spans], cp, q, bundle, thresholds)[0]
+
+
+def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bundle: int = 0,
+                 thresholds: Sequence[float] = SPLIT_THRESHOLDS) -> List[_Found]:
+    """``_search`` for several independent span sets (a group's nodes), each over its own ``cp`` ranks;
+    all candidates are scored together (one batched count instead of one per span set)."""
+    units = [_Units(table, spans, cp, bundle) for spans in many]
+    cands, n_peers = [], []
+    for spans, u in zip(many, units):
+        L = u.tokens // cp
+        c: List[Tuple[str, Owned]] = [("contiguous", _cut(spans, [(r * L, (r + 1) * L) for r in range(cp)]))]
+        if L % 2 == 0:
+            half = L // 2
+            c.append(("zigzag", _cut(spans, [(r * half, (r + 1) * half) for r in range(cp)],
+                                     [((2 * cp - 1 - r) * half, (2 * cp - r) * half) for r in range(cp)])))
+        n_peers.append(len(c))  # contiguous (and zigzag): the result is never worse than these
+        target = u.total / cp
+        if any(not u.light(i, min(thresholds) * target, L) for i in u.by_work):
+            seen = set()  # step-1 splits already packed
+            for theta in thresholds:
+                packed = _split_and_pack(u, cp, theta, "zigzag", seen)
+                if packed is not None:
+                    c += [(f"zigzag@{theta}", packed[0]), (f"zigzag@{theta}/strict", packed[1])]
+            for theta in NEED_THRESHOLDS:
+                packed = _split_and_pack(u, cp, theta, "need", seen)
+                if packed is not None:
+                    c += [(f"need@{theta}", packed[0]), (f"need@{theta}/strict", packed[1])]
+        else:  # nothing worth splitting: one packing
+            stream, strict = _split_and_pack(u, cp, math.inf, "zigzag")
+            c += [("pack", stream), ("pack/strict", strict)]
+        cands.append(c)
+    costs = _score_many(units[0], cp, q, cands)
+    return [_Found([label for label, _ in c], *cost[2], cp, cost[0], cost[1], n)
+            for c, cost, n in zip(cands, costs, n_peers)]
+
+
+def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tuple[str, Owned]]]):
+    """``_score`` of several searches' candidates in one batch; per search (modeled, imbalance, flat).
+
+    A search's imbalance is its work max over its own mean (its spans' share)."""
+    sizes = [len(c) for c in cands]
+    if sum(sizes) == 0:
+        return [None] * len(cands)
+    flat = _flatten([owned for c in cands for _, owned in c], cp)
+    work, inn, out = _candidate_traffic(units, cp, *flat)  # [all candidates, cp]
+    modeled = (work.double() + q * torch.maximum(inn, out).double()).max(1).values
+    worst, mean = work.double().max(1).values, work.double().mean(1).clamp(min=1e-9)
+    out_list, first = [], 0
+    for n in sizes:
+        lo, hi = torch.searchsorted(flat[1], torch.tensor([first * cp, (first + n) * cp])).tolist()
+        local = (n, flat[1][lo:hi] - first * cp, flat[2][lo:hi], flat[3][lo:hi])
+        out_list.append((modeled[first:first + n], worst[first:first + n] / mean[first:first + n], local))
+        first += n
+    return out_list
+
+
+def _cut(spans: Spans, *parts: Sequence[Tuple[int, int]]) -> Owned:
+    """Per rank, the global ranges of offsets [x, y) into the concatenation of ``spans`` (one list of
+    offset ranges per argument, rank-indexed)."""
+    starts = [0]
+    for a, b in spans:
+        starts.append(starts[-1] + b - a)
+    owned: Owned = [[] for _ in range(len(parts[0]))]
+    for per_rank in parts:
+        for r, (x, y) in enumerate(per_rank):
+            k = max(0, bisect.bisect_right(starts, x) - 1)
+            while x < y:
+                a, b = spans[k]
+                take = min(y, starts[k + 1]) - x
+                if take > 0:
+                    owned[r].append((a + x - starts[k], a + x - starts[k] + take))
+                    x += take
+                k += 1
+    return owned
+
+
+def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates: Sequence[Tuple[str, Owned]],
+                  n_peers: int, prefer_balance: bool = True) -> RunSpec:
+    """Price every candidate with the full model (``hierarchy.layout_traffic``) and pick by ``_choice``
+    (``prefer_balance``) or the least modeled time (near-ties: the best balance)."""
+    from .hierarchy import layout_traffic
+
+    P = table.P
+    n_cand, group, a, b = _flatten([owned for _, owned in candidates], cp)
+    modeled, imbalance = [math.inf] * n_cand, [math.inf] * n_cand
+
+    def price(c: int) -> None:
+        runs = RankRuns.build(cp, P, *_runs_of(c, cp, group, a, b))
+        work, dst, ia, ib = work_and_intervals(runs, table.rows)
+        traffic = layout_traffic(runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib),
+                                 counts=overlap_counts(runs, dst, ia, ib))
+        modeled[c] = cost_model.modeled_seconds(work, traffic)
+        imbalance[c] = float(work.max()) / max(float(work.double().mean()), 1e-9)
+
+    if prefer_balance or len(table.rows) > 1:
+        for c in range(n_cand):
+            price(c)
     else:
-        near = modeled <= modeled.min() * (1 + TIE)
-        best = int(torch.argmin(torch.where(near, imbalance, inf)))
+        # The finalists first; a peer is priced only if a lower bound of its time (its work plus every
+        # key it needs at the intra-node price: each arrives over NVLink or the dearer IB) comes near.
+        for c in range(n_peers, n_cand):
+            price(c)
+        best = min(modeled[n_peers:])
+        peer_flat = _flatten([owned for _, owned in candidates[:n_peers]], cp)
+        work, need, _ = _candidate_traffic(table, cp, *peer_flat)
+        bound = (work.double() * cost_model.seconds_per_pair + need.double() * cost_model.seconds_per_position)
+        for c in range(n_peers):
+            if float(bound[c].max()) <= best * (1 + TIE):
+                price(c)
+    modeled_t, imbalance_t = torch.tensor(modeled, dtype=torch.float64), torch.tensor(imbalance, dtype=torch.float64)
+    if prefer_balance:
+        best = _choice(modeled_t, imbalance_t, n_peers)
+    else:
+        near = modeled_t <= modeled_t.min() * (1 + TIE)
+        best = int(torch.argmin(torch.where(near, imbalance_t, torch.tensor(math.inf, dtype=torch.float64))))
     LAST_CHOICE[:] = [candidates[best][0]]
-    return _runs_of(best, cp, group_t, a_t, b_t)
-
-
-def _carve_candidates(units: "_Units", cp: int, q: float, target: float) -> List[Tuple[str, Owned]]:
-    """Carve at every budget (half the light filler reserved), then the best budget with other reserves."""
-    filler = _light_density(units, cp)
-    f0 = CARVE_FILLERS[0]
-    carved = [(f"carve@{mult}/{f0}", _carve(units, cp, q, mult * target, f0 * filler)) for mult in CARVE_BUDGETS]
-    best_mult = CARVE_BUDGETS[0]
-    if len(units.rows) == 1:
-        work, need = _batched_cost(units, cp, *_flatten([o for _, o in carved], cp))
-        best_mult = CARVE_BUDGETS[int(torch.argmin((work.double() + q * need.double()).max(1).values))]
-    return carved + [(f"carve@{best_mult}/{f}", _carve(units, cp, q, best_mult * target, f * filler))
-                     for f in CARVE_REFINE]
-
-
-def _light_density(units: "_Units", cp: int) -> float:
-    """Mean work per token of the units a rank can hold whole (the filler of carved ranks)."""
-    L, share = units.P // cp, units.total / cp
-    light = [i for i in range(len(units.start)) if units.light(i, share, L)]
-    tokens = sum(units.end[i] - units.start[i] for i in light)
-    return sum(units.work[i] for i in light) / tokens if tokens else 0.0
+    return _runs_of(best, cp, group, a, b)
 
 
 def _flatten(owned_lists: Sequence[Owned], cp: int) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,26 +395,58 @@ def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return group[lo:hi] - c * cp, a[lo:hi], b[lo:hi] - a[lo:hi]
 
 
-def _batched_cost(units: "_Units", cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(work, needed) [n_candidates, cp] of every candidate at once; one row of doc ids.
+def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
+                       b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(work, received, sent) [n_candidates, cp] of every candidate at once (``units``: a ``_Units``
+    or the ``_UnitTable``: only its rows of document runs and P are read).
 
-    ``group`` = candidate * cp + rank of every range [a, b). A rank's pieces of
-    one document need [document start, end of its last piece) minus what it
-    owns: the plan's count (``intervals.needed_remote``), batched.
+    ``group`` = candidate * cp + rank of every range [a, b). A rank's pieces of one
+    document need [document start, end of its last piece) minus what it owns
+    (the plan's count), wherever those keys are: positions outside the search's
+    spans (another node's) count as received too. A piece [pa, pb) of s sends
+    min(pb, reach_h) - pa (if positive) to every other rank h of the candidate
+    holding the document up to reach_h. Several rows of ids: the plan's own
+    counting per candidate (whole layouts only).
     """
+    if len(units.rows) > 1:
+        out = []
+        for c in range(n_cand):
+            runs = RankRuns.build(cp, units.P, *_runs_of(c, cp, group, a, b))
+            work, dst, ia, ib = work_and_intervals(runs, units.rows)
+            counts = overlap_counts(runs, dst, ia, ib)
+            out.append((work, counts.sum(0), counts.sum(1)))
+        return tuple(torch.stack(x) for x in zip(*out))
     d_start, d_end, d_id = units.rows[0]
+    n_docs = d_start.numel()
     which, doc, pa, pb = clip(a, b, d_start, d_end)
     real = d_id[doc] > 0
     which, doc, pa, pb = which[real], doc[real], pa[real], pb[real]
     g, s = group[which], d_start[doc]
-    work = torch.zeros(n_cand * cp, dtype=torch.long).index_add_(0, g, (pa + pb - 2 * s + 1) * (pb - pa) // 2)
-    key, inverse = torch.unique(g * d_start.numel() + doc, return_inverse=True)
+    size = n_cand * cp
+    work = torch.zeros(size, dtype=torch.long).index_add_(0, g, (pa + pb - 2 * s + 1) * (pb - pa) // 2)
+    # Holders: (candidate, document, rank) -> reach (end of the last piece) and tokens owned.
+    cand = g // cp
+    key, inverse = torch.unique((cand * n_docs + doc) * cp + g % cp, return_inverse=True)
     reach = torch.zeros(key.numel(), dtype=torch.long).scatter_reduce_(0, inverse, pb, "amax")
     own = torch.zeros(key.numel(), dtype=torch.long).index_add_(0, inverse, pb - pa)
-    start = d_start[key % d_start.numel()]
-    need = torch.zeros(n_cand * cp, dtype=torch.long).index_add_(0, key // d_start.numel(), reach - start - own)
-    return work.view(n_cand, cp), need.view(n_cand, cp)
+    h_doc = (key // cp) % n_docs
+    h_group = (key // cp // n_docs) * cp + key % cp
+    inn = torch.zeros(size, dtype=torch.long).index_add_(0, h_group, reach - d_start[h_doc] - own)
+    # Sends: every piece against the other holders of its (candidate, document).
+    holder_cd = key // cp  # sorted
+    piece_cd = cand * n_docs + doc
+    lo = torch.searchsorted(holder_cd, piece_cd)
+    hi = torch.searchsorted(holder_cd, piece_cd, right=True)
+    many = hi - lo > 1
+    out = torch.zeros(size, dtype=torch.long)
+    if bool(many.any()):
+        pieces = torch.nonzero(many).flatten()
+        p, h = _expand(lo[pieces], (hi - lo)[pieces])
+        p = pieces[p]
+        sent = (torch.minimum(pb[p], reach[h]) - pa[p]).clamp(min=0)
+        sent = torch.where(key[h] % cp == g[p] % cp, torch.zeros_like(sent), sent)
+        out.index_add_(0, g[p], sent)
+    return work.view(n_cand, cp), inn.view(n_cand, cp), out.view(n_cand, cp)
 
 
 class _Ranks:
@@ -266,26 +472,29 @@ class _Ranks:
     def cut_in(self, spans: Sequence[Tuple[int, int]], order: Optional[Sequence[int]] = None) -> None:
         """Fill the ranks' free tokens (ranks in ``order``) with these ranges, cutting where one is full."""
         order = list(range(len(self.room))) if order is None else list(order)
+        room, owned = self.room, self.owned
         k = 0
+        r = order[0] if order else 0
         for a, b in spans:
             while a < b:
-                while self.room[order[k]] == 0:
+                while room[r] == 0:
                     k += 1
-                take = min(self.room[order[k]], b - a)
-                self.give(order[k], a, a + take, 0.0)
+                    r = order[k]
+                take = min(room[r], b - a)
+                owned[r].append((a, a + take))
+                room[r] -= take
                 a += take
-        assert all(x == 0 for x in self.room), self.room
+        assert all(x == 0 for x in room), room
 
 
-def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float,
+def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
                     seen: Optional[set] = None) -> Optional[Tuple[Owned, Owned]]:
     """Split heavy documents by ``style``, pack the rest whole, cut at multiples of L.
 
     1. A unit whose tokens exceed a rank's share, or whose work exceeds ``theta``
        of a rank's work share, is split over m ranks (``zigzag``: 2m chunks,
-       rank i of m takes chunks i and 2m-1-i; ``chunks``: m contiguous chunks of
-       equal compute plus received keys at q pairs per key; ``need``: zigzag over
-       the fewest least loaded ranks whose missing work covers it).
+       rank i of m takes chunks i and 2m-1-i; ``need``: zigzag over the fewest
+       least loaded ranks whose missing work covers it).
     2. The other units, largest work first, go whole to the rank that keeps
        max(work / share, tokens / L) smallest.
     3. The ranks' units are laid end to end (largest first within a rank) and
@@ -294,7 +503,7 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float,
     it fits in; those that fit nowhere cut into the least loaded free tokens).
     None when step 1 split exactly as a call with the same ``seen`` set did.
     """
-    L = units.P // cp
+    L = units.tokens // cp
     target = max(units.total / cp, 1e-9)
     ranks = _Ranks(cp, L)
     load, room = ranks.load, ranks.room
@@ -316,16 +525,6 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float,
         else:
             m = min(cp, max(2, -(-n // L), math.ceil(w / (min(theta, 1.0) * target) - 1e-9)))
             chosen = sorted(sorted(range(cp), key=lambda r: (-room[r], load[r]))[:m], key=lambda r: load[r])
-        if style == "chunks":
-            pieces = _cost_chunks(units, i, m, q)
-            # The most expensive-to-feed chunks (the last ones) go to the least loaded ranks.
-            plan = list(zip(chosen, reversed(pieces or [])))
-            if not plan or len(plan) < len(pieces) or any(room[r] < t - h for r, (h, t) in plan):
-                whole.append(i)
-                continue
-            for rank, (h, t) in plan:
-                ranks.give(rank, h, t, units.span(i, h, t))
-            continue
         bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
         pairs = [((bounds[k], bounds[k + 1]), (bounds[2 * m - 1 - k], bounds[2 * m - k])) for k in range(m)]
         if any(room[r] < (h[1] - h[0]) + (t[1] - t[0]) for r, (h, t) in zip(chosen, pairs)):
@@ -349,153 +548,58 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str, q: float,
     work = list(load)
     heap = [(max(work[r] / target, tokens[r] / L), r) for r in range(cp)]
     heapq.heapify(heap)
+    starts, ends, works, replace = units.start, units.end, units.work, heapq.heapreplace
     for i in whole:
-        _, r = heapq.heappop(heap)
+        r = heap[0][1]
         bins[r].append(i)
-        tokens[r] += units.end[i] - units.start[i]
-        work[r] += units.work[i]
-        heapq.heappush(heap, (max(work[r] / target, tokens[r] / L), r))
-    ranks.cut_in((units.start[i], units.end[i]) for b in bins
-                 for i in sorted(b, key=lambda i: units.start[i] - units.end[i]))
+        tokens[r] += ends[i] - starts[i]
+        work[r] += works[i]
+        replace(heap, (max(work[r] / target, tokens[r] / L), r))
+    ranks.cut_in((starts[i], ends[i]) for b in bins for i in sorted(b, key=lambda i: starts[i] - ends[i]))
     return ranks.owned, strict.owned
 
 
 def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key, cut_in_key_order: bool = True) -> None:
     """Whole units in ``order`` to the rank with the smallest ``key`` that has room; the rest cut in
     (into the ranks by ``key``, or in rank order)."""
-    room = ranks.room
+    room, owned, load = ranks.room, ranks.owned, ranks.load
     heap = [(key(r), r) for r in range(len(room)) if room[r] > 0]
     heapq.heapify(heap)
     rest = []
+    starts, ends, works = units.start, units.end, units.work
+    pop, push = heapq.heappop, heapq.heappush
     for i in order:
-        n = units.end[i] - units.start[i]
+        a, b = starts[i], ends[i]
+        n = b - a
+        if heap and room[heap[0][1]] >= n:  # the usual case: the first rank in the heap has room
+            r = heap[0][1]
+            owned[r].append((a, b))
+            room[r] -= n
+            load[r] += works[i]
+            if room[r] > 0:
+                heapq.heapreplace(heap, (key(r), r))
+            else:
+                pop(heap)
+            continue
         stash, placed = [], False
         while heap and len(stash) < 4:
-            _, r = heapq.heappop(heap)
+            _, r = pop(heap)
             if room[r] >= n:
-                ranks.give(r, units.start[i], units.end[i], units.work[i])
+                ranks.give(r, a, b, works[i])
                 if room[r] > 0:
-                    heapq.heappush(heap, (key(r), r))
+                    push(heap, (key(r), r))
                 placed = True
                 break
             stash.append(r)
         for r in stash:
-            heapq.heappush(heap, (key(r), r))
+            push(heap, (key(r), r))
         if not placed:
-            rest.append((units.start[i], units.end[i]))
+            rest.append((a, b))
     if cut_in_key_order:
         ranks.cut_in(rest, order=sorted(range(len(room)), key=key))
     else:
         ranks.cut_in(rest)
 
 
-def _cost_chunks(units: _Units, i: int, m: int, q: float) -> Optional[List[Tuple[int, int]]]:
-    """m contiguous chunks of unit i whose work + q * (chunk start - unit start) is equal (bisection)."""
-    a, b = units.start[i], units.end[i]
+__all__ = ["balanced_runs", "BALANCE_GOAL", "SPLIT_THRESHOLDS"]
 
-    def cut(budget: float) -> List[int]:
-        bounds, x = [a], a
-        for _ in range(m):
-            if x >= b:
-                break
-            y = min(max(units.reach(i, x, budget - q * (x - a)), x + 1), b)
-            bounds.append(y)
-            x = y
-        return bounds
-
-    lo, hi = 0.0, units.work[i] + q * (b - a)
-    for _ in range(20):  # budget to 1e-6 of its range: far below one token's work
-        mid = (lo + hi) / 2
-        if cut(mid)[-1] >= b:
-            hi = mid
-        else:
-            lo = mid
-    bounds = cut(hi)
-    if bounds[-1] < b:
-        return None
-    return [(h, t) for h, t in zip(bounds[:-1], bounds[1:]) if t > h]
-
-
-def _carve(units: _Units, cp: int, q: float, budget: float, filler: float) -> Owned:
-    """Heavy units cut from their end under a per-rank budget; light ones filled by density.
-
-    ``filler``: the work per token the light units will add to a rank's free
-    tokens, so a tail leaves room in the budget for what fills its rank. A rank
-    that already holds a later piece of the unit needs its earlier keys anyway:
-    another piece there saves q per token instead of costing q per key.
-    """
-    L = units.P // cp
-    share = units.total / cp
-    ranks = _Ranks(cp, L)
-    load, room = ranks.load, ranks.room
-    light = []
-    for i in units.by_work:
-        a, b = units.start[i], units.end[i]
-        if units.light(i, share, L):
-            light.append(i)
-            continue
-        # Owning a head position p (relative) costs its work, receiving it costs q: heads pay below q.
-        head_limit = a + int(q / max(units.alpha[i], 1.0))
-        holds = [False] * cp  # holds a later piece of this unit (and so needs everything before it)
-        h, e = a, b
-        while h < e:
-            r = max((r for r in range(cp) if room[r] > 0), key=lambda r: budget - load[r] - filler * room[r])
-            spare = budget - load[r] - filler * room[r]
-            if holds[r]:
-                # [x, e) saves its keys: span(x, e) - (q + filler) * (e - x) <= spare
-                x_low = max(h, e - room[r])
-                x = _tail_start(units, i, x_low, e, spare + (q + filler) * e, q + filler)
-                if x is None:  # over budget anyway: all its room (each token saves a key)
-                    x = x_low
-                ranks.give(r, x, e, units.span(i, x, e) - q * (e - x))
-                e = x
-                continue
-            whole = units.span(i, h, e) + q * (h - a)
-            if e - h <= room[r] and whole - filler * (e - h) <= spare:
-                ranks.give(r, h, e, whole)
-                break
-            k = max(0, min(head_limit - h, room[r] // 2, e - h - 1))
-            head = units.span(i, h, h + k)
-            x_low = max(h + k, e - (room[r] - k))
-            # tail [x, e): span + q * (x - a - k) - filler * (k + e - x) <= spare - head
-            limit = spare - head + q * (a + k) + filler * (k + e)
-            x = _tail_start(units, i, x_low, e, limit, q + filler)
-            if x is None:  # nothing fits the budget: a thin slice, the least bad choice
-                x = max(x_low, e - max(1, (room[r] - k) // 4))
-            if k:
-                ranks.give(r, h, h + k, head)
-            ranks.give(r, x, e, units.span(i, x, e) + q * (x - a - k))
-            holds[r] = True
-            h, e = h + k, x
-    # Light units, densest first, to the rank with the most spare budget per free token.
-    light.sort(key=lambda i: units.start[i] - units.end[i])
-    _fill(ranks, units, light, key=lambda r: -(budget - load[r]) / room[r], cut_in_key_order=False)
-    return ranks.owned
-
-
-def _tail_start(units: _Units, i: int, x_low: int, e: int, limit: float, slope: float) -> Optional[int]:
-    """Smallest x in [x_low, e) with span(i, x, e) + slope * x <= limit, or None.
-
-    Concave in x (work falls as x grows, the linear term rises): once under the
-    limit past its peak it stays there, so a bisection finds the edge.
-    """
-    def cost(x: int) -> float:
-        return units.span(i, x, e) + slope * x
-
-    if x_low >= e:
-        return None
-    if cost(x_low) <= limit:
-        return x_low
-    if cost(e - 1) > limit:
-        return None
-    lo, hi = x_low, e - 1  # cost(lo) > limit >= cost(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if cost(mid) <= limit:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-__all__ = ["balanced_runs", "BALANCE_GOAL", "SPLIT_THRESHOLDS", "CARVE_BUDGETS"]

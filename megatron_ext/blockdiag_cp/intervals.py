@@ -299,3 +299,78 @@ def needed_remote(runs: RankRuns, rows: Sequence[DocRuns], window: Optional[int]
     work, dst, a, b = work_and_intervals(runs, rows, window)
     counts = overlap_counts(runs, dst, a, b)
     return work, counts.sum(0)
+
+
+def overlap_pieces(tab_start: torch.Tensor, tab_end: torch.Tensor, q_start: torch.Tensor, q_end: torch.Tensor
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query ranges against a table of disjoint ranges sorted by start: (query, table index, lo, hi).
+
+    Every non-empty intersection, in query order, ascending within a query
+    (``map_ranges`` without the linear map, keeping which table range it is).
+    """
+    j0 = (torch.searchsorted(tab_start, q_start, right=True) - 1).clamp(min=0)
+    j1 = torch.searchsorted(tab_start, q_end, right=False) - 1  # last table range starting < q_end
+    count = torch.where(q_end > q_start, (j1 - j0 + 1).clamp(min=0), torch.zeros_like(j0))
+    which, j = _expand(j0, count)
+    lo = torch.maximum(q_start[which], tab_start[j])
+    hi = torch.minimum(q_end[which], tab_end[j])
+    keep = hi > lo
+    return which[keep], j[keep], lo[keep], hi[keep]
+
+
+def _sum_tables(runs: RankRuns) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per rank, padded to the most runs K: starts, lengths [cp, K], positions and position sums of
+    the complete runs before each run [cp, K] (exclusive prefix)."""
+    cp, P = runs.cp, runs.padded_len
+    count = torch.bincount(runs.rank, minlength=cp)
+    col = torch.arange(runs.rank.numel()) - (torch.cumsum(count, 0) - count)[runs.rank]
+    K = max(int(count.max()), 1)
+    starts = torch.full((cp, K), P + 1, dtype=torch.long)
+    lengths = torch.zeros(cp, K, dtype=torch.long)
+    starts[runs.rank, col] = runs.start
+    lengths[runs.rank, col] = runs.length
+    sums = lengths * starts.clamp(max=P) + lengths * (lengths - 1) // 2
+    before = torch.cumsum(lengths, 1) - lengths
+    sums_before = torch.cumsum(sums, 1) - sums
+    return starts, lengths, before, sums_before
+
+
+def count_and_sum_before(runs: RankRuns, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """([cp, n], [cp, n]): for every rank, how many of its positions are < x and their sum."""
+    starts, lengths, before, sums_before = _sum_tables(runs)
+    xx = x.view(1, -1).expand(runs.cp, -1).contiguous()
+    j = (torch.searchsorted(starts, xx, right=True) - 1).clamp(min=0)  # the run starting at or before x
+    st, ln = starts.gather(1, j), lengths.gather(1, j)
+    c = (xx - st).clamp(min=0)
+    c = torch.minimum(c, ln)
+    count = before.gather(1, j) + c
+    total = sums_before.gather(1, j) + c * st.clamp(max=runs.padded_len) + c * (c - 1) // 2
+    return count, total
+
+
+def pair_work(runs: RankRuns, rows: Sequence[DocRuns]) -> torch.Tensor:
+    """work[src, dst]: causal query-key pairs of dst's queries on the keys src owns (diagonal: local).
+
+    A query p of a document starting at s attends the keys [s, p]; with B(x) the
+    number of src's positions < x, a piece [pa, pb) of dst's queries reads
+    sum over p of B(p + 1) - B(s) of src's keys, and sum_{y < x} B(y) =
+    (x - 1) * B(x) - (sum of src's positions < x): closed forms on src's runs.
+    Columns sum to the per-rank work of ``work_and_intervals``.
+    """
+    cp = runs.cp
+    out = torch.zeros(cp, cp, dtype=torch.long)
+    run_end = runs.start + runs.length
+    for d_start, d_end, d_id in rows:
+        run, doc, pa, pb = clip(runs.start, run_end, d_start, d_end)
+        real = d_id[doc] > 0
+        run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
+        if run.numel() == 0:
+            continue
+        s = d_start[doc]
+        n = pa.numel()
+        B, Q = count_and_sum_before(runs, torch.cat([pb + 1, pa + 1, s]))  # [cp, 3n]
+        x = torch.cat([pb + 1, pa + 1]).view(1, -1)
+        H = (x - 1) * B[:, :2 * n] - Q[:, :2 * n]  # sum_{y < x} B(y)
+        pairs = H[:, :n] - H[:, n:] - (pb - pa).view(1, -1) * B[:, 2 * n:]  # [src, piece]
+        out.index_add_(1, runs.rank[run], pairs)
+    return out

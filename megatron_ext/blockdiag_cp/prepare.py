@@ -7,7 +7,7 @@ micro-batch's plan while the current step runs; ``BlockDiagCPState.build(...,
 prepared=)`` then only does the agreement all-reduce. ``plan_summary`` runs the
 same code and reports what a layout costs: work balance, K/V positions per
 rank for the needed-only and all-gather exchanges, and the cost model's
-modeled / ideal / lower-bound time.
+modeled / ideal / lower-bound time, without and with overlap (``layout_cost``).
 """
 
 import math
@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 import torch
 
 from .cost import CostModel, resolve_cost_model
+from .hierarchy import layout_traffic
+from .intervals import document_runs, overlap_counts, pair_work, work_and_intervals
 from .layout import Layout, build_layout, padded_length
 from .plan import CHUNK_KINDS, StepPlan, build_plan
 from . import state as knobs
@@ -38,11 +40,15 @@ class PreparedPlan:
     layout_seconds: float
     plan_seconds: float  # layout + plan, this rank's host time
 
-    def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str) -> bool:
-        """Planned for these [R, S] ids, this group size, rank and layout."""
+    def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str,
+                cost_model: Optional[CostModel] = None) -> bool:
+        """Planned for these [R, S] ids, this group size, rank and layout (and, for balanced, this
+        cost model when one is given: it decides where the cuts fall)."""
         return (self.cp == cp and self.rank == rank and self.layout.name == layout_name
                 and self.plan.window is None  # a windowed plan is for its windowed layers only
                 and tuple(doc_ids.shape) == (self.doc_ids.shape[0], self.seq_len)
+                and (cost_model is None or layout_name != "balanced"
+                     or self.cost_model.agreement_key() == cost_model.agreement_key())
                 and torch.equal(self.doc_ids[:, :self.seq_len], doc_ids))
 
 
@@ -120,6 +126,35 @@ def modeled_lower_bound(doc_ids: torch.Tensor, cp: int, local_len: int, cost_mod
     return max(ideal, mean, float(per_doc.max()))
 
 
+def layout_cost(doc_ids: torch.Tensor, layout: Layout, cost_model: CostModel, exchange: str = "needed",
+                overlap: bool = True, kv_backward: str = "refetch") -> dict:
+    """What ``layout`` costs under ``cost_model`` (padded doc ids [R, P] or [P]; any process, no group).
+
+    ``exchange``: "needed" (a2a / halo, or the hierarchical routes of a two-level
+    hierarchical model) or "allgather" (a ring of full chunks). Returns per-rank
+    work and traffic (``cost.Traffic``), the modeled seconds without overlap and,
+    with ``overlap``, the streamed op's (``CostModel.overlapped``, ``kv_backward``
+    "refetch" or "save") and the exposed share of its busiest rank.
+    """
+    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
+    rows = [document_runs(ids[r]) for r in range(ids.shape[0])]
+    runs = layout.runs
+    work, dst, a, b = work_and_intervals(runs, rows)
+    counts = overlap_counts(runs, dst, a, b)
+    traffic = layout_traffic(runs, rows, cost_model, exchange, intervals=(dst, a, b), counts=counts)
+    out = {"work": work, "traffic": traffic, "counts": counts,
+           "modeled_seconds": cost_model.modeled_seconds(work, traffic),
+           "ideal_seconds": cost_model.ideal_seconds(work)}
+    if overlap:
+        cp = layout.cp
+        chunks = counts if exchange == "needed" else torch.full((cp, cp), layout.local_len).fill_diagonal_(0)
+        o = cost_model.overlapped(pair_work(runs, rows), traffic, chunks, kv_backward=kv_backward,
+                                  ring=exchange == "allgather")
+        out.update(overlap_seconds=o.modeled_seconds, exposed_share=o.exposed_share,
+                   exposed_seconds=o.exposed_seconds)
+    return out
+
+
 def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
                  cost_model: Optional[CostModel] = None, rank: Optional[int] = None,
                  window: Optional[int] = None) -> dict:
@@ -138,8 +173,9 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
     needed = plan.needed_remote
     allgather = torch.full((cp,), (cp - 1) * lay.local_len, dtype=torch.long)
     mean = float(work.mean())
-    modeled = cost.modeled_seconds(work, needed)
-    modeled_allgather = cost.modeled_seconds(work, allgather)
+    priced = layout_cost(prep.doc_ids, lay, cost, "needed")
+    priced_allgather = layout_cost(prep.doc_ids, lay, cost, "allgather")
+    modeled, modeled_allgather = priced["modeled_seconds"], priced_allgather["modeled_seconds"]
     ideal = cost.ideal_seconds(work)
     bound = (modeled_lower_bound(prep.doc_ids, cp, lay.local_len, cost)
              if prep.doc_ids.shape[0] == 1 and window is None else ideal)
@@ -150,6 +186,7 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
         "work_per_rank": plan.work_per_rank.tolist(),
         "work_max_over_mean": float(work.max()) / mean if mean > 0 else 1.0,
         "needed_positions_per_rank": needed.tolist(),
+        "traffic": priced["traffic"],  # cost.Traffic of the needed-only (or hierarchical) exchange
         "allgather_positions_per_rank": allgather.tolist(),
         "halo_ok": plan.exchange.halo_ok,
         "cost_model": cost.name,
@@ -161,7 +198,13 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
         "lower_bound_seconds": bound,
         "modeled_over_ideal": modeled / ideal if ideal > 0 else 1.0,
         "modeled_over_bound": modeled / bound if bound > 0 else 1.0,
+        "overlap_seconds": priced["overlap_seconds"],
+        "overlap_over_ideal": priced["overlap_seconds"] / ideal if ideal > 0 else 1.0,
+        "exposed_share": priced["exposed_share"],
+        "overlap_allgather_seconds": priced_allgather["overlap_seconds"],
+        "exposed_allgather_share": priced_allgather["exposed_share"],
+        "traffic_allgather": priced_allgather["traffic"],
     }
 
 
-__all__ = ["PreparedPlan", "prepare_plan", "plan_summary", "modeled_lower_bound"]
+__all__ = ["PreparedPlan", "prepare_plan", "plan_summary", "modeled_lower_bound", "layout_cost"]

@@ -27,7 +27,7 @@ from .agreement import (
     kernel_failure_error,
 )
 from .backend import log_once, resolve_backend
-from .cost import default_cost_model
+from .cost import default_cost_model, resolve_cost_model
 from .layout import Layout, build_layout, padded_length
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
@@ -155,8 +155,9 @@ class BlockDiagCPState:
                  attn_backend_reason: str, kv_exchange_requested: str, kv_exchange: str,
                  kv_exchange_reason: str, strict: bool, available: Dict[str, bool],
                  backend_explicit: bool = False, kv_backward_requested: str = "auto",
-                 kv_backward: str = "save", kv_backward_reason: str = ""):
+                 kv_backward: str = "save", kv_backward_reason: str = "", cost_model=None):
         self.group = group
+        self.cost_model = cost_model  # the balanced layout's (None for the other layouts)
         self.cp = cp
         self.rank = rank
         self.layout = layout
@@ -251,18 +252,23 @@ class BlockDiagCPState:
             requested["layout"] = source.layout
 
         static = {b: kernels.static_availability(b, device) for b in ATTN_BACKEND_VALUES}
+        # The cost model decides where the balanced cuts fall. Always a fact (0 when unused): every
+        # rank's vector must have the same length even when their layouts differ.
+        cost_fact = 0
+        if requested.get("layout") == "balanced":
+            try:
+                cost_model = default_cost_model(group) if cost_model is None else resolve_cost_model(cost_model)
+                cost_model.check_group(cp)  # a two-level model must split the group into whole nodes
+                cost_fact = cost_model.agreement_key()  # prices, topology, hierarchy, latencies
+            except ValueError as exc:
+                knob_error = knob_error or str(exc)
         facts["knob_error"] = 1 if knob_error else 0
         for knob, values in _KNOBS:
             facts[knob] = values.index(requested[knob]) if knob in requested else -1
         for b in ATTN_BACKEND_VALUES:
             facts["unavailable_" + b] = 0 if static[b][0] else 1
         facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
-        # The cost model decides where the balanced cuts fall. Always a fact (0 when unused): every
-        # rank's vector must have the same length even when their layouts differ.
-        facts["cost_model"] = 0
-        if requested.get("layout") == "balanced":
-            cost_model = default_cost_model(group) if cost_model is None else cost_model
-            facts["cost_model"] = hash((cost_model.seconds_per_pair, cost_model.seconds_per_position))
+        facts["cost_model"] = cost_fact
         agreed = agree(facts, group, cp)
 
         if agreed.max("pending_failures") > 0:
@@ -295,7 +301,7 @@ class BlockDiagCPState:
         ids = source.doc_ids(group, cp, rank)  # [R, S]; may gather (identically on every rank)
         seq_len = ids.shape[1]
         layout_name = requested["layout"]
-        if prepared is not None and prepared.matches(ids, cp, rank, layout_name):
+        if prepared is not None and prepared.matches(ids, cp, rank, layout_name, cost_model):
             ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
         else:
             if prepared is not None:  # never an error: one rank alone would raise after the agreement
@@ -336,7 +342,8 @@ class BlockDiagCPState:
                    kv_exchange=exchange, kv_exchange_reason=exchange_reason, strict=strict,
                    available=available, backend_explicit=attn_backend is not None,
                    kv_backward_requested=requested["kv_backward"], kv_backward=kv_backward_mode,
-                   kv_backward_reason=kv_backward_reason)
+                   kv_backward_reason=kv_backward_reason,
+                   cost_model=cost_model if layout_name == "balanced" else None)
 
     @property
     def padded_len(self) -> int:
@@ -385,6 +392,7 @@ class BlockDiagCPState:
             "kv_backward": self.kv_backward,
             "kv_backward_reason": self.kv_backward_reason,
             "layout": self.layout.name,
+            "cost_model": None if self.cost_model is None else self.cost_model.name,
             "cp": self.cp,
             "rank": self.rank,
             "strict": self.strict,

@@ -96,3 +96,20 @@ def cp_spans_nodes(group: Optional["dist.ProcessGroup"] = None) -> bool:
     per_node = local_world_size()
     nodes = {rank // per_node for rank in get_cp_global_ranks(group)}
     return len(nodes) > 1
+
+
+def cp_ranks_per_node(group: Optional["dist.ProcessGroup"] = None) -> int:
+    """CP ranks per node when the group's ranks form equal node blocks in CP-rank order, else 0.
+
+    Global ranks are node-major (``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE`` processes
+    per node, as torchrun and srun number them); with tensor parallelism inside a node a CP
+    group holds fewer ranks per node (TP 2 x CP 8 on 8-GPU nodes: 4 CP ranks per node).
+    The two-level cost model (``CostModel.two_level``) needs CP rank r on node r // g.
+    """
+    per_node = local_world_size()
+    nodes = [rank // per_node for rank in get_cp_global_ranks(group)]
+    g = nodes.count(nodes[0])
+    if len(nodes) % g or any(nodes[i] != nodes[(i // g) * g] for i in range(len(nodes))) \
+            or len({nodes[i] for i in range(0, len(nodes), g)}) != len(nodes) // g:
+        return 0
+    return g

@@ -1,6 +1,7 @@
 """Planner for users before they launch: what each layout and exchange costs on their data.
 
-    python -m megatron_ext.plan --data-path PREFIX --seq-length S --cp N [--link nvlink|ib]
+    python -m megatron_ext.plan --data-path PREFIX --seq-length S --cp N
+        [--nodes M | --gpus-per-node G] [--link nvlink|ib] [--flat]
         [--heads 32 --kv-heads 8 --head-dim 128] [--samples 8] [--png plan.png]
 
 Samples ``--samples`` sequences of ``--seq-length`` tokens from a megatron indexed
@@ -8,8 +9,16 @@ dataset (``PREFIX.bin`` / ``PREFIX.idx``), documents split at the EOD token as
 training packs them (megatron_ext.training.data's byte tokenizer: EOD = 256, or
 ``--eod``), runs ``plan_summary`` for every layout (the exact layout + plan code
 of one rank) and prints per layout x exchange the K/V bytes the busiest rank
-receives per layer, work max/mean, the modeled attention time over the ideal
-and the lower bound, and the host plan time; writes a PNG of modeled / ideal.
+receives per layer (and of them, across nodes), work max/mean, the modeled
+attention time over the ideal and the lower bound, the same with the exchange
+streamed behind compute (``CostModel.overlapped``, refetch in backward) and its
+exposed share, and the host plan time; writes a PNG of modeled / ideal.
+
+Topology: the CP group spans ``--nodes`` nodes of ``--gpus-per-node`` CP ranks
+(give either; the other follows from ``--cp``): more than one node prices
+NVLink inside a node and InfiniBand between nodes, with the hierarchical
+exchange (a node's remote keys cross IB once; ``--flat``: every rank fetches
+its own). One node, or neither flag: ``--link`` for the whole group.
 """
 
 import argparse
@@ -25,7 +34,13 @@ def parse_args(argv=None):
     p.add_argument("--data-path", required=True, help="indexed dataset prefix (PREFIX.bin, PREFIX.idx)")
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--cp", type=int, required=True)
-    p.add_argument("--link", default="nvlink", help="nvlink (CP group on one node) or ib (across nodes)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes the CP group spans (two levels when > 1)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="CP ranks per node (default: cp / --nodes); fewer than --cp: two levels")
+    p.add_argument("--flat", action="store_true",
+                   help="two levels without the hierarchical exchange: every rank fetches its own keys")
+    p.add_argument("--link", default="nvlink",
+                   help="one level: nvlink (CP group on one node) or ib (every pair over InfiniBand)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -35,9 +50,18 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", default="plan.png")
     args = p.parse_args(argv)
-    for name in ("seq_length", "cp", "samples"):
-        if getattr(args, name) < 1:
+    for name in ("seq_length", "cp", "samples", "nodes", "gpus_per_node"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.nodes is not None and args.gpus_per_node is not None and args.nodes * args.gpus_per_node != args.cp:
+        p.error(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} != --cp {args.cp}; give one of "
+                "them or make them multiply to --cp")
+    if args.nodes is not None and args.gpus_per_node is None:
+        if args.cp % args.nodes:
+            p.error(f"--cp {args.cp} does not split into --nodes {args.nodes} equal nodes")
+        args.gpus_per_node = args.cp // args.nodes
+    if args.gpus_per_node is not None and args.gpus_per_node < args.cp and args.cp % args.gpus_per_node:
+        p.error(f"--cp {args.cp} does not split into nodes of --gpus-per-node {args.gpus_per_node}")
     for ext in (".bin", ".idx"):
         if not os.path.exists(args.data_path + ext):
             p.error(f"--data-path {args.data_path!r}: {args.data_path + ext} does not exist "
@@ -68,41 +92,63 @@ def sample_sequences(prefix: str, seq_length: int, samples: int, seed: int):
         yield np.concatenate(out)
 
 
+def cost_model_for(args):
+    """Two levels when the group spans nodes (--nodes > 1 or --gpus-per-node < --cp), else --link."""
+    from megatron_ext.blockdiag_cp.cost import CostModel
+
+    dims = (args.heads, args.kv_heads, args.head_dim, args.dtype_bytes)
+    if args.gpus_per_node is not None and args.gpus_per_node < args.cp:
+        return CostModel.two_level(args.gpus_per_node, *dims, hierarchical=not args.flat)
+    return CostModel.preset(args.link, *dims)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     from tqdm import tqdm
 
     from megatron_ext.blockdiag_cp import doc_ids_from_eod, plan_summary
-    from megatron_ext.blockdiag_cp.cost import CostModel
 
-    cost = CostModel.preset(args.link, args.heads, args.kv_heads, args.head_dim, args.dtype_bytes)
+    cost = cost_model_for(args)
+    two_level = cost.spans_nodes(args.cp)
+    needed = "hier" if two_level and cost.hierarchical else "a2a"
     row_bytes = 2 * args.kv_heads * args.head_dim * args.dtype_bytes  # K and V of one position
-    results = {(l, x): [] for l in LAYOUTS for x in ("a2a", "allgather")}
+    results = {(l, x): [] for l in LAYOUTS for x in (needed, "allgather")}
+    warm = True  # the first plan of a process pays one-time costs (lazy inits): plan once untimed
     for tokens in tqdm(sample_sequences(args.data_path, args.seq_length, args.samples, args.seed),
                        total=args.samples, desc="planning", disable=args.samples < 4, file=sys.stderr):
         ids = doc_ids_from_eod(torch.from_numpy(tokens).unsqueeze(0), args.eod)[0]
+        if warm:
+            for layout in LAYOUTS:
+                plan_summary(ids, args.cp, layout=layout, cost_model=cost)
+            warm = False
         for layout in LAYOUTS:
             s = plan_summary(ids, args.cp, layout=layout, cost_model=cost)
-            for exchange, key in (("a2a", "needed_positions_per_rank"), ("allgather", "allgather_positions_per_rank")):
-                work = torch.tensor(s["work_per_rank"], dtype=torch.float64)
-                need = torch.tensor(s[key])
-                modeled = cost.modeled_seconds(work, need)
+            for exchange, traffic, modeled, overlap, exposed in (
+                    (needed, s["traffic"], s["modeled_seconds"], s["overlap_seconds"], s["exposed_share"]),
+                    ("allgather", s["traffic_allgather"], s["modeled_allgather_seconds"],
+                     s["overlap_allgather_seconds"], s["exposed_allgather_share"])):
+                received = traffic.intra_in + traffic.inter_in
                 results[(layout, exchange)].append({
-                    "bytes": int(need.max()) * row_bytes, "balance": s["work_max_over_mean"],
-                    "modeled": modeled, "over_ideal": modeled / s["ideal_seconds"],
-                    "over_bound": modeled / s["lower_bound_seconds"], "plan_ms": 1e3 * s["plan_seconds"]})
+                    "bytes": int(received.max()) * row_bytes, "inter_bytes": int(traffic.inter_in.max()) * row_bytes,
+                    "balance": s["work_max_over_mean"], "modeled": modeled,
+                    "over_ideal": modeled / s["ideal_seconds"], "over_bound": modeled / s["lower_bound_seconds"],
+                    "overlap_over_ideal": overlap / s["ideal_seconds"], "exposed": exposed,
+                    "plan_ms": 1e3 * s["plan_seconds"]})
 
-    print(f"S={args.seq_length} cp={args.cp} link={args.link} heads={args.heads}/{args.kv_heads} "
+    topology = (f"{cost.nodes(args.cp)} nodes x {cost.ranks_per_node} (NVLink inside, IB between"
+                f"{', hierarchical' if cost.hierarchical else ', flat'})" if two_level else f"link={args.link}")
+    print(f"S={args.seq_length} cp={args.cp} {topology} heads={args.heads}/{args.kv_heads} "
           f"head_dim={args.head_dim}; {args.samples} samples from {args.data_path}; means over samples, "
-          "per attention layer, forward")
-    print(f"{'layout':<11} {'exchange':<10} {'K/V MiB max':>11} {'work max/mean':>13} {'modeled ms':>10} "
-          f"{'/ideal':>7} {'/bound':>7} {'plan ms':>8}")
+          "per attention layer; K/V received in forward (IB: of it, across nodes)")
+    print(f"{'layout':<11} {'exchange':<10} {'K/V MiB max':>11} {'IB MiB max':>10} {'work max/mean':>13} "
+          f"{'modeled ms':>10} {'/ideal':>7} {'/bound':>7} {'overlap/ideal':>13} {'exposed':>8} {'plan ms':>8}")
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     for (layout, exchange), rs in results.items():
-        print(f"{layout:<11} {exchange:<10} {mean(rs, 'bytes') / 2**20:>11.2f} {mean(rs, 'balance'):>13.3f} "
-              f"{1e3 * mean(rs, 'modeled'):>10.3f} {mean(rs, 'over_ideal'):>7.2f} {mean(rs, 'over_bound'):>7.2f} "
-              f"{mean(rs, 'plan_ms'):>8.1f}")
+        print(f"{layout:<11} {exchange:<10} {mean(rs, 'bytes') / 2**20:>11.2f} {mean(rs, 'inter_bytes') / 2**20:>10.2f} "
+              f"{mean(rs, 'balance'):>13.3f} {1e3 * mean(rs, 'modeled'):>10.3f} {mean(rs, 'over_ideal'):>7.2f} "
+              f"{mean(rs, 'over_bound'):>7.2f} {mean(rs, 'overlap_over_ideal'):>13.2f} "
+              f"{100 * mean(rs, 'exposed'):>7.0f}% {mean(rs, 'plan_ms'):>8.1f}")
 
     import matplotlib
 
@@ -114,7 +160,7 @@ def main(argv=None) -> int:
     ax.bar(range(len(labels)), [mean(rs, "over_ideal") for rs in results.values()])
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("modeled / ideal")
-    ax.set_title(f"S={args.seq_length}, cp={args.cp}, {args.link}")
+    ax.set_title(f"S={args.seq_length}, cp={args.cp}, {cost.name.split(':')[0]}")
     fig.tight_layout()
     fig.savefig(args.png, dpi=100)
     plt.close(fig)

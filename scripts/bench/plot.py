@@ -229,7 +229,7 @@ def plot_scale(rows: List[Dict], out_dir: str) -> str:
         return ""
     S = max(r["S"] for r in sc)
     mixes = sorted({r["mix"] for r in sc})
-    links = [l for l in ("nvlink", "ib") if any(r["link"] == l for r in sc)]
+    links = [l for l in ("nvlink", "ib", "2lvl") if any(r["link"] == l for r in sc)]
     fig, axes = plt.subplots(len(links), len(mixes), figsize=(4.2 * len(mixes), 3.4 * len(links)),
                              squeeze=False)
     for i, link in enumerate(links):

@@ -282,11 +282,14 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
 
     import scale
 
-    out.append("## Scale (plan only, issue 10)\n")
+    bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+    out.append("## Scale (plan only, issues 10 and 19)\n")
+    two_level_section(rows, out, bench_dir)
+    worst_case_section(rows, out, bench_dir)
+    out.append("### Issue 10's points (one link for the whole group)\n")
     out.append("Balanced at the issue's target points (NVLink: work max/mean <= 1.05 and modeled <= 1.2x "
                "ideal; IB: modeled <= 1.6x ideal; never worse than contiguous or zigzag). `bound` is "
                "prepare.modeled_lower_bound over the ideal.\n")
-    bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
     round1_path = os.path.join(bench_dir, "scale_round1.json")
     round1 = {}
     if os.path.exists(round1_path):  # the first issue-10 engine (interval plan, first balanced search)
@@ -294,7 +297,7 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
     out.append("| S | cp | link | mix | max/mean | modeled/ideal | round 1 | bound/ideal | modeled/bound | "
                "end keys / share | candidate | <= peers | target |")
     out.append("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---|")
-    for t in scale.targets(rows):
+    for t in scale.targets([r for r in rows if r.get("link") != "2lvl"]):
         r1 = round1.get((t["S"], t["cp"], "balanced", t["mix"], t["link"]))
         r1_mo = f"{r1['modeled_over_ideal']:.3f}" if r1 else "-"
         out.append(f"| {t['S']} | {t['cp']} | {t['link']} | {t['mix']} | {t['work_max_over_mean']:.3f} | "
@@ -305,13 +308,13 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
     out.append("")
     out.append("`end keys / share`: the K/V positions the holder of the longest document's last token must "
                "receive (all its earlier ones), times the cost model's pairs per position, over a rank's work "
-               "share. The misses on IB are the points where that document is heavier than a rank's share (so "
-               "it must be split) and this ratio is 0.65-1.04: every rank holding a late piece of it pays "
-               "nearly that traffic before its own work, so the late pieces are thin and spread over many "
-               "ranks that each pay it. The bound sees only the last holder and the ideal work, which is why "
-               "modeled/bound stays at 1.5-1.7 there; the search found nothing under 1.6x. At 32k / cp 8 "
-               "(NVLink) there are 10-25 documents: the split document's pieces and the whole ones do not "
-               "pack finer than 1.20-1.25. `candidate`: the balanced search's choice (balanced.py).\n")
+               "share. Since issue 19 every link is priced by the larger of what a rank receives and sends (an "
+               "owner whose rows many ranks need pays for sending them), so these rows are not comparable with "
+               "the `round 1` column (receives only): one IB link for 16-64 ranks misses 1.6x where a document "
+               "heavier than a rank's share must be split (ratio 0.65-1.04), and the two-level tables above "
+               "show what the same points cost on 8-GPU nodes. At 32k / cp 8 (NVLink) there are 10-25 "
+               "documents: the split document's pieces and the whole ones do not pack finer than 1.20-1.25. "
+               "`candidate`: the balanced search's choice (balanced.py).\n")
     before_path = os.path.join(bench_dir, "scale_before.json")
     if os.path.exists(before_path):
         before = {(r["S"], r["cp"], r["layout"]): r for r in json.load(open(before_path))}
@@ -334,7 +337,7 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
                        f"{a['modeled_over_ideal']:.2f} |")
         out.append("")
     out.append("Plan ms (layout + plan, last rank, one core: CPU time of the planning thread, median of 3), "
-               "worst over mixes and links; targets <= 10 ms at 128k / cp 8 and <= 100 ms at 1M / cp 64:\n")
+               "worst over the three scale mixes and the topologies (nvlink, ib, 2lvl):\n")
     layouts = [l for l in ("contiguous", "zigzag", "balanced", "te_thd") if any(r["layout"] == l for r in sc)]
     out.append("| S | cp | " + " | ".join(layouts) + " |")
     out.append("|---:|---:|" + "---:|" * len(layouts))
@@ -344,6 +347,100 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
             v = [r["plan_seconds"] for r in sc if (r["S"], r["cp"], r["layout"]) == (S, cp, l)]
             cells.append(f"{1e3 * max(v):.1f}" if v else "-")
         out.append(f"| {S} | {cp} | " + " | ".join(cells) + " |")
+    out.append("")
+
+
+
+
+def _before(bench_dir: str) -> Dict:
+    """bench/scale19_before.json: the engine before issue 19 (see bench/README.md), or {}."""
+    import json
+
+    path = os.path.join(bench_dir, "scale19_before.json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def two_level_section(rows: List[Dict], out: List[str], bench_dir: str) -> None:
+    import scale
+
+    targets = scale.two_level_targets(rows)
+    if not targets:
+        return
+    before = {(r["S"], r["cp"], r["mix"]): r for r in _before(bench_dir).get("modeled", [])}
+    out.append("### Two levels (issue 19): 8 GPUs per node, NVLink inside, IB between\n")
+    out.append("Balanced's modeled attention time over the ideal (cost.py, Hq 32, Hkv 8, D 128, bf16; sends "
+               "and receives priced per link) at the target points, no overlap counted: target <= "
+               f"{scale.TWO_LEVEL_LIMIT}x, <= {scale.FITS_LIMIT}x where every document fits a node's share "
+               "(tokens and work). `before`: the engine before issue 19 (its balanced layout, planned for IB, "
+               "with every rank fetching its own keys; bench/scale19_before.json) under the same model. "
+               "`uniform IB`: every pair over IB (one level). `overlap`: the streamed op "
+               "(`CostModel.overlapped`), backward refetching (and saving) the K/V; `exposed`: the busiest "
+               "rank's communication left after overlap.\n")
+    out.append("| S | cp | mix | fits a node | max/mean | 2lvl before | 2lvl now | uniform IB before | uniform IB now "
+               "| 2lvl overlap (refetch / save) | exposed | uniform IB overlap | <= peers | candidate | target |")
+    out.append("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
+    for t in targets:
+        b = before.get((t["S"], t["cp"], t["mix"]), {})
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        out.append(f"| {t['S']} | {t['cp']} | {t['mix']} | {'yes' if t['fits_a_node'] else 'no'} | "
+                   f"{t['work_max_over_mean']:.3f} | {fmt(b.get('two_flat'))} | {t['modeled_over_ideal']:.3f} | "
+                   f"{fmt(b.get('uib'))} | {fmt(t['uniform_ib'])} | {t['overlap_over_ideal']:.3f} / "
+                   f"{fmt(t['overlap_save_over_ideal'])} | {100 * t['exposed_share']:.0f}% | "
+                   f"{fmt(t['uniform_ib_overlap'])} | {_mark(t['not_worse_than_peers'])} | "
+                   f"`{t['candidate'][:60]}` | {_mark(t['held'])} (<= {t['limit']}) |")
+    out.append("")
+
+
+def worst_case_section(rows: List[Dict], out: List[str], bench_dir: str) -> None:
+    import scale
+
+    wc = [r for r in rows if r["suite"] == "scale_worst"]
+    if not wc:
+        return
+    n_mixes = len({r["mix"] for r in wc})
+    before = _before(bench_dir)
+    side = {}  # (S, cp, layout) -> (worst before, worst after) of the side-by-side run
+    for r in before.get("plan_ms", []):
+        key = (r["S"], r["cp"], r["layout"])
+        b, a = side.get(key, (0.0, 0.0))
+        side[key] = (max(b, r["before_ms"]), max(a, r["after_ms"]))
+    out.append(f"### Worst case over {n_mixes} random mixes (issue 19)\n")
+    out.append("Mixes: `megatron_ext.testing.mixes.worst_case_mix_params` (lognormal sigma 0.5-1.5 around 256-8k "
+               "tokens, uniform, heavy-tailed with one document of S/8-S/2, one document). Plan: one rank's "
+               "layout + plan (`prepare_plan`, last rank), CPU ms of the planning thread, median of 3 after one "
+               "warm-up, worst over the mixes (and which). `side by side`: the engine before issue 19 and "
+               "this one measured alternately in one run (bench/scale19_before.json, "
+               f"{before.get('measured', 'not measured')}; the machine is shared: compare within a run).\n")
+    out.append("| S | cp | topology | layout | worst plan ms | mix | side by side: before | after | target |")
+    out.append("|---:|---:|---|---|---:|---|---:|---:|---|")
+    for S, cp, link, limit in scale.SPEED_POINTS:
+        for layout in scale.LAYOUTS + ("te_thd",):
+            got = [r for r in wc if r["kind"] == "speed" and (r["S"], r["cp"], r["layout"]) == (S, cp, layout)]
+            if not got:
+                continue
+            w = max(got, key=lambda r: r["plan_seconds"])
+            b, a = side.get((S, cp, layout), (None, None))
+            out.append(f"| {S} | {cp} | {link} | {layout} | {1e3 * w['plan_seconds']:.1f} | {w['mix']} | "
+                       f"{'-' if b is None else f'{b:.1f}'} | {'-' if a is None else f'{a:.1f}'} | "
+                       f"{_mark(1e3 * w['plan_seconds'] <= limit)} (<= {limit:.0f}) |")
+    out.append("")
+    out.append("Modeled / ideal over the same mixes (no overlap; overlap with refetch), worst and median over "
+               "the mixes, per layout; `fits` = worst over the mixes whose every document fits a node:\n")
+    out.append("| S | cp | topology | layout | worst | mix | median | worst fits | worst overlap |")
+    out.append("|---:|---:|---|---|---:|---|---:|---:|---:|")
+    for S, cp in scale.TWO_LEVEL_POINTS:
+        for link in ("2lvl", "ib"):
+            for layout in scale.LAYOUTS:
+                got = [r for r in wc if r["kind"] == "modeled" and (r["S"], r["cp"], r["link"], r["layout"]) ==
+                       (S, cp, link, layout)]
+                if not got:
+                    continue
+                w = max(got, key=lambda r: r["modeled_over_ideal"])
+                vals = sorted(r["modeled_over_ideal"] for r in got)
+                fits = [r["modeled_over_ideal"] for r in got if r["fits_a_node"]]
+                out.append(f"| {S} | {cp} | {link} | {layout} | {w['modeled_over_ideal']:.3f} | {w['mix']} | "
+                           f"{vals[len(vals) // 2]:.3f} | {'-' if not fits else f'{max(fits):.3f}'} | "
+                           f"{max(r['overlap_over_ideal'] for r in got):.3f} |")
     out.append("")
 
 

@@ -1,0 +1,110 @@
+"""The hierarchical needed-only K/V exchange: a node's remote rows cross InfiniBand once.
+
+``hierarchical_needed_kv(kv, route, group, stats)`` returns exactly the needed-only buffer
+(this rank's local rows, then the received rows grouped
+by source rank in rank order, ascending global position within a source), but
+moves them in two stages (``hierarchy.HierarchicalRoute``):
+
+1. one exchange over the CP group: rows to the ranks of this node that need
+   them, and rows a remote node needs to the fetcher of that node's window;
+2. inside the node: each fetcher forwards what it fetched to the ranks that need it.
+
+Backward runs the stages in reverse: gradients of forwarded rows go back to
+their fetcher, which sums them with its own use and sends the sums to the
+owners; an owner index-adds what comes back (a row used by several ranks sums
+their gradients). Whether a stage moves anything is decided from the global
+routes, so every rank issues the same collectives.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .hierarchy import HierarchicalRoute
+
+
+def _move(send: torch.Tensor, send_counts: List[int], recv_counts: List[int], group, use_p2p: bool) -> torch.Tensor:
+    """Rows grouped by destination -> rows grouped by source (all-to-all-v, or p2p with the non-empty peers)."""
+    recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
+    if not use_p2p:
+        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts,
+                               input_split_sizes=send_counts, group=group)
+        return recv
+    ranks = dist.get_process_group_ranks(group)
+    ops = [dist.P2POp(dist.irecv, chunk, ranks[peer], group)
+           for peer, (chunk, n) in enumerate(zip(recv.split(recv_counts), recv_counts)) if n]
+    ops += [dist.P2POp(dist.isend, chunk.contiguous(), ranks[peer], group)
+            for peer, (chunk, n) in enumerate(zip(send.split(send_counts), send_counts)) if n]
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return recv
+
+
+class _HierarchicalKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kv, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict):
+        ctx.route, ctx.group, ctx.use_p2p = route, group, use_p2p
+        L = kv.shape[0]
+        tail = tuple(kv.shape[1:])
+        recv1 = kv.new_empty((0,) + tail)
+        if route.stage1_moves:
+            recv1 = _move(kv.index_select(0, route.send1_index), route.send1_counts, route.recv1_counts,
+                          group, use_p2p)  # [sum(recv1_counts), b, F]
+        recv2 = kv.new_empty((0,) + tail)
+        if route.stage2_moves:
+            recv2 = _move(recv1.index_select(0, route.send2_index), route.send2_counts, route.recv2_counts,
+                          group, use_p2p)
+        out = kv.new_empty((route.out_rows,) + tail)
+        out[:L] = kv
+        keep = route.slot1 >= 0
+        out.index_copy_(0, route.slot1[keep], recv1[keep])
+        out.index_copy_(0, route.slot2, recv2)
+        row = kv[0].numel() * kv.element_size() if L else 0
+        sent = sum(route.send1_counts) + sum(route.send2_counts)
+        received = sum(route.recv1_counts) + sum(route.recv2_counts)
+        stats.update(bytes_sent=sent * row, bytes_received=received * row,
+                     bytes_inter_node_sent=route.inter1_send * row, bytes_inter_node_received=route.inter1_recv * row,
+                     bytes_intra_node_sent=(sent - route.inter1_send) * row,
+                     bytes_intra_node_received=(received - route.inter1_recv) * row)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        route, group, use_p2p = ctx.route, ctx.group, ctx.use_p2p
+        L = route.local_len
+        tail = tuple(grad.shape[1:])
+        grad = grad.contiguous()
+        grad_kv = grad[:L].clone()
+        keep = route.slot1 >= 0
+        grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)
+        grad1[keep] = grad.index_select(0, route.slot1[keep])
+        if route.stage2_moves:
+            back2 = _move(grad.index_select(0, route.slot2), route.recv2_counts, route.send2_counts, group, use_p2p)
+            grad1.index_add_(0, route.send2_index, back2)  # the fetcher sums its peers' grads with its own
+        if route.stage1_moves:
+            back1 = _move(grad1, route.recv1_counts, route.send1_counts, group, use_p2p)
+            grad_kv.index_add_(0, route.send1_index, back1)  # an owner sums every rank's grads of a row
+        return grad_kv, None, None, None, None
+
+
+def hierarchical_needed_kv(kv: torch.Tensor, route: HierarchicalRoute, group, stats: Optional[Dict] = None,
+                           use_p2p: bool = False) -> torch.Tensor:
+    """[L, b, F] -> [L + needed, b, F]: the needed-only buffer, moved through the node routes.
+
+    ``route``: this rank's ``hierarchy.HierarchicalRoute`` (``route.to(kv.device)`` once per
+    step). ``stats`` gets bytes_sent / bytes_received (both stages) and their
+    inter-node (stage 1 across nodes) and intra-node parts. ``use_p2p``: batched
+    isend/irecv with the non-empty peers instead of all-to-all-v.
+    """
+    if kv.shape[0] != route.local_len:
+        raise ValueError(f"hierarchical_needed_kv: kv has {kv.shape[0]} rows, the route is for local_len "
+                         f"{route.local_len}")
+    if route.send1_index.device != kv.device:
+        route = route.to(kv.device)
+    stats = {} if stats is None else stats
+    return _HierarchicalKV.apply(kv, route, group, use_p2p, stats)
+
+
+__all__ = ["hierarchical_needed_kv"]

@@ -1,0 +1,347 @@
+"""Two-level K/V routes: what a node needs from another node crosses InfiniBand once.
+
+A CP group of ``cp`` ranks on nodes of ``g`` ranks (rank r on node r // g). The
+needed-only exchange (``plan.ExchangeTables``) has every rank fetch its own rows,
+so when the 8 ranks of a node all hold pieces of a long document, its earlier
+keys cross IB 8 times. The hierarchical exchange (the idea of TransformerEngine's
+``a2a+p2p`` CP) routes them in two stages:
+
+1. one exchange over the group: a rank sends its rows to the ranks of its own
+   node that need them (direct, NVLink), and the rows a *remote* node needs to
+   that node's fetchers (IB). Node N's remote rows R(N) (the positions its ranks
+   need and no rank of N owns, ascending) are cut into ``g`` equal windows; the
+   j-th rank of N fetches window j, from whichever ranks own it. Every row of
+   R(N) crosses IB once, and N's NICs share the load equally;
+2. inside each node: a fetcher forwards the rows of its window to the other
+   ranks of its node that need them (NVLink).
+
+Every table is computed on every rank from the layout's runs and the needed
+intervals (``intervals.work_and_intervals``), like ``plan.ExchangeTables``: the
+same decisions everywhere, no communication. ``NodeRoutes`` holds the global
+pieces (what the cost model prices, ``layout_traffic``); ``HierarchicalRoute`` is
+one rank's indices for the transport (``hierarchical_exchange``), whose output
+equals the needed-only buffer: local rows, then the received rows grouped
+by source rank in rank order, ascending position within a source.
+"""
+
+from dataclasses import dataclass, fields
+from typing import List, Optional, Sequence
+
+import torch
+
+from .cost import CostModel, Traffic
+from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, flat_ranges, merge_intervals,
+                        overlap_counts, overlap_pieces, ranges, work_and_intervals)
+
+
+@dataclass(frozen=True)
+class NodeRoutes:
+    """The two-stage routes of a whole group (global: identical on every rank).
+
+    Fetch pieces (stage 1, IB): ``owner`` sends positions [start, end) to
+    ``fetcher`` (a rank of another node); node-major, ascending within a node.
+    Forward pieces (stage 2, NVLink): ``fetcher`` forwards [start, end) (owned by
+    ``owner``) to ``dst`` of its node; ascending position per (fetcher, dst).
+    ``direct[src, dst]``: positions sent straight to a rank of the same node.
+    """
+
+    cp: int
+    ranks_per_node: int
+    padded_len: int
+    direct: torch.Tensor  # [cp, cp] int64
+    fetch_owner: torch.Tensor
+    fetch_rank: torch.Tensor
+    fetch_start: torch.Tensor
+    fetch_end: torch.Tensor
+    forward_fetcher: torch.Tensor
+    forward_dst: torch.Tensor
+    forward_owner: torch.Tensor
+    forward_start: torch.Tensor
+    forward_end: torch.Tensor
+
+    def fetch_counts(self) -> torch.Tensor:
+        """[cp, cp] positions owner -> fetcher over IB."""
+        return _matrix(self.cp, self.fetch_owner, self.fetch_rank, self.fetch_end - self.fetch_start)
+
+    def forward_counts(self) -> torch.Tensor:
+        """[cp, cp] positions fetcher -> dst over NVLink."""
+        return _matrix(self.cp, self.forward_fetcher, self.forward_dst, self.forward_end - self.forward_start)
+
+    def traffic(self) -> Traffic:
+        fetch, fwd = self.fetch_counts(), self.forward_counts()
+        nz = lambda m: (m > 0).long()  # noqa: E731
+        intra_msgs = torch.maximum(nz(self.direct).sum(0) + nz(fwd).sum(0), nz(self.direct).sum(1) + nz(fwd).sum(1))
+        return Traffic(self.direct.sum(0) + fwd.sum(0), self.direct.sum(1) + fwd.sum(1),
+                       fetch.sum(0), fetch.sum(1), intra_msgs,
+                       torch.maximum(nz(fetch).sum(0), nz(fetch).sum(1)))
+
+
+def _matrix(cp: int, src: torch.Tensor, dst: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(cp * cp, dtype=torch.long).index_add_(0, src * cp + dst, n).view(cp, cp)
+
+
+def node_routes(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks_per_node: int,
+                counts: Optional[torch.Tensor] = None) -> NodeRoutes:
+    """The routes for needed intervals (dst, a, b) (disjoint per dst, sorted by (dst, a)).
+
+    ``counts``: ``overlap_counts(runs, dst, a, b)`` when already at hand.
+    """
+    cp, P, g = runs.cp, runs.padded_len, int(ranks_per_node)
+    if g < 1:
+        raise ValueError(f"node_routes: ranks_per_node must be >= 1, got {ranks_per_node!r}")
+    rank = torch.arange(cp)
+    same = (rank.view(-1, 1) // g) == (rank.view(1, -1) // g)
+    counts = overlap_counts(runs, dst, a, b) if counts is None else counts
+    direct = counts * same
+    empty = torch.empty(0, dtype=torch.long)
+
+    # R(N): node N's needed intervals (union over its ranks) cut at the owners' runs, remote owners only.
+    node, na, nb = merge_intervals(dst // g, a, b, P)
+    by_start, by_len, by_run = runs.by_position()
+    which, part, pa, pb = clip(na, nb, by_start, by_start + by_len) if na.numel() else (empty,) * 4
+    owner = runs.rank[by_run[part]]
+    N = node[which]
+    remote = owner // g != N
+    N, owner, pa, pb = N[remote], owner[remote], pa[remote], pb[remote]
+    n_nodes = -(-cp // g)
+    if N.numel() == 0:
+        return NodeRoutes(cp, g, P, direct, *(empty,) * 4, *(empty,) * 5)
+
+    # Windows: node N's remote rows, in position order, cut into g equal shares (fetcher j takes share j).
+    length = pb - pa
+    total = torch.zeros(n_nodes, dtype=torch.long).index_add_(0, N, length)
+    node_base = torch.cumsum(total, 0) - total
+    off = torch.cumsum(length, 0) - length - node_base[N]  # offset of each piece inside its node's R(N)
+    j = torch.arange(g + 1)
+    bounds = (total.view(-1, 1) * j.view(1, -1)) // g  # [n_nodes, g + 1]
+    stride = P + 1
+    inner = (torch.arange(n_nodes).view(-1, 1) * stride + bounds[:, 1:g]).reshape(-1)  # interior bounds
+    first = torch.searchsorted(inner, N * stride + off, right=True) - N * (g - 1)
+    last = torch.searchsorted(inner, N * stride + off + length - 1, right=True) - N * (g - 1)
+    piece, window = _expand(first, last - first + 1)
+    lo = torch.maximum(off[piece], bounds[N[piece], window])
+    hi = torch.minimum(off[piece] + length[piece], bounds[N[piece], window + 1])
+    keep = hi > lo
+    piece, window, lo, hi = piece[keep], window[keep], lo[keep], hi[keep]
+    f_owner = owner[piece]
+    f_rank = N[piece] * g + window
+    f_start = pa[piece] + lo - off[piece]
+    f_end = f_start + (hi - lo)
+    keep = f_rank < cp  # a last, partial node has fewer than g ranks: its empty windows past cp hold nothing
+    f_owner, f_rank, f_start, f_end = f_owner[keep], f_rank[keep], f_start[keep], f_end[keep]
+
+    # Stage 2: every rank's intervals against its node's fetch pieces (disjoint, ascending per node).
+    f_node = f_rank // g
+    q, t, x, y = overlap_pieces(f_node * stride + f_start, f_node * stride + f_end,
+                                (dst // g) * stride + a, (dst // g) * stride + b)
+    fwd_fetcher, fwd_dst = f_rank[t], dst[q]
+    keep = fwd_fetcher != fwd_dst
+    base = (fwd_dst // g) * stride
+    return NodeRoutes(cp, g, P, direct, f_owner, f_rank, f_start, f_end,
+                      fwd_fetcher[keep], fwd_dst[keep], f_owner[t][keep], (x - base)[keep], (y - base)[keep])
+
+
+def layout_traffic(runs: RankRuns, rows: Sequence[DocRuns], cost_model: CostModel, exchange: str = "needed",
+                   intervals=None, counts: Optional[torch.Tensor] = None) -> Traffic:
+    """What each rank receives and sends, by link, for this layout under ``cost_model``'s topology.
+
+    ``exchange``: "needed" (needed-only: a2a / halo, or the hierarchical routes of
+    a two-level hierarchical model) or "allgather" (every rank's rows to every
+    rank, a ring: across nodes the slowest hop, IB, sets every step).
+    ``intervals`` (dst, a, b) and ``counts`` when already at hand.
+    """
+    cp, L = runs.cp, runs.local_len
+    g = cost_model.ranks_per_node
+    two_level = cost_model.spans_nodes(cp)
+    if exchange == "allgather":
+        moved = torch.full((cp,), (cp - 1) * L, dtype=torch.long)
+        zero, msgs = torch.zeros(cp, dtype=torch.long), torch.full((cp,), 1 if cp > 1 else 0)
+        if two_level:
+            return Traffic(zero, zero, moved, moved, zero, msgs)
+        return Traffic(moved, moved, zero, zero, msgs, zero)
+    if exchange != "needed":
+        raise ValueError(f"layout_traffic: exchange must be 'needed' or 'allgather', got {exchange!r}")
+    if intervals is None:
+        _, dst, a, b = work_and_intervals(runs, rows)
+    else:
+        dst, a, b = intervals
+    if counts is None:
+        counts = overlap_counts(runs, dst, a, b)
+    if two_level and cost_model.hierarchical:
+        return node_routes(runs, dst, a, b, g, counts).traffic()
+    return Traffic.from_counts(counts, g if two_level else 0)
+
+
+# ---------------------------------------------------------------------------
+# One rank's route: the transport's indices
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HierarchicalRoute:
+    """This rank's indices for ``hierarchical_exchange.hierarchical_needed_kv``.
+
+    Stage 1 (one exchange over the CP group): ``send1_index`` local rows grouped by
+    peer in rank order (``send1_counts``), received into a buffer grouped by peer
+    (``recv1_counts``). Stage 2 (inside the node): ``send2_index`` rows of the
+    stage-1 buffer forwarded per peer (``send2_counts``), ``recv2_counts`` received.
+    The output buffer [local_len + needed] takes the stage-1 rows at ``slot1``
+    (-1: fetched for the node only, not needed here) and the stage-2 rows at ``slot2``.
+    ``inter1_send`` / ``inter1_recv``: stage-1 rows that cross a node boundary.
+    """
+
+    rank: int
+    cp: int
+    ranks_per_node: int
+    local_len: int
+    out_rows: int  # local_len + positions this rank needs and does not own
+    send1_index: torch.Tensor
+    send1_counts: List[int]
+    recv1_counts: List[int]
+    send2_index: torch.Tensor
+    send2_counts: List[int]
+    recv2_counts: List[int]
+    slot1: torch.Tensor
+    slot2: torch.Tensor
+    stage1_moves: bool  # anything moves in stage 1 on any rank (global: the same on every rank)
+    stage2_moves: bool
+    inter1_send: int
+    inter1_recv: int
+
+    def to(self, device) -> "HierarchicalRoute":
+        """The same route with its index tensors on ``device`` (once per step, not per layer)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("send1_index", "send2_index", "slot1", "slot2"):
+            values[name] = values[name].to(device)
+        return HierarchicalRoute(**values)
+
+
+def build_hierarchical_route(layout, doc_ids: torch.Tensor, rank: int, ranks_per_node: int,
+                             routes: Optional[NodeRoutes] = None) -> HierarchicalRoute:
+    """This rank's route for ``layout`` (``layout.Layout``) and padded doc ids [R, P] or [P].
+
+    Computed identically on every rank from global tables; ``routes`` when already at hand.
+    """
+    runs = layout.runs
+    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
+    rows = [document_runs(ids[r]) for r in range(ids.shape[0])]
+    _, dst, a, b = work_and_intervals(runs, rows)
+    if routes is None:
+        routes = node_routes(runs, dst, a, b, ranks_per_node)
+    return rank_route(routes, runs, (dst, a, b), rank)
+
+
+def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> HierarchicalRoute:
+    """One rank's view of ``routes`` (see ``HierarchicalRoute``)."""
+    dst, a, b = intervals
+    cp, g, P, L = routes.cp, routes.ranks_per_node, routes.padded_len, runs.local_len
+    node = rank // g
+    empty = torch.empty(0, dtype=torch.long)
+    stride = P + 1
+
+    def local_rows(starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Local indices of this rank's positions [start, end) (each inside one of its runs)."""
+        if starts.numel() == 0:
+            return empty
+        return ranges(runs.flat_before(starts, rank) - rank * L, ends - starts)
+
+    def positions_of(src: int, d: int):
+        """(start, end) of the ranges of src's positions inside d's intervals, ascending."""
+        mine = dst == d
+        if not bool(mine.any()):
+            return empty, empty
+        lo, hi = flat_ranges(runs, a[mine], b[mine], src)
+        keep = hi > lo
+        lo, hi = lo[keep], hi[keep]
+        # flat -> positions through src's runs: a flat range inside one run maps linearly
+        from .intervals import map_ranges
+        s = runs.of_rank(src)
+        _, start, n = map_ranges(runs.flat[s], runs.length[s], runs.start[s], lo, hi - lo)
+        return start, start + n
+
+    # Stage 1: per peer in rank order, what this rank sends and receives.
+    send_parts, send_counts, recv_keys, recv_counts = [], [], [], []
+    inter_send = inter_recv = 0
+    for peer in range(cp):
+        if peer == rank:
+            send_counts.append(0)
+            recv_counts.append(0)
+            continue
+        if peer // g == node:  # direct, inside the node
+            s_start, s_end = positions_of(rank, peer)
+            r_start, r_end = positions_of(peer, rank)
+        else:  # fetch pieces: this rank as owner (to fetcher peer) and as fetcher (from owner peer)
+            out = (routes.fetch_owner == rank) & (routes.fetch_rank == peer)
+            inc = (routes.fetch_rank == rank) & (routes.fetch_owner == peer)
+            s_start, s_end = routes.fetch_start[out], routes.fetch_end[out]
+            r_start, r_end = routes.fetch_start[inc], routes.fetch_end[inc]
+        rows = local_rows(s_start, s_end)
+        send_parts.append(rows)
+        send_counts.append(rows.numel())
+        recv_pos = ranges(r_start, r_end - r_start)
+        recv_keys.append(peer * stride + recv_pos)
+        recv_counts.append(recv_pos.numel())
+        if peer // g != node:
+            inter_send += rows.numel()
+            inter_recv += recv_pos.numel()
+    send1_index = torch.cat(send_parts) if send_parts else empty
+    recv1_key = torch.cat(recv_keys) if recv_keys else empty  # ascending: by peer, then position
+
+    # What this rank needs, as (source, position) keys in the output buffer's order.
+    need_parts = []
+    for src in range(cp):
+        if src != rank:
+            start, end = positions_of(src, rank)
+            need_parts.append(src * stride + ranges(start, end - start))
+    need_key = torch.cat(need_parts) if need_parts else empty
+    out_rows = L + need_key.numel()
+
+    def slots(keys: torch.Tensor) -> torch.Tensor:
+        """Output slot of each (source, position) key, -1 where this rank does not need it."""
+        if keys.numel() == 0:
+            return empty
+        i = torch.searchsorted(need_key, keys).clamp(max=max(need_key.numel() - 1, 0))
+        found = need_key.numel() > 0
+        hit = (need_key[i] == keys) if found else torch.zeros_like(keys, dtype=torch.bool)
+        return torch.where(hit, L + i, torch.full_like(keys, -1))
+
+    # Stage 2: forward pieces from this rank (as fetcher) and to it, per node peer in rank order.
+    send2_parts, send2_counts, recv2_keys, recv2_counts = [], [], [], []
+    for peer in range(cp):
+        if peer == rank or peer // g != node:
+            send2_counts.append(0)
+            recv2_counts.append(0)
+            continue
+        out = (routes.forward_fetcher == rank) & (routes.forward_dst == peer)
+        o_owner, o_start, o_end = routes.forward_owner[out], routes.forward_start[out], routes.forward_end[out]
+        # Each forward piece lies inside one fetch piece: contiguous rows of the stage-1 buffer.
+        first = torch.searchsorted(recv1_key, o_owner * stride + o_start)
+        rows = ranges(first, o_end - o_start)
+        send2_parts.append(rows)
+        send2_counts.append(rows.numel())
+        inc = (routes.forward_fetcher == peer) & (routes.forward_dst == rank)
+        i_owner, i_start, i_end = routes.forward_owner[inc], routes.forward_start[inc], routes.forward_end[inc]
+        owner_rows = torch.repeat_interleave(i_owner, i_end - i_start)
+        recv2_keys.append(owner_rows * stride + ranges(i_start, i_end - i_start))
+        recv2_counts.append(int((i_end - i_start).sum()))
+    send2_index = torch.cat(send2_parts) if send2_parts else empty
+    recv2_key = torch.cat(recv2_keys) if recv2_keys else empty
+
+    slot1 = slots(recv1_key)
+    slot2 = slots(recv2_key)
+    assert bool((slot2 >= 0).all()), "route bug: a forwarded row is not needed by its destination"
+    delivered = torch.zeros(out_rows, dtype=torch.long)
+    delivered[slot1[slot1 >= 0]] += 1
+    delivered[slot2] += 1
+    assert bool((delivered[L:] == 1).all()), "route bug: a needed row is not delivered exactly once"
+    fetch_moves = routes.fetch_owner.numel() > 0
+    return HierarchicalRoute(
+        rank=rank, cp=cp, ranks_per_node=g, local_len=L, out_rows=out_rows,
+        send1_index=send1_index, send1_counts=send_counts, recv1_counts=recv_counts,
+        send2_index=send2_index, send2_counts=send2_counts, recv2_counts=recv2_counts,
+        slot1=slot1, slot2=slot2, stage1_moves=bool(fetch_moves or bool((routes.direct > 0).any())),
+        stage2_moves=routes.forward_fetcher.numel() > 0, inter1_send=inter_send, inter1_recv=inter_recv)
+
+
+__all__ = ["NodeRoutes", "HierarchicalRoute", "node_routes", "layout_traffic", "build_hierarchical_route",
+           "rank_route"]

@@ -1,0 +1,203 @@
+"""Issue 19: the hierarchical K/V exchange (a node's remote rows cross nodes once).
+
+The routes (``hierarchy``) are checked without processes against the plan's own
+tables on many layouts and topologies; the transport (``hierarchical_exchange``)
+on 4 gloo ranks as 2 nodes x 2 (``LOCAL_WORLD_SIZE=2``) against the needed-only buffer built from an
+all-gather, forward and backward, with the bytes that cross a node boundary counted.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.blockdiag_cp.cost import CostModel
+from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route, layout_traffic, node_routes
+from megatron_ext.blockdiag_cp.intervals import document_runs, overlap_counts, work_and_intervals
+from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.plan import build_plan
+from megatron_ext.testing import pool_fixture
+
+
+def _ids(kind, S, seed, rows=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        if kind == "single":
+            row = torch.ones(S, dtype=torch.long)
+        else:
+            top = {"short": 8, "mixed": 60, "long": S}[kind]
+            lengths = torch.randint(1, max(2, top), (S,), generator=g)
+            row = torch.repeat_interleave(torch.arange(1, S + 1), lengths)[:S]
+            row = torch.where(torch.rand(S, generator=g) < 0.05, torch.zeros_like(row), row)
+        out.append(row)
+    return torch.stack(out)
+
+
+def _layout(kind, S, cp, per_node, name, seed=0, rows=1):
+    ids = _ids(kind, S, seed, rows)
+    ids = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
+    return ids, build_layout(name, ids, cp, CostModel.two_level(per_node))
+
+
+def _simulate(routes, local):
+    """Run both stages of every rank's route in one process: rows carry their global position."""
+    cp = len(routes)
+    send1 = [list(torch.split(local[r][routes[r].send1_index], routes[r].send1_counts)) for r in range(cp)]
+    recv1 = [torch.cat([send1[s][r] for s in range(cp)]) for r in range(cp)]
+    send2 = [list(torch.split(recv1[r][routes[r].send2_index], routes[r].send2_counts)) for r in range(cp)]
+    recv2 = [torch.cat([send2[s][r] for s in range(cp)]) for r in range(cp)]
+    outs = []
+    for r, rt in enumerate(routes):
+        out = torch.full((rt.out_rows,), -1, dtype=torch.long)
+        out[:rt.local_len] = local[r]
+        keep = rt.slot1 >= 0
+        out[rt.slot1[keep]] = recv1[r][keep]
+        out[rt.slot2] = recv2[r]
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("cp,per_node", [(4, 2), (8, 2), (8, 4), (6, 3), (4, 1)])
+def test_routes_deliver_the_needed_buffer_and_cross_each_node_once(cp, per_node):
+    for seed, (kind, S, rows) in enumerate([("short", 97, 1), ("mixed", 230, 1), ("long", 180, 1),
+                                            ("single", 64, 1), ("mixed", 120, 2)][:5 if cp <= 4 else 3]):
+        for name in ("contiguous", "zigzag", "balanced"):
+            ids, lay = _layout(kind, S, cp, per_node, name, seed, rows)
+            routes = [build_hierarchical_route(lay, ids, r, per_node) for r in range(cp)]
+            outs = _simulate(routes, [lay.positions[r] for r in range(cp)])
+            remote = {}  # node -> positions its ranks need from other nodes (brute force from the plan)
+            for r in range(cp):
+                ex = build_plan(ids, lay, r, kinds=()).exchange
+                want = torch.cat([lay.positions[r]] + list(ex.recv_positions))
+                assert torch.equal(outs[r], want), (kind, name, r)
+                for s in range(cp):
+                    if s // per_node != r // per_node:
+                        remote.setdefault(r // per_node, set()).update(ex.recv_positions[s].tolist())
+            # Each remote position a node needs crosses a node boundary exactly once.
+            assert sum(rt.inter1_recv for rt in routes) == sum(len(v) for v in remote.values())
+            assert sum(rt.inter1_send for rt in routes) == sum(rt.inter1_recv for rt in routes)
+            # ... and the node's NICs share it: every fetcher within one row per source of the even share.
+            for node, need in remote.items():
+                got = [routes[r].inter1_recv for r in range(node * per_node, (node + 1) * per_node)]
+                assert max(got) - min(got) <= cp, (got, len(need))
+
+
+def test_two_level_traffic_equals_a_hand_count():
+    """cp 4 = 2 nodes x 2, one document of 16 tokens, contiguous: ranks own 4 tokens each."""
+    ids = torch.ones(1, 16, dtype=torch.long)
+    lay = build_layout("contiguous", ids, 4)
+    rows = [document_runs(ids[0])]
+    # Flat (every rank fetches its own rows): rank r needs the 4r tokens before it.
+    flat = layout_traffic(lay.runs, rows, CostModel.two_level(2, hierarchical=False))
+    assert flat.intra_in.tolist() == [0, 4, 0, 4]  # ranks 1 and 3 fetch their node peer's 4
+    assert flat.inter_in.tolist() == [0, 0, 8, 8]  # ranks 2 and 3 both fetch node 0's 8 tokens
+    assert flat.inter_out.tolist() == [8, 8, 0, 0]  # rank 0 sends its 4 to rank 2 and to rank 3
+    assert flat.intra_out.tolist() == [4, 0, 4, 0]
+    # Hierarchical: node 1 needs tokens 0-7 once; rank 2 fetches 0-3 (from rank 0), rank 3 fetches 4-7.
+    hier = layout_traffic(lay.runs, rows, CostModel.two_level(2))
+    assert hier.inter_in.tolist() == [0, 0, 4, 4]
+    assert hier.inter_out.tolist() == [4, 4, 0, 0]
+    # NVLink: rank 3 gets 4 from rank 2 (direct) + 4 forwarded (0-3); rank 2 gets 4-7 forwarded by 3.
+    assert hier.intra_in.tolist() == [0, 4, 4, 8]
+    assert hier.intra_out.tolist() == [4, 0, 8, 4]
+    assert hier.intra_messages.tolist() == [1, 1, 2, 2] and hier.inter_messages.tolist() == [1, 1, 1, 1]
+    # Priced: rank 3 is the busiest: 8 NVLink positions (in) + 4 IB positions.
+    cm = CostModel.two_level(2)
+    work = torch.tensor([10, 26, 42, 58])  # 4r*4 + 10 pairs each
+    assert cm.modeled_seconds(work, hier) == pytest.approx(
+        58 * cm.seconds_per_pair + 8 * cm.seconds_per_position + 4 * cm.seconds_per_position_inter)
+    flat_cost = max(w * cm.seconds_per_pair + max(i, o) * cm.seconds_per_position
+                    + max(ii, oo) * cm.seconds_per_position_inter
+                    for w, i, o, ii, oo in zip(work.tolist(), flat.intra_in.tolist(), flat.intra_out.tolist(),
+                                               flat.inter_in.tolist(), flat.inter_out.tolist()))
+    assert cm.modeled_seconds(work, flat) == pytest.approx(flat_cost)
+
+
+def test_one_level_and_single_node_models_price_every_pair_on_one_link():
+    ids = _ids("mixed", 200, 3)
+    lay = build_layout("zigzag", ids, 4)
+    rows = [document_runs(ids[0])]
+    _, dst, a, b = work_and_intervals(lay.runs, rows)
+    counts = overlap_counts(lay.runs, dst, a, b)
+    for cm in (CostModel.preset("ib"), CostModel.two_level(4), CostModel.two_level(8)):
+        t = layout_traffic(lay.runs, rows, cm)
+        assert torch.equal(t.intra_in, counts.sum(0)) and torch.equal(t.intra_out, counts.sum(1))
+        assert int(t.inter_in.sum()) == 0
+    routes = node_routes(lay.runs, dst, a, b, 1)  # every rank its own node: IB straight to the owner
+    assert torch.equal(routes.fetch_counts(), counts) and routes.forward_fetcher.numel() == 0
+
+
+# -- the transport on 4 gloo ranks, 2 nodes x 2 -----------------------------------------------------
+
+pool4 = pool_fixture(4, env={"LOCAL_WORLD_SIZE": "2"})
+
+TRANSPORT_CASES = [("single", 64, 1, "contiguous"), ("single", 64, 1, "zigzag"), ("short", 90, 1, "zigzag"),
+                   ("mixed", 150, 1, "balanced"), ("long", 120, 1, "contiguous"), ("mixed", 100, 2, "zigzag"),
+                   ("long", 200, 1, "balanced")]
+
+
+def _needed_by_allgather(kv, lay, plan, group):
+    """The needed-only buffer, independently: every rank's rows all-gathered (differentiable), then this
+    rank's local rows and, per source in rank order, the positions it receives, ascending."""
+    import torch.distributed.nn.functional as dist_fn
+
+    everyone = torch.cat(dist_fn.all_gather(kv, group=group))  # [cp * L, ...] rank-major
+    flat_of = torch.empty(lay.padded_len, dtype=torch.long)
+    flat_of[lay.runs.positions().flatten()] = torch.arange(lay.padded_len)
+    received = torch.cat(plan.exchange.recv_positions)
+    return torch.cat([kv, everyone.index_select(0, flat_of[received])])
+
+
+def transport_matches_needed_kv(cases, use_p2p):
+    import torch.distributed as dist
+
+    from megatron_ext import parallel_state as ps
+    from megatron_ext.blockdiag_cp.hierarchical_exchange import hierarchical_needed_kv
+
+    group, rank, cp = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    per_node = ps.local_world_size()
+    out = []
+    for i, (kind, S, rows, name) in enumerate(cases):
+        ids, lay = _layout(kind, S, cp, per_node, name, seed=i, rows=rows)
+        plan = build_plan(ids, lay, rank, kinds=())
+        route = build_hierarchical_route(lay, ids, rank, per_node)
+        g = torch.Generator().manual_seed(100 * i + rank)
+        kv = torch.randn(lay.local_len, 2, 6, generator=g, dtype=torch.float64)
+        k1, k2 = kv.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+        hier_stats = {}
+        ref = _needed_by_allgather(k1, lay, plan, group)
+        got = hierarchical_needed_kv(k2, route, group, hier_stats, use_p2p=use_p2p)
+        upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7 * i + rank),
+                               dtype=torch.float64)
+        (ref * upstream).sum().backward()
+        (got * upstream).sum().backward()
+        # Flat inter-node rows this rank receives: its needs from the other node.
+        counts = plan.exchange.counts
+        flat_inter = int(sum(counts[s, rank] for s in range(cp) if s // per_node != rank // per_node))
+        out.append({"forward_equal": torch.equal(ref, got), "grad_err": float((k1.grad - k2.grad).abs().max()),
+                    "inter_recv_bytes": hier_stats["bytes_inter_node_received"],
+                    "inter_sent_bytes": hier_stats["bytes_inter_node_sent"],
+                    "flat_inter_recv_bytes": flat_inter * kv[0].numel() * kv.element_size(),
+                    "row_bytes": kv[0].numel() * kv.element_size(), "local_len": lay.local_len,
+                    "per_node": per_node})
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("use_p2p", [False, True])
+def test_transport_equals_needed_kv_forward_and_backward_on_2_nodes_of_2(pool4, use_p2p):
+    results = pool4.run(transport_matches_needed_kv, TRANSPORT_CASES, use_p2p)
+    for i, case in enumerate(TRANSPORT_CASES):
+        per_rank = [r[i] for r in results]
+        assert all(r["per_node"] == 2 for r in per_rank)
+        for r in per_rank:
+            assert r["forward_equal"], case
+            assert r["grad_err"] < 1e-12, (case, r["grad_err"])
+        recv = sum(r["inter_recv_bytes"] for r in per_rank)
+        assert recv == sum(r["inter_sent_bytes"] for r in per_rank)
+        assert recv <= sum(r["flat_inter_recv_bytes"] for r in per_rank)
+        if case[0] == "single" and case[3] == "contiguous":
+            # One document: node 1 (ranks 2, 3) needs node 0's 2L rows; they cross once, not once per rank.
+            L, row = per_rank[0]["local_len"], per_rank[0]["row_bytes"]
+            assert recv == 2 * L * row
+            assert sum(r["flat_inter_recv_bytes"] for r in per_rank) == 4 * L * row
+            assert [r["inter_recv_bytes"] for r in per_rank] == [0, 0, L * row, L * row]

@@ -1,0 +1,314 @@
+"""Issue 19: the two-level cost model (prices by link, overlap), the node-aware balanced layout,
+the launch's topology, and a real cp 4 = 2 nodes x 2 build that trains like the reference."""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_ext.blockdiag_cp.cost import CostModel, Traffic
+from megatron_ext.blockdiag_cp.hierarchy import layout_traffic
+from megatron_ext.blockdiag_cp.intervals import RankRuns, document_runs, pair_work, work_and_intervals
+from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.testing import pool_fixture
+from megatron_ext.testing import gpt as H
+
+
+def _ids(S, seed, top=20, hole=0.0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, top, (S,), generator=g)
+    ids = torch.repeat_interleave(torch.arange(1, S + 1), lengths)[:S]
+    return torch.where(torch.rand(S, generator=g) < hole, torch.zeros_like(ids), ids).unsqueeze(0)
+
+
+def _brute_traffic(ids_row, positions, g, hierarchical):
+    """Per rank (intra in, intra out, inter in, inter out), position by position from the doc ids.
+
+    Flat: every needed (position, rank) pair crosses the link between owner and rank.
+    Hierarchical: node N's remote rows R(N) (needed by a rank of N, owned outside N), in
+    position order, cut into g equal windows; window j is fetched over IB by N's rank j and
+    forwarded over NVLink to every other rank of N that needs its rows.
+    """
+    cp, P = len(positions), len(ids_row)
+    owner = {p: r for r, row in enumerate(positions) for p in row}
+    start = [0] * P
+    for p in range(1, P):
+        start[p] = start[p - 1] if ids_row[p] == ids_row[p - 1] else p
+    need = []
+    for row in positions:
+        wanted = set()
+        for p in row:
+            if ids_row[p] > 0:
+                wanted.update(range(start[p], p + 1))
+        need.append(wanted - set(row))
+    node = lambda r: r // g  # noqa: E731
+    t = {k: [0] * cp for k in ("intra_in", "intra_out", "inter_in", "inter_out")}
+    for d in range(cp):
+        for p in need[d]:
+            s = owner[p]
+            if node(s) == node(d):
+                t["intra_in"][d] += 1
+                t["intra_out"][s] += 1
+            elif not hierarchical:
+                t["inter_in"][d] += 1
+                t["inter_out"][s] += 1
+    if hierarchical:
+        for n in range(cp // g):
+            members = range(n * g, (n + 1) * g)
+            remote = sorted({p for d in members for p in need[d] if node(owner[p]) != n})
+            for k, p in enumerate(remote):
+                # window j holds rows [floor(j |R| / g), floor((j + 1) |R| / g)) of R(N)
+                fetcher = n * g + max(j for j in range(g) if (j * len(remote)) // g <= k)
+                t["inter_in"][fetcher] += 1
+                t["inter_out"][owner[p]] += 1
+                for d in members:
+                    if d != fetcher and p in need[d]:
+                        t["intra_in"][d] += 1
+                        t["intra_out"][fetcher] += 1
+    return t
+
+
+@pytest.mark.parametrize("cp,g", [(4, 2), (8, 2), (8, 4)])
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_two_level_traffic_equals_a_position_brute_force(cp, g, hierarchical):
+    cm = CostModel.two_level(g, hierarchical=hierarchical)
+    for seed in range(4):
+        ids = _ids(60 + 13 * seed, seed, top=[6, 30, 60, 200][seed], hole=0.05)
+        for name in ("contiguous", "zigzag", "balanced"):
+            x = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], name, cp) - ids.shape[1]))
+            lay = build_layout(name, x, cp, cm)
+            got = layout_traffic(lay.runs, [document_runs(x[0])], cm)
+            want = _brute_traffic(x[0].tolist(), lay.positions.tolist(), g, hierarchical)
+            for k, v in want.items():
+                assert getattr(got, k).tolist() == v, (name, seed, k, getattr(got, k).tolist(), v)
+
+
+def test_overlap_follows_the_pipeline_by_hand():
+    """Three ranks, one link (seconds_per_position 1 fwd+bwd: a chunk of n positions takes n/2 to
+    fetch in forward). Rank 2: local compute 2, chunks from rank 1 (round 1) and rank 0 (round 2)."""
+    cm = CostModel(seconds_per_pair=1.0, seconds_per_position=1.0)
+    counts = torch.tensor([[0, 0, 8], [0, 0, 4], [0, 0, 0]])  # [src, dst]
+    pair_work = torch.zeros(3, 3)
+    pair_work[2, 2], pair_work[1, 2], pair_work[0, 2] = 14.0, 7.0, 14.0  # fwd 4/14 of each: 4, 2, 4
+    traffic = Traffic.from_counts(counts)
+    o = cm.overlapped(pair_work, traffic, counts, kv_backward="save")
+    # rank 2 receives 12 positions: comm 12 (fwd + bwd), forward fetches share 6 by size: 2 (rank 1), 4 (rank 0).
+    # forward: C0 = 4; chunk 1 (rank 1) arrives at 2: begin max(4, 2) = 4, T = 4 + 2 = 6; chunk 2
+    # (rank 0) fetched from 4 to 8: begin max(6, 8) = 8, T = 8 + 4 = 12.
+    # backward (save: the same fetch times, compute x 2.5): C0 = 10; chunk 1 ready at 2: T = 15;
+    # chunk 2 fetched from 10 to 14: begin max(15, 14) = 15, T = 25.
+    assert o.rank == 2 and o.modeled_seconds == pytest.approx(12 + 25)
+    assert o.compute_seconds == pytest.approx(35) and o.exposed_seconds == pytest.approx(2)
+    refetch = cm.overlapped(pair_work, traffic, counts, kv_backward="refetch")
+    # backward fetches twice as long: chunk 1 ready at 4 (hidden), chunk 2 from 10 to 18: T = 18 + 10 = 28.
+    assert refetch.modeled_seconds == pytest.approx(12 + 28)
+    # Never more than no overlap (save), never less than the compute.
+    assert o.modeled_seconds <= cm.modeled_seconds(pair_work.sum(0), traffic) + 1e-9
+
+
+def test_overlapped_model_matches_the_plan_and_stays_between_compute_and_no_overlap():
+    ids = _ids(896, 3, top=300)
+    for cm in (CostModel.preset("ib"), CostModel.two_level(4), CostModel.two_level(4, hierarchical=False)):
+        for name in ("contiguous", "zigzag", "balanced"):
+            lay = build_layout(name, ids, 8, cm)
+            rows = [document_runs(ids[0])]
+            work, dst, a, b = work_and_intervals(lay.runs, rows)
+            pw = pair_work(lay.runs, rows)
+            assert torch.equal(pw.sum(0), work)
+            from megatron_ext.blockdiag_cp.intervals import overlap_counts
+
+            counts = overlap_counts(lay.runs, dst, a, b)
+            traffic = layout_traffic(lay.runs, rows, cm, intervals=(dst, a, b), counts=counts)
+            save = cm.overlapped(pw, traffic, counts, kv_backward="save")
+            assert save.modeled_seconds <= cm.modeled_seconds(work, traffic) * (1 + 1e-12)
+            assert save.modeled_seconds >= float(work.max()) * cm.seconds_per_pair * (1 - 1e-12)
+            assert cm.overlapped(pw, traffic, counts, "refetch").modeled_seconds >= save.modeled_seconds
+
+
+def _chunk_layouts(S, cp, chunk):
+    """Every layout of [0, S) in chunks of ``chunk`` tokens, S / cp tokens per rank: per rank, its
+    positions (brute force)."""
+    n, per = S // chunk, S // chunk // cp
+
+    def rec(left, r):
+        if r == cp:
+            yield []
+            return
+        for combo in itertools.combinations(left, per):
+            rest = [x for x in left if x not in combo]
+            for tail in rec(rest, r + 1):
+                yield [combo] + tail
+    for assignment in rec(list(range(n)), 0):
+        yield [[x * chunk + i for x in ch for i in range(chunk)] for ch in assignment]
+
+
+def _brute_price(ids_row, positions, cm):
+    """The two-level hierarchical model's modeled seconds, counted position by position."""
+    g = cm.ranks_per_node
+    start = [0] * len(ids_row)
+    for p in range(1, len(ids_row)):
+        start[p] = start[p - 1] if ids_row[p] == ids_row[p - 1] else p
+    t = _brute_traffic(ids_row, positions, g, hierarchical=True)
+    return max(sum(p - start[p] + 1 for p in row if ids_row[p] > 0) * cm.seconds_per_pair
+               + max(t["intra_in"][r], t["intra_out"][r]) * cm.seconds_per_position
+               + max(t["inter_in"][r], t["inter_out"][r]) * cm.seconds_per_position_inter
+               for r, row in enumerate(positions))
+
+
+def test_node_aware_balanced_is_near_a_brute_force_optimum_on_tiny_cases():
+    """cp 4 = 2 nodes x 2, S = 32, every document within a node's share (16 tokens), IB 8x NVLink and
+    a key as dear as half a query-key pair: balanced is within 8% of the best of all 2520 layouts in
+    4-token chunks (an exhaustive search; balanced cuts at any token, so it can also beat it: over 30
+    random cases the ratio ran 0.83-1.075, median 0.95)."""
+    cm = CostModel(1.0, 0.5, "tiny", ranks_per_node=2, seconds_per_position_inter=4.0)
+    cp, S = 4, 32
+    layouts = list(_chunk_layouts(S, cp, 4))
+    assert len(layouts) == 2520
+    g = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        lengths = torch.randint(1, 17, (S,), generator=g)
+        ids = torch.repeat_interleave(torch.arange(1, S + 1), lengths)[:S].unsqueeze(0)
+        row = ids[0].tolist()
+        best = min(_brute_price(row, positions, cm) for positions in layouts)
+        lay = build_layout("balanced", ids, cp, cm)
+        got = _brute_price(row, lay.positions.tolist(), cm)
+        rows = [document_runs(ids[0])]
+        work, dst, a, b = work_and_intervals(lay.runs, rows)
+        assert cm.modeled_seconds(work, layout_traffic(lay.runs, rows, cm)) == pytest.approx(got)
+        assert got <= best * 1.08, (torch.unique_consecutive(ids[0], return_counts=True)[1].tolist(), got, best)
+
+
+def test_a_document_that_fits_a_node_stays_inside_it():
+    """cp 16 = 2 nodes x 8: a document of a third of the sequence is split, but over one node's ranks."""
+    S, cp = 8192, 16
+    lengths = [300] * 9 + [S // 3] + [300] * 9
+    lengths[-1] += S - sum(lengths)
+    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths)).unsqueeze(0)
+    cm = CostModel.two_level(8)
+    lay = build_layout("balanced", ids, cp, cm)
+    owner = lay.owner()
+    big = owner[(ids[0] == 10)]
+    holders = sorted(set(big.tolist()))
+    assert len(holders) > 1 and len({r // 8 for r in holders}) == 1, holders
+    traffic = layout_traffic(lay.runs, [document_runs(ids[0])], cm)
+    flat_zigzag = layout_traffic(build_layout("zigzag", ids, cp).runs, [document_runs(ids[0])], cm)
+    assert int(traffic.inter_in.sum()) < int(flat_zigzag.inter_in.sum())
+
+
+def test_balanced_two_level_is_never_worse_than_contiguous_or_zigzag():
+    g = torch.Generator().manual_seed(5)
+    for cp, per_node in ((16, 8), (8, 2), (8, 4)):
+        cm = CostModel.two_level(per_node)
+        for _ in range(3):
+            lengths = torch.exp(6 + 1.2 * torch.randn(60, generator=g)).long().clamp(1, 6000)
+            ids = torch.repeat_interleave(torch.arange(1, 61), lengths)
+            S = padded_length(ids.numel(), "zigzag", cp)
+            ids = torch.nn.functional.pad(ids, (0, S - ids.numel())).unsqueeze(0)
+            rows = [document_runs(ids[0])]
+            got = {}
+            for name in ("balanced", "contiguous", "zigzag"):
+                runs = build_layout(name, ids, cp, cm).runs
+                work, dst, a, b = work_and_intervals(runs, rows)
+                got[name] = cm.modeled_seconds(work, layout_traffic(runs, rows, cm, intervals=(dst, a, b)))
+            assert got["balanced"] <= min(got["contiguous"], got["zigzag"]) * (1 + 1e-9), got
+
+
+def test_two_level_models_refuse_groups_that_are_not_whole_nodes():
+    with pytest.raises(ValueError, match="does not split into nodes of 4 ranks"):
+        build_layout("balanced", torch.ones(1, 60, dtype=torch.long), 6, CostModel.two_level(4))
+    with pytest.raises(ValueError, match="ranks_per_node must be >= 1"):
+        CostModel.two_level(0)
+    with pytest.raises(ValueError, match="inter"):
+        CostModel(1.0, 2.0, ranks_per_node=2, seconds_per_position_inter=1.0)
+    cm = CostModel.two_level(8)
+    assert cm.nodes(64) == 8 and cm.nodes(8) == 1 and not cm.spans_nodes(8)
+    assert cm.seconds_per_position_inter == pytest.approx(8 * cm.seconds_per_position)
+    # Everything that moves a balanced cut is in the agreement fact.
+    keys = {CostModel.two_level(g, hierarchical=h).agreement_key() for g in (2, 4, 8) for h in (True, False)}
+    assert len(keys) == 6 and CostModel.preset("ib").agreement_key() not in keys
+
+
+# -- the launch: LOCAL_WORLD_SIZE=2 on 4 ranks is 2 nodes x 2 ----------------------------------------
+
+pool4 = pool_fixture(4, env={"LOCAL_WORLD_SIZE": "2"})
+S_GPT = 96
+
+
+def launch_topology():
+    import torch.distributed as dist
+
+    from megatron_ext import parallel_state as ps
+    from megatron_ext.blockdiag_cp import default_cost_model
+
+    world = dist.group.WORLD
+    pairs = dist.new_group([0, 2])  # one CP rank on each node
+    rank = dist.get_rank()
+    return {"per_node": ps.cp_ranks_per_node(world), "spans": ps.cp_spans_nodes(world),
+            "model": default_cost_model(world).name,
+            "pair_per_node": ps.cp_ranks_per_node(pairs) if rank in (0, 2) else None}
+
+
+@pytest.mark.timeout(300)
+def test_the_launch_gives_two_levels(pool4):
+    for r in pool4.run(launch_topology):
+        assert r["per_node"] == 2 and r["spans"] and r["model"].startswith("2xnvlink+ib/hier")
+    assert pool4.run(launch_topology)[0]["pair_per_node"] == 1  # ranks 0 and 2: one per node
+
+
+def gpt_step_on_two_nodes():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    mpu = H.ensure_mpu(tp=1, cp=4)
+    group = mpu.get_context_parallel_group()
+    model = H.gpt_model(H.config(cp=4), _spec(), S_GPT)
+    ref = H.reference_model({}, S_GPT)
+    ref.load_state_dict(model.state_dict())
+    out = {}
+    for seed in (11, 12):
+        batch = H.make_batch(S_GPT, 1, seed=seed)
+        ref_loss, ref_grads = H.reference_loss_and_grads(ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
+        for exchange in ("a2a", "allgather"):
+            loss_err, grad_err, state = H.cp_step_errors(model, batch, group, "balanced", exchange,
+                                                         ref_loss, ref_grads)
+            out[(seed, exchange)] = (loss_err, grad_err, state.report()["cost_model"])
+    return out
+
+
+def _spec():
+    from megatron_ext.layers import get_gpt_layer_spec_with_blockdiag_cp
+
+    return get_gpt_layer_spec_with_blockdiag_cp(use_te=False)
+
+
+@pytest.mark.timeout(600)
+def test_a_cp4_build_on_two_nodes_uses_the_two_level_model_and_trains_like_the_reference(pool4):
+    for per_rank in pool4.run(gpt_step_on_two_nodes):
+        for key, (loss_err, grad_err, model) in per_rank.items():
+            assert model.startswith("2xnvlink+ib/hier"), (key, model)
+            assert loss_err < 1e-5 and grad_err < 1e-5, (key, loss_err, grad_err)
+
+
+def test_a_node_search_counts_keys_from_other_nodes_and_sends_inside_the_node():
+    """The per-node search's scorer: a rank receives every key of its documents it does not own
+    (another node's too), and sends only to the search's own ranks."""
+    import megatron_ext.blockdiag_cp.balanced as bal
+
+    S, cp = 256, 2
+    ids = _ids(S, 4, top=90)
+    table = bal._UnitTable([document_runs(ids[0])], S)
+    spans = [(0, 40), (96, 160), (200, 224)]  # one node's share (128 tokens) of a larger group
+    units = bal._Units(table, spans, cp)
+    owned = [o for theta in (1.0, 0.25) for o in bal._split_and_pack(units, cp, theta, "zigzag")]
+    n, group, a, b = bal._flatten(owned, cp)
+    work, need, sent = bal._candidate_traffic(units, cp, n, group, a, b)
+    row = ids[0].tolist()
+    start = [0] * S
+    for p in range(1, S):
+        start[p] = start[p - 1] if row[p] == row[p - 1] else p
+    for c, o in enumerate(owned):
+        mine = [{p for x, y in spans_r for p in range(x, y)} for spans_r in o]
+        assert sorted(p for m in mine for p in m) == [p for x, y in spans for p in range(x, y)]
+        needed = [{k for p in m for k in range(start[p], p + 1)} - m for m in mine]
+        assert need[c].tolist() == [len(x) for x in needed]
+        assert sent[c].tolist() == [sum(len(needed[d] & mine[r]) for d in range(cp) if d != r) for r in range(cp)]
+        assert work[c].tolist() == [sum(p - start[p] + 1 for p in m) for m in mine]
