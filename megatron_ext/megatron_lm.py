@@ -78,7 +78,7 @@ def add_blockdiag_cp_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                         "default: the engine's default with its fallbacks (under Megatron-LM: "
                         "--attention-backend's)")
     g.add_argument("--cp-kv-exchange", default=None, type=_checked(k.normalize_kv_exchange),
-                   help="allgather | halo | a2a, or a synonym; default: the engine's default "
+                   help="allgather | halo | a2a | hierarchical, or a synonym; default: the engine's default "
                         "(under Megatron-LM: --cp-comm-type's, p2p -> halo)")
     g.add_argument("--cp-layout", default=None, type=_checked(k.normalize_layout),
                    help="contiguous | zigzag | balanced, or a synonym; default: the engine's default "

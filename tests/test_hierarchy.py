@@ -201,3 +201,70 @@ def test_transport_equals_needed_kv_forward_and_backward_on_2_nodes_of_2(pool4, 
             assert recv == 2 * L * row
             assert sum(r["flat_inter_recv_bytes"] for r in per_rank) == 4 * L * row
             assert [r["inter_recv_bytes"] for r in per_rank] == [0, 0, L * row, L * row]
+
+
+# -- the hierarchical exchange inside the attention op --------------------------------------------
+
+
+def op_with_hierarchical_exchange(case, layout, kv_backward, window):
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing import reference_attention
+    from megatron_ext.testing.cases import make_doc_ids
+
+    cp = torch.distributed.get_world_size()
+    ids = make_doc_ids(case, 96, cp)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, w = (torch.randn(96, 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    (reference_attention(*ref_in, ids, window=window) * w).sum().backward()
+    out = {}
+    for exchange in ("hierarchical", "a2a"):
+        state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                            kv_backward=kv_backward)
+        local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+        with bdcp.blockdiag_cp_step(state):
+            o = bdcp.blockdiag_cp_attention(*local, window_size=None if window is None else (window, 0))
+            (o * state.shard(w)).sum().backward()
+        ref = reference_attention(q, k, v, ids, window=window)
+        errs = [float((o - state.shard(ref)).abs().max())] + [
+            float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
+        report = state.report()
+        out[exchange] = {"errs": errs, "exchange": report["kv_exchange"], "kv_backward": report["kv_backward"],
+                         "inter": state.comm_stats.get("bytes_inter_node_received"),
+                         "received": state.comm_stats["bytes_received"]}
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,layout,kv_backward,window", [
+    ("single", "contiguous", "refetch", None), ("single", "zigzag", "save", None), ("short", "balanced", "refetch", None),
+    ("single", "zigzag", "refetch", 9), ("pad_middle", "contiguous", "save", 30)])
+def test_op_with_the_hierarchical_exchange_on_2_nodes_of_2(pool4, case, layout, kv_backward, window):
+    for r in pool4.run(op_with_hierarchical_exchange, case, layout, kv_backward, window):
+        hier, flat = r["hierarchical"], r["a2a"]
+        assert hier["exchange"] == "hierarchical" and hier["kv_backward"] == kv_backward, hier
+        assert max(hier["errs"]) < 1e-10 and max(flat["errs"]) < 1e-10, (hier, flat)
+
+
+def hierarchical_on_one_node():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    state = bdcp.BlockDiagCPState.build(torch.ones(32, dtype=torch.long), kv_exchange="hierarchical",
+                                        attn_backend="dense")
+    strict = None
+    try:
+        bdcp.BlockDiagCPState.build(torch.ones(32, dtype=torch.long), kv_exchange="hier", attn_backend="dense",
+                                    strict=True)
+    except bdcp.BlockDiagCPError as exc:
+        strict = str(exc)
+    return state.report()["kv_exchange"], state.report()["kv_exchange_reason"], strict
+
+
+pool2_one_node = pool_fixture(2, env={"LOCAL_WORLD_SIZE": "2"})
+
+
+@pytest.mark.timeout(120)
+def test_hierarchical_on_one_node_falls_back_to_a2a_or_raises_in_strict(pool2_one_node):
+    for exchange, reason, strict in pool2_one_node.run(hierarchical_on_one_node):
+        assert exchange == "a2a" and "all 2 CP ranks sit on one node" in reason, reason
+        assert strict is not None and "strict mode" in strict and "hierarchical" in strict

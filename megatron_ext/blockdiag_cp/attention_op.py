@@ -32,7 +32,7 @@ from . import kernels
 from .agreement import PENDING_KERNEL_FAILURES, BlockDiagCPError, agree
 from .backend import call_backend
 from .chunks import chunk_kind
-from .exchange import NeededTransport, RingTransport, return_gradient
+from .exchange import HierarchicalTransport, NeededTransport, RingTransport
 from .resolve import resolve_step_state
 from .state import _count_cp_attn_fire
 
@@ -112,6 +112,9 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str):
     chunk_rows = plan.stream[kind].chunk_rows
     if kind == "ring":
         return RingTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix)
+    if state.kv_exchange == "hierarchical":
+        return HierarchicalTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+                                     plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window))
     return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                            state.send_indices_on(k.device, plan.window), plan.exchange.counts)
 
@@ -262,17 +265,8 @@ class _StreamedAttention(torch.autograd.Function):
             refetch = state.kv_backward != "save"
             transport = _transport(ctx.kind, k, v, state, plan, stats, "backward_")
             pending = transport.start((steps[1].round, steps[1].piece)) if refetch else None
-            in_flight = None  # (transfer, local rows) of the last gradient sent home
-
-            def settle(transfer, rows):
-                grad_back = transfer.wait()
-                if grad_back is None:
-                    return
-                if isinstance(rows, slice):
-                    dkv[rows].add_(grad_back)
-                else:
-                    dkv.index_add_(0, rows, grad_back.to(acc_dtype))
-
+            in_flight = None  # the last gradient sent home
+            like = torch.empty((0,) + tuple(dkv.shape[1:]), dtype=k.dtype, device=k.device)
             for s in range(1, len(steps)):
                 step = steps[s]
                 if refetch:
@@ -290,14 +284,13 @@ class _StreamedAttention(torch.autograd.Function):
                 elif step.chunk_len:  # received keys nobody here attends (the ring): zero gradient
                     grad_chunk = torch.zeros((step.chunk_len,) + tuple(dkv.shape[1:]), dtype=k.dtype,
                                              device=k.device)
-                rows, incoming = transport.sent_rows((step.round, step.piece))
                 if in_flight is not None:  # one gradient transfer in flight: the last step's lands first
-                    settle(*in_flight)
-                in_flight = (return_gradient(grad_chunk, step.round, incoming, state.rank, state.cp,
-                                             torch.empty((0,) + tuple(dkv.shape[1:]), dtype=k.dtype, device=k.device), state.group, stats), rows)
+                    transport.settle(in_flight, dkv)
+                in_flight = transport.send_gradient((step.round, step.piece), grad_chunk, like)
                 del chunk, grad_chunk
             if in_flight is not None:
-                settle(*in_flight)
+                transport.settle(in_flight, dkv)
+            transport.finish(dkv)
         dkv = dkv.view(geo.L, geo.b, geo.hkv, geo.dk + geo.dv)
         stats["backward_seconds"] = time.perf_counter() - start
         dk, dv = dkv[..., :geo.dk].to(k.dtype), dkv[..., geo.dk:].to(v.dtype)

@@ -14,12 +14,18 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
                          receives from r - i piece j of the rows it needs: exactly the
                          needed-only lower bound, a step with nothing either way posts nothing
 
+    hierarchical         the needed rows, moved once per step through two-level routes
+                         (``hierarchy``): what a node needs from another node crosses the
+                         inter-node link once, fetched in equal shares by the node's ranks
+                         and forwarded inside the node; the steps then read the delivered
+                         buffer (no transfer in flight behind compute, memory O(needed))
+
 K and V travel fused in one buffer per step, [n, b, Hkv * (Dk + Dv)], built per piece
 (never a fused copy of the whole shard).
 
-Backward sends each chunk's K/V gradient straight home (to r - i, from r + i),
-and with ``kv_backward="refetch"`` moves the chunks again the same way instead
-of keeping them. Every transfer is counted from the tensors actually moved, and
+Backward sends each chunk's K/V gradient straight home (to r - i, from r + i;
+hierarchical: back through the routes at the end), and with ``kv_backward="refetch"``
+moves the chunks again the same way instead of keeping them. Every transfer is counted from the tensors actually moved, and
 the time a rank spends waiting for a transfer (what compute did not hide) is
 recorded as exposed communication.
 """
@@ -98,7 +104,30 @@ def fused_rows(k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
     return torch.cat([k, v], dim=-1).view(k.shape[0], k.shape[1], -1)
 
 
-class RingTransport:
+class _DirectGradients:
+    """Gradients straight home: step (i, j)'s chunk gradient to its source, ours from rank + i."""
+
+    def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
+        rows, incoming = self.sent_rows(step)
+        return return_gradient(grad_chunk, step[0], incoming, self.rank, self.cp, like, self.group, self.stats), rows
+
+    @staticmethod
+    def settle(handle, dkv: torch.Tensor) -> None:
+        """Add what came back for our rows (they went to that rank at this step) into ``dkv``."""
+        transfer, rows = handle
+        grad_back = transfer.wait()
+        if grad_back is None:
+            return
+        if isinstance(rows, slice):
+            dkv[rows].add_(grad_back)
+        else:
+            dkv.index_add_(0, rows, grad_back.to(dkv.dtype))
+
+    def finish(self, dkv: torch.Tensor) -> None:
+        pass
+
+
+class RingTransport(_DirectGradients):
     """allgather as a ring: step (i, j) forwards piece j of the chunk received at (i - 1, j) to rank + 1."""
 
     kind = "ring"
@@ -128,7 +157,7 @@ class RingTransport:
         return slice(j * self.c, j * self.c + self.rows(j)), self.rows(j)
 
 
-class NeededTransport:
+class NeededTransport(_DirectGradients):
     """a2a / halo: step (i, j) sends rank + i piece j of its needed rows, receives piece j from rank - i."""
 
     kind = "needed"
@@ -166,6 +195,88 @@ class NeededTransport:
         pass
 
 
+class _Ready:
+    """A transfer that already happened."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def wait(self):
+        return self._value
+
+
+class HierarchicalTransport:
+    """The needed rows through two-level routes, all at the first step; the steps read slices of them.
+
+    The buffer is what ``hierarchical_exchange.route_forward`` delivers: local rows, then the rows
+    received from each source in rank order, ascending; step (i, j) reads source (rank - i)'s
+    piece j. Gradients collect in a buffer of the same shape and go back through the routes once.
+    """
+
+    kind = "needed"
+
+    def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
+                 counts: torch.Tensor, route):
+        self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
+        self.group, self.stats, self.prefix, self.counts, self.route = group, stats, prefix, counts, route
+        received = counts[:, rank].clone()
+        received[rank] = 0
+        self.offset = (torch.cumsum(received, 0) - received).tolist()  # per source, in the buffer past local
+        self.from_source = received.tolist()
+        self._buffer = None
+        self._grad = None
+
+    def _rows(self, step):
+        i, j = step
+        src = (self.rank - i) % self.cp
+        n = max(0, min(self.c, self.from_source[src] - j * self.c))
+        first = self.k.shape[0] + self.offset[src] + j * self.c
+        return first, n
+
+    def start(self, step) -> _Ready:
+        from .hierarchical_exchange import route_forward
+
+        if self._buffer is None:
+            t0 = time.perf_counter()
+            kv = fused_rows(self.k, self.v, slice(None))
+            moved: Dict = {}
+            self._buffer = route_forward(kv, self.route, self.group, False, moved)
+            for key in ("bytes_sent", "bytes_received", "bytes_inter_node_sent", "bytes_inter_node_received"):
+                self.stats[self.prefix + key] = self.stats.get(self.prefix + key, 0) + moved[key]
+            self.stats[self.prefix + "wait_seconds"] = (self.stats.get(self.prefix + "wait_seconds", 0.0)
+                                                         + time.perf_counter() - t0)
+        first, n = self._rows(step)
+        return _Ready(self._buffer[first:first + n] if n else None)
+
+    def received(self, chunk) -> None:
+        pass
+
+    def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
+        if grad_chunk is not None:
+            if self._grad is None:
+                self._grad = torch.zeros((self.route.out_rows,) + tuple(grad_chunk.shape[1:]), dtype=grad_chunk.dtype,
+                                         device=grad_chunk.device)
+            first, n = self._rows(step)
+            self._grad[first:first + n] += grad_chunk
+        return None
+
+    @staticmethod
+    def settle(handle, dkv) -> None:
+        pass
+
+    def finish(self, dkv: torch.Tensor) -> None:
+        """Every chunk's gradient back through the routes at once, summed into ``dkv`` [L, b, F]."""
+        from .hierarchical_exchange import route_backward
+
+        if self._grad is None:  # every rank takes part in the routes' transfers, gradient or not
+            self._grad = torch.zeros((self.route.out_rows,) + tuple(dkv.shape[1:]), dtype=self.k.dtype,
+                                     device=dkv.device)
+        t0 = time.perf_counter()
+        dkv.add_(route_backward(self._grad, self.route, self.group, False).to(dkv.dtype))
+        self.stats["backward_wait_seconds"] = (self.stats.get("backward_wait_seconds", 0.0)
+                                               + time.perf_counter() - t0)
+
+
 def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incoming_rows: int, rank: int,
                     cp: int, like: torch.Tensor, group, stats: Dict) -> Transfer:
     """Send a chunk's K/V gradient to its source (rank - i); receive ours from rank + i.
@@ -177,5 +288,5 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "NeededTransport", "Transfer", "post", "return_gradient", "fused_rows",
+__all__ = ["RingTransport", "NeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows",
            "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV"]

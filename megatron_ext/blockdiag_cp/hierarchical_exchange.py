@@ -42,51 +42,62 @@ def _move(send: torch.Tensor, send_counts: List[int], recv_counts: List[int], gr
     return recv
 
 
+def route_forward(kv: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict) -> torch.Tensor:
+    """[L, b, F] -> [L + needed, b, F] through the two stages (no autograd)."""
+    L = kv.shape[0]
+    tail = tuple(kv.shape[1:])
+    recv1 = kv.new_empty((0,) + tail)
+    if route.stage1_moves:
+        recv1 = _move(kv.index_select(0, route.send1_index), route.send1_counts, route.recv1_counts,
+                      group, use_p2p)  # [sum(recv1_counts), b, F]
+    recv2 = kv.new_empty((0,) + tail)
+    if route.stage2_moves:
+        recv2 = _move(recv1.index_select(0, route.send2_index), route.send2_counts, route.recv2_counts,
+                      group, use_p2p)
+    out = kv.new_empty((route.out_rows,) + tail)
+    out[:L] = kv
+    keep = route.slot1 >= 0
+    out.index_copy_(0, route.slot1[keep], recv1[keep])
+    out.index_copy_(0, route.slot2, recv2)
+    row = kv[0].numel() * kv.element_size() if L else 0
+    sent = sum(route.send1_counts) + sum(route.send2_counts)
+    received = sum(route.recv1_counts) + sum(route.recv2_counts)
+    stats.update(bytes_sent=sent * row, bytes_received=received * row,
+                 bytes_inter_node_sent=route.inter1_send * row, bytes_inter_node_received=route.inter1_recv * row,
+                 bytes_intra_node_sent=(sent - route.inter1_send) * row,
+                 bytes_intra_node_received=(received - route.inter1_recv) * row)
+    return out
+
+
+def route_backward(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool) -> torch.Tensor:
+    """The gradient of ``route_forward``: [L + needed, b, F] -> [L, b, F], stages reversed (no autograd)."""
+    L = route.local_len
+    tail = tuple(grad.shape[1:])
+    grad = grad.contiguous()
+    grad_kv = grad[:L].clone()
+    keep = route.slot1 >= 0
+    grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)
+    grad1[keep] = grad.index_select(0, route.slot1[keep])
+    if route.stage2_moves:
+        back2 = _move(grad.index_select(0, route.slot2), route.recv2_counts, route.send2_counts, group, use_p2p)
+        grad1.index_add_(0, route.send2_index, back2)  # the fetcher sums its peers' grads with its own
+    if route.stage1_moves:
+        back1 = _move(grad1, route.recv1_counts, route.send1_counts, group, use_p2p)
+        grad_kv.index_add_(0, route.send1_index, back1)  # an owner sums every rank's grads of a row
+    return grad_kv
+
+
 class _HierarchicalKV(torch.autograd.Function):
+    """Forward: ``route_forward``. Backward: ``route_backward``."""
+
     @staticmethod
     def forward(ctx, kv, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict):
         ctx.route, ctx.group, ctx.use_p2p = route, group, use_p2p
-        L = kv.shape[0]
-        tail = tuple(kv.shape[1:])
-        recv1 = kv.new_empty((0,) + tail)
-        if route.stage1_moves:
-            recv1 = _move(kv.index_select(0, route.send1_index), route.send1_counts, route.recv1_counts,
-                          group, use_p2p)  # [sum(recv1_counts), b, F]
-        recv2 = kv.new_empty((0,) + tail)
-        if route.stage2_moves:
-            recv2 = _move(recv1.index_select(0, route.send2_index), route.send2_counts, route.recv2_counts,
-                          group, use_p2p)
-        out = kv.new_empty((route.out_rows,) + tail)
-        out[:L] = kv
-        keep = route.slot1 >= 0
-        out.index_copy_(0, route.slot1[keep], recv1[keep])
-        out.index_copy_(0, route.slot2, recv2)
-        row = kv[0].numel() * kv.element_size() if L else 0
-        sent = sum(route.send1_counts) + sum(route.send2_counts)
-        received = sum(route.recv1_counts) + sum(route.recv2_counts)
-        stats.update(bytes_sent=sent * row, bytes_received=received * row,
-                     bytes_inter_node_sent=route.inter1_send * row, bytes_inter_node_received=route.inter1_recv * row,
-                     bytes_intra_node_sent=(sent - route.inter1_send) * row,
-                     bytes_intra_node_received=(received - route.inter1_recv) * row)
-        return out
+        return route_forward(kv, route, group, use_p2p, stats)
 
     @staticmethod
     def backward(ctx, grad):
-        route, group, use_p2p = ctx.route, ctx.group, ctx.use_p2p
-        L = route.local_len
-        tail = tuple(grad.shape[1:])
-        grad = grad.contiguous()
-        grad_kv = grad[:L].clone()
-        keep = route.slot1 >= 0
-        grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)
-        grad1[keep] = grad.index_select(0, route.slot1[keep])
-        if route.stage2_moves:
-            back2 = _move(grad.index_select(0, route.slot2), route.recv2_counts, route.send2_counts, group, use_p2p)
-            grad1.index_add_(0, route.send2_index, back2)  # the fetcher sums its peers' grads with its own
-        if route.stage1_moves:
-            back1 = _move(grad1, route.recv1_counts, route.send1_counts, group, use_p2p)
-            grad_kv.index_add_(0, route.send1_index, back1)  # an owner sums every rank's grads of a row
-        return grad_kv, None, None, None, None
+        return route_backward(grad, ctx.route, ctx.group, ctx.use_p2p), None, None, None, None
 
 
 def hierarchical_needed_kv(kv: torch.Tensor, route: HierarchicalRoute, group, stats: Optional[Dict] = None,

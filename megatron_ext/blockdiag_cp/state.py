@@ -36,6 +36,8 @@ KV_EXCHANGE_SYNONYMS: Dict[str, Tuple[str, ...]] = {
     "allgather": ("allgather", "all_gather"),
     "halo": ("halo", "neighbor", "needed", "needed_only"),
     "a2a": ("a2a", "a2av", "all_to_all", "alltoall", "needed_a2a"),
+    # Ours: the needed rows through two-level routes (a node's remote rows cross nodes once).
+    "hierarchical": ("hierarchical", "hier", "two_level", "node_aware"),
 }
 KV_EXCHANGE_VALUES: Tuple[str, ...] = tuple(KV_EXCHANGE_SYNONYMS)
 

@@ -269,6 +269,9 @@ class BlockDiagCPState:
             facts["unavailable_" + b] = 0 if static[b][0] else 1
         facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
         facts["cost_model"] = cost_fact
+        # The hierarchical exchange routes by node: every rank must see the same nodes.
+        ranks_per_node = ps.cp_ranks_per_node(group) if requested.get("kv_exchange") == "hierarchical" and cp > 1 else 0
+        facts["ranks_per_node"] = ranks_per_node
         agreed = agree(facts, group, cp)
 
         if agreed.max("pending_failures") > 0:
@@ -327,6 +330,18 @@ class BlockDiagCPState:
         exchange, exchange_reason = exchange_req, "as requested"
         if cp == 1:
             exchange_reason = "single rank: nothing to exchange"
+        elif exchange_req == "hierarchical" and not (agreed.agreed("ranks_per_node") and 1 < ranks_per_node < cp):
+            why = {0: f"the CP group's ranks do not form equal node blocks ({ps.local_world_size()} processes per "
+                      "node)", 1: "one CP rank per node: nothing to share inside a node"}.get(
+                ranks_per_node, f"all {cp} CP ranks sit on one node")
+            if not agreed.agreed("ranks_per_node"):
+                why = "the CP ranks see different nodes (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE differ)"
+            exchange, exchange_reason = "a2a", "hierarchical not applicable: " + why
+            if strict:
+                raise BlockDiagCPError(f"strict mode: kv exchange 'hierarchical' falls back to 'a2a' "
+                                       f"({exchange_reason}); use --cp-kv-exchange a2a or drop strict")
+            log_once(logging.WARNING if kv_exchange is not None else logging.INFO,
+                     f"blockdiag-cp: kv exchange hierarchical -> a2a: {why}")
         elif exchange_req == "halo" and not plan.exchange.halo_ok:
             exchange, exchange_reason = "a2a", "halo not applicable: " + plan.exchange.halo_reason
             if strict:
@@ -375,8 +390,7 @@ class BlockDiagCPState:
 
     def report(self) -> Dict:
         plan = self.plan
-        kind = "allgather" if self.kv_exchange == "allgather" else "sparse"
-        sent_pos, recv_pos = plan.positions_moved(kind) if self.cp > 1 else (0, 0)
+        sent_pos, recv_pos = plan.positions_moved(chunk_kind(self.kv_exchange)) if self.cp > 1 else (0, 0)
         work = plan.work_per_rank.to(torch.float64)
         mean = float(work.mean())
         lower = int(plan.needed_remote[self.rank])
@@ -432,6 +446,17 @@ class BlockDiagCPState:
         if window not in self._window_plans:
             self._window_plans[window] = build_plan(self.doc_ids, self.layout, self.rank, kinds=(), window=window)
         return self._window_plans[window]
+
+    def hierarchical_route_on(self, device: torch.device, window: Optional[int] = None):
+        """This rank's two-level route (``hierarchy``) for the step, on the device once per step and window."""
+        from .hierarchy import build_hierarchical_route
+
+        key = ("hier", str(device), window)
+        if key not in self._device_index:
+            route = build_hierarchical_route(self.layout, self.doc_ids, self.rank, ps.cp_ranks_per_node(self.group),
+                                             window=window)
+            self._device_index[key] = route.to(device)
+        return self._device_index[key]
 
     def send_indices_on(self, device: torch.device, window: Optional[int] = None) -> List[Optional[torch.Tensor]]:
         """Per destination, the local rows this rank sends it (needed-only), on the device once per step.

@@ -17,7 +17,8 @@ attention_backend local     refused: it swaps our core attention for megatron's
 cp_comm_type allgather      kv_exchange ``allgather`` (also ``all_gather``)
 cp_comm_type a2a            kv_exchange ``a2a`` (ours moves only the needed rows)
 cp_comm_type p2p            kv_exchange ``halo`` (the closest: neighbour p2p)
-cp_comm_type a2a+p2p        refused (a hierarchical exchange we do not have)
+cp_comm_type a2a+p2p        refused: TE's a2a across heads inside sub-groups is another algorithm;
+                            ours is ``--cp-kv-exchange hierarchical`` (a node's remote rows cross once)
 ==========================  ==================================================
 
 Ours win where the user set them (``--cp-attn-backend`` / ``--cp-kv-exchange`` through
@@ -111,9 +112,9 @@ def megatron_knob_values(config, cp_comm_type) -> Dict[str, Tuple[Optional[str],
             f"BlockDiagCPAttention; use one of {sorted(ATTENTION_BACKEND_TO_OURS)} or --cp-attn-backend")
     exchange = layer_cp_comm_type(config, cp_comm_type)
     if exchange is not None and exchange not in CP_COMM_TYPE_TO_OURS:
-        hint = (" (TE's hierarchical a2a inside, p2p across sub-groups; ours has no hierarchy: "
-                "--cp-comm-type a2a or --cp-kv-exchange a2a moves exactly the rows each rank needs "
-                "from any rank)") if exchange == "a2a+p2p" else ""
+        hint = (" (TE's a2a across heads inside sub-groups, p2p between them, is another algorithm; "
+                "our two-level exchange is --cp-kv-exchange hierarchical: what a node needs from another "
+                "node crosses once, shared inside the node; or --cp-comm-type a2a)") if exchange == "a2a+p2p" else ""
         raise BlockDiagCPError(
             f"TransformerConfig.cp_comm_type={exchange} (--cp-comm-type {exchange}) is not supported by "
             f"BlockDiagCPAttention{hint}; use p2p | a2a | allgather, or --cp-kv-exchange")
