@@ -56,7 +56,8 @@ def bad_qkv_and_knobs():
 
     r = lambda *s: torch.randn(*s)  # noqa: E731
     out["len"] = _catch(lambda: attn(r(L + 1, 1, 4, 8), r(L + 1, 1, 2, 8), r(L + 1, 1, 2, 8)))
-    out["kv"] = _catch(lambda: attn(r(L, 1, 4, 8), r(L, 1, 2, 8), r(L, 1, 2, 4)))
+    # v's head dim may differ from k's (MLA's v_channels); its head count may not.
+    out["kv"] = _catch(lambda: attn(r(L, 1, 4, 8), r(L, 1, 2, 8), r(L, 1, 1, 8)))
     out["gqa"] = _catch(lambda: attn(r(L, 1, 3, 8), r(L, 1, 2, 8), r(L, 1, 2, 8)))
     out["rows"] = _catch(lambda: bdcp.blockdiag_cp_attention(
         r(L, 2, 2, 8), r(L, 2, 2, 8), r(L, 2, 2, 8),
