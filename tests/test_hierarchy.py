@@ -222,16 +222,20 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window):
         state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
                                             kv_backward=kv_backward)
         local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+        window_size = None if window is None else (window, 0)
         with bdcp.blockdiag_cp_step(state):
-            o = bdcp.blockdiag_cp_attention(*local, window_size=None if window is None else (window, 0))
+            o = bdcp.blockdiag_cp_attention(*local, window_size=window_size)
+            # A second layer on the same state: each call's figures are its own, not a running sum.
+            o2 = bdcp.blockdiag_cp_attention(*(t.detach() for t in local), window_size=window_size)
             (o * state.shard(w)).sum().backward()
         ref = reference_attention(q, k, v, ids, window=window)
-        errs = [float((o - state.shard(ref)).abs().max())] + [
+        errs = [float((o - state.shard(ref)).abs().max()), float((o2 - o).abs().max())] + [
             float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
         report = state.report()
+        stats = state.comm_stats
         out[exchange] = {"errs": errs, "exchange": report["kv_exchange"], "kv_backward": report["kv_backward"],
-                         "inter": state.comm_stats.get("bytes_inter_node_received"),
-                         "received": state.comm_stats["bytes_received"]}
+                         "report": {k: v for k, v in report.items() if "positions" in k or "bytes" in k},
+                         "stats": {k: v for k, v in stats.items() if "bytes" in k}}
     return out
 
 
@@ -244,6 +248,22 @@ def test_op_with_the_hierarchical_exchange_on_2_nodes_of_2(pool4, case, layout, 
         hier, flat = r["hierarchical"], r["a2a"]
         assert hier["exchange"] == "hierarchical" and hier["kv_backward"] == kv_backward, hier
         assert max(hier["errs"]) < 1e-10 and max(flat["errs"]) < 1e-10, (hier, flat)
+        rep, stats = hier["report"], hier["stats"]
+        row = rep["kv_row_bytes"]
+        # The bytes the routes moved are the route's positions, per call (two layers ran), both ways.
+        assert stats["bytes_received"] == rep["positions_received"] * row, hier
+        assert stats["bytes_sent"] == rep["positions_sent"] * row, hier
+        assert stats["bytes_inter_node_received"] == rep["positions_inter_node_received"] * row, hier
+        assert stats["bytes_inter_node_sent"] == rep["positions_inter_node_sent"] * row, hier
+        # Gradients go back through the same routes: what came in goes out, and vice versa.
+        assert stats["backward_grad_bytes_sent"] == stats["bytes_received"], hier
+        assert stats["backward_grad_bytes_received"] == stats["bytes_sent"], hier
+        if kv_backward == "refetch":
+            assert stats["backward_bytes_received"] == stats["bytes_received"], hier
+        else:
+            assert stats["backward_bytes_received"] == 0, hier
+        # A node's remote rows cross once: never more inter-node rows than the flat exchange moves.
+        assert rep["positions_inter_node_received"] <= flat["report"]["positions_received"], (hier, flat)
 
 
 def hierarchical_on_one_node():

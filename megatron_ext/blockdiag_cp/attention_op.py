@@ -146,8 +146,11 @@ class _StreamedAttention(torch.autograd.Function):
         calls = state.stream_on(kind, q.device, window)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats
+        for key in [key for key in stats if not key.startswith("backward_")]:
+            del stats[key]  # this call's figures only (a model's layers share the state)
         for key in ("bytes_sent", "bytes_received", "wait_seconds", "compute_seconds"):
             stats[key] = 0
+        stats["window"] = window  # report() gives this call's positions
         seed = _dropout_seed(backend, q, dropout_p)
         acc = _Accumulator(geo.L * geo.R, geo.g * geo.hq, geo.dv, kernels.lse_dtype(q.dtype), q.device)
         q_flat = geo.q_flat(q)
@@ -219,6 +222,8 @@ class _StreamedAttention(torch.autograd.Function):
         calls = state.stream_on(ctx.kind, q.device, ctx.window)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats
+        for key in [key for key in stats if key.startswith("backward_")]:
+            del stats[key]
         for key in ("backward_bytes_sent", "backward_bytes_received", "backward_grad_bytes_sent",
                     "backward_grad_bytes_received", "backward_wait_seconds", "backward_compute_seconds"):
             stats[key] = 0
@@ -260,11 +265,13 @@ class _StreamedAttention(torch.autograd.Function):
             stats["backward_compute_seconds"] += time.perf_counter() - t0
             return grad
 
-        dkv = differentiate(calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L).view(geo.L, geo.b, -1)
-        if len(steps) > 1:
-            refetch = state.kv_backward != "save"
+        refetch = state.kv_backward != "save"
+        transport = pending = None
+        if len(steps) > 1:  # the first remote chunk moves while the local keys are differentiated
             transport = _transport(ctx.kind, k, v, state, plan, stats, "backward_")
             pending = transport.start((steps[1].round, steps[1].piece)) if refetch else None
+        dkv = differentiate(calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L).view(geo.L, geo.b, -1)
+        if len(steps) > 1:
             in_flight = None  # the last gradient sent home
             like = torch.empty((0,) + tuple(dkv.shape[1:]), dtype=k.dtype, device=k.device)
             for s in range(1, len(steps)):

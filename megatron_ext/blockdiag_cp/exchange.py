@@ -17,8 +17,9 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
     hierarchical         the needed rows, moved once per step through two-level routes
                          (``hierarchy``): what a node needs from another node crosses the
                          inter-node link once, fetched in equal shares by the node's ranks
-                         and forwarded inside the node; the steps then read the delivered
-                         buffer (no transfer in flight behind compute, memory O(needed))
+                         and forwarded inside the node; the inter-node stage is in flight
+                         while the local keys are attended, then the steps read slices of
+                         the delivered buffer (memory O(needed), not O(chunk))
 
 K and V travel fused in one buffer per step, [n, b, Hkv * (Dk + Dv)], built per piece
 (never a fused copy of the whole shard).
@@ -195,22 +196,26 @@ class NeededTransport(_DirectGradients):
         pass
 
 
-class _Ready:
-    """A transfer that already happened."""
+class _Slice:
+    """Step (i, j)'s rows of the hierarchical buffer; the first ``wait`` finishes the routes' transfer."""
 
-    def __init__(self, value):
-        self._value = value
+    def __init__(self, transport: "HierarchicalTransport", step):
+        self._transport, self._step = transport, step
 
-    def wait(self):
-        return self._value
+    def wait(self) -> Optional[torch.Tensor]:
+        buffer = self._transport.delivered()
+        first, n = self._transport._rows(self._step)
+        return buffer[first:first + n] if n else None
 
 
 class HierarchicalTransport:
-    """The needed rows through two-level routes, all at the first step; the steps read slices of them.
+    """The needed rows through two-level routes, posted at the first step; the steps read slices of them.
 
-    The buffer is what ``hierarchical_exchange.route_forward`` delivers: local rows, then the rows
+    The buffer is what ``hierarchical_exchange.RouteForward`` delivers: local rows, then the rows
     received from each source in rank order, ascending; step (i, j) reads source (rank - i)'s
-    piece j. Gradients collect in a buffer of the same shape and go back through the routes once.
+    piece j. Stage 1 (the inter-node one) is in flight while the local keys are attended; the
+    first remote step waits for it and runs stage 2 inside the node. Gradients collect in a
+    buffer of the same shape and go back through the routes once, at the end.
     """
 
     kind = "needed"
@@ -223,6 +228,7 @@ class HierarchicalTransport:
         received[rank] = 0
         self.offset = (torch.cumsum(received, 0) - received).tolist()  # per source, in the buffer past local
         self.from_source = received.tolist()
+        self._moving = None  # RouteForward in flight
         self._buffer = None
         self._grad = None
 
@@ -233,20 +239,23 @@ class HierarchicalTransport:
         first = self.k.shape[0] + self.offset[src] + j * self.c
         return first, n
 
-    def start(self, step) -> _Ready:
-        from .hierarchical_exchange import route_forward
+    def start(self, step) -> _Slice:
+        from .hierarchical_exchange import RouteForward
 
+        if self._moving is None and self._buffer is None:
+            self._moving = RouteForward(fused_rows(self.k, self.v, slice(None)), self.route, self.group, False, {})
+        return _Slice(self, step)
+
+    def delivered(self) -> torch.Tensor:
         if self._buffer is None:
             t0 = time.perf_counter()
-            kv = fused_rows(self.k, self.v, slice(None))
-            moved: Dict = {}
-            self._buffer = route_forward(kv, self.route, self.group, False, moved)
+            moving, self._moving = self._moving, None
+            self._buffer = moving.wait()
             for key in ("bytes_sent", "bytes_received", "bytes_inter_node_sent", "bytes_inter_node_received"):
-                self.stats[self.prefix + key] = self.stats.get(self.prefix + key, 0) + moved[key]
+                self.stats[self.prefix + key] = self.stats.get(self.prefix + key, 0) + moving.stats[key]
             self.stats[self.prefix + "wait_seconds"] = (self.stats.get(self.prefix + "wait_seconds", 0.0)
                                                          + time.perf_counter() - t0)
-        first, n = self._rows(step)
-        return _Ready(self._buffer[first:first + n] if n else None)
+        return self._buffer
 
     def received(self, chunk) -> None:
         pass
@@ -268,11 +277,16 @@ class HierarchicalTransport:
         """Every chunk's gradient back through the routes at once, summed into ``dkv`` [L, b, F]."""
         from .hierarchical_exchange import route_backward
 
+        if self._moving is not None:  # save mode never reads the refetch it did not post; nothing is pending
+            self.delivered()
         if self._grad is None:  # every rank takes part in the routes' transfers, gradient or not
             self._grad = torch.zeros((self.route.out_rows,) + tuple(dkv.shape[1:]), dtype=self.k.dtype,
                                      device=dkv.device)
         t0 = time.perf_counter()
-        dkv.add_(route_backward(self._grad, self.route, self.group, False).to(dkv.dtype))
+        moved: Dict = {}
+        dkv.add_(route_backward(self._grad, self.route, self.group, False, moved).to(dkv.dtype))
+        for key in ("grad_bytes_sent", "grad_bytes_received"):
+            self.stats["backward_" + key] = self.stats.get("backward_" + key, 0) + moved[key]
         self.stats["backward_wait_seconds"] = (self.stats.get("backward_wait_seconds", 0.0)
                                                + time.perf_counter() - t0)
 

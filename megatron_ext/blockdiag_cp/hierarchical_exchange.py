@@ -24,54 +24,91 @@ import torch.distributed as dist
 from .hierarchy import HierarchicalRoute
 
 
+class _Moving:
+    """One stage's all-to-all-v (or p2p) in flight; ``wait`` returns the rows grouped by source."""
+
+    def __init__(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int], group, use_p2p: bool):
+        self.recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
+        send = send.contiguous()  # kept alive until the transfer is done
+        self._keep = send
+        if not use_p2p:
+            self._requests = [dist.all_to_all_single(self.recv, send, output_split_sizes=recv_counts,
+                                                     input_split_sizes=send_counts, group=group, async_op=True)]
+            return
+        ranks = dist.get_process_group_ranks(group)
+        ops = [dist.P2POp(dist.irecv, chunk, ranks[peer], group)
+               for peer, (chunk, n) in enumerate(zip(self.recv.split(recv_counts), recv_counts)) if n]
+        ops += [dist.P2POp(dist.isend, chunk, ranks[peer], group)
+                for peer, (chunk, n) in enumerate(zip(send.split(send_counts), send_counts)) if n]
+        self._requests = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> torch.Tensor:
+        for req in self._requests:
+            req.wait()
+        self._requests, self._keep = [], None
+        return self.recv
+
+
 def _move(send: torch.Tensor, send_counts: List[int], recv_counts: List[int], group, use_p2p: bool) -> torch.Tensor:
     """Rows grouped by destination -> rows grouped by source (all-to-all-v, or p2p with the non-empty peers)."""
-    recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
-    if not use_p2p:
-        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts,
-                               input_split_sizes=send_counts, group=group)
-        return recv
-    ranks = dist.get_process_group_ranks(group)
-    ops = [dist.P2POp(dist.irecv, chunk, ranks[peer], group)
-           for peer, (chunk, n) in enumerate(zip(recv.split(recv_counts), recv_counts)) if n]
-    ops += [dist.P2POp(dist.isend, chunk.contiguous(), ranks[peer], group)
-            for peer, (chunk, n) in enumerate(zip(send.split(send_counts), send_counts)) if n]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return recv
+    return _Moving(send, send_counts, recv_counts, group, use_p2p).wait()
+
+
+class RouteForward:
+    """``route_forward`` split in two: the constructor posts stage 1, ``wait`` finishes it.
+
+    Stage 1 (the only stage that crosses nodes) is in flight while the caller computes
+    (the streamed op attends its local keys meanwhile); stage 2, inside the node, needs
+    stage 1's rows, so it runs in ``wait``.
+    """
+
+    def __init__(self, kv: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict):
+        self.kv, self.route, self.group, self.use_p2p, self.stats = kv, route, group, use_p2p, stats
+        self._stage1 = (_Moving(kv.index_select(0, route.send1_index), route.send1_counts, route.recv1_counts,
+                                group, use_p2p) if route.stage1_moves else None)
+
+    def wait(self) -> torch.Tensor:
+        """[L + needed, b, F]: local rows, then the received rows by source."""
+        kv, route = self.kv, self.route
+        L, tail = kv.shape[0], tuple(kv.shape[1:])
+        recv1 = self._stage1.wait() if self._stage1 is not None else kv.new_empty((0,) + tail)
+        recv2 = kv.new_empty((0,) + tail)
+        if route.stage2_moves:
+            recv2 = _move(recv1.index_select(0, route.send2_index), route.send2_counts, route.recv2_counts,
+                          self.group, self.use_p2p)
+        out = kv.new_empty((route.out_rows,) + tail)
+        out[:L] = kv
+        keep = route.slot1 >= 0
+        out.index_copy_(0, route.slot1[keep], recv1[keep])
+        out.index_copy_(0, route.slot2, recv2)
+        row = kv[0].numel() * kv.element_size() if L else 0
+        sent = sum(route.send1_counts) + sum(route.send2_counts)
+        received = sum(route.recv1_counts) + sum(route.recv2_counts)
+        self.stats.update(bytes_sent=sent * row, bytes_received=received * row,
+                          bytes_inter_node_sent=route.inter1_send * row,
+                          bytes_inter_node_received=route.inter1_recv * row,
+                          bytes_intra_node_sent=(sent - route.inter1_send) * row,
+                          bytes_intra_node_received=(received - route.inter1_recv) * row)
+        self.kv = None
+        return out
 
 
 def route_forward(kv: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict) -> torch.Tensor:
     """[L, b, F] -> [L + needed, b, F] through the two stages (no autograd)."""
-    L = kv.shape[0]
-    tail = tuple(kv.shape[1:])
-    recv1 = kv.new_empty((0,) + tail)
-    if route.stage1_moves:
-        recv1 = _move(kv.index_select(0, route.send1_index), route.send1_counts, route.recv1_counts,
-                      group, use_p2p)  # [sum(recv1_counts), b, F]
-    recv2 = kv.new_empty((0,) + tail)
-    if route.stage2_moves:
-        recv2 = _move(recv1.index_select(0, route.send2_index), route.send2_counts, route.recv2_counts,
-                      group, use_p2p)
-    out = kv.new_empty((route.out_rows,) + tail)
-    out[:L] = kv
-    keep = route.slot1 >= 0
-    out.index_copy_(0, route.slot1[keep], recv1[keep])
-    out.index_copy_(0, route.slot2, recv2)
-    row = kv[0].numel() * kv.element_size() if L else 0
-    sent = sum(route.send1_counts) + sum(route.send2_counts)
-    received = sum(route.recv1_counts) + sum(route.recv2_counts)
-    stats.update(bytes_sent=sent * row, bytes_received=received * row,
-                 bytes_inter_node_sent=route.inter1_send * row, bytes_inter_node_received=route.inter1_recv * row,
-                 bytes_intra_node_sent=(sent - route.inter1_send) * row,
-                 bytes_intra_node_received=(received - route.inter1_recv) * row)
-    return out
+    return RouteForward(kv, route, group, use_p2p, stats).wait()
 
 
-def route_backward(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool) -> torch.Tensor:
-    """The gradient of ``route_forward``: [L + needed, b, F] -> [L, b, F], stages reversed (no autograd)."""
+def route_backward(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool,
+                   stats: Optional[Dict] = None) -> torch.Tensor:
+    """The gradient of ``route_forward``: [L + needed, b, F] -> [L, b, F], stages reversed (no autograd).
+
+    ``stats`` gets grad_bytes_sent / grad_bytes_received: the gradient rows both stages moved.
+    """
     L = route.local_len
+    if stats is not None:
+        row = grad[0].numel() * grad.element_size() if grad.shape[0] else 0
+        stats.update(grad_bytes_sent=(sum(route.recv1_counts) + sum(route.recv2_counts)) * row,
+                     grad_bytes_received=(sum(route.send1_counts) + sum(route.send2_counts)) * row)
     tail = tuple(grad.shape[1:])
     grad = grad.contiguous()
     grad_kv = grad[:L].clone()

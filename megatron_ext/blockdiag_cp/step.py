@@ -389,8 +389,18 @@ class BlockDiagCPState:
         return x.index_select(seq_dim, self.local_positions.to(x.device))
 
     def report(self) -> Dict:
-        plan = self.plan
+        # Positions and bytes of the last attention call, with its sliding window (None: whole documents).
+        window = self.comm_stats.get("window")
+        plan = self.plan_for(window)
         sent_pos, recv_pos = plan.positions_moved(chunk_kind(self.kv_exchange)) if self.cp > 1 else (0, 0)
+        inter = {}
+        if self.kv_exchange == "hierarchical":  # both stages of the node routes, and what crosses nodes
+            route = self.hierarchical_route_on(torch.device("cpu"), window)
+            sent_pos = sum(route.send1_counts) + sum(route.send2_counts)
+            recv_pos = sum(route.recv1_counts) + sum(route.recv2_counts)
+            inter = {"positions_inter_node_sent": route.inter1_send, "positions_inter_node_received": route.inter1_recv,
+                     "bytes_inter_node_sent": self.comm_stats.get("bytes_inter_node_sent"),
+                     "bytes_inter_node_received": self.comm_stats.get("bytes_inter_node_received")}
         work = plan.work_per_rank.to(torch.float64)
         mean = float(work.mean())
         lower = int(plan.needed_remote[self.rank])
@@ -406,6 +416,7 @@ class BlockDiagCPState:
             "kv_backward": self.kv_backward,
             "kv_backward_reason": self.kv_backward_reason,
             "layout": self.layout.name,
+            "window": window,
             "cost_model": None if self.cost_model is None else self.cost_model.name,
             "cp": self.cp,
             "rank": self.rank,
@@ -424,6 +435,7 @@ class BlockDiagCPState:
             "work_per_rank": plan.work_per_rank.tolist(),
             "work_max_over_mean": float(work.max()) / mean if mean > 0 else 1.0,
             "kernel_failures": list(self.kernel_failures),
+            **inter,
         }
 
     # -- device-side plan, cached per step -----------------------------------
