@@ -50,6 +50,9 @@ def _covered_pairs(plan, lay, kind, R, window=None):
         if step.round > 0 and window is None:  # a remote call gathers a quarter shard of queries at most
             assert all(sum(call.q_lens) <= c for call in step.calls), step
         for call in step.calls:
+            # The op merges a call's outputs into its query rows by index: a row twice in one call
+            # would keep only one of its segments.
+            assert call.q_index.unique().numel() == call.q_index.numel(), (kind, step, "a query row twice")
             if call.causal:
                 assert call.q_lens == call.k_lens
             for qs, ks in zip(call.q_index.split(list(call.q_lens)), call.k_index.split(list(call.k_lens))):
@@ -110,7 +113,8 @@ def test_thd_layout_and_random_rows():
         parts = []
         for i, n in enumerate(lengths):  # each document padded to a multiple of 2 * cp, as THD packs
             parts += [torch.full((n,), i + 1), torch.zeros(-(-n // (2 * cp)) * 2 * cp - n, dtype=torch.long)]
-        _check(torch.cat(parts), cp, "thd")
+        for window in (None, 3, 7, 30):  # thd's two pieces per rank: a window sees both of a source's runs
+            _check(torch.cat(parts), cp, "thd", window)
         rows = torch.stack([torch.repeat_interleave(torch.arange(1, 61), torch.randint(1, 9, (60,), generator=g))[:72]
                             for _ in range(3)])
         _check(rows, cp, "zigzag")

@@ -32,7 +32,7 @@ def _rel(a, b):
     return float((a.detach() - b).abs().max() / b.abs().max().clamp_min(1e-3))
 
 
-def check_variant(case, window, sink_kind, heads, kv_backwards=("refetch",), S=96):
+def check_variant(case, window, sink_kind, heads, kv_backwards=("refetch",), S=96, layouts=LAYOUTS):
     """On every rank: {(layout, exchange, kv_backward): [errors of out, dq, dk, dv, dsink]}."""
     import torch.distributed as dist
 
@@ -41,6 +41,8 @@ def check_variant(case, window, sink_kind, heads, kv_backwards=("refetch",), S=9
     cp = dist.get_world_size()
     hq, hkv, dk, dv = heads
     doc_ids = make_doc_ids(case, S, cp)
+    if layouts == ("thd",):
+        doc_ids = _thd_padded(doc_ids, 2 * cp)
     b = doc_ids.shape[0] if doc_ids.dim() == 2 else 1
     S = doc_ids.shape[-1]
     g = torch.Generator().manual_seed(17)
@@ -56,7 +58,7 @@ def check_variant(case, window, sink_kind, heads, kv_backwards=("refetch",), S=9
     ref = reference_attention(*ref_in, doc_ids, window=window, sink=ref_sink)
     (ref * w).sum().backward()
     results = {}
-    for layout in LAYOUTS:
+    for layout in layouts:
         for exchange in EXCHANGES:
             for kv_backward in kv_backwards:
                 state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange,
@@ -75,6 +77,19 @@ def check_variant(case, window, sink_kind, heads, kv_backwards=("refetch",), S=9
                     errs.append(_rel(grad, ref_sink.grad))
                 results[(layout, exchange, kv_backward)] = errs
     return results
+
+
+def _thd_padded(doc_ids, multiple):
+    """[S] ids -> every document followed by padding (id 0) to a multiple of ``multiple`` tokens, as
+    Megatron's THD packing pads each sequence to 2 * cp (``cu_seqlens_padded``)."""
+    ids, parts, start = doc_ids.tolist(), [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or ids[end] != ids[start]:
+            run = ids[start:end]
+            if run[0] != 0:
+                parts += run + [0] * (-len(run) % multiple)
+            start = end
+    return torch.tensor(parts, dtype=torch.long)
 
 
 def _assert_all(results):
@@ -107,6 +122,13 @@ def test_mla_head_dims_with_grouped_kv(pool, case):
     # q/k head dim 12, v head dim 8 (DeepSeek-V3's 192/128 in small), 4 query heads over 2 K/V heads.
     _assert_all(pool.run(check_variant, case, None, None, (4, 2, 12, 8), ("refetch", "save")))
     _assert_all(pool.run(check_variant, case, 9, "learnable", (4, 4, 6, 10)))  # wider V, window, sink
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["single", "short", "len1_boundaries"])
+def test_variants_on_the_thd_layout(pool, case):
+    # TE's per-document partition (Megatron's --sft packing): window, learnable sink, MLA head dims.
+    _assert_all(pool.run(check_variant, case, 7, "learnable", (4, 2, 12, 8), ("refetch", "save"), 96, ("thd",)))
 
 
 def test_window_size_must_be_causal():

@@ -271,11 +271,22 @@ def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, win
         while stop < len(keys) and keys[stop] == keys[start]:
             stop += 1
         s, ch, w = keys[start]
-        pp, k_first, nk, nq = (t[start:stop] for t in cols[3:])
-        q_index = ranges(q_first[pp], nq) * R + torch.repeat_interleave(row[pp], nq)
-        k_index = ranges(k_first, nk) * R + torch.repeat_interleave(row[pp], nk)
-        out.setdefault((s, ch), []).append(CallPlan(False, q_index, k_index, tuple(nq.tolist()),
-                                                    tuple(nk.tolist()), None if w < 0 else w))
+        group = [t[start:stop] for t in cols[3:]]
+        # A piece can see several runs of one source inside one chunk (zigzag's and thd's two
+        # pieces per rank): each is its own segment, and a call holds a query row at most once
+        # (the merge indexes rows), so the n-th segment of a piece goes to the n-th call.
+        seen: Dict[int, int] = {}
+        occurrence = []
+        for x in group[0].tolist():
+            occurrence.append(seen.get(x, 0))
+            seen[x] = occurrence[-1] + 1
+        occurrence = torch.tensor(occurrence)
+        for n in range(int(occurrence.max()) + 1):
+            pp, k_first, nk, nq = (t[occurrence == n] for t in group)
+            q_index = ranges(q_first[pp], nq) * R + torch.repeat_interleave(row[pp], nq)
+            k_index = ranges(k_first, nk) * R + torch.repeat_interleave(row[pp], nk)
+            out.setdefault((s, ch), []).append(CallPlan(False, q_index, k_index, tuple(nq.tolist()),
+                                                        tuple(nk.tolist()), None if w < 0 else w))
         start = stop
     return out
 

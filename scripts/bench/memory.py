@@ -154,6 +154,7 @@ def run(grid: List[Dict], engine: str, log=print, out_path=None) -> List[Dict]:
             done = {_config_key({**r, "kv_backward": r["kv_backward_requested"]}) for r in map(json.loads, f)
                     if r.get("engine") == engine}
         grid = [cfg for cfg in grid if _config_key(cfg) not in done]
+    grid = sorted(grid, key=lambda cfg: cfg["cp"])  # stable: one pool per cp size, spawned once
     try:
         for cfg in grid:
             cp = cfg["cp"]
