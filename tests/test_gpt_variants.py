@@ -118,15 +118,62 @@ def mla_step(exchanges):
             out[exchange] = (loss_err, grad_err)
         attention = ours.decoder.layers[0].self_attention.core_attention
         out["dims"] = (attention.k_channels, attention.v_channels)
+        # MLA rotates inside its attention by zigzag-sliced positions: another layout is refused, on
+        # every rank, before any K/V moves.
+        try:
+            H.cp_step_errors(ours, batch, group, "contiguous", "a2a", ref_loss, ref_grads, carry_state=False)
+            out["refusal"] = None
+        except bdcp.BlockDiagCPError as exc:
+            out["refusal"] = str(exc)
     return out
 
 
 @pytest.mark.timeout(600)
 def test_mla_gpt_at_cp2_equals_reference(pool2):
-    results = pool2.run(mla_step, ("allgather", "a2a"))
+    results = pool2.run(mla_step, ("allgather", "halo", "a2a"))
     if "skip" in results[0]:
         pytest.skip(results[0]["skip"])
     for out in results:
         assert out.pop("dims") == (12, 6)  # q/k head dim 8 + 4 (RoPE part), v head dim 6
+        refusal = out.pop("refusal")
+        assert refusal is not None and "'contiguous' layout" in refusal and "layout='zigzag'" in refusal, refusal
         for exchange, (loss_err, grad_err) in out.items():
             assert loss_err < TOL and grad_err < TOL, (exchange, loss_err, grad_err)
+
+
+def softmax_offset_under_tp():
+    """Our learnable sink at TP = 2: megatron's shard of the heads, and its sharded checkpoint entry."""
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ext.layers import BlockDiagCPAttention
+
+    H.ensure_mpu(tp=2, cp=1)
+    cfg = H.config(cp=1, tp=2, softmax_type="learnable")
+    torch.manual_seed(3)
+    ours = BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
+    with H.cuda_calls_on_cpu():
+        torch.manual_seed(3)
+        theirs = DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+
+    mpu = H.ensure_mpu(tp=2, cp=1)
+    metadata = {"dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+
+    def entry(module):
+        sharded = module.sharded_state_dict(prefix="core_attention.", metadata=metadata)[
+            "core_attention.softmax_offset"]
+        return sharded.key, tuple(sharded.global_shape), tuple(sharded.global_offset), tuple(sharded.data.shape)
+
+    return {"shape": tuple(ours.softmax_offset.shape), "same_init": bool(torch.equal(ours.softmax_offset,
+                                                                                      theirs.softmax_offset)),
+            "ours": entry(ours), "theirs": entry(theirs)}
+
+
+@pytest.mark.timeout(120)
+def test_softmax_offset_is_sharded_over_tp_as_megatrons(pool2):
+    for rank, out in enumerate(pool2.run(softmax_offset_under_tp)):
+        assert out["shape"] == (2,), out  # 4 heads over TP = 2
+        assert out["same_init"], out
+        assert out["ours"] == out["theirs"], out
+        assert out["ours"][1:3] == ((4,), (2 * rank,)), out  # this rank's heads of the global [4]
