@@ -18,11 +18,13 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("spawn")
+_PARENT_POLL_S = 2.0  # how often an idle worker checks its parent, and a waiting parent its workers
 
 
 def _free_port() -> int:
@@ -56,8 +58,14 @@ def _worker(rank, world, port, tasks, results, env, threads):
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=_PARENT_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # the parent died without closing us: do not linger holding memory
+                break
+            continue
         if task is None:
             break
         module_name, path, fn_name, args = task
@@ -101,7 +109,7 @@ class WorkerPool:
         out, errors = [None] * self.world, []
         for _ in range(self.world):
             try:
-                rank, ok, value = self.results.get(timeout=timeout)
+                rank, ok, value = self._next_result(fn.__name__, timeout)
             except queue.Empty:
                 self.restart()
                 raise TimeoutError(f"{fn.__name__}: no result within {timeout}s (a rank hung); "
@@ -113,6 +121,22 @@ class WorkerPool:
         if errors:
             raise RuntimeError(f"{fn.__name__} failed:\n" + "\n".join(errors))
         return out
+
+    def _next_result(self, name: str, timeout: float):
+        """The next rank's result; a rank that died (killed, e.g. out of memory) fails the call at once
+        instead of after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.results.get(timeout=min(_PARENT_POLL_S, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
+                if dead:
+                    self.restart()
+                    raise RuntimeError(f"{name}: worker rank(s) died: " + ", ".join(
+                        f"rank {r} exit code {code}" for r, code in dead) + " (-9: killed, e.g. out of memory)")
+                if time.monotonic() >= deadline:
+                    raise
 
     def restart(self):
         self.close(kill=True)
