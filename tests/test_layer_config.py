@@ -89,11 +89,14 @@ def test_every_field_megatrons_core_attentions_read_is_honoured_or_refused(which
     assert not missing, f"{which}: megatron's core attention reads {missing}, which our table does not list"
 
 
-NON_DEFAULT = {"qk_clip": True, "log_max_attention_logit": True, "batch_invariant_mode": True,
-               "deterministic_mode": True, "fp8_dot_product_attention": True}
+# Each refused field: a value it is refused at, and the flag a Megatron-LM user typed for it (None: a
+# config-only field). The flags are Megatron-LM's own: tests/test_megatron_lm.py finds each in its parser.
+NON_DEFAULT = {"qk_clip": (True, "--qk-clip"), "log_max_attention_logit": (True, "--log-max-attention-logit"),
+               "batch_invariant_mode": (True, "--batch-invariant-mode"),
+               "deterministic_mode": (True, "--deterministic-mode"), "fp8_dot_product_attention": (True, None)}
 
 
-def test_each_refused_field_is_refused_at_construction_naming_it():
+def test_each_refused_field_is_refused_at_construction_naming_it_and_its_flag():
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_ext.layers import BlockDiagCPAttention
@@ -102,12 +105,38 @@ def test_each_refused_field_is_refused_at_construction_naming_it():
     refused = {f for f, rule in CORE_ATTENTION_CONFIG.items() if not rule.honoured}
     assert refused == set(NON_DEFAULT), refused  # a new refusal needs a value here
     BlockDiagCPAttention(H.config(cp=1), 1, AttnMaskType.causal, "self")  # the defaults pass
-    for field, value in NON_DEFAULT.items():
+    for field, (value, flag) in NON_DEFAULT.items():
         cfg = H.config(cp=1)
         setattr(cfg, field, value)
-        with pytest.raises(bdcp.BlockDiagCPError, match=f"TransformerConfig.{field}=") as err:
+        with pytest.raises(bdcp.BlockDiagCPError) as err:
             BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
-        assert "not supported by BlockDiagCPAttention" in str(err.value)
+        message = str(err.value)
+        assert "not supported by BlockDiagCPAttention" in message, message
+        if flag:  # the field, the flag as typed, and the way out in the user's terms
+            assert f"TransformerConfig.{field}=True ({flag})" in message, message
+            assert f"drop {flag}" in message, message
+        else:
+            assert f"TransformerConfig.{field}=True (no Megatron-LM flag" in message, message
+            assert f"set TransformerConfig.{field}=False" in message, message
+
+
+@pytest.mark.parametrize("field,value,typed", [
+    ("window_size", (5, 3), "--window-size 5 3"),          # a right reach: not causal
+    ("softmax_type", "sigmoid", "--softmax-type sigmoid"),
+    ("attention_backend", "local", "--attention-backend local"),
+    ("cp_comm_type", "a2a+p2p", "--cp-comm-type a2a+p2p"),
+    ("cp_comm_type", ["p2p", "a2a"], "--cp-comm-type p2p a2a"),  # per-layer exchanges
+])
+def test_other_config_refusals_name_the_field_and_the_flag_as_typed(field, value, typed):
+    from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+
+    from megatron_ext.layers import BlockDiagCPAttention
+
+    cfg = H.config(cp=1)
+    setattr(cfg, field, getattr(AttnBackend, value) if field == "attention_backend" else value)
+    with pytest.raises(bdcp.BlockDiagCPError) as err:  # at construction, before any step
+        BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
+    assert f"TransformerConfig.{field}=" in str(err.value) and f"({typed})" in str(err.value), str(err.value)
 
 
 def test_qk_clip_leaves_no_silent_clip_qk():
@@ -461,13 +490,14 @@ def spec_refusals():
 @pytest.mark.timeout(120)
 def test_spec_refuses_what_it_cannot_build_naming_the_flag(pool1):
     (out,) = pool1.run(spec_refusals)
-    flags = {"experimental_attention_variant": "--experimental-attention-variant",
-             "mtp_num_layers": "--mtp-num-layers", "heterogeneous_block_specs": "--heterogeneous-layers-config-path",
+    flags = {"experimental_attention_variant": "--experimental-attention-variant gated_delta_net",
+             "mtp_num_layers": "--mtp-num-layers 1", "heterogeneous_block_specs": "--heterogeneous-layers-config-path",
              "transformer_impl": "--transformer-impl inference_optimized",
              "use_kitchen_attention": "--use-kitchen-attention"}
     for field, flag in flags.items():
         assert out[field] is not None and out[field][0] == "BlockDiagCPError", (field, out[field])
-        assert flag in out[field][1], (field, out[field][1])
+        assert f"TransformerConfig.{field}=" in out[field][1] and f"({flag})" in out[field][1], (field, out[field][1])
+        assert f"drop {flag.split()[0]}" in out[field][1], (field, out[field][1])
     assert out["replaced"] is not None and "core attention was replaced by DotProductAttention" in out["replaced"][1]
 
 

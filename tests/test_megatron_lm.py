@@ -190,6 +190,21 @@ def test_attention_backend_local_never_runs_without_our_layer(results):
     _refused(results["scenarios"]["attention_backend_local"], "--attention-backend local", 2)
 
 
+def test_refusals_name_megatron_lms_own_flags(results):
+    # Every flag our refusals name for a TransformerConfig field is an option of Megatron-LM's own
+    # parser that stores into that field's argument; a field listed without a flag has none there.
+    from megatron_ext.megatron_lm import MEGATRON_LM_ARG, MEGATRON_LM_FLAGS
+
+    parsed = results["megatron_lm_flags"]
+    assert set(parsed) == set(MEGATRON_LM_FLAGS), sorted(set(MEGATRON_LM_FLAGS) ^ set(parsed))
+    for field, flag in MEGATRON_LM_FLAGS.items():
+        assert parsed[field]["dest"] == MEGATRON_LM_ARG.get(field, field), (field, parsed[field])
+        if flag is None:
+            assert parsed[field]["options"] == [], (field, parsed[field])
+        else:
+            assert flag in parsed[field]["options"], (field, flag, parsed[field])
+
+
 def test_strict_flag_takes_effect(results):
     _refused(results["scenarios"]["strict_fallback"], "strict mode: attention backend 'te'", 2)
 

@@ -592,10 +592,28 @@ def main(argv=None):
     data = str(checkout.parent / "megatron_lm_docs")
     write_documents(data)
     results = {"megatron_core": __import__("megatron.core", fromlist=["__version__"]).__version__,
-               "python": sys.version.split()[0], "torch": torch.__version__, "scenarios": {}}
+               "python": sys.version.split()[0], "torch": torch.__version__,
+               "megatron_lm_flags": megatron_lm_flags(), "scenarios": {}}
     for name in opts.scenarios.split(","):
         results["scenarios"][name] = run_scenario(SCENARIOS[name], data)
         pathlib.Path(opts.out).write_text(json.dumps(results, indent=1, default=str))
+
+
+def megatron_lm_flags() -> dict:
+    """For each field of ``megatron_ext.megatron_lm.MEGATRON_LM_FLAGS``: the option strings of
+    Megatron-LM's own parser (``add_megatron_arguments``) that store into that field's argument."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_ext.megatron_lm import MEGATRON_LM_ARG, MEGATRON_LM_FLAGS
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    by_dest = {}
+    for action in parser._actions:
+        by_dest.setdefault(action.dest, []).extend(action.option_strings)
+    return {field: {"dest": MEGATRON_LM_ARG.get(field, field),
+                    "options": by_dest.get(MEGATRON_LM_ARG.get(field, field), [])}
+            for field in MEGATRON_LM_FLAGS}
 
 
 def write_documents(prefix: str, n_docs: int = 120, seed: int = 7) -> None:
