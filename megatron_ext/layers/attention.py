@@ -61,8 +61,8 @@ CORE_ATTENTION_CONFIG: Dict[str, ConfigRule] = {
                              "passes them)"),
     "tensor_model_parallel_size": _honoured("heads per partition come from the TP group"),
     "context_parallel_size": _honoured("checked against the CP group at construction and per call"),
-    "sequence_parallel": _honoured("as megatron: attention dropout runs in the model-parallel RNG "
-                                   "fork unless sequence parallel"),
+    "sequence_parallel": _honoured("as megatron's and TE's core attention: attention dropout runs in the "
+                                   "model-parallel RNG fork unless sequence parallel"),
     "attention_dropout": _honoured("dropout inside the kernel, drawn in megatron's model-parallel RNG "
                                    "fork (each TP rank's heads drop independently)"),
     "apply_query_key_layer_scaling": _honoured("divides and re-multiplies the scores by layer_number: "
@@ -322,11 +322,15 @@ class BlockDiagCPAttention(MegatronModule):
         return out.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
 
     def _dropout_rng(self, dropout_p: float, device):
-        """Megatron's model-parallel RNG fork, as its own core attention (and TE's) takes it.
+        """Megatron's model-parallel RNG fork, where megatron's core attentions take it.
 
-        Only with dropout, not under sequence parallelism (megatron draws attention dropout from
-        the default generator there), when the tracker is initialized, and on CUDA: megatron's
-        tracker holds CUDA generator states.
+        Only with dropout, when the tracker is initialized, not under sequence parallelism, and on
+        CUDA (megatron's tracker holds CUDA generator states). That is both of megatron's: its
+        DotProductAttention forks only ``if not config.sequence_parallel``; TEDotProductAttention
+        hands TE ``sequence_parallel=config.sequence_parallel`` and the tracker when initialized,
+        and TE's DotProductAttention forks around dropout unless ``sequence_parallel`` or no
+        tracker. Under sequence parallelism the default generator, which megatron seeds alike on
+        every TP rank, draws the mask (tests/test_layer_config.py runs megatron's own layer beside).
         """
         if dropout_p == 0.0 or self.config.sequence_parallel or not rng_tracker_applies(device):
             return contextlib.nullcontext()
