@@ -185,9 +185,17 @@ def test_hierarchical_a2a_p2p_refused(results):
 
 
 def test_attention_backend_local_never_runs_without_our_layer(results):
-    # Megatron-LM's own validate_args refuses it with any --spec but local; our layer and spec refuse
-    # it too where no such check runs (test_layer_config.py).
-    _refused(results["scenarios"]["attention_backend_local"], "--attention-backend local", 2)
+    # Megatron-LM's own validate_args refuses it first, at parse time, with any --spec but local; our
+    # layer and spec refuse it too where no such check runs (test_layer_config.py).
+    s = results["scenarios"]["attention_backend_local"]
+    _refused(s, "--attention-backend local is only supported with --spec local", 2)
+    assert s["errors"][0].startswith("AssertionError"), s["errors"]  # validate_args' assert, not ours
+
+
+def test_qk_clip_refused_by_megatron_lm_before_our_layer(results):
+    # Without TE >= 2.9 Megatron-LM's validate_args stops --qk-clip at parse time; with it, our layer
+    # refuses it at model build naming --qk-clip (test_layer_config.py).
+    _refused(results["scenarios"]["qk_clip"], "--qk-clip is only supported with TE >= 2.9.0", 2)
 
 
 def test_refusals_name_megatron_lms_own_flags(results):
@@ -203,6 +211,45 @@ def test_refusals_name_megatron_lms_own_flags(results):
             assert parsed[field]["options"] == [], (field, parsed[field])
         else:
             assert flag in parsed[field]["options"], (field, flag, parsed[field])
+
+
+def test_moe_under_pipeline_numbers_layers_globally(results):
+    s = results["scenarios"]["moe_pp"]  # PP = 2 x CP = 2, 4 layers, --moe-layer-freq [0,1,1,0]
+    _numbers(s)
+    assert s["layout"] == {"cp": 2, "pp": 2, "vp": None}
+    assert s["routes"]["legacy"]["params_compared"] == s["routes"]["legacy"]["reference_params"]
+    expected = {1: "MLP", 2: "MoELayer", 3: "MoELayer", 4: "MLP"}  # by global layer number
+    seen = {}
+    for rank_layers in s["layers_by_rank"]:
+        for route, layers in rank_layers.items():
+            for layer in layers:
+                assert layer["mlp"] == expected[layer["layer"]], (route, layer)
+                seen[layer["layer"]] = layer["mlp"]
+    assert seen == expected, seen  # both stages were built and described
+    assert [l["mlp"] for l in s["reference_layers"]["legacy"]] == list(expected.values())
+
+
+def test_hierarchical_exchange_across_two_nodes(results):
+    # CP = 4 as 2 nodes x 2 ranks (LOCAL_WORLD_SIZE=2): our two-level exchange runs as asked, on every
+    # rank, and matches megatron's own attention.
+    s = results["scenarios"]["hierarchical"]
+    _numbers(s)
+    assert s["layout"]["cp"] == 4
+    assert all(k["kv_exchange"] == "hierarchical" for k in s["knobs"]), s["knobs"]
+    for states in s["states_by_rank"]:
+        assert states and all((st["kv_exchange"], st["kv_exchange_reason"]) == ("hierarchical", "as requested")
+                              for st in states), states
+
+
+def test_hierarchical_exchange_on_one_node_falls_back_with_the_reason(results):
+    s = results["scenarios"]["hierarchical_one_node"]  # CP = 2, both ranks on one node
+    assert not s.get("errors"), (s.get("errors"), s.get("traceback", "")[-3000:])
+    assert all(k["kv_exchange"] == "hierarchical" for k in s["knobs"]), s["knobs"]  # what was asked
+    for states in s["states_by_rank"]:
+        assert states and all(st["kv_exchange_requested"] == "hierarchical" and st["kv_exchange"] == "a2a"
+                              and st["kv_exchange_reason"] ==
+                              "hierarchical not applicable: all 2 CP ranks sit on one node"
+                              for st in states), states
 
 
 def test_strict_flag_takes_effect(results):
