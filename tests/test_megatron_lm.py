@@ -12,6 +12,10 @@ Needs a Megatron-LM checkout (``MEGATRON_LM_PATH``; ``.ci/run`` sets it to the s
 with) and a Python that runs it: Python >= 3.12 with megatron-core >= 0.19 installed (for its
 compiled dataset helpers) -- this interpreter under ``make test-compat``, ``.venv-compat`` under
 ``make test``, or ``MEGATRON_LM_PYTHON``. The checkout is copied (never written to).
+
+``MEGATRON_LM_RESULTS=FILE`` keeps the driver's JSON (per scenario: loss and gradient errors
+against the reference, per route; the knobs and step reports): docs/megatron_lm.md's numbers
+are read from it.
 """
 
 import json
@@ -68,6 +72,9 @@ def results(tmp_path_factory):
     if not out.exists():
         pytest.fail(f"the Megatron-LM driver wrote no results (exit {proc.returncode}):\n"
                     f"{proc.stderr[-4000:]}")
+    keep = os.environ.get("MEGATRON_LM_RESULTS")
+    if keep:
+        shutil.copy(out, keep)
     data = json.loads(out.read_text())
     data["_log"] = proc.stderr[-2000:]
     return data
