@@ -43,6 +43,70 @@ from typing import Callable, Optional
 # auto and p2p, give way to ours).
 MEGATRON_KNOB_FLAGS = ("--attention-backend", "--cp-comm-type")
 
+# The Megatron-LM command-line flag of each TransformerConfig field our refusals name (None: the
+# field has no flag, a config-only setting), read off Megatron-LM's parser (main branch,
+# megatron-core 0.20: most flags are generated from TransformerConfig's fields, dashes for
+# underscores). tests/test_megatron_lm.py checks every entry against that parser: the flag exists
+# and stores into MEGATRON_LM_ARG (or the field's own name), and a None field has no flag.
+MEGATRON_LM_FLAGS = {
+    "qk_clip": "--qk-clip",
+    "log_max_attention_logit": "--log-max-attention-logit",
+    "batch_invariant_mode": "--batch-invariant-mode",
+    "deterministic_mode": "--deterministic-mode",
+    "fp8_dot_product_attention": None,
+    "attention_backend": "--attention-backend",
+    "cp_comm_type": "--cp-comm-type",
+    "context_parallel_size": "--context-parallel-size",
+    "softmax_type": "--softmax-type",
+    "window_size": "--window-size",
+    "experimental_attention_variant": "--experimental-attention-variant",
+    "heterogeneous_block_specs": "--heterogeneous-layers-config-path",
+    "mtp_num_layers": "--mtp-num-layers",
+    "transformer_impl": "--transformer-impl",
+    "use_kitchen_attention": "--use-kitchen-attention",
+    "qk_layernorm": "--qk-layernorm",
+    "qk_l2_norm": "--qk-l2-norm",
+    "multi_latent_attention": "--multi-latent-attention",
+    "moe_grouped_gemm": "--moe-grouped-gemm",
+    "normalization": "--normalization",
+    "use_te_activation_func": "--use-te-activation-func",
+    "mla_down_proj_fusion": "--mla-down-proj-fusion",
+    "use_grouped_gemm_for_dense_mlp": "--use-grouped-gemm-for-dense-mlp",
+}
+# Fields Megatron-LM sets from a differently named argument (the flag's argparse dest).
+# (use_kitchen is not listed: Megatron-LM adds its kitchen flags only where kitchen imports.)
+MEGATRON_LM_ARG = {"heterogeneous_block_specs": "heterogeneous_layers_config_path"}
+
+_UNSET = object()
+
+
+def megatron_lm_flag(field: str) -> Optional[str]:
+    """The Megatron-LM flag that sets ``TransformerConfig.<field>``, None where there is none."""
+    return MEGATRON_LM_FLAGS.get(field)
+
+
+def _as_typed(value) -> str:
+    """A config value as it is written after its flag: ``a2a+p2p``, ``5 3`` for a pair, a name for an enum."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(_as_typed(v) for v in value)
+    return str(getattr(value, "name", value))
+
+
+def config_field(field: str, value=_UNSET) -> str:
+    """``TransformerConfig.cp_comm_type='a2a+p2p' (--cp-comm-type a2a+p2p)``: the field as a config user
+    sets it and the flag as a Megatron-LM user typed it (a switch alone: ``(--qk-clip)``;
+    ``(no Megatron-LM flag: ...)`` for config-only fields; fields not in MEGATRON_LM_FLAGS: the field)."""
+    shown = getattr(value, "name", None) if hasattr(value, "name") and not isinstance(value, str) else None
+    named = f"TransformerConfig.{field}" + ("" if value is _UNSET else f"={shown or repr(value)}")
+    if field not in MEGATRON_LM_FLAGS:
+        return named
+    flag = MEGATRON_LM_FLAGS[field]
+    if not flag:
+        return f"{named} (no Megatron-LM flag: a config-only setting)"
+    if value is not _UNSET and not isinstance(value, bool) and value is not None:
+        flag = f"{flag} {_as_typed(value)}"
+    return f"{named} ({flag})"
+
 
 def _knobs():
     """megatron_ext.blockdiag_cp.state without importing the engine (torch); see training.arguments."""

@@ -78,7 +78,8 @@ def layer_errors():
 @pytest.mark.timeout(300)
 def test_layer_errors_are_clear(pool2):
     for out in pool2.run(layer_errors):
-        assert "context_parallel_size=1" in out["config_cp"][1] and "2 ranks" in out["config_cp"][1]
+        assert "context_parallel_size=1 (--context-parallel-size 1)" in out["config_cp"][1], out["config_cp"]
+        assert "2 ranks" in out["config_cp"][1]
         assert "no step state" in out["no_state"][1]
         assert "local_len=16" in out["seq_len"][1]
         assert out["group"] is not None and "CP group" in out["group"][1]

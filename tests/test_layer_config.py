@@ -8,8 +8,10 @@ issue 16 item 5), on the installed megatron-core (0.16 in make test, 0.19 in mak
 - the --spec attribute builds, for a config, the layers megatron-core's own spec builds (same
   modules, same state dict), ours inside; what it cannot build is refused naming the flag;
 - Megatron-LM's argument checks (megatron_ext.megatron_lm) without a Megatron-LM checkout;
-- attention dropout in megatron's model-parallel RNG fork: TP ranks draw different masks, and
-  megatron's own checkpoint recomputes the same ones.
+- attention dropout drawn where megatron's own DotProductAttention (run beside ours) draws it: in
+  the model-parallel RNG fork TP ranks draw different masks, under sequence parallelism the
+  default generator (alike on TP ranks, as megatron's and TE's core attention), and megatron's
+  own checkpoint recomputes the same masks.
 """
 
 import argparse
@@ -89,11 +91,14 @@ def test_every_field_megatrons_core_attentions_read_is_honoured_or_refused(which
     assert not missing, f"{which}: megatron's core attention reads {missing}, which our table does not list"
 
 
-NON_DEFAULT = {"qk_clip": True, "log_max_attention_logit": True, "batch_invariant_mode": True,
-               "deterministic_mode": True, "fp8_dot_product_attention": True}
+# Each refused field: a value it is refused at, and the flag a Megatron-LM user typed for it (None: a
+# config-only field). The flags are Megatron-LM's own: tests/test_megatron_lm.py finds each in its parser.
+NON_DEFAULT = {"qk_clip": (True, "--qk-clip"), "log_max_attention_logit": (True, "--log-max-attention-logit"),
+               "batch_invariant_mode": (True, "--batch-invariant-mode"),
+               "deterministic_mode": (True, "--deterministic-mode"), "fp8_dot_product_attention": (True, None)}
 
 
-def test_each_refused_field_is_refused_at_construction_naming_it():
+def test_each_refused_field_is_refused_at_construction_naming_it_and_its_flag():
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_ext.layers import BlockDiagCPAttention
@@ -102,12 +107,38 @@ def test_each_refused_field_is_refused_at_construction_naming_it():
     refused = {f for f, rule in CORE_ATTENTION_CONFIG.items() if not rule.honoured}
     assert refused == set(NON_DEFAULT), refused  # a new refusal needs a value here
     BlockDiagCPAttention(H.config(cp=1), 1, AttnMaskType.causal, "self")  # the defaults pass
-    for field, value in NON_DEFAULT.items():
+    for field, (value, flag) in NON_DEFAULT.items():
         cfg = H.config(cp=1)
         setattr(cfg, field, value)
-        with pytest.raises(bdcp.BlockDiagCPError, match=f"TransformerConfig.{field}=") as err:
+        with pytest.raises(bdcp.BlockDiagCPError) as err:
             BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
-        assert "not supported by BlockDiagCPAttention" in str(err.value)
+        message = str(err.value)
+        assert "not supported by BlockDiagCPAttention" in message, message
+        if flag:  # the field, the flag as typed, and the way out in the user's terms
+            assert f"TransformerConfig.{field}=True ({flag})" in message, message
+            assert f"drop {flag}" in message, message
+        else:
+            assert f"TransformerConfig.{field}=True (no Megatron-LM flag" in message, message
+            assert f"set TransformerConfig.{field}=False" in message, message
+
+
+@pytest.mark.parametrize("field,value,typed", [
+    ("window_size", (5, 3), "--window-size 5 3"),          # a right reach: not causal
+    ("softmax_type", "sigmoid", "--softmax-type sigmoid"),
+    ("attention_backend", "local", "--attention-backend local"),
+    ("cp_comm_type", "a2a+p2p", "--cp-comm-type a2a+p2p"),
+    ("cp_comm_type", ["p2p", "a2a"], "--cp-comm-type p2p a2a"),  # per-layer exchanges
+])
+def test_other_config_refusals_name_the_field_and_the_flag_as_typed(field, value, typed):
+    from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+
+    from megatron_ext.layers import BlockDiagCPAttention
+
+    cfg = H.config(cp=1)
+    setattr(cfg, field, getattr(AttnBackend, value) if field == "attention_backend" else value)
+    with pytest.raises(bdcp.BlockDiagCPError) as err:  # at construction, before any step
+        BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
+    assert f"TransformerConfig.{field}=" in str(err.value) and f"({typed})" in str(err.value), str(err.value)
 
 
 def test_qk_clip_leaves_no_silent_clip_qk():
@@ -461,13 +492,14 @@ def spec_refusals():
 @pytest.mark.timeout(120)
 def test_spec_refuses_what_it_cannot_build_naming_the_flag(pool1):
     (out,) = pool1.run(spec_refusals)
-    flags = {"experimental_attention_variant": "--experimental-attention-variant",
-             "mtp_num_layers": "--mtp-num-layers", "heterogeneous_block_specs": "--heterogeneous-layers-config-path",
+    flags = {"experimental_attention_variant": "--experimental-attention-variant gated_delta_net",
+             "mtp_num_layers": "--mtp-num-layers 1", "heterogeneous_block_specs": "--heterogeneous-layers-config-path",
              "transformer_impl": "--transformer-impl inference_optimized",
              "use_kitchen_attention": "--use-kitchen-attention"}
     for field, flag in flags.items():
         assert out[field] is not None and out[field][0] == "BlockDiagCPError", (field, out[field])
-        assert flag in out[field][1], (field, out[field][1])
+        assert f"TransformerConfig.{field}=" in out[field][1] and f"({flag})" in out[field][1], (field, out[field][1])
+        assert f"drop {flag.split()[0]}" in out[field][1], (field, out[field][1])
     assert out["replaced"] is not None and "core attention was replaced by DotProductAttention" in out["replaced"][1]
 
 
@@ -476,12 +508,46 @@ def test_spec_refuses_what_it_cannot_build_naming_the_flag(pool1):
 # ---------------------------------------------------------------------------
 
 
-def dropout_under_tensor_parallel(case):
-    """Outputs of one layer with dropout 0.5 on TP rank 0 and 1 fed the SAME q/k/v; grads with and
-    without megatron's recompute of core attention."""
+def _dropout_draws(make_layer, tracker, q, k, v, mpu, mask=None):
+    """One attention layer with dropout on this TP rank: whether both TP ranks' outputs agree on the
+    SAME q/k/v (the same mask), whether the default generator was left alone, and the gradient
+    difference between a plain run and megatron's checkpoint (recompute) from the same tracker state."""
     import torch.distributed as dist
     from megatron.core import tensor_parallel
+
+    layer = make_layer()
+    layer.train()
+    torch.manual_seed(99)
+    default_before = torch.get_rng_state()
+    try:
+        out = layer(q, k, v, mask)
+    except Exception as exc:  # noqa: BLE001 - megatron's own layer without a tracker
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    default_untouched = torch.equal(default_before, torch.get_rng_state())
+    grads = []
+    for recompute in (False, True):
+        states = {name: s.clone() for name, s in tracker.get_states().items()}
+        torch.manual_seed(7)
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        if recompute:
+            o = tensor_parallel.checkpoint(lambda a, b, c: layer(a, b, c, mask), False, qq, kk, vv)
+        else:
+            o = layer(qq, kk, vv, mask)
+        o.square().sum().backward()
+        grads.append(torch.cat([t.grad.flatten() for t in (qq, kk, vv)]))
+        if states:
+            tracker.set_states(states)  # the same draw for the other run
+    gathered = [torch.zeros_like(out) for _ in range(2)]
+    dist.all_gather(gathered, out.detach().contiguous(), group=mpu.get_tensor_model_parallel_group())
+    return {"tp_ranks_equal": torch.equal(gathered[0], gathered[1]), "default_untouched": default_untouched,
+            "recompute_grad_diff": float((grads[0] - grads[1]).abs().max())}
+
+
+def dropout_under_tensor_parallel(case):
+    """Ours and megatron's own DotProductAttention, dropout 0.5, on TP ranks 0 and 1 fed the SAME q/k/v."""
+    from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     import megatron_ext.layers.attention as attention
@@ -497,41 +563,23 @@ def dropout_under_tensor_parallel(case):
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     attention.tracker_device = lambda device: True
     try:
-        if case != "no_tracker":
-            tp_rank = mpu.get_tensor_model_parallel_rank()
-            seed = 1234 + 2718 + tp_rank  # megatron's model-parallel seed per TP rank
-            tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(seed).get_state()})
         cfg = H.config(cp=1, tp=2, sequence_parallel=(case == "sequence_parallel"))
         cfg.attention_dropout = 0.5
-        layer = BlockDiagCPAttention(cfg, 1, AttnMaskType.causal, "self")
-        layer.train()
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(12, 1, 2, 8, generator=g, requires_grad=True) for _ in range(3))
-        torch.manual_seed(99)
-        default_before = torch.get_rng_state()
-        out = layer(q, k, v, None)
-        default_untouched = torch.equal(default_before, torch.get_rng_state())
-
-        # Recompute: megatron's own checkpoint (it saves and restores the tracker states) vs none.
-        grads = []
-        for recompute in (False, True):
-            states = tracker.get_states()
-            states = {name: s.clone() for name, s in states.items()}
-            torch.manual_seed(7)
-            qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-            if recompute:
-                o = tensor_parallel.checkpoint(lambda a, b, c: layer(a, b, c, None), False, qq, kk, vv)
-            else:
-                o = layer(qq, kk, vv, None)
-            o.square().sum().backward()
-            grads.append(torch.cat([t.grad.flatten() for t in (qq, kk, vv)]))
-            if states:
-                tracker.set_states(states)  # the same draw for the other run
-        gathered = [torch.zeros_like(out) for _ in range(2)]
-        dist.all_gather(gathered, out.detach().contiguous(), group=mpu.get_tensor_model_parallel_group())
-        return {"tp_ranks_equal": torch.equal(gathered[0], gathered[1]),
-                "default_untouched": default_untouched,
-                "recompute_grad_diff": float((grads[0] - grads[1]).abs().max())}
+        k, v = k[:, :, :1].detach().requires_grad_(), v[:, :, :1].detach().requires_grad_()  # GQA: 2 groups / TP 2
+        # megatron's layer builds its default causal mask on "cuda": hand it the same mask (True = masked).
+        causal = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)[None, None]
+        out = {}
+        for name, cls, mask in (("ours", BlockDiagCPAttention, None), ("megatron", DotProductAttention, causal)):
+            tracker.reset()
+            if case != "no_tracker":
+                seed = 1234 + 2718 + mpu.get_tensor_model_parallel_rank()  # megatron's per TP rank
+                tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(seed).get_state()})
+            with H.cuda_calls_on_cpu():  # megatron's layer takes its score buffer on the current device
+                out[name] = _dropout_draws(lambda: cls(cfg, 1, AttnMaskType.causal, "self"), tracker, q, k, v,
+                                           mpu, mask)
+        return out
     finally:
         mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, attention.tracker_device = saved
         tracker.reset()
@@ -539,13 +587,26 @@ def dropout_under_tensor_parallel(case):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["tracker", "no_tracker", "sequence_parallel"])
-def test_attention_dropout_draws_in_megatrons_model_parallel_rng_fork(pool2, case):
+def test_attention_dropout_draws_as_megatrons_core_attention(pool2, case):
+    """Attention dropout takes megatron's model-parallel RNG fork exactly where megatron's core attentions
+    do: its DotProductAttention (run here) and TEDotProductAttention, which hands TE
+    sequence_parallel=config.sequence_parallel and the tracker when it is initialised; TE's
+    DotProductAttention forks around dropout unless sequence_parallel or no tracker."""
     for r in pool2.run(dropout_under_tensor_parallel, case):
+        ours, megatron = r["ours"], r["megatron"]
         if case == "tracker":
             # Each TP rank's heads drop independently; the default generator is left alone.
-            assert not r["tp_ranks_equal"] and r["default_untouched"], r
+            assert not ours["tp_ranks_equal"] and ours["default_untouched"], r
         else:
-            # No tracker (or sequence parallel, as megatron): the default generator, alike on both.
-            assert r["tp_ranks_equal"] and not r["default_untouched"], r
+            # No tracker (as TE, given none), or sequence parallel (as megatron's and TE's core attention):
+            # the default generator, which megatron seeds alike on every TP rank: the same mask on both.
+            assert ours["tp_ranks_equal"] and not ours["default_untouched"], r
+        if case == "no_tracker":
+            # megatron's local DotProductAttention forks unconditionally and fails without a tracker.
+            assert "model-parallel-rng" in megatron["error"], megatron
+        else:
+            assert (ours["tp_ranks_equal"], ours["default_untouched"]) == \
+                (megatron["tp_ranks_equal"], megatron["default_untouched"]), r
+            assert megatron["recompute_grad_diff"] < 1e-6, r
         # Megatron's checkpoint recomputes the same dropout mask (restoring the tracker's state).
-        assert r["recompute_grad_diff"] < 1e-6, r
+        assert ours["recompute_grad_diff"] < 1e-6, r

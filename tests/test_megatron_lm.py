@@ -12,6 +12,10 @@ Needs a Megatron-LM checkout (``MEGATRON_LM_PATH``; ``.ci/run`` sets it to the s
 with) and a Python that runs it: Python >= 3.12 with megatron-core >= 0.19 installed (for its
 compiled dataset helpers) -- this interpreter under ``make test-compat``, ``.venv-compat`` under
 ``make test``, or ``MEGATRON_LM_PYTHON``. The checkout is copied (never written to).
+
+``MEGATRON_LM_RESULTS=FILE`` keeps the driver's JSON (per scenario: loss and gradient errors
+against the reference, per route; the knobs and step reports): docs/megatron_lm.md's numbers
+are read from it.
 """
 
 import json
@@ -68,6 +72,9 @@ def results(tmp_path_factory):
     if not out.exists():
         pytest.fail(f"the Megatron-LM driver wrote no results (exit {proc.returncode}):\n"
                     f"{proc.stderr[-4000:]}")
+    keep = os.environ.get("MEGATRON_LM_RESULTS")
+    if keep:
+        shutil.copy(out, keep)
     data = json.loads(out.read_text())
     data["_log"] = proc.stderr[-2000:]
     return data
@@ -185,9 +192,71 @@ def test_hierarchical_a2a_p2p_refused(results):
 
 
 def test_attention_backend_local_never_runs_without_our_layer(results):
-    # Megatron-LM's own validate_args refuses it with any --spec but local; our layer and spec refuse
-    # it too where no such check runs (test_layer_config.py).
-    _refused(results["scenarios"]["attention_backend_local"], "--attention-backend local", 2)
+    # Megatron-LM's own validate_args refuses it first, at parse time, with any --spec but local; our
+    # layer and spec refuse it too where no such check runs (test_layer_config.py).
+    s = results["scenarios"]["attention_backend_local"]
+    _refused(s, "--attention-backend local is only supported with --spec local", 2)
+    assert s["errors"][0].startswith("AssertionError"), s["errors"]  # validate_args' assert, not ours
+
+
+def test_qk_clip_refused_by_megatron_lm_before_our_layer(results):
+    # Without TE >= 2.9 Megatron-LM's validate_args stops --qk-clip at parse time; with it, our layer
+    # refuses it at model build naming --qk-clip (test_layer_config.py).
+    _refused(results["scenarios"]["qk_clip"], "--qk-clip is only supported with TE >= 2.9.0", 2)
+
+
+def test_refusals_name_megatron_lms_own_flags(results):
+    # Every flag our refusals name for a TransformerConfig field is an option of Megatron-LM's own
+    # parser that stores into that field's argument; a field listed without a flag has none there.
+    from megatron_ext.megatron_lm import MEGATRON_LM_ARG, MEGATRON_LM_FLAGS
+
+    parsed = results["megatron_lm_flags"]
+    assert set(parsed) == set(MEGATRON_LM_FLAGS), sorted(set(MEGATRON_LM_FLAGS) ^ set(parsed))
+    for field, flag in MEGATRON_LM_FLAGS.items():
+        assert parsed[field]["dest"] == MEGATRON_LM_ARG.get(field, field), (field, parsed[field])
+        if flag is None:
+            assert parsed[field]["options"] == [], (field, parsed[field])
+        else:
+            assert flag in parsed[field]["options"], (field, flag, parsed[field])
+
+
+def test_moe_under_pipeline_numbers_layers_globally(results):
+    s = results["scenarios"]["moe_pp"]  # PP = 2 x CP = 2, 4 layers, --moe-layer-freq [0,1,1,0]
+    _numbers(s)
+    assert s["layout"] == {"cp": 2, "pp": 2, "vp": None}
+    assert s["routes"]["legacy"]["params_compared"] == s["routes"]["legacy"]["reference_params"]
+    expected = {1: "MLP", 2: "MoELayer", 3: "MoELayer", 4: "MLP"}  # by global layer number
+    seen = {}
+    for rank_layers in s["layers_by_rank"]:
+        for route, layers in rank_layers.items():
+            for layer in layers:
+                assert layer["mlp"] == expected[layer["layer"]], (route, layer)
+                seen[layer["layer"]] = layer["mlp"]
+    assert seen == expected, seen  # both stages were built and described
+    assert [l["mlp"] for l in s["reference_layers"]["legacy"]] == list(expected.values())
+
+
+def test_hierarchical_exchange_across_two_nodes(results):
+    # CP = 4 as 2 nodes x 2 ranks (LOCAL_WORLD_SIZE=2): our two-level exchange runs as asked, on every
+    # rank, and matches megatron's own attention.
+    s = results["scenarios"]["hierarchical"]
+    _numbers(s)
+    assert s["layout"]["cp"] == 4
+    assert all(k["kv_exchange"] == "hierarchical" for k in s["knobs"]), s["knobs"]
+    for states in s["states_by_rank"]:
+        assert states and all((st["kv_exchange"], st["kv_exchange_reason"]) == ("hierarchical", "as requested")
+                              for st in states), states
+
+
+def test_hierarchical_exchange_on_one_node_falls_back_with_the_reason(results):
+    s = results["scenarios"]["hierarchical_one_node"]  # CP = 2, both ranks on one node
+    assert not s.get("errors"), (s.get("errors"), s.get("traceback", "")[-3000:])
+    assert all(k["kv_exchange"] == "hierarchical" for k in s["knobs"]), s["knobs"]  # what was asked
+    for states in s["states_by_rank"]:
+        assert states and all(st["kv_exchange_requested"] == "hierarchical" and st["kv_exchange"] == "a2a"
+                              and st["kv_exchange_reason"] ==
+                              "hierarchical not applicable: all 2 CP ranks sit on one node"
+                              for st in states), states
 
 
 def test_strict_flag_takes_effect(results):

@@ -15,6 +15,7 @@ from megatron.core.utils import divide
 
 from .. import parallel_state as ps
 from ..blockdiag_cp import BlockDiagCPError, blockdiag_cp_attention
+from ..megatron_lm import config_field, megatron_lm_flag
 from ..blockdiag_cp.resolve import resolve_step_state
 
 from . import megatron_knobs
@@ -30,7 +31,8 @@ class ConfigRule:
 
     ``allowed`` empty: honoured (used, or it cannot change the result), ``how`` says which.
     Otherwise only these values are accepted and any other is refused at construction with
-    an error naming the field and ``how`` (why, and what to do).
+    an error naming the field, its Megatron-LM flag (``megatron_lm.MEGATRON_LM_FLAGS``) and
+    ``how`` (why, and what to do).
     """
 
     how: str
@@ -59,8 +61,8 @@ CORE_ATTENTION_CONFIG: Dict[str, ConfigRule] = {
                              "passes them)"),
     "tensor_model_parallel_size": _honoured("heads per partition come from the TP group"),
     "context_parallel_size": _honoured("checked against the CP group at construction and per call"),
-    "sequence_parallel": _honoured("as megatron: attention dropout runs in the model-parallel RNG "
-                                   "fork unless sequence parallel"),
+    "sequence_parallel": _honoured("as megatron's and TE's core attention: attention dropout runs in the "
+                                   "model-parallel RNG fork unless sequence parallel"),
     "attention_dropout": _honoured("dropout inside the kernel, drawn in megatron's model-parallel RNG "
                                    "fork (each TP rank's heads drop independently)"),
     "apply_query_key_layer_scaling": _honoured("divides and re-multiplies the scores by layer_number: "
@@ -80,7 +82,8 @@ CORE_ATTENTION_CONFIG: Dict[str, ConfigRule] = {
                               "softmax_offset (name, shape, init, TP sharding) as one more logit in every "
                               "row's denominator, applied once per row after the chunks' lse merge"),
     "window_size": _honoured("sliding window (left, 0) within each document; the plan moves only the "
-                             "keys inside the windows (a right reach other than 0 is refused per call)"),
+                             "keys inside the windows (a right reach other than 0 is refused at "
+                             "construction)"),
     "window_attn_skip_freq": _honoured("which layers are windowed, as megatron's is_layer_window_attention"),
     "qk_clip": _refused_unless(
         False, why="QK-clip needs the max pre-softmax logit per head, which our kernels do not return "
@@ -100,7 +103,8 @@ _MISSING = object()
 
 
 def check_core_attention_config(config) -> None:
-    """Refuse, naming the field, every config value BlockDiagCPAttention would ignore.
+    """Refuse, naming the field and its Megatron-LM flag, every config value BlockDiagCPAttention
+    would ignore or cannot compute.
 
     Fields an installed megatron-core does not have are skipped.
     """
@@ -110,12 +114,27 @@ def check_core_attention_config(config) -> None:
         value = getattr(config, field, _MISSING)
         if value is _MISSING or value in rule.allowed:
             continue
+        flag = megatron_lm_flag(field)
+        fix = (f"drop {flag} (TransformerConfig.{field}={rule.allowed[0]!r})" if flag
+               else f"set TransformerConfig.{field}={rule.allowed[0]!r}")
         raise BlockDiagCPError(
-            f"TransformerConfig.{field}={value!r} is not supported by BlockDiagCPAttention: {rule.how}; "
-            f"set {field}={rule.allowed[0]!r} (or use megatron's own core attention without CP)")
+            f"{config_field(field, value)} is not supported by BlockDiagCPAttention: {rule.how}; "
+            f"{fix}, or use megatron's own core attention without CP")
     if getattr(config, "softmax_type", "vanilla") not in SOFTMAX_TYPES:
-        raise BlockDiagCPError(f"TransformerConfig.softmax_type={config.softmax_type!r} is not one of "
+        raise BlockDiagCPError(f"{config_field('softmax_type', config.softmax_type)} is not one of "
                                f"{SOFTMAX_TYPES}")
+    _check_window_config(getattr(config, "window_size", None))
+
+
+def _check_window_config(window) -> None:
+    """A sliding window must be causal (right reach 0): refused at construction, not at the first step."""
+    from ..blockdiag_cp.attention_op import _window_from
+
+    try:
+        _window_from(window)
+    except BlockDiagCPError as exc:
+        raise BlockDiagCPError(f"{config_field('window_size', window)}: {exc}; give --window-size L 0 "
+                               "(window_size=(L, 0))") from None
 
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -253,7 +272,7 @@ class BlockDiagCPAttention(MegatronModule):
             ps.require_cp_group()  # raises: CP asked for, no process group
         if group is not None and size != self.config.context_parallel_size:
             raise BlockDiagCPError(
-                f"TransformerConfig.context_parallel_size={self.config.context_parallel_size} but the "
+                f"{config_field('context_parallel_size', self.config.context_parallel_size)} but the "
                 f"CP process group has {size} ranks; initialize parallel_state with "
                 f"context_parallel_size={self.config.context_parallel_size} or fix the config")
 
@@ -303,11 +322,15 @@ class BlockDiagCPAttention(MegatronModule):
         return out.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
 
     def _dropout_rng(self, dropout_p: float, device):
-        """Megatron's model-parallel RNG fork, as its own core attention (and TE's) takes it.
+        """Megatron's model-parallel RNG fork, where megatron's core attentions take it.
 
-        Only with dropout, not under sequence parallelism (megatron draws attention dropout from
-        the default generator there), when the tracker is initialized, and on CUDA: megatron's
-        tracker holds CUDA generator states.
+        Only with dropout, when the tracker is initialized, not under sequence parallelism, and on
+        CUDA (megatron's tracker holds CUDA generator states). That is both of megatron's: its
+        DotProductAttention forks only ``if not config.sequence_parallel``; TEDotProductAttention
+        hands TE ``sequence_parallel=config.sequence_parallel`` and the tracker when initialized,
+        and TE's DotProductAttention forks around dropout unless ``sequence_parallel`` or no
+        tracker. Under sequence parallelism the default generator, which megatron seeds alike on
+        every TP rank, draws the mask (tests/test_layer_config.py runs megatron's own layer beside).
         """
         if dropout_p == 0.0 or self.config.sequence_parallel or not rng_tracker_applies(device):
             return contextlib.nullcontext()

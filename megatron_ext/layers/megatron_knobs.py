@@ -38,6 +38,7 @@ from typing import Dict, Optional, Tuple
 
 from ..blockdiag_cp import BlockDiagCPError
 from ..blockdiag_cp import state as knobs
+from ..megatron_lm import config_field
 
 ATTENTION_BACKEND_TO_OURS: Dict[str, Optional[str]] = {
     "flash": "flash", "fused": "te", "unfused": "dense", "auto": None}
@@ -88,7 +89,7 @@ def layer_cp_comm_type(config, cp_comm_type) -> Optional[str]:
         distinct = sorted({str(v) for v in listed})
         if len(distinct) > 1:
             raise BlockDiagCPError(
-                f"TransformerConfig.cp_comm_type={list(listed)} (--cp-comm-type) gives layers different "
+                f"{config_field('cp_comm_type', list(listed))} gives layers different "
                 "CP exchanges; BlockDiagCPAttention uses one exchange for every layer of a process: give "
                 "one --cp-comm-type (or --cp-kv-exchange)")
         if cp_comm_type is None and distinct:
@@ -103,12 +104,12 @@ def megatron_knob_values(config, cp_comm_type) -> Dict[str, Tuple[Optional[str],
     backend = attention_backend_name(config)
     if backend == "local":
         raise BlockDiagCPError(
-            "TransformerConfig.attention_backend=local (--attention-backend local) replaces the core "
+            f"{config_field('attention_backend', 'local')} replaces the core "
             "attention with megatron's own DotProductAttention, so BlockDiagCPAttention would not run: "
             "drop --attention-backend local (use flash | fused | unfused | auto to pick our kernel)")
     if backend not in ATTENTION_BACKEND_TO_OURS:
         raise BlockDiagCPError(
-            f"TransformerConfig.attention_backend={backend} (--attention-backend) has no counterpart in "
+            f"{config_field('attention_backend', backend)} has no counterpart in "
             f"BlockDiagCPAttention; use one of {sorted(ATTENTION_BACKEND_TO_OURS)} or --cp-attn-backend")
     exchange = layer_cp_comm_type(config, cp_comm_type)
     if exchange is not None and exchange not in CP_COMM_TYPE_TO_OURS:
@@ -116,7 +117,7 @@ def megatron_knob_values(config, cp_comm_type) -> Dict[str, Tuple[Optional[str],
                 "our two-level exchange is --cp-kv-exchange hierarchical: what a node needs from another "
                 "node crosses once, shared inside the node; or --cp-comm-type a2a)") if exchange == "a2a+p2p" else ""
         raise BlockDiagCPError(
-            f"TransformerConfig.cp_comm_type={exchange} (--cp-comm-type {exchange}) is not supported by "
+            f"{config_field('cp_comm_type', exchange)} is not supported by "
             f"BlockDiagCPAttention{hint}; use p2p | a2a | allgather, or --cp-kv-exchange")
     return {
         "attn_backend": (ATTENTION_BACKEND_TO_OURS[backend], f"--attention-backend {backend}",

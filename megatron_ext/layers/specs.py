@@ -23,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..blockdiag_cp import BlockDiagCPError
+from ..megatron_lm import config_field, megatron_lm_flag
 from .attention import BlockDiagCPAttention
 
 logger = logging.getLogger(__name__)
@@ -100,17 +101,17 @@ def get_gpt_layer_spec_with_blockdiag_cp(
 # The config-honouring spec (Megatron-LM's --spec)
 # ---------------------------------------------------------------------------
 
-# Config values the spec cannot build a faithful layer for: (field, is-set test, the flag, why).
+# Config values the spec cannot build a faithful layer for: (field, is-set test, why). The error
+# names the field and its Megatron-LM flag (megatron_lm.MEGATRON_LM_FLAGS).
 LAYOUTS_REFUSED = (
-    ("experimental_attention_variant", lambda v: v is not None, "--experimental-attention-variant",
+    ("experimental_attention_variant", lambda v: v is not None,
      "its attention (gated delta net, DSA) is not per-document softmax attention"),
-    ("heterogeneous_block_specs", bool, "--heterogeneous-layers-config-path",
-     "per-layer heterogeneous blocks are not built by this spec yet"),
-    ("mtp_num_layers", lambda v: bool(v), "--mtp-num-layers",
+    ("heterogeneous_block_specs", bool, "per-layer heterogeneous blocks are not built by this spec yet"),
+    ("mtp_num_layers", lambda v: bool(v),
      "multi-token prediction layers are not supported with BlockDiagCPAttention yet"),
-    ("transformer_impl", lambda v: v == "inference_optimized", "--transformer-impl inference_optimized",
+    ("transformer_impl", lambda v: v == "inference_optimized",
      "the inference-optimized layers are not built by this spec"),
-    ("use_kitchen_attention", bool, "--use-kitchen-attention",
+    ("use_kitchen_attention", bool,
      "it asks for kitchen's core attention, which this spec would replace with ours"),
 )
 
@@ -147,7 +148,7 @@ def _call_with_config(fn, config, **options):
             kwargs[name] = value
         elif value not in (None, False, "sdpa"):
             raise BlockDiagCPError(
-                f"TransformerConfig.{name}={value!r} needs a newer megatron-core than the installed one "
+                f"{config_field(name, value)} needs a newer megatron-core than the installed one "
                 f"({fn.__module__}.{fn.__name__} has no {name!r})")
     return fn(**kwargs)
 
@@ -161,12 +162,13 @@ def megatron_layer_spec_for(config, layer_number: int) -> ModuleSpec:
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    for field, is_set, flag, why in LAYOUTS_REFUSED:
+    for field, is_set, why in LAYOUTS_REFUSED:
         value = getattr(config, field, None)
         if is_set(value):
             raise BlockDiagCPError(
-                f"{flag} (TransformerConfig.{field}={value!r}): {why}; use megatron-core's own layer "
-                "spec (drop --spec) for this model")
+                f"{config_field(field, value)} is not built by blockdiag_cp_gpt_layer_spec: {why}; drop "
+                f"{megatron_lm_flag(field)}, or use megatron-core's own layer spec (drop --spec) for this "
+                "model")
     use_te = _use_te(config)
     if getattr(config, "num_moe_experts", None):
         layer_specs = specs.get_gpt_decoder_layer_specs(

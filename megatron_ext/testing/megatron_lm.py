@@ -93,6 +93,8 @@ CUDA_PATCHES = (
     ("torch.Tensor", "cuda", lambda self, *a, **k: self, "get_batch moves the batch to the GPU"),
     ("torch.cuda", "current_device", lambda: __import__("torch").device("cpu"),
      "buffers allocated on the current device (batch broadcast, pipeline p2p)"),
+    ("torch.cuda", "synchronize", lambda *a, **k: None,
+     "the non-interleaved pipeline schedule's batched p2p waits for the GPU stream"),
     ("torch.cuda", "get_rng_state", _cpu_rng_state, "the model-parallel RNG tracker's states"),
     ("torch.cuda", "set_rng_state", _set_cpu_rng_state, "the model-parallel RNG tracker's states"),
     ("torch.cuda", "manual_seed", _manual_cpu_seed, "model_parallel_cuda_manual_seed"),
@@ -165,9 +167,11 @@ MOCK = ["--mock-data"]
 DATA = ["--data-path", "{data}"]
 
 
-def _scenario(name, world, cp, argv, ours=False, reference=True, pp=1, expect_error=None, control=False):
+def _scenario(name, world, cp, argv, ours=False, reference=True, pp=1, expect_error=None, control=False,
+              env=None):
+    """``env``: environment of the scenario's ranks (e.g. LOCAL_WORLD_SIZE: processes per "node")."""
     return {"name": name, "world": world, "cp": cp, "pp": pp, "argv": argv, "ours": ours,
-            "reference": reference, "expect_error": expect_error, "control": control}
+            "reference": reference, "expect_error": expect_error, "control": control, "env": env or {}}
 
 
 SCENARIOS = {s["name"]: s for s in (
@@ -181,6 +185,12 @@ SCENARIOS = {s["name"]: s for s in (
     _scenario("moe", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--num-experts", "4", "--moe-router-topk", "2",
         "--moe-layer-freq", "[0,1]", "--swiglu", "--disable-bias-linear"]),
+    # MoE under PP = 2 (4 layers, 2 per stage): --moe-layer-freq counts global layers, so the second
+    # stage's layers 3, 4 are MoE, dense ([0,1,1,0]); numbered per stage they would be dense, MoE.
+    _scenario("moe_pp", 4, 2, BASE + SPEC + MASK + MOCK + [
+        "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1,1,0]", "--swiglu",
+        "--disable-bias-linear"], pp=2),
     # PP = 2 with 2 virtual stages each (4 layers, one per chunk) x CP = 2: four processes.
     _scenario("pp_vp_thd", 4, 2, BASE + SPEC + THD + DATA + [
                   "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -199,6 +209,18 @@ SCENARIOS = {s["name"]: s for s in (
     _scenario("our_flags_unknown_without_provider", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--cp-kv-exchange", "a2a"], reference=False,
         expect_error="unrecognized arguments: --cp-kv-exchange a2a"),
+    # Our two-level exchange: CP = 4 as 2 "nodes" of 2 ranks (LOCAL_WORLD_SIZE=2, node-major ranks),
+    # where a node's remote rows cross once; and CP = 2 on one node, where it falls back to a2a.
+    _scenario("hierarchical", 4, 4, BASE + SPEC + MASK + MOCK + [
+        "--context-parallel-size", "4", "--cp-kv-exchange", "hierarchical"], ours=True,
+        env={"LOCAL_WORLD_SIZE": "2"}),
+    _scenario("hierarchical_one_node", 2, 2, BASE + SPEC + MASK + MOCK + [
+        "--context-parallel-size", "2", "--cp-kv-exchange", "hierarchical"], ours=True, reference=False,
+        env={"LOCAL_WORLD_SIZE": "2"}),
+    # Refused by Megatron-LM's own validate_args before our layer is built (TE >= 2.9 is not here; our
+    # layer refuses it naming --qk-clip where Megatron-LM lets it through: tests/test_layer_config.py).
+    _scenario("qk_clip", 2, 2, BASE + SPEC + MASK + MOCK + ["--context-parallel-size", "2", "--qk-clip"],
+              reference=False, expect_error="--qk-clip is only supported with TE"),
     _scenario("conflict", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--cp-kv-exchange", "a2a", "--cp-comm-type", "allgather"],
         ours=True, reference=False, expect_error="disagree"),
@@ -367,9 +389,9 @@ def _load(chunks, params):
                 p.copy_(params[names[name]])
 
 
-def _init(rank, world, port, argv, ours):
+def _init(rank, world, port, argv, ours, env=None):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), **(env or {}))
     import torch
     import torch.distributed as dist
 
@@ -422,7 +444,8 @@ def run_rank(scenario, rank, world, port, data, params, queue, control=False):
             argv = reference_argv(argv, control)
         try:
             with contextlib.redirect_stderr(stderr):  # argparse's own error, kept for the report
-                args = _init(rank, world, port, argv, scenario["ours"] and params is None)
+                args = _init(rank, world, port, argv, scenario["ours"] and params is None,
+                             scenario["env"] if params is None else None)
         except SystemExit as exc:
             raise RuntimeError(f"exit {exc.code} at parse_and_validate_args: "
                                f"{stderr.getvalue().strip().splitlines()[-1:]}") from None
@@ -523,7 +546,9 @@ def run_scenario(scenario, data):
         return summary
     summary["knobs"] = [r["knobs"] for r in ranks]
     summary["layers"] = ranks[0]["layers"]
+    summary["layers_by_rank"] = [r["layers"] for r in ranks]
     summary["states"] = ranks[0]["states"]
+    summary["states_by_rank"] = [r["states"] for r in ranks]
     summary["layout"] = {"cp": ranks[0]["cp"], "pp": ranks[0]["pp"], "vp": ranks[0]["vp"]}
     summary["loss_sums"] = {route: sum(float(r["routes"][route]["loss"][0]) for r in ranks)
                             for route in ("legacy", "builder") if all("routes" in r for r in ranks)}
@@ -592,10 +617,28 @@ def main(argv=None):
     data = str(checkout.parent / "megatron_lm_docs")
     write_documents(data)
     results = {"megatron_core": __import__("megatron.core", fromlist=["__version__"]).__version__,
-               "python": sys.version.split()[0], "torch": torch.__version__, "scenarios": {}}
+               "python": sys.version.split()[0], "torch": torch.__version__,
+               "megatron_lm_flags": megatron_lm_flags(), "scenarios": {}}
     for name in opts.scenarios.split(","):
         results["scenarios"][name] = run_scenario(SCENARIOS[name], data)
         pathlib.Path(opts.out).write_text(json.dumps(results, indent=1, default=str))
+
+
+def megatron_lm_flags() -> dict:
+    """For each field of ``megatron_ext.megatron_lm.MEGATRON_LM_FLAGS``: the option strings of
+    Megatron-LM's own parser (``add_megatron_arguments``) that store into that field's argument."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_ext.megatron_lm import MEGATRON_LM_ARG, MEGATRON_LM_FLAGS
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    by_dest = {}
+    for action in parser._actions:
+        by_dest.setdefault(action.dest, []).extend(action.option_strings)
+    return {field: {"dest": MEGATRON_LM_ARG.get(field, field),
+                    "options": by_dest.get(MEGATRON_LM_ARG.get(field, field), [])}
+            for field in MEGATRON_LM_FLAGS}
 
 
 def write_documents(prefix: str, n_docs: int = 120, seed: int = 7) -> None:
