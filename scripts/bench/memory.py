@@ -143,6 +143,11 @@ def _config_key(cfg: Dict) -> tuple:
                                   "head_dim"))
 
 
+# Fresh ranks every few configs: a rank's resident memory only grows over configs (allocator caches,
+# profiler buffers), and eight ranks at S = 64k outgrew the 24 GiB machine.
+POOL_RECYCLE_CONFIGS = 9
+
+
 def run(grid: List[Dict], engine: str, log=print, out_path=None) -> List[Dict]:
     """Every config of ``grid``; with ``out_path``, each row is appended as it lands and configs
     already there for this engine are skipped (a run stopped half-way resumes)."""
@@ -155,13 +160,15 @@ def run(grid: List[Dict], engine: str, log=print, out_path=None) -> List[Dict]:
                     if r.get("engine") == engine}
         grid = [cfg for cfg in grid if _config_key(cfg) not in done]
     grid = sorted(grid, key=lambda cfg: cfg["cp"])  # stable: one pool per cp size, spawned once
+    used = 0
     try:
         for cfg in grid:
             cp = cfg["cp"]
-            if cp not in pools:
+            if cp not in pools or used >= POOL_RECYCLE_CONFIGS:
                 for other in list(pools):
                     pools.pop(other).close()  # one pool alive: cp=8 is eight processes on two cores
-                pools[cp] = WorkerPool(cp, timeout=1800.0)
+                pools[cp], used = WorkerPool(cp, timeout=1800.0), 0
+            used += 1
             t0 = time.perf_counter()
             per_rank = pools[cp].run(memory_worker, cfg)
             busiest = max(range(cp), key=lambda r: per_rank[r]["peak_bytes"])
