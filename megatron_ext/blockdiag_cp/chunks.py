@@ -39,12 +39,14 @@ slots [first, first + chunk_len)):
 
 Sequence-aligned rows flatten as ``slot * R + row`` (R rows of document ids; the
 batch folds into heads when R = 1), as in ``plan``. Everything is interval
-arithmetic over runs (``intervals``), vectorized over (source, piece) pairs.
+arithmetic over runs (``intervals``), vectorized over (source, piece) pairs, and
+the calls' index tensors are slices of two shared tensors (``_emit``).
 """
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .intervals import DocRuns, RankRuns, clip, map_ranges, ranges
@@ -183,43 +185,177 @@ def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
     return src[which], chunk, piece[which], lo, hi - lo
 
 
-def _group_calls(src: torch.Tensor, chunk: torch.Tensor, row: torch.Tensor, doc: torch.Tensor,
-                 n_k: torch.Tensor, slot: torch.Tensor, q_first: torch.Tensor, n_q: torch.Tensor, R: int,
-                 chunk_first: torch.Tensor) -> Dict[Tuple[int, int], CallPlan]:
-    """Full calls per (source, chunk) from pairs sorted by (source, chunk, row, position).
+@dataclass
+class _Segments:
+    """Every call of one rank before capping (segments in call order, pairs in segment order), numpy int64.
 
-    Consecutive pieces of one document that see the same keys of a chunk form one
-    segment (their visible sets are nested, so equal counts mean equal keys).
-    ``chunk_first``: per pair, the slot its chunk's buffer starts at.
+    A segment's queries are the concatenation of its pairs' ranges of ``diag`` (this rank's real
+    query rows in piece order: piece p's rows are diag[q_off[p], q_off[p] + n_q[p])), so a call's
+    q_index is a slice of ``diag`` wherever its ranges touch, and a copy only where they do not.
+    Its keys are rows of ``keys`` (every segment's chunk rows, in segment order), so a call's
+    k_index -- and a capped piece's, whose segments are consecutive -- is always a slice of it.
     """
-    if src.numel() == 0:
+
+    call_src: np.ndarray  # [calls] source rank
+    call_chunk: np.ndarray  # [calls] chunk of that source's delivery
+    call_window: np.ndarray  # [calls] the kernels' window, -1: full
+    call_seg: np.ndarray  # [calls + 1] first segment of each call
+    seg_pair: np.ndarray  # [segments + 1] first pair of each segment
+    seg_q: np.ndarray  # [segments] query rows
+    seg_k: np.ndarray  # [segments] key rows
+    pair_a: np.ndarray  # [pairs] start of each pair's range in diag
+    pair_n: np.ndarray  # [pairs] its rows
+    keys: torch.Tensor  # [sum(seg_k)] flattened chunk rows (slot * R + row)
+
+    @classmethod
+    def empty(cls) -> "_Segments":
+        z = np.zeros(0, dtype=np.int64)
+        one = np.zeros(1, dtype=np.int64)
+        return cls(z, z, z, one, one, z, z, z, z, torch.empty(0, dtype=torch.long))
+
+
+def _exclusive(x: np.ndarray) -> np.ndarray:
+    """[n + 1] prefix sums starting at 0."""
+    out = np.zeros(x.size + 1, dtype=np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int) -> Dict[Tuple[int, int], Tuple[CallPlan, ...]]:
+    """Per (source, chunk), its kernel calls; a remote full call of more than ``cap`` query rows is cut
+    into calls of at most ``cap`` rows (segments cut too, keeping their keys).
+
+    A chunk's keys are an eighth of a shard at most; its queries need not be (a long document's
+    pieces see every chunk before them). Capping the rows per call keeps what a call gathers and
+    returns (q, out, dout and dq of its rows) as small. Windowed (banded) calls and the own
+    chunk's are left whole. A capped call's segments are cut into *bits* of ``cap`` rows and a
+    remainder, packed greedily in order (a call takes bits while its rows stay <= cap), so a
+    segment of more than ``cap`` rows closes the call before each of its bits, and a call holds
+    at most one bit of each segment: its keys are consecutive segments' keys, one slice.
+    """
+    n_calls = t.call_src.size
+    if n_calls == 0:
         return {}
+    seg_voff = _exclusive(t.seg_q)  # each segment's first row in the virtual concatenation of all
+    call_q = seg_voff[t.call_seg[1:]] - seg_voff[t.call_seg[:-1]]
+    capped = (t.call_src != rank) & (t.call_window < 0) & (call_q > cap)
+    seg_call = np.repeat(np.arange(n_calls), np.diff(t.call_seg))
+    seg_capped = capped[seg_call]
+    nb = np.where(seg_capped, (t.seg_q + cap - 1) // cap, 1)  # bits per segment
+    bit_first = _exclusive(nb)
+    bit_seg = np.repeat(np.arange(t.seg_q.size), nb)
+    bit_j = np.arange(bit_seg.size) - bit_first[bit_seg]
+    bit_v = seg_voff[bit_seg] + bit_j * cap  # bits tile the virtual rows in order
+    bit_m = np.where(seg_capped[bit_seg], np.minimum(cap, t.seg_q[bit_seg] - bit_j * cap), t.seg_q[bit_seg])
+    call_bit = bit_first[t.call_seg]  # [calls + 1]
+
+    # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows (bit_v is their prefix sum).
+    bit_end = np.append(bit_v[1:], seg_voff[-1])
+    sub_start: List[int] = []
+    sub_call: List[int] = []
+    bounds = call_bit.tolist()
+    for ci, cut in enumerate(capped.tolist()):
+        i, stop = bounds[ci], bounds[ci + 1]
+        if not cut:
+            sub_start.append(i)
+            sub_call.append(ci)
+            continue
+        while i < stop:  # bits i .. j - 1: the most whose rows stay <= cap
+            sub_start.append(i)
+            sub_call.append(ci)
+            i = min(stop, int(np.searchsorted(bit_end, bit_v[i] + cap, side="right")))
+    n_sub = len(sub_start)
+    sub_lo = np.asarray(sub_start, dtype=np.int64)
+    sub_hi = np.append(sub_lo[1:], bit_seg.size)
+    bit_sub = np.repeat(np.arange(n_sub), sub_hi - sub_lo)
+
+    # Query rows: each bit cut at its pairs' starts; each piece lies in one bit and one pair, so maps
+    # to diag linearly; touching pieces of one call merge into one range.
+    pair_v = _exclusive(t.pair_n)[:-1]
+    first = np.searchsorted(pair_v, bit_v, side="right") - 1
+    count = np.searchsorted(pair_v, bit_end - 1, side="right") - first
+    bit = np.repeat(np.arange(bit_v.size), count)
+    pair = np.arange(bit.size) - _exclusive(count)[bit] + first[bit]
+    x = np.maximum(bit_v[bit], pair_v[pair])
+    piece_len = np.minimum(bit_end[bit], pair_v[pair] + t.pair_n[pair]) - x
+    piece_sub = bit_sub[bit]
+    piece_a = t.pair_a[pair] + x - pair_v[pair]
+    new = np.ones(bit.size, dtype=bool)
+    new[1:] = (piece_sub[1:] != piece_sub[:-1]) | (piece_a[1:] != piece_a[:-1] + piece_len[:-1])
+    heads = np.flatnonzero(new)
+    r_a, r_len, r_sub = piece_a[heads], np.add.reduceat(piece_len, heads), piece_sub[heads]
+    n_ranges = np.bincount(r_sub, minlength=n_sub)
+    r_first = _exclusive(n_ranges)
+    # Calls of one range take a slice of diag; the others one gather, split into views.
+    many = n_ranges[r_sub] > 1
+    gathered = ranges(torch.from_numpy(r_a[many]), torch.from_numpy(r_len[many]))
+    gathered = diag[gathered] if gathered.numel() else gathered
+    sub_rows = np.add.reduceat(bit_m, sub_lo) if n_sub else np.zeros(0, dtype=np.int64)
+    g_off = _exclusive(np.where(n_ranges > 1, sub_rows, 0)).tolist()
+
+    seg_koff = _exclusive(t.seg_k).tolist()
+    seg_lo = bit_seg[sub_lo].tolist()
+    seg_hi = (bit_seg[sub_hi - 1] + 1).tolist()
+    q_lens, k_lens = bit_m.tolist(), t.seg_k.tolist()
+    single_a, single_n = r_a[r_first[:-1]].tolist(), r_len[r_first[:-1]].tolist()
+    counts = n_ranges.tolist()
+    windows = [None if w < 0 else w for w in t.call_window.tolist()]
+    keys_of = list(zip(t.call_src.tolist(), t.call_chunk.tolist()))
+    lo_l, hi_l = sub_lo.tolist(), sub_hi.tolist()
+    out: Dict[Tuple[int, int], List[CallPlan]] = {}
+    for u in range(n_sub):
+        a = single_a[u]
+        q = diag[a:a + single_n[u]] if counts[u] == 1 else gathered[g_off[u]:g_off[u + 1]]
+        s0, s1 = seg_lo[u], seg_hi[u]
+        ci = sub_call[u]
+        call = CallPlan(False, q, t.keys[seg_koff[s0]:seg_koff[s1]], tuple(q_lens[lo_l[u]:hi_l[u]]),
+                        tuple(k_lens[s0:s1]), windows[ci])
+        out.setdefault(keys_of[ci], []).append(call)
+    return {key: tuple(calls) for key, calls in out.items()}
+
+
+def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: int, row, doc, ds, pa,
+                   q_off, n_q) -> _Segments:
+    """Per (source, chunk), one full call: the keys of [ds, pa) that source holds in that chunk.
+
+    Consecutive pieces of one document that see the same keys of a chunk form one segment
+    (their visible sets are nested, so equal counts mean equal keys).
+    """
+    cp, L = runs.cp, runs.local_len
+    before_ds = runs.flat_before(ds)  # [cp, n]
+    n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
+    if kind == "ring":
+        slot = before_ds - (torch.arange(cp) * L).unsqueeze(1)
+    else:
+        slot = _needed_offsets(runs, rank, *intervals, ds)
+        slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
+    src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
+    src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
+    if src.numel() == 0:
+        return _Segments.empty()
+    r = row[piece]
     new = torch.ones_like(src, dtype=torch.bool)
-    new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (row[1:] != row[:-1])
-               | (doc[1:] != doc[:-1]) | (n_k[1:] != n_k[:-1]) | (slot[1:] != slot[:-1]))
+    new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (r[1:] != r[:-1])
+               | (doc[piece][1:] != doc[piece][:-1]) | (n[1:] != n[:-1]) | (lo[1:] != lo[:-1]))
     head = torch.nonzero(new).flatten()
     group = torch.cumsum(new.long(), 0) - 1
-    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, n_q)
-    seg_k, seg_slot, seg_row = n_k[head], slot[head] - chunk_first[head], row[head]
-    key = src[head] * (int(chunk.max()) + 1) + chunk[head]
-    q_index = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
-    k_index = ranges(seg_slot, seg_k) * R + torch.repeat_interleave(seg_row, seg_k)
-    # Split per (source, chunk): pairs, segments and their rows are all in that order.
-    keys, seg_per_call = torch.unique_consecutive(key, return_counts=True)
-    call_of_seg = torch.repeat_interleave(torch.arange(keys.numel()), seg_per_call)
-    q_split = torch.zeros(keys.numel(), dtype=torch.long).index_add_(0, call_of_seg, seg_q)
-    k_split = torch.zeros_like(q_split).index_add_(0, call_of_seg, seg_k)
-    heads = head[torch.cumsum(seg_per_call, 0) - seg_per_call]
-    calls = {}
-    for s, c, qi, ki, ql, kl in zip(src[heads].tolist(), chunk[heads].tolist(), q_index.split(q_split.tolist()),
-                                    k_index.split(k_split.tolist()), seg_q.split(seg_per_call.tolist()),
-                                    seg_k.split(seg_per_call.tolist())):
-        calls[(s, c)] = CallPlan(False, qi, ki, tuple(ql.tolist()), tuple(kl.tolist()))
-    return calls
+    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, n_q[piece])
+    chunk_first = torch.where(src == rank, torch.zeros_like(chunk), chunk * c)
+    seg_k, seg_slot, seg_row = n[head], (lo - chunk_first)[head], r[head]
+    keys = ranges(seg_slot, seg_k)
+    if R > 1:
+        keys = keys * R + torch.repeat_interleave(seg_row, seg_k)
+    call_new = torch.ones(head.numel(), dtype=torch.bool)
+    call_new[1:] = (src[head][1:] != src[head][:-1]) | (chunk[head][1:] != chunk[head][:-1])
+    call_head = torch.nonzero(call_new).flatten()
+    calls = head[call_head]
+    return _Segments(src[calls].numpy(), chunk[calls].numpy(), np.full(call_head.numel(), -1, dtype=np.int64),
+                     np.append(call_head.numpy(), head.numel()), np.append(head.numpy(), src.numel()),
+                     seg_q.numpy(), seg_k.numpy(), q_off[piece].numpy(), n_q[piece].numpy(), keys)
 
 
-def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, window: int, c: int, R: int,
-                    row, ds, pa, pb, q_first) -> Dict[Tuple[int, int], List[CallPlan]]:
+def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: int, c: int, R: int,
+                       row, ds, pa, pb, q_off) -> _Segments:
     """Per (source, chunk): the full and banded calls of a sliding window.
 
     Piece [pa, pb) of a document starting at ds needs keys [max(ds, pa - window), pa)
@@ -227,16 +363,17 @@ def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, win
     boundaries, is one segment [ka, kb) for the piece's queries that see any of it,
     [pa, min(pb, kb + window)). Where the last of them still sees ka, every query sees
     every key (full); else the band's lower edge is the window in bottom-right terms,
-    window - (q_end - kb), and segments sharing that value share a call.
+    window - (q_end - kb), and segments sharing that value share a call (full first,
+    then by that value).
     """
     L = runs.local_len
     lo = torch.maximum(ds, pa - window)
-    by_start, by_len, _ = runs.by_position()
+    by_start, by_len, by_run = runs.by_position()
     piece, k_start, n = map_ranges(by_start, by_len, by_start, lo, pa - lo)  # key position runs, split at runs
     if piece.numel() == 0:
-        return {}
+        return _Segments.empty()
     owner_run = torch.searchsorted(by_start, k_start, right=True) - 1
-    src = runs.rank[runs.by_position()[2][owner_run]]
+    src = runs.rank[by_run[owner_run]]
     flat = runs.flat_before(k_start)  # [cp, m]
     cols = torch.arange(k_start.numel())
     if kind == "ring":
@@ -260,51 +397,20 @@ def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, win
     win = torch.where(band, window - (q_end - kb), torch.full_like(kb, -1))  # -1: full
     s_src = src[which]
     chunk_first = torch.where(s_src == rank, torch.zeros_like(chunk), chunk * c)
-    order = torch.argsort(((s_src * (int(chunk.max()) + 1) + chunk) * (window + 2) + win + 1) * (p.numel() + 1)
-                          + torch.arange(p.numel()))
-    out: Dict[Tuple[int, int], List[CallPlan]] = {}
-    cols = [t[order] for t in (s_src, chunk, win, p, s_lo - chunk_first, kb - ka, q_end - pa[p])]
-    keys = list(zip(cols[0].tolist(), cols[1].tolist(), cols[2].tolist()))
-    start = 0
-    while start < len(keys):
-        stop = start
-        while stop < len(keys) and keys[stop] == keys[start]:
-            stop += 1
-        s, ch, w = keys[start]
-        pp, k_first, nk, nq = (t[start:stop] for t in cols[3:])
-        q_index = ranges(q_first[pp], nq) * R + torch.repeat_interleave(row[pp], nq)
-        k_index = ranges(k_first, nk) * R + torch.repeat_interleave(row[pp], nk)
-        out.setdefault((s, ch), []).append(CallPlan(False, q_index, k_index, tuple(nq.tolist()),
-                                                    tuple(nk.tolist()), None if w < 0 else w))
-        start = stop
-    return out
-
-
-def _cap_query_rows(call: CallPlan, cap: int) -> List[CallPlan]:
-    """A remote full call cut into calls of at most ``cap`` query rows (segments cut too, keeping their keys).
-
-    A chunk's keys are an eighth of a shard at most; its queries need not be (a long document's
-    pieces see every chunk before them). Capping the rows per call keeps what a call gathers and
-    returns (q, out, dout and dq of its rows) as small. Windowed calls are left whole.
-    """
-    if call.window is not None or call.causal or sum(call.q_lens) <= cap:
-        return [call]
-    q_parts = call.q_index.split(list(call.q_lens))
-    k_parts = call.k_index.split(list(call.k_lens))
-    out, q_acc, k_acc, ql, kl, rows = [], [], [], [], [], 0
-    for qs, ks in zip(q_parts, k_parts):
-        for start in range(0, qs.numel(), cap):
-            piece = qs[start:start + cap]
-            if rows + piece.numel() > cap and ql:
-                out.append(CallPlan(False, torch.cat(q_acc), torch.cat(k_acc), tuple(ql), tuple(kl)))
-                q_acc, k_acc, ql, kl, rows = [], [], [], [], 0
-            q_acc.append(piece)
-            k_acc.append(ks)
-            ql.append(piece.numel())
-            kl.append(ks.numel())
-            rows += piece.numel()
-    out.append(CallPlan(False, torch.cat(q_acc), torch.cat(k_acc), tuple(ql), tuple(kl)))
-    return out
+    call = (s_src * (int(chunk.max()) + 1) + chunk) * (window + 2) + win + 1  # (source, chunk, window)
+    order = torch.argsort(call * (p.numel() + 1) + torch.arange(p.numel()))
+    k_first, nk, nq = (s_lo - chunk_first)[order], (kb - ka)[order], (q_end - pa[p])[order]
+    call, s_src, chunk, win, p = call[order], s_src[order], chunk[order], win[order], p[order]
+    keys = ranges(k_first, nk)
+    if R > 1:
+        keys = keys * R + torch.repeat_interleave(row[p], nk)
+    call_new = torch.ones_like(call, dtype=torch.bool)
+    call_new[1:] = call[1:] != call[:-1]
+    heads = torch.nonzero(call_new).flatten()
+    m = int(call.numel())
+    return _Segments(s_src[heads].numpy(), chunk[heads].numpy(), win[heads].numpy(),
+                     np.append(heads.numpy(), m), np.arange(m + 1, dtype=np.int64), nq.numpy(), nk.numpy(),
+                     q_off[p].numpy(), nq.numpy(), keys)
 
 
 def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
@@ -312,7 +418,13 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
                       window: Optional[int] = None) -> StreamPlan:
     """This rank's steps for chunk ``kind``; ``counts``/``intervals`` are the plan's global tables.
 
-    ``window``: a sliding window (query p sees keys from p - window), see ``_windowed_calls``.
+    ``window``: a sliding window (query p sees keys from p - window), see ``_windowed_segments``.
+    Segments, bits and ranges are vectorized tables; Python loops only over the kernel calls it
+    returns. Query indices are slices of one tensor of this rank's rows (a copy only where a
+    call's rows do not touch), key indices slices of one tensor of every segment's chunk rows:
+    a long document's pieces see every chunk before them, and materializing each call's rows
+    cost cp * L per rank (the builder before, tests/stream_reference.py, which this one equals).
+    Calls share those tensors: they are read, never written.
     """
     if kind not in CHUNK_KINDS:
         raise KeyError(f"unknown chunk kind {kind!r}; known: {CHUNK_KINDS}")
@@ -320,38 +432,28 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
     c = chunk_rows_for(L)
     row, doc, ds, pa, pb, q_first = _pieces(runs, rows, rank)
     n_q = pb - pa
+    own: Tuple[CallPlan, ...] = ()
     calls: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
-    causal: Optional[CallPlan] = None
-    if row.numel() and window is not None:
-        calls = {key: tuple(v) for key, v in _windowed_calls(kind, runs, rank, counts, intervals, window, c, R,
-                                                              row, ds, pa, pb, q_first).items()}
-        diag = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
-        lens = tuple(n_q.tolist())
-        causal = CallPlan(True, diag, diag, lens, lens, window if int(n_q.max()) > window + 1 else None)
-    elif row.numel():
-        before_ds = runs.flat_before(ds)  # [cp, n]
-        n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
-        if kind == "ring":
-            slot = before_ds - (torch.arange(cp) * L).unsqueeze(1)
+    if row.numel():
+        diag = ranges(q_first, n_q)  # [real query rows] piece p's rows at q_off[p]: the causal call's
+        if R > 1:
+            diag = diag * R + torch.repeat_interleave(row, n_q)
+        q_off = torch.cumsum(n_q, 0) - n_q
+        if window is not None:
+            segs = _windowed_segments(kind, runs, rank, intervals, window, c, R, row, ds, pa, pb, q_off)
         else:
-            slot = _needed_offsets(runs, rank, *intervals, ds)
-            slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
-        src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
-        src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
-        calls = {key: (call,) for key, call in _group_calls(
-            src, chunk, row[piece], doc[piece], n, lo, q_first[piece], n_q[piece], R,
-            torch.where(src == rank, torch.zeros_like(chunk), chunk * c)).items()}
-        diag = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
+            segs = _full_segments(kind, runs, rank, intervals, c, R, row, doc, ds, pa, q_off, n_q)
+        calls = _emit(segs, diag, rank, c)
         lens = tuple(n_q.tolist())
-        causal = CallPlan(True, diag, diag, lens, lens)
-    own = calls.get((rank, 0), ()) + ((causal,) if causal is not None else ())
+        causal = CallPlan(True, diag, diag, lens, lens,
+                          window if window is not None and int(n_q.max()) > window + 1 else None)
+        own = calls.get((rank, 0), ()) + (causal,)
     steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
     for i, j in remote_steps(kind, counts, L, c):
         src = (rank - i) % cp
         delivered = L if kind == "ring" else int(counts[src, rank])
         n = max(0, min(c, delivered - j * c))
-        remote = tuple(piece for call in calls.get((src, j), ()) for piece in _cap_query_rows(call, c))
-        steps.append(Step(i, j, src, j * c, n, remote))
+        steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))
 
 

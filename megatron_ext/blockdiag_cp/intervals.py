@@ -23,11 +23,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 
 def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenation of arange(s, s + n) for each (s, n): one cumsum over steps of 1 and jumps."""
+    """Concatenation of arange(s, s + n) for each (s, n): one cumsum over steps of 1 and jumps.
+
+    The long cumsum runs in numpy (zero-copy views of the same memory): torch's CPU cumsum
+    is scalar, about ten times slower, and at 1M rows it was most of a plan's index building.
+    """
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
     total = int(lengths.sum()) if lengths.numel() else 0
@@ -36,7 +41,11 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     steps = torch.ones(total, dtype=torch.long)
     steps[0] = starts[0]
     steps[(torch.cumsum(lengths, 0) - lengths)[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
-    return steps.cumsum(0)
+    if total < 4096:
+        return steps.cumsum(0)
+    flat = steps.numpy()
+    np.cumsum(flat, out=flat)
+    return steps
 
 
 def _expand(first: torch.Tensor, count: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +119,13 @@ class RankRuns:
 
     def by_position(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(start, length, run index) sorted by start: the runs as a partition of [0, P)."""
-        order = torch.argsort(self.start)
+        return self._by_position
+
+    @cached_property
+    def _by_position(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Starts are distinct and rank-major runs are cp sorted lists: numpy's stable sort (a merge)
+        # gives the same order as any sort, three times faster than torch's at 512k runs (THD).
+        order = torch.from_numpy(np.argsort(self.start.numpy(), kind="stable"))
         return self.start[order], self.length[order], order
 
     @cached_property

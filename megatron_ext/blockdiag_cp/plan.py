@@ -139,12 +139,11 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
 def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     """Halo works when every rank's sources own the position just before one of its runs."""
     cp = runs.cp
-    by_start, _, by_run = runs.by_position()
-    first = runs.start > 0
-    before = runs.start[first] - 1
-    owner = runs.rank[by_run[torch.searchsorted(by_start, before, right=True) - 1]]
+    _, _, by_run = runs.by_position()
+    # The runs partition [0, P): the position before a run's start is the end of the run before it.
+    owner_in_order = runs.rank[by_run]
     adjacent = torch.zeros(cp, cp, dtype=torch.bool)  # [dst, src]
-    adjacent[runs.rank[first], owner] = True
+    adjacent[owner_in_order[1:], owner_in_order[:-1]] = True
     strays = (counts.t() > 0) & ~adjacent  # [dst, src]
     bad = torch.nonzero(strays.any(1)).flatten()
     if bad.numel() == 0:
