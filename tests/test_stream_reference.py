@@ -12,7 +12,8 @@ import torch
 
 from megatron_ext.blockdiag_cp.chunks import CHUNK_KINDS, build_stream_plan
 from megatron_ext.blockdiag_cp.intervals import document_runs, overlap_counts, work_and_intervals
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layout import build_layout, padded_length, thd_exchange_counts
+from megatron_ext.blockdiag_cp.plan import build_plan
 from stream_reference import reference_build_stream_plan
 
 
@@ -63,12 +64,15 @@ def _compare(ids, layout, cp, window, counters):
     runs = lay.runs
     rows = [document_runs(ids[r]) for r in range(ids.shape[0])]
     _, dst, a, b = work_and_intervals(runs, rows, window)
-    counts = overlap_counts(runs, dst, a, b)
+    counts = (thd_exchange_counts(ids[0], cp) if layout == "thd" and window is None
+              else overlap_counts(runs, dst, a, b))  # as build_plan counts
     for rank in range(cp):
+        plan = build_plan(ids, lay, rank, window=window)  # the build's path (its tables passed in)
         for kind in CHUNK_KINDS:
             new = build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b), window)
             old = reference_build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b), window)
             _assert_same(new, old, (layout, cp, window, rank, kind, ids.shape))
+            _assert_same(plan.stream[kind], old, (layout, cp, window, rank, kind, ids.shape, "build_plan"))
             counters["calls"] += sum(len(s.calls) for s in new.steps)
             counters["capped"] += sum(sum(c.q_lens) == new.chunk_rows and not c.causal
                                       for s in new.steps[1:] for c in s.calls)

@@ -43,13 +43,14 @@ arithmetic over runs (``intervals``), vectorized over (source, piece) pairs, and
 the calls' index tensors are slices of two shared tensors (``_emit``).
 """
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .intervals import DocRuns, RankRuns, clip, map_ranges, ranges
+from .intervals import DocRuns, RankRuns, clip, map_ranges, ranges, search
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -146,22 +147,25 @@ def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
 
 
 def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    ds: torch.Tensor) -> torch.Tensor:
+                    ds: torch.Tensor, before_ds: Optional[torch.Tensor] = None, mine_flat=None) -> torch.Tensor:
     """[cp, n] slot of position ds in each source's needed chunk for this rank.
 
     The chunk holds the source's positions inside this rank's needed intervals
     (sorted, disjoint), ascending: slot(x) = (source positions in earlier
     intervals) + (source positions in [a_j, x)) for the interval j holding x.
+    ``before_ds`` (``runs.flat_before(ds)``) and ``mine_flat`` (``flat_before`` of this
+    rank's interval starts and ends, [cp, J] each) when the caller has them already.
     """
     mine = dst == rank
     a, b = a[mine], b[mine]
     if a.numel() == 0:
         return torch.zeros(runs.cp, ds.numel(), dtype=torch.long)
-    before_a = runs.flat_before(a)  # [cp, J]
-    count = runs.flat_before(b) - before_a
+    before_a, before_b = mine_flat if mine_flat is not None else (runs.flat_before(a), runs.flat_before(b))
+    count = before_b - before_a  # [cp, J]
     offset = torch.cumsum(count, 1) - count  # [cp, J]
-    j = torch.searchsorted(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
-    return offset[:, j] + runs.flat_before(ds) - before_a[:, j]
+    j = search(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
+    before_ds = runs.flat_before(ds) if before_ds is None else before_ds
+    return offset[:, j] + before_ds - before_a[:, j]
 
 
 def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
@@ -192,8 +196,7 @@ class _Segments:
     A segment's queries are the concatenation of its pairs' ranges of ``diag`` (this rank's real
     query rows in piece order: piece p's rows are diag[q_off[p], q_off[p] + n_q[p])), so a call's
     q_index is a slice of ``diag`` wherever its ranges touch, and a copy only where they do not.
-    Its keys are rows of ``keys`` (every segment's chunk rows, in segment order), so a call's
-    k_index -- and a capped piece's, whose segments are consecutive -- is always a slice of it.
+    Its keys are the chunk rows [slot, slot + n_k) of one row of ids, flattened slot * R + row.
     """
 
     call_src: np.ndarray  # [calls] source rank
@@ -203,15 +206,16 @@ class _Segments:
     seg_pair: np.ndarray  # [segments + 1] first pair of each segment
     seg_q: np.ndarray  # [segments] query rows
     seg_k: np.ndarray  # [segments] key rows
+    seg_slot: np.ndarray  # [segments] first key's slot in the chunk
+    seg_row: np.ndarray  # [segments] row of ids
     pair_a: np.ndarray  # [pairs] start of each pair's range in diag
     pair_n: np.ndarray  # [pairs] its rows
-    keys: torch.Tensor  # [sum(seg_k)] flattened chunk rows (slot * R + row)
 
     @classmethod
     def empty(cls) -> "_Segments":
         z = np.zeros(0, dtype=np.int64)
         one = np.zeros(1, dtype=np.int64)
-        return cls(z, z, z, one, one, z, z, z, z, torch.empty(0, dtype=torch.long))
+        return cls(z, z, z, one, one, z, z, z, z, z, z)
 
 
 def _exclusive(x: np.ndarray) -> np.ndarray:
@@ -221,7 +225,8 @@ def _exclusive(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int) -> Dict[Tuple[int, int], Tuple[CallPlan, ...]]:
+def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
+          ) -> Dict[Tuple[int, int], Tuple[CallPlan, ...]]:
     """Per (source, chunk), its kernel calls; a remote full call of more than ``cap`` query rows is cut
     into calls of at most ``cap`` rows (segments cut too, keeping their keys).
 
@@ -231,29 +236,33 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int) -> Dict[Tuple[i
     chunk's are left whole. A capped call's segments are cut into *bits* of ``cap`` rows and a
     remainder, packed greedily in order (a call takes bits while its rows stay <= cap), so a
     segment of more than ``cap`` rows closes the call before each of its bits, and a call holds
-    at most one bit of each segment: its keys are consecutive segments' keys, one slice.
+    at most one bit of each segment: its segments are consecutive.
+
+    Index tensors: a call's q_index is a slice of ``diag`` when its rows form one range of it,
+    else a slice of one gather of every such call's rows; k_index a slice of an arange for one
+    segment (R = 1), else of the concatenated keys of the segments that need it.
     """
-    n_calls = t.call_src.size
+    n_calls, n_seg = t.call_src.size, t.seg_q.size
     if n_calls == 0:
         return {}
     seg_voff = _exclusive(t.seg_q)  # each segment's first row in the virtual concatenation of all
     call_q = seg_voff[t.call_seg[1:]] - seg_voff[t.call_seg[:-1]]
     capped = (t.call_src != rank) & (t.call_window < 0) & (call_q > cap)
-    seg_call = np.repeat(np.arange(n_calls), np.diff(t.call_seg))
-    seg_capped = capped[seg_call]
+    seg_capped = np.repeat(capped, np.diff(t.call_seg))
     nb = np.where(seg_capped, (t.seg_q + cap - 1) // cap, 1)  # bits per segment
     bit_first = _exclusive(nb)
-    bit_seg = np.repeat(np.arange(t.seg_q.size), nb)
+    bit_seg = np.repeat(np.arange(n_seg), nb)
     bit_j = np.arange(bit_seg.size) - bit_first[bit_seg]
     bit_v = seg_voff[bit_seg] + bit_j * cap  # bits tile the virtual rows in order
     bit_m = np.where(seg_capped[bit_seg], np.minimum(cap, t.seg_q[bit_seg] - bit_j * cap), t.seg_q[bit_seg])
+    bit_end = bit_v + bit_m
     call_bit = bit_first[t.call_seg]  # [calls + 1]
 
-    # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows (bit_v is their prefix sum).
-    bit_end = np.append(bit_v[1:], seg_voff[-1])
+    # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows (a bisection on bit ends).
     sub_start: List[int] = []
     sub_call: List[int] = []
     bounds = call_bit.tolist()
+    starts, ends = (bit_v.tolist(), bit_end.tolist()) if capped.any() else ([], [])
     for ci, cut in enumerate(capped.tolist()):
         i, stop = bounds[ci], bounds[ci + 1]
         if not cut:
@@ -263,11 +272,12 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int) -> Dict[Tuple[i
         while i < stop:  # bits i .. j - 1: the most whose rows stay <= cap
             sub_start.append(i)
             sub_call.append(ci)
-            i = min(stop, int(np.searchsorted(bit_end, bit_v[i] + cap, side="right")))
+            i = min(stop, bisect_right(ends, starts[i] + cap))
     n_sub = len(sub_start)
     sub_lo = np.asarray(sub_start, dtype=np.int64)
     sub_hi = np.append(sub_lo[1:], bit_seg.size)
     bit_sub = np.repeat(np.arange(n_sub), sub_hi - sub_lo)
+    seg_lo, seg_hi = bit_seg[sub_lo], bit_seg[sub_hi - 1] + 1
 
     # Query rows: each bit cut at its pairs' starts; each piece lies in one bit and one pair, so maps
     # to diag linearly; touching pieces of one call merge into one range.
@@ -286,36 +296,72 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int) -> Dict[Tuple[i
     r_a, r_len, r_sub = piece_a[heads], np.add.reduceat(piece_len, heads), piece_sub[heads]
     n_ranges = np.bincount(r_sub, minlength=n_sub)
     r_first = _exclusive(n_ranges)
-    # Calls of one range take a slice of diag; the others one gather, split into views.
     many = n_ranges[r_sub] > 1
     gathered = ranges(torch.from_numpy(r_a[many]), torch.from_numpy(r_len[many]))
     gathered = diag[gathered] if gathered.numel() else gathered
-    sub_rows = np.add.reduceat(bit_m, sub_lo) if n_sub else np.zeros(0, dtype=np.int64)
+    sub_rows = np.add.reduceat(bit_m, sub_lo)
     g_off = _exclusive(np.where(n_ranges > 1, sub_rows, 0)).tolist()
 
-    seg_koff = _exclusive(t.seg_k).tolist()
-    seg_lo = bit_seg[sub_lo].tolist()
-    seg_hi = (bit_seg[sub_hi - 1] + 1).tolist()
-    q_lens, k_lens = bit_m.tolist(), t.seg_k.tolist()
+    # Keys: concatenated only for the segments of calls of several segments (every one when R > 1).
+    one_seg = (seg_hi - seg_lo == 1) & (R == 1)
+    mark = np.zeros(n_seg + 1, dtype=np.int64)
+    np.add.at(mark, seg_lo[~one_seg], 1)
+    np.add.at(mark, seg_hi[~one_seg], -1)
+    kept = np.where(np.cumsum(mark[:-1]) > 0, t.seg_k, 0)
+    koff = _exclusive(kept).tolist()
+    joined = ranges(torch.from_numpy(t.seg_slot), torch.from_numpy(kept))
+    if R > 1:
+        joined = joined * R + torch.repeat_interleave(torch.from_numpy(t.seg_row), torch.from_numpy(kept))
+    base = torch.arange(int((t.seg_slot + t.seg_k).max())) if one_seg.any() else None
+
+    seg_lo_l, seg_hi_l, one_l = seg_lo.tolist(), seg_hi.tolist(), one_seg.tolist()
+    q_lens, k_lens, slot_l = bit_m.tolist(), t.seg_k.tolist(), t.seg_slot.tolist()
     single_a, single_n = r_a[r_first[:-1]].tolist(), r_len[r_first[:-1]].tolist()
     counts = n_ranges.tolist()
     windows = [None if w < 0 else w for w in t.call_window.tolist()]
-    keys_of = list(zip(t.call_src.tolist(), t.call_chunk.tolist()))
     lo_l, hi_l = sub_lo.tolist(), sub_hi.tolist()
-    out: Dict[Tuple[int, int], List[CallPlan]] = {}
+    # A call of one query range and one segment (R = 1) is fixed by (range, key slots, window): the
+    # steps of a long document repeat the same few (every chunk before it seen by the same rows),
+    # so they share one CallPlan (immutable), as calls share their index tensors.
+    same: Dict[tuple, CallPlan] = {}
+    key_views: Dict[Tuple[int, int], torch.Tensor] = {}
+    plans: List[CallPlan] = []
     for u in range(n_sub):
-        a = single_a[u]
-        q = diag[a:a + single_n[u]] if counts[u] == 1 else gathered[g_off[u]:g_off[u + 1]]
-        s0, s1 = seg_lo[u], seg_hi[u]
-        ci = sub_call[u]
-        call = CallPlan(False, q, t.keys[seg_koff[s0]:seg_koff[s1]], tuple(q_lens[lo_l[u]:hi_l[u]]),
-                        tuple(k_lens[s0:s1]), windows[ci])
-        out.setdefault(keys_of[ci], []).append(call)
-    return {key: tuple(calls) for key, calls in out.items()}
+        s0, s1 = seg_lo_l[u], seg_hi_l[u]
+        ql = tuple(q_lens[lo_l[u]:hi_l[u]])
+        w = windows[sub_call[u]]
+        if one_l[u]:
+            a, n, ks, kn = single_a[u], single_n[u], slot_l[s0], k_lens[s0]
+            k = key_views.get((ks, kn))
+            if k is None:
+                k = key_views[(ks, kn)] = base[ks:ks + kn]
+            if counts[u] == 1:
+                call = same.get((a, n, ks, kn, w))
+                if call is None:
+                    call = same[(a, n, ks, kn, w)] = CallPlan(False, diag[a:a + n], k, ql, (kn,), w)
+            else:
+                call = CallPlan(False, gathered[g_off[u]:g_off[u + 1]], k, ql, (kn,), w)
+        else:
+            a = single_a[u]
+            q = diag[a:a + single_n[u]] if counts[u] == 1 else gathered[g_off[u]:g_off[u + 1]]
+            call = CallPlan(False, q, joined[koff[s0]:koff[s1]], ql, tuple(k_lens[s0:s1]), w)
+        plans.append(call)
+    # Calls of one (source, chunk) are adjacent (segments are sorted by it), so are their pieces.
+    sub_of_call = _exclusive(np.bincount(np.asarray(sub_call, dtype=np.int64), minlength=n_calls)).tolist()
+    out: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
+    src_l, chunk_l = t.call_src.tolist(), t.call_chunk.tolist()
+    ci = 0
+    while ci < n_calls:
+        cj = ci + 1
+        while cj < n_calls and src_l[cj] == src_l[ci] and chunk_l[cj] == chunk_l[ci]:
+            cj += 1
+        out[(src_l[ci], chunk_l[ci])] = tuple(plans[sub_of_call[ci]:sub_of_call[cj]])
+        ci = cj
+    return out
 
 
 def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: int, row, doc, ds, pa,
-                   q_off, n_q) -> _Segments:
+                   q_off, n_q, mine_flat=None) -> _Segments:
     """Per (source, chunk), one full call: the keys of [ds, pa) that source holds in that chunk.
 
     Consecutive pieces of one document that see the same keys of a chunk form one segment
@@ -327,7 +373,7 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     if kind == "ring":
         slot = before_ds - (torch.arange(cp) * L).unsqueeze(1)
     else:
-        slot = _needed_offsets(runs, rank, *intervals, ds)
+        slot = _needed_offsets(runs, rank, *intervals, ds, before_ds, mine_flat)
         slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
     src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
     src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
@@ -342,20 +388,18 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, n_q[piece])
     chunk_first = torch.where(src == rank, torch.zeros_like(chunk), chunk * c)
     seg_k, seg_slot, seg_row = n[head], (lo - chunk_first)[head], r[head]
-    keys = ranges(seg_slot, seg_k)
-    if R > 1:
-        keys = keys * R + torch.repeat_interleave(seg_row, seg_k)
     call_new = torch.ones(head.numel(), dtype=torch.bool)
     call_new[1:] = (src[head][1:] != src[head][:-1]) | (chunk[head][1:] != chunk[head][:-1])
     call_head = torch.nonzero(call_new).flatten()
     calls = head[call_head]
     return _Segments(src[calls].numpy(), chunk[calls].numpy(), np.full(call_head.numel(), -1, dtype=np.int64),
                      np.append(call_head.numpy(), head.numel()), np.append(head.numpy(), src.numel()),
-                     seg_q.numpy(), seg_k.numpy(), q_off[piece].numpy(), n_q[piece].numpy(), keys)
+                     seg_q.numpy(), seg_k.numpy(), seg_slot.numpy(), seg_row.numpy(), q_off[piece].numpy(),
+                     n_q[piece].numpy())
 
 
 def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: int, c: int, R: int,
-                       row, ds, pa, pb, q_off) -> _Segments:
+                       row, ds, pa, pb, q_off, mine_flat=None) -> _Segments:
     """Per (source, chunk): the full and banded calls of a sliding window.
 
     Piece [pa, pb) of a document starting at ds needs keys [max(ds, pa - window), pa)
@@ -372,14 +416,14 @@ def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: 
     piece, k_start, n = map_ranges(by_start, by_len, by_start, lo, pa - lo)  # key position runs, split at runs
     if piece.numel() == 0:
         return _Segments.empty()
-    owner_run = torch.searchsorted(by_start, k_start, right=True) - 1
+    owner_run = search(by_start, k_start, right=True) - 1
     src = runs.rank[by_run[owner_run]]
     flat = runs.flat_before(k_start)  # [cp, m]
     cols = torch.arange(k_start.numel())
     if kind == "ring":
         slot = flat[src, cols] - src * L
     else:
-        slot = _needed_offsets(runs, rank, *intervals, k_start)[src, cols]
+        slot = _needed_offsets(runs, rank, *intervals, k_start, flat, mine_flat)[src, cols]
         own = src == rank
         slot = torch.where(own, flat[src, cols] - src * L, slot)
     remote = src != rank
@@ -401,22 +445,22 @@ def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: 
     order = torch.argsort(call * (p.numel() + 1) + torch.arange(p.numel()))
     k_first, nk, nq = (s_lo - chunk_first)[order], (kb - ka)[order], (q_end - pa[p])[order]
     call, s_src, chunk, win, p = call[order], s_src[order], chunk[order], win[order], p[order]
-    keys = ranges(k_first, nk)
-    if R > 1:
-        keys = keys * R + torch.repeat_interleave(row[p], nk)
     call_new = torch.ones_like(call, dtype=torch.bool)
     call_new[1:] = call[1:] != call[:-1]
     heads = torch.nonzero(call_new).flatten()
     m = int(call.numel())
     return _Segments(s_src[heads].numpy(), chunk[heads].numpy(), win[heads].numpy(),
                      np.append(heads.numpy(), m), np.arange(m + 1, dtype=np.int64), nq.numpy(), nk.numpy(),
-                     q_off[p].numpy(), nq.numpy(), keys)
+                     k_first.numpy(), row[p].numpy(), q_off[p].numpy(), nq.numpy())
 
 
 def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
                       counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                      window: Optional[int] = None) -> StreamPlan:
+                      window: Optional[int] = None, mine_flat=None) -> StreamPlan:
     """This rank's steps for chunk ``kind``; ``counts``/``intervals`` are the plan's global tables.
+
+    ``mine_flat``: ``RankRuns.flat_before`` of this rank's interval starts and ends ([cp, J]
+    each), when the caller computed them already (``plan.build_plan`` does, for its receive tables).
 
     ``window``: a sliding window (query p sees keys from p - window), see ``_windowed_segments``.
     Segments, bits and ranges are vectorized tables; Python loops only over the kernel calls it
@@ -440,18 +484,19 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
             diag = diag * R + torch.repeat_interleave(row, n_q)
         q_off = torch.cumsum(n_q, 0) - n_q
         if window is not None:
-            segs = _windowed_segments(kind, runs, rank, intervals, window, c, R, row, ds, pa, pb, q_off)
+            segs = _windowed_segments(kind, runs, rank, intervals, window, c, R, row, ds, pa, pb, q_off, mine_flat)
         else:
-            segs = _full_segments(kind, runs, rank, intervals, c, R, row, doc, ds, pa, q_off, n_q)
-        calls = _emit(segs, diag, rank, c)
+            segs = _full_segments(kind, runs, rank, intervals, c, R, row, doc, ds, pa, q_off, n_q, mine_flat)
+        calls = _emit(segs, diag, rank, c, R)
         lens = tuple(n_q.tolist())
         causal = CallPlan(True, diag, diag, lens, lens,
                           window if window is not None and int(n_q.max()) > window + 1 else None)
         own = calls.get((rank, 0), ()) + (causal,)
     steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
+    received = counts[:, rank].tolist()
     for i, j in remote_steps(kind, counts, L, c):
         src = (rank - i) % cp
-        delivered = L if kind == "ring" else int(counts[src, rank])
+        delivered = L if kind == "ring" else received[src]
         n = max(0, min(c, delivered - j * c))
         steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))

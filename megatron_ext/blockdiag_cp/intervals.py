@@ -48,6 +48,18 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return steps
 
 
+def search(table: torch.Tensor, x: torch.Tensor, right: bool = False) -> torch.Tensor:
+    """``torch.searchsorted(table, x, right=right)`` for a 1-D table, through numpy.
+
+    About twice as fast on one core, more on ascending x (numpy narrows each search from the
+    last), which is how the planner asks: runs of one rank, pieces, intervals in order.
+    """
+    t, q = table.numpy(), x.numpy()
+    if q.dtype != t.dtype:
+        q = q.astype(t.dtype)
+    return torch.from_numpy(np.searchsorted(t, q, side="right" if right else "left"))
+
+
 def _expand(first: torch.Tensor, count: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(owner, index): for each i, index runs over first[i] .. first[i] + count[i] - 1."""
     total = int(count.sum()) if count.numel() else 0
@@ -158,10 +170,11 @@ class RankRuns:
         starts, base, cap = self._prefix_tables
         x = x.to(starts.dtype)
         if src is not None:
-            i = torch.searchsorted(starts[src], x, right=True)
+            i = search(starts[src], x, right=True)
             return torch.minimum(x + base[src, i], cap[src, i]).long()
-        x = x.unsqueeze(0).expand(self.cp, -1).contiguous()  # [cp, n]
-        i = torch.searchsorted(starts, x, right=True)
+        t, q = starts.numpy(), x.numpy()
+        i = torch.from_numpy(np.stack([np.searchsorted(t[s], q, side="right") for s in range(self.cp)]))
+        x = x.unsqueeze(0)  # [1, n] against [cp, n]
         return torch.minimum(x + base.gather(1, i), cap.gather(1, i)).long()
 
 
@@ -183,8 +196,8 @@ def clip(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends:
 
     In range order, ascending within a range; every range non-empty.
     """
-    first = torch.searchsorted(part_starts, a, right=True) - 1
-    last = torch.searchsorted(part_starts, b - 1, right=True) - 1
+    first = search(part_starts, a, right=True) - 1
+    last = search(part_starts, b - 1, right=True) - 1
     which, part = _expand(first, last - first + 1)
     return which, part, torch.maximum(a[which], part_starts[part]), torch.minimum(b[which], part_ends[part])
 
@@ -198,8 +211,8 @@ def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.
     order, ascending within a query; a query's uncovered parts give no piece.
     """
     q_end = q_start + q_len
-    j0 = (torch.searchsorted(tab_start, q_start, right=True) - 1).clamp(min=0)
-    j1 = torch.searchsorted(tab_start, q_end, right=False) - 1  # last table range starting < q_end
+    j0 = (search(tab_start, q_start, right=True) - 1).clamp(min=0)
+    j1 = search(tab_start, q_end) - 1  # last table range starting < q_end
     count = torch.where(q_len > 0, (j1 - j0 + 1).clamp(min=0), torch.zeros_like(j0))
     which, j = _expand(j0, count)
     lo = torch.maximum(q_start[which], tab_start[j])
@@ -323,8 +336,8 @@ def overlap_pieces(tab_start: torch.Tensor, tab_end: torch.Tensor, q_start: torc
     Every non-empty intersection, in query order, ascending within a query
     (``map_ranges`` without the linear map, keeping which table range it is).
     """
-    j0 = (torch.searchsorted(tab_start, q_start, right=True) - 1).clamp(min=0)
-    j1 = torch.searchsorted(tab_start, q_end, right=False) - 1  # last table range starting < q_end
+    j0 = (search(tab_start, q_start, right=True) - 1).clamp(min=0)
+    j1 = search(tab_start, q_end) - 1  # last table range starting < q_end
     count = torch.where(q_end > q_start, (j1 - j0 + 1).clamp(min=0), torch.zeros_like(j0))
     which, j = _expand(j0, count)
     lo = torch.maximum(q_start[which], tab_start[j])
