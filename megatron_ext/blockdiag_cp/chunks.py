@@ -43,7 +43,6 @@ arithmetic over runs (``intervals``), vectorized over (source, piece) pairs, and
 the calls' index tensors are slices of two shared tensors (``_emit``).
 """
 
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -258,23 +257,20 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     bit_end = bit_v + bit_m
     call_bit = bit_first[t.call_seg]  # [calls + 1]
 
-    # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows (a bisection on bit ends).
-    sub_start: List[int] = []
-    sub_call: List[int] = []
-    bounds = call_bit.tolist()
-    starts, ends = (bit_v.tolist(), bit_end.tolist()) if capped.any() else ([], [])
-    for ci, cut in enumerate(capped.tolist()):
-        i, stop = bounds[ci], bounds[ci + 1]
-        if not cut:
-            sub_start.append(i)
-            sub_call.append(ci)
-            continue
-        while i < stop:  # bits i .. j - 1: the most whose rows stay <= cap
-            sub_start.append(i)
-            sub_call.append(ci)
-            i = min(stop, bisect_right(ends, starts[i] + cap))
-    n_sub = len(sub_start)
-    sub_lo = np.asarray(sub_start, dtype=np.int64)
+    # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows: from bit i, the call
+    # takes bits i .. nxt[i] - 1, the most whose rows stay <= cap (bit ends are the rows' prefix sums).
+    bit_call = np.repeat(np.arange(n_calls), np.diff(call_bit))
+    nxt = np.minimum(np.searchsorted(bit_end, bit_v + cap, side="right"), call_bit[1:][bit_call])
+    starts = np.zeros(bit_seg.size, dtype=bool)
+    starts[call_bit[:-1][~capped]] = True  # an uncapped call is one call
+    for i in call_bit[:-1][capped].tolist():  # follow the chain of a capped one: one step per call it gives
+        stop = int(call_bit[bit_call[i] + 1])
+        while i < stop:
+            starts[i] = True
+            i = int(nxt[i])
+    sub_lo = np.flatnonzero(starts)
+    sub_call = bit_call[sub_lo].tolist()
+    n_sub = sub_lo.size
     sub_hi = np.append(sub_lo[1:], bit_seg.size)
     bit_sub = np.repeat(np.arange(n_sub), sub_hi - sub_lo)
     seg_lo, seg_hi = bit_seg[sub_lo], bit_seg[sub_hi - 1] + 1
@@ -315,7 +311,8 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     base = torch.arange(int((t.seg_slot + t.seg_k).max())) if one_seg.any() else None
 
     seg_lo_l, seg_hi_l, one_l = seg_lo.tolist(), seg_hi.tolist(), one_seg.tolist()
-    q_lens, k_lens, slot_l = bit_m.tolist(), t.seg_k.tolist(), t.seg_slot.tolist()
+    q_lens, k_lens = bit_m.tolist(), t.seg_k.tolist()
+    slot_l = t.seg_slot[seg_lo].tolist()  # per call: the first key slot of its (first) segment
     single_a, single_n = r_a[r_first[:-1]].tolist(), r_len[r_first[:-1]].tolist()
     counts = n_ranges.tolist()
     windows = [None if w < 0 else w for w in t.call_window.tolist()]
@@ -331,7 +328,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         ql = tuple(q_lens[lo_l[u]:hi_l[u]])
         w = windows[sub_call[u]]
         if one_l[u]:
-            a, n, ks, kn = single_a[u], single_n[u], slot_l[s0], k_lens[s0]
+            a, n, ks, kn = single_a[u], single_n[u], slot_l[u], k_lens[s0]
             k = key_views.get((ks, kn))
             if k is None:
                 k = key_views[(ks, kn)] = base[ks:ks + kn]
@@ -347,7 +344,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
             call = CallPlan(False, q, joined[koff[s0]:koff[s1]], ql, tuple(k_lens[s0:s1]), w)
         plans.append(call)
     # Calls of one (source, chunk) are adjacent (segments are sorted by it), so are their pieces.
-    sub_of_call = _exclusive(np.bincount(np.asarray(sub_call, dtype=np.int64), minlength=n_calls)).tolist()
+    sub_of_call = _exclusive(np.bincount(bit_call[sub_lo], minlength=n_calls)).tolist()
     out: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
     src_l, chunk_l = t.call_src.tolist(), t.call_chunk.tolist()
     ci = 0
