@@ -125,10 +125,13 @@ def plan_ahead_provider(batch):
 
     args = get_args()
     cp = ps.get_cp_world_size()
+    exchange = args.cp_kv_exchange_canonical
     return bdcp.prepare_plan(
         bdcp.doc_ids_from_eod(batch["tokens"].cpu(), EOD), cp, ps.get_cp_rank(),
         layout=args.cp_layout_canonical, cost_model=cp_cost_model(),
-        kinds=(chunk_kind(args.cp_kv_exchange_canonical) if cp > 1 else "needed",))
+        kinds=(chunk_kind(exchange) if cp > 1 else "needed",), kv_exchange=exchange,
+        # the hierarchical exchange's node routes are planned ahead too
+        ranks_per_node=ps.cp_ranks_per_node() if exchange == "hierarchical" and cp > 1 else None)
 
 
 def get_batch(data_iterator):

@@ -31,7 +31,7 @@ import torch
 
 from .cost import CostModel, Traffic
 from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, flat_ranges, merge_intervals,
-                        overlap_counts, overlap_pieces, ranges, work_and_intervals)
+                        overlap_counts, overlap_pieces, ranges, search, work_and_intervals)
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,8 @@ def node_routes(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.Ten
     bounds = (total.view(-1, 1) * j.view(1, -1)) // g  # [n_nodes, g + 1]
     stride = P + 1
     inner = (torch.arange(n_nodes).view(-1, 1) * stride + bounds[:, 1:g]).reshape(-1)  # interior bounds
-    first = torch.searchsorted(inner, N * stride + off, right=True) - N * (g - 1)
-    last = torch.searchsorted(inner, N * stride + off + length - 1, right=True) - N * (g - 1)
+    first = search(inner, N * stride + off, right=True) - N * (g - 1)
+    last = search(inner, N * stride + off + length - 1, right=True) - N * (g - 1)
     piece, window = _expand(first, last - first + 1)
     lo = torch.maximum(off[piece], bounds[N[piece], window])
     hi = torch.minimum(off[piece] + length[piece], bounds[N[piece], window + 1])
@@ -301,7 +301,7 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
         """Output slot of each (source, position) key, -1 where this rank does not need it."""
         if keys.numel() == 0:
             return empty
-        i = torch.searchsorted(need_key, keys).clamp(max=max(need_key.numel() - 1, 0))
+        i = search(need_key, keys).clamp(max=max(need_key.numel() - 1, 0))  # both ascending: numpy walks
         found = need_key.numel() > 0
         hit = (need_key[i] == keys) if found else torch.zeros_like(keys, dtype=torch.bool)
         return torch.where(hit, L + i, torch.full_like(keys, -1))
@@ -316,7 +316,7 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
         out = (routes.forward_fetcher == rank) & (routes.forward_dst == peer)
         o_owner, o_start, o_end = routes.forward_owner[out], routes.forward_start[out], routes.forward_end[out]
         # Each forward piece lies inside one fetch piece: contiguous rows of the stage-1 buffer.
-        first = torch.searchsorted(recv1_key, o_owner * stride + o_start)
+        first = search(recv1_key, o_owner * stride + o_start)
         rows = ranges(first, o_end - o_start)
         send2_parts.append(rows)
         send2_counts.append(rows.numel())

@@ -18,12 +18,12 @@ from typing import Optional, Sequence
 import torch
 
 from .cost import CostModel, resolve_cost_model
-from .hierarchy import layout_traffic
+from .hierarchy import HierarchicalRoute, build_hierarchical_route, layout_traffic
 from .intervals import document_runs, overlap_counts, pair_work, work_and_intervals
 from .layout import Layout, build_layout, padded_length
 from .plan import CHUNK_KINDS, StepPlan, build_plan
 from . import state as knobs
-from .state import normalize_layout
+from .state import normalize_kv_exchange, normalize_layout
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,11 @@ class PreparedPlan:
     plan: StepPlan
     cost_model: CostModel
     layout_seconds: float
-    plan_seconds: float  # layout + plan, this rank's host time
+    plan_seconds: float  # layout + plan (+ route), this rank's host time
+    # The hierarchical exchange's route for ``ranks_per_node`` CP ranks per node (None: not planned
+    # for it, or the exchange would fall back to a2a there: one node, one rank per node).
+    route: Optional[HierarchicalRoute] = None
+    ranks_per_node: int = 0
 
     def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str,
                 cost_model: Optional[CostModel] = None) -> bool:
@@ -65,16 +69,30 @@ def _as_rows(doc_ids) -> torch.Tensor:
 
 def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
                  cost_model: Optional[CostModel] = None,
-                 kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None) -> PreparedPlan:
+                 kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None,
+                 kv_exchange: Optional[str] = None, ranks_per_node: Optional[int] = None) -> PreparedPlan:
     """Pad, lay out and plan one step for ``rank`` of ``cp`` (host only, no collective).
 
     ``window``: plan for a sliding window (work and needed K/V inside the windows only).
     ``layout`` None: the configured knob (``configure_cp_varlen``); ``kinds``: the
     chunk kinds whose steps are built now (the others are built on first access).
+    ``kv_exchange`` "hierarchical": also this rank's route through the nodes
+    (``hierarchy.build_hierarchical_route``, which the build would otherwise make on the
+    step's first layer), for ``ranks_per_node`` CP ranks per node
+    (``parallel_state.cp_ranks_per_node()`` on the launch); counted in ``plan_seconds``.
     """
     if int(cp) < 1 or not 0 <= int(rank) < int(cp):
         raise ValueError(f"prepare_plan: need cp >= 1 and 0 <= rank < cp, got cp={cp}, rank={rank}")
     name = normalize_layout(knobs._CP_LAYOUT if layout is None else layout)
+    hierarchical = kv_exchange is not None and normalize_kv_exchange(kv_exchange) == "hierarchical" and cp > 1
+    g = 0
+    if hierarchical:
+        if ranks_per_node is None or isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
+                or ranks_per_node < 0:
+            raise ValueError("prepare_plan: kv_exchange='hierarchical' needs ranks_per_node, the CP ranks per node "
+                             f"(parallel_state.cp_ranks_per_node(); 0 when they form no equal node blocks), "
+                             f"got {ranks_per_node!r}")
+        g = ranks_per_node
     cost = resolve_cost_model(cost_model)
     ids = _as_rows(doc_ids)
     S = ids.shape[1]
@@ -83,8 +101,11 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
     lay = build_layout(name, padded, cp, cost_model=cost)
     t1 = time.perf_counter()
     plan = build_plan(padded, lay, rank, kinds=kinds, window=window)
+    # As the build decides: routes only where the group is several whole nodes of several ranks.
+    route = (build_hierarchical_route(lay, padded, rank, g, window=window)
+             if hierarchical and 1 < g < cp and cp % g == 0 else None)
     t2 = time.perf_counter()
-    return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0)
+    return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0, route, g)
 
 
 def modeled_lower_bound(doc_ids: torch.Tensor, cp: int, local_len: int, cost_model: CostModel) -> float:

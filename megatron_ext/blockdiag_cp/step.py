@@ -182,6 +182,7 @@ class BlockDiagCPState:
         self.agreed_signatures: set = set()  # q/k/v signatures every CP rank agreed on (attention_op)
         self._window_plans: Dict[int, StepPlan] = {}
         self._device_index: Dict[tuple, tuple] = {}
+        self._host_routes: Dict[Optional[int], object] = {}  # window -> hierarchy.HierarchicalRoute (host)
 
     # -- public contract ---------------------------------------------------
 
@@ -304,8 +305,11 @@ class BlockDiagCPState:
         ids = source.doc_ids(group, cp, rank)  # [R, S]; may gather (identically on every rank)
         seq_len = ids.shape[1]
         layout_name = requested["layout"]
+        host_route = None  # the hierarchical route, when it was planned ahead for these nodes
         if prepared is not None and prepared.matches(ids, cp, rank, layout_name, cost_model):
             ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
+            if prepared.route is not None and prepared.ranks_per_node == ranks_per_node:
+                host_route = prepared.route
         else:
             if prepared is not None:  # never an error: one rank alone would raise after the agreement
                 log_once(logging.WARNING, "blockdiag-cp: the prepared plan was made for other doc ids, "
@@ -351,7 +355,7 @@ class BlockDiagCPState:
                      f"blockdiag-cp: kv exchange halo -> a2a: {plan.exchange.halo_reason}")
 
         kv_backward_mode, kv_backward_reason = resolve_kv_backward(requested["kv_backward"], exchange, plan)
-        return cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=seq_len,
+        state = cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=seq_len,
                    plan=plan, attn_backend_requested=backend_req, attn_backend=backend,
                    attn_backend_reason=backend_reason, kv_exchange_requested=exchange_req,
                    kv_exchange=exchange, kv_exchange_reason=exchange_reason, strict=strict,
@@ -359,6 +363,9 @@ class BlockDiagCPState:
                    kv_backward_requested=requested["kv_backward"], kv_backward=kv_backward_mode,
                    kv_backward_reason=kv_backward_reason,
                    cost_model=cost_model if layout_name == "balanced" else None)
+        if host_route is not None and exchange == "hierarchical":
+            state._host_routes[None] = host_route
+        return state
 
     @property
     def padded_len(self) -> int:
@@ -453,8 +460,10 @@ class BlockDiagCPState:
 
         key = ("hier", str(device), window)
         if key not in self._device_index:
-            route = build_hierarchical_route(self.layout, self.doc_ids, self.rank, ps.cp_ranks_per_node(self.group),
-                                             window=window)
+            route = self._host_routes.get(window)  # planned ahead (prepare_plan), else now
+            if route is None:
+                route = self._host_routes[window] = build_hierarchical_route(
+                    self.layout, self.doc_ids, self.rank, ps.cp_ranks_per_node(self.group), window=window)
             self._device_index[key] = route.to(device)
         return self._device_index[key]
 
