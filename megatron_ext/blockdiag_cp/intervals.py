@@ -376,13 +376,15 @@ def count_and_sum_before(runs: RankRuns, x: torch.Tensor) -> Tuple[torch.Tensor,
     return count, total
 
 
-def pair_work(runs: RankRuns, rows: Sequence[DocRuns]) -> torch.Tensor:
+def pair_work(runs: RankRuns, rows: Sequence[DocRuns], window: Optional[int] = None) -> torch.Tensor:
     """work[src, dst]: causal query-key pairs of dst's queries on the keys src owns (diagonal: local).
 
     A query p of a document starting at s attends the keys [s, p]; with B(x) the
     number of src's positions < x, a piece [pa, pb) of dst's queries reads
     sum over p of B(p + 1) - B(s) of src's keys, and sum_{y < x} B(y) =
     (x - 1) * B(x) - (sum of src's positions < x): closed forms on src's runs.
+    With a ``window`` a query sees [max(s, p - window), p]: the queries before
+    c = s + window + 1 subtract B(s), the others B(p - window).
     Columns sum to the per-rank work of ``work_and_intervals``.
     """
     cp = runs.cp
@@ -396,9 +398,16 @@ def pair_work(runs: RankRuns, rows: Sequence[DocRuns]) -> torch.Tensor:
             continue
         s = d_start[doc]
         n = pa.numel()
-        B, Q = count_and_sum_before(runs, torch.cat([pb + 1, pa + 1, s]))  # [cp, 3n]
-        x = torch.cat([pb + 1, pa + 1]).view(1, -1)
-        H = (x - 1) * B[:, :2 * n] - Q[:, :2 * n]  # sum_{y < x} B(y)
-        pairs = H[:, :n] - H[:, n:] - (pb - pa).view(1, -1) * B[:, 2 * n:]  # [src, piece]
+        if window is None:
+            c = pb  # every query subtracts B(s)
+            x = torch.cat([pb + 1, pa + 1])
+        else:
+            c = torch.minimum(torch.maximum(s + window + 1, pa), pb)
+            x = torch.cat([pb + 1, pa + 1, pb - window, c - window])
+        B, Q = count_and_sum_before(runs, torch.cat([x, s]))  # [cp, len(x) + n]
+        H = (x.view(1, -1) - 1) * B[:, :x.numel()] - Q[:, :x.numel()]  # sum_{y < x} B(y)
+        pairs = H[:, :n] - H[:, n:2 * n] - (c - pa).view(1, -1) * B[:, x.numel():]  # [src, piece]
+        if window is not None:
+            pairs -= H[:, 2 * n:3 * n] - H[:, 3 * n:]
         out.index_add_(1, runs.rank[run], pairs)
     return out

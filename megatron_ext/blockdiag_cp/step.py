@@ -27,7 +27,7 @@ from .agreement import (
     kernel_failure_error,
 )
 from .backend import log_once, resolve_backend
-from .cost import default_cost_model, resolve_cost_model
+from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .layout import Layout, build_layout, padded_length
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
@@ -183,13 +183,14 @@ class BlockDiagCPState:
         self._window_plans: Dict[int, StepPlan] = {}
         self._device_index: Dict[tuple, tuple] = {}
         self._host_routes: Dict[Optional[int], object] = {}  # window -> hierarchy.HierarchicalRoute (host)
+        self.windows = WindowMix()  # the model's sliding windows the layout was built for
 
     # -- public contract ---------------------------------------------------
 
     @classmethod
     def build(cls, doc_ids, cp_group=None, layout=None, attn_backend=None, kv_exchange=None,
               strict=False, device=None, cost_model=None, prepared=None,
-              kv_backward=None) -> "BlockDiagCPState":
+              kv_backward=None, windows=None) -> "BlockDiagCPState":
         """Validate, agree across the CP group, lay out and plan one step.
 
         ``doc_ids``: the full-sequence document ids ([S] or [b, S]), identical on
@@ -200,16 +201,20 @@ class BlockDiagCPState:
         time) skips the host planning when it was made for these ids, rank and
         layout: only the agreement all-reduce is left on the critical path.
         ``kv_backward``: "refetch" | "save" | "auto" (None: the configured knob).
+        ``windows``: the model's sliding windows (``cost.resolve_windows``: None for full
+        attention, a window or Megatron's (left, 0), a ``WindowMix`` -- e.g.
+        ``WindowMix.from_config(config)`` for ``window_attn_skip_freq`` -- or per-layer windows):
+        ``balanced`` prices its layouts as that mix of layers; agreed across the CP group.
         """
         return cls.from_source(ReplicatedDocIds(doc_ids), cp_group=cp_group, layout=layout,
                                attn_backend=attn_backend, kv_exchange=kv_exchange, strict=strict,
                                device=device, cost_model=cost_model, prepared=prepared,
-                               kv_backward=kv_backward)
+                               kv_backward=kv_backward, windows=windows)
 
     @classmethod
     def from_source(cls, source: DocumentSource, cp_group=None, layout=None, attn_backend=None,
                     kv_exchange=None, strict=False, device=None, cost_model=None,
-                    prepared=None, kv_backward=None) -> "BlockDiagCPState":
+                    prepared=None, kv_backward=None, windows=None) -> "BlockDiagCPState":
         """``build`` for any ``DocumentSource`` (Megatron's mask, THD cu_seqlens, replicated ids)."""
         group = ps.get_cp_group() if cp_group is None else cp_group
         cp, rank = ps.group_size(group), ps.group_rank(group)
@@ -217,13 +222,13 @@ class BlockDiagCPState:
         BUILD_GUARD.enter(ranks)
         try:
             return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-                              cost_model, prepared, kv_backward)
+                              cost_model, prepared, kv_backward, windows)
         finally:
             BUILD_GUARD.exit(ranks)
 
     @classmethod
     def _build(cls, source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-               cost_model, prepared, kv_backward):
+               cost_model, prepared, kv_backward, windows):
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         facts, detail = source.local_facts()  # first: it may fix the layout (THD's partition)
@@ -242,6 +247,10 @@ class BlockDiagCPState:
             except ValueError as exc:
                 knob_error = knob_error or str(exc)
         requested["strict"] = bool(strict)
+        try:
+            mix = resolve_windows(windows)
+        except ValueError as exc:
+            mix, knob_error = WindowMix(), knob_error or str(exc)
         if source.layout is not None and requested.get("layout") != source.layout:
             if layout is not None:  # asked for explicitly: refuse
                 knob_error = knob_error or (
@@ -270,6 +279,8 @@ class BlockDiagCPState:
             facts["unavailable_" + b] = 0 if static[b][0] else 1
         facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
         facts["cost_model"] = cost_fact
+        # The windows decide where the balanced cuts fall too (0 when unused, like the cost model).
+        facts["windows"] = mix.agreement_key() if requested.get("layout") == "balanced" else 0
         # The hierarchical exchange routes by node: every rank must see the same nodes.
         ranks_per_node = ps.cp_ranks_per_node(group) if requested.get("kv_exchange") == "hierarchical" and cp > 1 else 0
         facts["ranks_per_node"] = ranks_per_node
@@ -298,6 +309,11 @@ class BlockDiagCPState:
             raise BlockDiagCPError(
                 "the balanced layout's cost model differs across the CP ranks; pass the same "
                 "cost_model (or --cp-cost-model) on every rank")
+        if not agreed.agreed("windows"):
+            raise BlockDiagCPError(
+                f"the model's sliding windows differ across the CP ranks (this rank: {mix.describe()}); the "
+                "balanced layout prices them: pass the same windows (the model config's window_size / "
+                "window_attn_skip_freq) on every rank")
         for fact, message in source.must_agree.items():
             if not agreed.agreed(fact):
                 raise BlockDiagCPError(message)
@@ -306,17 +322,20 @@ class BlockDiagCPState:
         seq_len = ids.shape[1]
         layout_name = requested["layout"]
         host_route = None  # the hierarchical route, when it was planned ahead for these nodes
-        if prepared is not None and prepared.matches(ids, cp, rank, layout_name, cost_model):
+        window_plans, window_routes = {}, {}
+        if prepared is not None and prepared.matches(ids, cp, rank, layout_name, cost_model, mix):
             ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
+            window_plans = dict(prepared.window_plans or {})
             if prepared.route is not None and prepared.ranks_per_node == ranks_per_node:
                 host_route = prepared.route
+                window_routes = dict(prepared.window_routes or {})
         else:
             if prepared is not None:  # never an error: one rank alone would raise after the agreement
                 log_once(logging.WARNING, "blockdiag-cp: the prepared plan was made for other doc ids, "
                                           "group size, rank or layout; planning in line")
             padded = padded_length(seq_len, layout_name, cp)
             ids = torch.nn.functional.pad(ids, (0, padded - seq_len))
-            lay = build_layout(layout_name, ids, cp, cost_model=cost_model)
+            lay = build_layout(layout_name, ids, cp, cost_model=cost_model, windows=mix)
             # Only the exchange in use is planned now; the other kind is built if ever read.
             plan = build_plan(ids, lay, rank,
                               kinds=(chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed",))
@@ -363,8 +382,11 @@ class BlockDiagCPState:
                    kv_backward_requested=requested["kv_backward"], kv_backward=kv_backward_mode,
                    kv_backward_reason=kv_backward_reason,
                    cost_model=cost_model if layout_name == "balanced" else None)
+        state.windows = mix
+        state._window_plans.update(window_plans)  # planned ahead with the layout
         if host_route is not None and exchange == "hierarchical":
             state._host_routes[None] = host_route
+            state._host_routes.update(window_routes)
         return state
 
     @property
@@ -414,6 +436,7 @@ class BlockDiagCPState:
             "kv_backward_reason": self.kv_backward_reason,
             "layout": self.layout.name,
             "cost_model": None if self.cost_model is None else self.cost_model.name,
+            "windows": self.windows.describe(),
             "cp": self.cp,
             "rank": self.rank,
             "strict": self.strict,
