@@ -382,10 +382,13 @@ def test_load_of_crafted_checkpoint_exits_with_the_reason(tmp_path, tiny_data):
 
 
 @pytest.mark.timeout(300)
-def test_plan_ahead_gives_the_losses_of_planning_in_line(tmp_path, tiny_data):
+@pytest.mark.parametrize("model", [[], ["--window-size", "24", "--window-attn-skip-freq", "2"]],
+                         ids=["full", "windowed"])
+def test_plan_ahead_gives_the_losses_of_planning_in_line(tmp_path, tiny_data, model):
     # The balanced layout makes the plan matter; the plan-ahead run must use its prepared plans
-    # (the log says how much was hidden) and still train exactly like planning in line.
-    common = [*_torchrun(2), str(SCRIPT), *TINY, "--data-path", tiny_data, "--train-iters", "5",
+    # (the log says how much was hidden) and still train exactly like planning in line. Windowed:
+    # half the layers slide a window, which balanced prices and the prepared plans include.
+    common = [*_torchrun(2), str(SCRIPT), *TINY, *model, "--data-path", tiny_data, "--train-iters", "5",
               "--cp-layout", "balanced", "--cp-kv-exchange", "a2a"]
     runs = {}
     for name, extra in (("ahead", []), ("inline", ["--no-cp-plan-ahead"])):

@@ -208,3 +208,15 @@ def test_the_windows_are_agreed_across_the_cp_group(pool2):
     # checked with its q/k/v when it runs).
     for kind, _ in pool2.run(_build_with, [128, 256], "zigzag"):
         assert kind == "ok"
+
+
+def test_a_state_derived_from_megatrons_mask_records_the_layers_windows():
+    from megatron_ext.layers.attention import _model_windows
+    from types import SimpleNamespace
+
+    ids = torch.tensor([1] * 6 + [2] * 10)
+    mask = ~((ids[:, None] == ids[None, :]) & torch.ones(16, 16, dtype=torch.bool).tril())  # True: masked
+    windows = _model_windows(SimpleNamespace(num_layers=4, window_size=(4, 0), window_attn_skip_freq=2))
+    assert windows == WindowMix.of(4, 0.5)
+    state = bdcp.resolve_step_state(attention_mask=mask[None, None], windows=windows, local_tokens=16, batch=1)
+    assert state.report()["windows"] == windows.describe()

@@ -44,6 +44,7 @@ layer) stand in when no model config is at hand. It is a ranking device for
 layouts, not a prediction of seconds.
 """
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple, Union
@@ -386,8 +387,14 @@ class WindowMix:
         return not self.windows
 
     def agreement_key(self) -> int:
-        """A 64-bit fact of the mix (agreed across ranks: it decides where balanced cuts fall)."""
-        return hash(self.shares) if not self.full_only else 0
+        """A 64-bit fact of the mix (agreed across ranks: it decides where balanced cuts fall).
+
+        A digest of its text, not ``hash()``: None's hash differs between processes before Python 3.12.
+        """
+        if self.full_only:
+            return 0
+        digest = hashlib.blake2b(repr(self.shares).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
 
     def describe(self) -> str:
         return ", ".join(f"{'full' if w is None else f'window {w}'}: {f:.3g}" for w, f in self.shares)
