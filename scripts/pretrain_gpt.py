@@ -101,7 +101,8 @@ def cp_cost_model():
     """The balanced layout's cost model: this model's attention dims over --cp-cost-model's topology.
 
     auto: NVLink when the CP group sits on one node; two levels (NVLink inside a node, InfiniBand
-    between nodes, the group's CP ranks per node from the launch) when it spans nodes.
+    between nodes, the group's CP ranks per node from the launch) when it spans nodes, pricing the
+    exchange the run uses: a node's remote keys cross IB once only with --cp-kv-exchange hierarchical.
     """
     from megatron_ext import parallel_state as ps
     from megatron_ext.blockdiag_cp import CostModel
@@ -114,7 +115,8 @@ def cp_cost_model():
     if link == "auto":
         per_node = ps.cp_ranks_per_node() if ps.get_cp_world_size() > 1 and ps.cp_spans_nodes() else 0
         if per_node:
-            return CostModel.two_level(per_node, **dims)
+            hierarchical = args.cp_kv_exchange_canonical == "hierarchical" and per_node > 1
+            return CostModel.two_level(per_node, **dims, hierarchical=hierarchical)
         link = "ib" if ps.get_cp_world_size() > 1 and ps.cp_spans_nodes() else "nvlink"
     return CostModel.preset(link, **dims)
 

@@ -179,15 +179,17 @@ class CostModel:
                    seconds_per_message_inter=float(latency_inter))
 
     @classmethod
-    def from_config(cls, config, link: str = "nvlink", ranks_per_node: int = 0) -> "CostModel":
+    def from_config(cls, config, link: str = "nvlink", ranks_per_node: int = 0,
+                    hierarchical: bool = True) -> "CostModel":
         """From a megatron TransformerConfig (num_attention_heads, num_query_groups, kv_channels);
-        ``ranks_per_node`` > 0: two levels (NVLink inside a node, IB between), ``link`` ignored."""
+        ``ranks_per_node`` > 0: two levels (NVLink inside a node, IB between; ``hierarchical``: the
+        exchange routes a node's remote keys once), ``link`` ignored."""
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_query_groups", None) or heads)
         head_dim = int(getattr(config, "kv_channels", None) or config.hidden_size // heads)
         dtype_bytes = 2 if (getattr(config, "bf16", False) or getattr(config, "fp16", False)) else 4
         if ranks_per_node:
-            return cls.two_level(ranks_per_node, heads, kv_heads, head_dim, dtype_bytes)
+            return cls.two_level(ranks_per_node, heads, kv_heads, head_dim, dtype_bytes, hierarchical=hierarchical)
         return cls.preset(link, heads, kv_heads, head_dim, dtype_bytes)
 
     # -- topology ----------------------------------------------------------
@@ -430,15 +432,21 @@ def resolve_windows(windows) -> WindowMix:
                      f"per-layer windows; got {windows!r:.80}")
 
 
-def default_cost_model(cp_group=None, config=None) -> CostModel:
+def default_cost_model(cp_group=None, config=None, kv_exchange: Optional[str] = None) -> CostModel:
     """From the launch: NVLink when the CP group sits on one node, else two levels (NVLink inside a
-    node, InfiniBand between nodes, hierarchical) with the group's CP ranks per node.
+    node, InfiniBand between nodes) with the group's CP ranks per node.
 
-    CP ranks per node come from ``parallel_state.cp_ranks_per_node`` (global ranks node-major,
+    The two levels price the exchange the step runs (``kv_exchange``; None: the configured knob):
+    a node's remote keys crossing IB once only for "hierarchical" (with more than one CP rank per
+    node, else it falls back to a2a), every rank fetching its own keys for the others. CP ranks
+    per node come from ``parallel_state.cp_ranks_per_node`` (global ranks node-major,
     ``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE`` processes per node). A group that does not
     split into equal node blocks gets one-level InfiniBand (logged). Without a process group
     (planning ahead, tests) the group is taken to sit on one node.
     """
+    from . import state as knobs
+
+    exchange = knobs.normalize_kv_exchange(knobs._CP_KV_EXCHANGE if kv_exchange is None else kv_exchange)
     kind, per_node = "nvlink", 0
     try:
         from .. import parallel_state as ps
@@ -453,8 +461,9 @@ def default_cost_model(cp_group=None, config=None) -> CostModel:
     except Exception:  # noqa: BLE001 - no distributed context: one node
         kind = "nvlink"
     if kind == "two_level":
-        return CostModel.from_config(config, ranks_per_node=per_node) if config is not None \
-            else CostModel.two_level(per_node)
+        hierarchical = exchange == "hierarchical" and per_node > 1
+        return CostModel.from_config(config, ranks_per_node=per_node, hierarchical=hierarchical) \
+            if config is not None else CostModel.two_level(per_node, hierarchical=hierarchical)
     return CostModel.from_config(config, kind) if config is not None else CostModel.preset(kind)
 
 

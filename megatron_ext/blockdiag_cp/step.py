@@ -267,7 +267,9 @@ class BlockDiagCPState:
         cost_fact = 0
         if requested.get("layout") == "balanced":
             try:
-                cost_model = default_cost_model(group) if cost_model is None else resolve_cost_model(cost_model)
+                # The default prices the exchange this step asks for (hierarchical routes or not).
+                cost_model = default_cost_model(group, kv_exchange=requested.get("kv_exchange")) \
+                    if cost_model is None else resolve_cost_model(cost_model)
                 cost_model.check_group(cp)  # a two-level model must split the group into whole nodes
                 cost_fact = cost_model.agreement_key()  # prices, topology, hierarchy, latencies
             except ValueError as exc:
