@@ -17,7 +17,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from .cost import CostModel, WindowMix, resolve_cost_model, resolve_windows
+from .cost import CostModel, WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .hierarchy import HierarchicalRoute, build_hierarchical_route, layout_traffic
 from .intervals import document_runs, overlap_counts, pair_work, work_and_intervals
 from .layout import Layout, build_layout, padded_length
@@ -105,7 +105,8 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
                              f"(parallel_state.cp_ranks_per_node(); 0 when they form no equal node blocks), "
                              f"got {ranks_per_node!r}")
         g = ranks_per_node
-    cost = resolve_cost_model(cost_model)
+    # The default prices the exchange asked for, as the build's does (hierarchical routes or not).
+    cost = default_cost_model(kv_exchange=kv_exchange) if cost_model is None else resolve_cost_model(cost_model)
     ids = _as_rows(doc_ids)
     S = ids.shape[1]
     t0 = time.perf_counter()
