@@ -55,7 +55,7 @@ def model_provider(pre_process=True, post_process=True):
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
-        window_size=None if args.window_size is None else (args.window_size, 0),
+        window_size=None if args.window_size is None else tuple(args.window_size),
         window_attn_skip_freq=args.window_attn_skip_freq,
         # fp32 master weights; on GPU the compute runs under bf16 autocast (forward_step)
         params_dtype=torch.float32,
@@ -133,7 +133,7 @@ def model_windows():
     if args.window_size is None:
         return WindowMix()
     return WindowMix.from_config(types.SimpleNamespace(
-        num_layers=args.num_layers, window_size=(args.window_size, 0), window_attn_skip_freq=args.window_attn_skip_freq))
+        num_layers=args.num_layers, window_size=tuple(args.window_size), window_attn_skip_freq=args.window_attn_skip_freq))
 
 
 def plan_ahead_provider(batch):

@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default="learned_absolute",
                    help="rope re-slices megatron's table for our CP layout (micro batch 1)")
     g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--window-size", type=int, default=None, metavar="LEFT",
-                   help="sliding-window attention: a query sees the LEFT keys before it in its document "
-                        "(megatron's window_size=(LEFT, 0)); the CP plan moves only those keys")
+    g.add_argument("--window-size", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                   help="sliding-window attention, as Megatron-LM's flag: LEFT 0 (causal), a query sees the "
+                        "LEFT keys before it in its document; the CP plan moves only those keys")
     g.add_argument("--window-attn-skip-freq", type=int, default=None, metavar="N",
                    help="with --window-size: every N-th layer attends in full (megatron's "
                         "window_attn_skip_freq); default: every layer windowed")
@@ -214,8 +214,8 @@ def _check_numbers(args) -> None:
     for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
         value = getattr(args, name)
         _require(0 <= value < 1, f"{_flag(name)} must be in [0, 1), got {value}")
-    _require(args.window_size is None or args.window_size >= 0,
-             f"--window-size must be >= 0 (keys before each query), got {args.window_size}")
+    _require(args.window_size is None or (args.window_size[0] >= 0 and args.window_size[1] == 0),
+             f"--window-size takes LEFT 0 (LEFT >= 0 keys before each query, causal), got {args.window_size}")
     _require(args.window_attn_skip_freq is None or (args.window_size is not None and args.window_attn_skip_freq >= 1),
              f"--window-attn-skip-freq needs --window-size and must be >= 1, got {args.window_attn_skip_freq}")
 
