@@ -172,8 +172,11 @@ class RankRuns:
         if src is not None:
             i = search(starts[src], x, right=True)
             return torch.minimum(x + base[src, i], cap[src, i]).long()
-        t, q = starts.numpy(), x.numpy()
-        i = torch.from_numpy(np.stack([np.searchsorted(t[s], q, side="right") for s in range(self.cp)]))
+        if x.numel() * self.cp < 1 << 16:  # small: one torch call beats a numpy search per source
+            i = torch.searchsorted(starts, x.unsqueeze(0).expand(self.cp, -1).contiguous(), right=True)
+        else:
+            t, q = starts.numpy(), x.numpy()
+            i = torch.from_numpy(np.stack([np.searchsorted(t[s], q, side="right") for s in range(self.cp)]))
         x = x.unsqueeze(0)  # [1, n] against [cp, n]
         return torch.minimum(x + base.gather(1, i), cap.gather(1, i)).long()
 
