@@ -55,6 +55,8 @@ def model_provider(pre_process=True, post_process=True):
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        window_size=None if args.window_size is None else tuple(args.window_size),
+        window_attn_skip_freq=args.window_attn_skip_freq,
         # fp32 master weights; on GPU the compute runs under bf16 autocast (forward_step)
         params_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -99,7 +101,8 @@ def cp_cost_model():
     """The balanced layout's cost model: this model's attention dims over --cp-cost-model's topology.
 
     auto: NVLink when the CP group sits on one node; two levels (NVLink inside a node, InfiniBand
-    between nodes, the group's CP ranks per node from the launch) when it spans nodes.
+    between nodes, the group's CP ranks per node from the launch) when it spans nodes, pricing the
+    exchange the run uses: a node's remote keys cross IB once only with --cp-kv-exchange hierarchical.
     """
     from megatron_ext import parallel_state as ps
     from megatron_ext.blockdiag_cp import CostModel
@@ -112,9 +115,25 @@ def cp_cost_model():
     if link == "auto":
         per_node = ps.cp_ranks_per_node() if ps.get_cp_world_size() > 1 and ps.cp_spans_nodes() else 0
         if per_node:
-            return CostModel.two_level(per_node, **dims)
+            hierarchical = args.cp_kv_exchange_canonical == "hierarchical" and per_node > 1
+            return CostModel.two_level(per_node, **dims, hierarchical=hierarchical)
         link = "ib" if ps.get_cp_world_size() > 1 and ps.cp_spans_nodes() else "nvlink"
     return CostModel.preset(link, **dims)
+
+
+@functools.lru_cache(maxsize=1)
+def model_windows():
+    """Every layer's sliding window (--window-size, --window-attn-skip-freq) as the CP planner prices
+    them: ``balanced`` counts the windowed work and keys of that mix of layers."""
+    import types
+
+    from megatron_ext.blockdiag_cp import WindowMix
+
+    args = get_args()
+    if args.window_size is None:
+        return WindowMix()
+    return WindowMix.from_config(types.SimpleNamespace(
+        num_layers=args.num_layers, window_size=tuple(args.window_size), window_attn_skip_freq=args.window_attn_skip_freq))
 
 
 def plan_ahead_provider(batch):
@@ -125,10 +144,13 @@ def plan_ahead_provider(batch):
 
     args = get_args()
     cp = ps.get_cp_world_size()
+    exchange = args.cp_kv_exchange_canonical
     return bdcp.prepare_plan(
         bdcp.doc_ids_from_eod(batch["tokens"].cpu(), EOD), cp, ps.get_cp_rank(),
         layout=args.cp_layout_canonical, cost_model=cp_cost_model(),
-        kinds=(chunk_kind(args.cp_kv_exchange_canonical) if cp > 1 else "needed",))
+        kinds=(chunk_kind(exchange) if cp > 1 else "needed",), kv_exchange=exchange, windows=model_windows(),
+        # the hierarchical exchange's node routes are planned ahead too
+        ranks_per_node=ps.cp_ranks_per_node() if exchange == "hierarchical" and cp > 1 else None)
 
 
 def get_batch(data_iterator):
@@ -148,7 +170,7 @@ def get_batch(data_iterator):
         batch, cp_group=None, layout=args.cp_layout_canonical, eod_token=EOD,
         attn_backend=args.cp_attn_backend_canonical, kv_exchange=args.cp_kv_exchange_canonical,
         strict=args.cp_attn_backend_strict, cost_model=cp_cost_model(), prepared=prepared,
-        kv_backward=args.cp_kv_backward_canonical)
+        kv_backward=args.cp_kv_backward_canonical, windows=model_windows())
     return local, state, timing
 
 

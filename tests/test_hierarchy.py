@@ -6,9 +6,12 @@ on 4 gloo ranks as 2 nodes x 2 (``LOCAL_WORLD_SIZE=2``) against the needed-only 
 all-gather, forward and backward, with the bytes that cross a node boundary counted.
 """
 
+from dataclasses import fields
+
 import pytest
 import torch
 
+import megatron_ext.blockdiag_cp as bdcp
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route, layout_traffic, node_routes
 from megatron_ext.blockdiag_cp.intervals import document_runs, overlap_counts, work_and_intervals
@@ -206,8 +209,9 @@ def test_transport_equals_needed_kv_forward_and_backward_on_2_nodes_of_2(pool4, 
 # -- the hierarchical exchange inside the attention op --------------------------------------------
 
 
-def op_with_hierarchical_exchange(case, layout, kv_backward, window):
+def op_with_hierarchical_exchange(case, layout, kv_backward, window, prepared=False):
     import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext import parallel_state as ps
     from megatron_ext.testing import reference_attention
     from megatron_ext.testing.cases import make_doc_ids
 
@@ -219,8 +223,13 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window):
     (reference_attention(*ref_in, ids, window=window) * w).sum().backward()
     out = {}
     for exchange in ("hierarchical", "a2a"):
+        prep = None
+        if prepared:  # planned ahead, the route too (as the pretrain script's planning thread does)
+            prep = bdcp.prepare_plan(ids, cp, torch.distributed.get_rank(), layout=layout, kinds=("needed",),
+                                     kv_exchange=exchange, ranks_per_node=ps.cp_ranks_per_node())
         state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                            kv_backward=kv_backward)
+                                            kv_backward=kv_backward, prepared=prep)
+        route_planned = prep is not None and prep.route is not None and state._host_routes.get(None) is prep.route
         local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
         window_size = None if window is None else (window, 0)
         with bdcp.blockdiag_cp_step(state):
@@ -235,7 +244,9 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window):
         stats = state.comm_stats
         out[exchange] = {"errs": errs, "exchange": report["kv_exchange"], "kv_backward": report["kv_backward"],
                          "report": {k: v for k, v in report.items() if "positions" in k or "bytes" in k},
-                         "stats": {k: v for k, v in stats.items() if "bytes" in k}}
+                         "stats": {k: v for k, v in stats.items() if "bytes" in k},
+                         "route_planned": route_planned, "route_is_prepared": state._host_routes.get(None) is (
+                             None if prep is None else prep.route)}
     return out
 
 
@@ -264,6 +275,33 @@ def test_op_with_the_hierarchical_exchange_on_2_nodes_of_2(pool4, case, layout, 
             assert stats["backward_bytes_received"] == 0, hier
         # A node's remote rows cross once: never more inter-node rows than the flat exchange moves.
         assert rep["positions_inter_node_received"] <= flat["report"]["positions_received"], (hier, flat)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,layout,window", [("single", "zigzag", None), ("short", "balanced", None)])
+def test_the_hierarchical_route_planned_ahead_is_the_one_the_step_uses(pool4, case, layout, window):
+    for r in pool4.run(op_with_hierarchical_exchange, case, layout, "refetch", window, True):
+        hier, flat = r["hierarchical"], r["a2a"]
+        assert hier["exchange"] == "hierarchical" and hier["route_planned"] and hier["route_is_prepared"], hier
+        assert not flat["route_planned"], flat  # a2a plans no route
+        assert max(hier["errs"]) < 1e-10 and max(flat["errs"]) < 1e-10, (hier, flat)
+
+
+def test_prepare_plan_plans_the_route_the_build_would():
+    ids = torch.repeat_interleave(torch.arange(1, 9), torch.tensor([30, 2, 17, 50, 1, 9, 40, 11]))
+    for layout in ("contiguous", "zigzag", "balanced"):
+        prep = bdcp.prepare_plan(ids, 4, 2, layout=layout, kinds=(), kv_exchange="hier", ranks_per_node=2)
+        want = build_hierarchical_route(prep.layout, prep.doc_ids, 2, 2)
+        assert prep.ranks_per_node == 2
+        for f in fields(want):
+            a, b = getattr(prep.route, f.name), getattr(want, f.name)
+            assert torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b, (layout, f.name)
+    # Where the build falls back to a2a (one node, one rank per node) there is no route to plan.
+    assert bdcp.prepare_plan(ids, 4, 0, kv_exchange="hierarchical", ranks_per_node=4).route is None
+    assert bdcp.prepare_plan(ids, 4, 0, kv_exchange="hierarchical", ranks_per_node=1).route is None
+    assert bdcp.prepare_plan(ids, 4, 0, kv_exchange="a2a").route is None
+    with pytest.raises(ValueError, match="needs ranks_per_node"):
+        bdcp.prepare_plan(ids, 4, 0, kv_exchange="hierarchical")
 
 
 def hierarchical_on_one_node():

@@ -112,6 +112,8 @@ def test_bad_cp_flag_exits_before_process_group(flag, value, accepted):
     (["--data-path", "PFX_A", "0.3", "PFX_B"], "mixes plain prefixes with what look like weights"),
     (["--data-path", "0.5", "PFX_A", "PFX_B", "PFX_C"], "entry 3 ('PFX_B') should be the weight"),
     (["--data-path", "-1", "PFX_A"], "must be a positive finite number"),
+    (["--window-size", "64", "8"], "--window-size takes LEFT 0"),
+    (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq needs --window-size"),
 ])
 def test_bad_values_exit_before_process_group(args, message):
     # Rank 0 of a 2-rank world: reaching init_process_group would hang until the timeout.
@@ -382,10 +384,13 @@ def test_load_of_crafted_checkpoint_exits_with_the_reason(tmp_path, tiny_data):
 
 
 @pytest.mark.timeout(300)
-def test_plan_ahead_gives_the_losses_of_planning_in_line(tmp_path, tiny_data):
+@pytest.mark.parametrize("model", [[], ["--window-size", "24", "0", "--window-attn-skip-freq", "2"]],
+                         ids=["full", "windowed"])
+def test_plan_ahead_gives_the_losses_of_planning_in_line(tmp_path, tiny_data, model):
     # The balanced layout makes the plan matter; the plan-ahead run must use its prepared plans
-    # (the log says how much was hidden) and still train exactly like planning in line.
-    common = [*_torchrun(2), str(SCRIPT), *TINY, "--data-path", tiny_data, "--train-iters", "5",
+    # (the log says how much was hidden) and still train exactly like planning in line. Windowed:
+    # half the layers slide a window, which balanced prices and the prepared plans include.
+    common = [*_torchrun(2), str(SCRIPT), *TINY, *model, "--data-path", tiny_data, "--train-iters", "5",
               "--cp-layout", "balanced", "--cp-kv-exchange", "a2a"]
     runs = {}
     for name, extra in (("ahead", []), ("inline", ["--no-cp-plan-ahead"])):

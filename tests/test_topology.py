@@ -243,16 +243,27 @@ def launch_topology():
     world = dist.group.WORLD
     pairs = dist.new_group([0, 2])  # one CP rank on each node
     rank = dist.get_rank()
+    models = {x: default_cost_model(world, kv_exchange=x) for x in ("hierarchical", "a2a", "allgather", "halo")}
     return {"per_node": ps.cp_ranks_per_node(world), "spans": ps.cp_spans_nodes(world),
-            "model": default_cost_model(world).name,
-            "pair_per_node": ps.cp_ranks_per_node(pairs) if rank in (0, 2) else None}
+            "models": {x: (m.name, m.hierarchical) for x, m in models.items()},
+            "pair_per_node": ps.cp_ranks_per_node(pairs) if rank in (0, 2) else None,
+            "pair_model": default_cost_model(pairs, kv_exchange="hierarchical").hierarchical if rank in (0, 2)
+            else None}
 
 
 @pytest.mark.timeout(300)
-def test_the_launch_gives_two_levels(pool4):
+def test_the_launch_gives_two_levels_pricing_the_exchange_in_use(pool4):
     for r in pool4.run(launch_topology):
-        assert r["per_node"] == 2 and r["spans"] and r["model"].startswith("2xnvlink+ib/hier")
-    assert pool4.run(launch_topology)[0]["pair_per_node"] == 1  # ranks 0 and 2: one per node
+        assert r["per_node"] == 2 and r["spans"]
+        # A node's keys cross IB once only when the step routes them so; a2a / halo / all-gather
+        # ranks each fetch their own.
+        assert r["models"]["hierarchical"][0].startswith("2xnvlink+ib/hier") and r["models"]["hierarchical"][1]
+        for x in ("a2a", "allgather", "halo"):
+            name, hier = r["models"][x]
+            assert name.startswith("2xnvlink+ib:") and not hier, (x, name)
+    first = pool4.run(launch_topology)[0]
+    assert first["pair_per_node"] == 1  # ranks 0 and 2: one per node
+    assert first["pair_model"] is False  # hierarchical falls back to a2a there: priced as a2a
 
 
 def gpt_step_on_two_nodes():
@@ -267,7 +278,7 @@ def gpt_step_on_two_nodes():
     for seed in (11, 12):
         batch = H.make_batch(S_GPT, 1, seed=seed)
         ref_loss, ref_grads = H.reference_loss_and_grads(ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
-        for exchange in ("a2a", "allgather"):
+        for exchange in ("a2a", "allgather") if seed == 12 else ("hierarchical", "a2a"):
             loss_err, grad_err, state = H.cp_step_errors(model, batch, group, "balanced", exchange,
                                                          ref_loss, ref_grads)
             out[(seed, exchange)] = (loss_err, grad_err, state.report()["cost_model"])
@@ -284,7 +295,9 @@ def _spec():
 def test_a_cp4_build_on_two_nodes_uses_the_two_level_model_and_trains_like_the_reference(pool4):
     for per_rank in pool4.run(gpt_step_on_two_nodes):
         for key, (loss_err, grad_err, model) in per_rank.items():
-            assert model.startswith("2xnvlink+ib/hier"), (key, model)
+            # The default model prices the exchange the step runs (hierarchical routes only for it).
+            want = "2xnvlink+ib/hier:" if key[1] == "hierarchical" else "2xnvlink+ib:"
+            assert model.startswith(want), (key, model)
             assert loss_err < 1e-5 and grad_err < 1e-5, (key, loss_err, grad_err)
 
 

@@ -4,7 +4,7 @@ from . import state
 from .agreement import BlockDiagCPError
 from .attention_op import blockdiag_cp_attention
 from .batch import blockdiag_cp_step, doc_ids_from_cu_seqlens, doc_ids_from_eod, shard_batch
-from .cost import CostModel, default_cost_model
+from .cost import CostModel, WindowMix, default_cost_model
 from .layout import thd_partitioned_indices
 from .prepare import PreparedPlan, plan_summary, prepare_plan
 from .resolve import resolve_step_state
@@ -41,7 +41,7 @@ __all__ = [
     "configure_cp_kv_backward", "cp_kv_backward_runtime_config", "normalize_kv_backward",
     "configure_cp_strict", "cp_strict_runtime_config",
     # planning ahead and to look
-    "CostModel", "default_cost_model", "PreparedPlan", "prepare_plan", "plan_summary",
+    "CostModel", "default_cost_model", "WindowMix", "PreparedPlan", "prepare_plan", "plan_summary",
     "thd_partitioned_indices",
     # fire counter
     "cp_attn_fire_count", "reset_cp_attn_fire_count",

@@ -52,8 +52,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .cost import CostModel
-from .intervals import DocRuns, RankRuns, _expand, clip, document_runs, overlap_counts, work_and_intervals
+from .cost import CostModel, WindowMix
+from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, merge_intervals, overlap_counts,
+                        overlap_pieces, window_pairs, work_and_intervals)
 
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
@@ -82,10 +83,14 @@ LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmark
 
 
 class _UnitTable:
-    """The row(s) cut where any row changes document: (start, end, alpha, beta) tensors over [0, P)."""
+    """The row(s) cut where any row changes document: (start, end, alpha, beta) tensors over [0, P).
 
-    def __init__(self, rows: Sequence[DocRuns], P: int):
+    ``windows``: the model's sliding windows (``cost.WindowMix``), which every score prices.
+    """
+
+    def __init__(self, rows: Sequence[DocRuns], P: int, windows: Optional[WindowMix] = None):
         self.rows, self.P = list(rows), P
+        self.windows = WindowMix() if windows is None else windows
         if len(rows) == 1:
             starts, ends, doc = rows[0]
             real = (doc > 0).double()
@@ -113,7 +118,7 @@ class _Units:
     fewer units)."""
 
     def __init__(self, table: _UnitTable, spans: Spans, cp: int, bundle: int = 0):
-        self.rows, self.P, self.spans = table.rows, table.P, spans
+        self.rows, self.P, self.spans, self.windows = table.rows, table.P, spans, table.windows
         self.tokens = sum(b - a for a, b in spans)
         sa = torch.tensor([a for a, _ in spans], dtype=torch.long)
         sb = torch.tensor([b for _, b in spans], dtype=torch.long)
@@ -122,17 +127,25 @@ class _Units:
         read_later = (ends < table.doc_end[unit]).tolist()
         n = ends - starts
         work = alpha * ((starts + ends - 1).double() * n.double() / 2) + beta * n.double()
+        # Windows (one row of ids, where a unit is a piece of one document): the layers' mix of windowed
+        # work. Several rows: the full-attention coefficients guide the packing; scores stay exact.
+        self.mix = None if table.windows.full_only or len(table.rows) > 1 else table.windows.shares
+        doc_start = table.start[unit] if len(table.rows) == 1 else starts
+        if self.mix is not None:
+            work = alpha * sum(f * window_pairs(starts, ends, doc_start, w).double() for w, f in self.mix)
         self.total = float(work.sum())
+        self.doc_start = []
         self.start, self.end = [], []
         self.alpha, self.beta, self.work, self.bundle, self.shared = [], [], [], [], []
         cap = bundle or max(1, int(self.tokens // cp * BUNDLE_FRACTION))
-        for a, b, al, be, w, later in zip(starts.tolist(), ends.tolist(), alpha.tolist(), beta.tolist(),
-                                          work.tolist(), read_later):
+        for a, b, al, be, w, later, ds in zip(starts.tolist(), ends.tolist(), alpha.tolist(), beta.tolist(),
+                                              work.tolist(), read_later, doc_start.tolist()):
             tiny = al > 0 and b - a <= cap and not later
             if tiny and self.bundle and self.bundle[-1] and self.end[-1] == a and b - self.start[-1] <= cap:
                 self.end[-1] = b
                 self.work[-1] += w
                 continue
+            self.doc_start.append(ds)
             self.start.append(a)
             self.end.append(b)
             self.alpha.append(al)
@@ -149,15 +162,32 @@ class _Units:
             self.end[i] - self.start[i] <= L and self.work[i] <= limit and not self.shared[i])
 
     def span(self, i: int, x: int, y: int) -> float:
-        """Work of positions [x, y) of unit i."""
+        """Work of positions [x, y) of unit i (a split unit: never a bundle)."""
+        if self.mix is not None:
+            return self.alpha[i] * sum(f * _pairs(x, y, self.doc_start[i], w) for w, f in self.mix)
         return self.alpha[i] * (y * (y - 1) - x * (x - 1)) / 2 + self.beta[i] * (y - x)
 
 
-def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel) -> RunSpec:
-    """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring)."""
+def _pairs(x: int, y: int, s: int, window: Optional[int]) -> int:
+    """``intervals.window_pairs`` of one piece: queries [x, y) of a document starting at s."""
+    lo, hi = x - s + 1, y - s
+    if window is None:
+        return (lo + hi) * (hi - lo + 1) // 2
+    w = window + 1
+    top = min(hi, w)
+    grow = (lo + top) * (top - lo + 1) // 2 if top >= lo else 0
+    return grow + max(0, hi - max(lo - 1, w)) * w
+
+
+def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None) -> RunSpec:
+    """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring).
+
+    ``windows``: the model's sliding windows (``cost.WindowMix``; None: full attention): every
+    candidate is priced as the layers' mix of windowed work and windowed needed keys.
+    """
     cost_model.check_group(cp)
     R, P = ids.shape
-    table = _UnitTable([document_runs(row) for row in ids], P)
+    table = _UnitTable([document_runs(row) for row in ids], P, windows)
     whole: Spans = [(0, P)]
     exact_needed = R > 1 or cost_model.seconds_per_message > 0
     if not cost_model.spans_nodes(cp) or R > 1:
@@ -246,13 +276,15 @@ class _Found:
 def _choice(modeled: torch.Tensor, imbalance: torch.Tensor, n_peers: int) -> int:
     """The least modeled time among candidates within BALANCE_GOAL whose modeled time is at most
     BALANCE_PRICE above the best and no worse than the peers (the first ``n_peers``: contiguous and
-    zigzag); if none, the least modeled time (near-ties: the best balance)."""
+    zigzag); if none, the least modeled time (near-ties no worse than the peers: the best balance)."""
     inf = torch.tensor(math.inf, dtype=torch.float64)
-    limit = min(float(modeled.min()) * (1 + BALANCE_PRICE), float(modeled[:n_peers].min()))
+    peers = float(modeled[:n_peers].min())
+    limit = min(float(modeled.min()) * (1 + BALANCE_PRICE), peers)
     goal = (imbalance <= BALANCE_GOAL + 1e-12) & (modeled <= limit)
     if bool(goal.any()):
         return int(torch.argmin(torch.where(goal, modeled, inf)))
-    near = modeled <= modeled.min() * (1 + TIE)
+    # Near-ties, but never worse than a peer: a better balance does not buy modeled time.
+    near = (modeled <= modeled.min() * (1 + TIE)) & (modeled <= peers)
     return int(torch.argmin(torch.where(near, imbalance, inf)))
 
 
@@ -307,9 +339,8 @@ def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tup
     if sum(sizes) == 0:
         return [None] * len(cands)
     flat = _flatten([owned for c in cands for _, owned in c], cp)
-    work, inn, out = _candidate_traffic(units, cp, *flat)  # [all candidates, cp]
-    modeled = (work.double() + q * torch.maximum(inn, out).double()).max(1).values
-    worst, mean = work.double().max(1).values, work.double().mean(1).clamp(min=1e-9)
+    modeled, work = _mixed_scores(units, cp, flat, q)  # [all candidates], [all candidates, cp]
+    worst, mean = work.max(1).values, work.mean(1).clamp(min=1e-9)
     out_list, first = [], 0
     for n in sizes:
         lo, hi = torch.searchsorted(flat[1], torch.tensor([first * cp, (first + n) * cp])).tolist()
@@ -351,11 +382,15 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
 
     def price(c: int) -> None:
         runs = RankRuns.build(cp, P, *_runs_of(c, cp, group, a, b))
-        work, dst, ia, ib = work_and_intervals(runs, table.rows)
-        traffic = layout_traffic(runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib),
-                                 counts=overlap_counts(runs, dst, ia, ib))
-        modeled[c] = cost_model.modeled_seconds(work, traffic)
-        imbalance[c] = float(work.max()) / max(float(work.double().mean()), 1e-9)
+        total, mixed = 0.0, torch.zeros(cp, dtype=torch.float64)
+        for window, share in table.windows.shares:  # each share of layers with its own needed keys
+            work, dst, ia, ib = work_and_intervals(runs, table.rows, window)
+            traffic = layout_traffic(runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib),
+                                     counts=overlap_counts(runs, dst, ia, ib))
+            total += share * cost_model.modeled_seconds(work, traffic)
+            mixed += share * work.double()
+        modeled[c] = total
+        imbalance[c] = float(mixed.max()) / max(float(mixed.mean()), 1e-9)
 
     if prefer_balance or len(table.rows) > 1:
         for c in range(n_cand):
@@ -367,16 +402,19 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
             price(c)
         best = min(modeled[n_peers:])
         peer_flat = _flatten([owned for _, owned in candidates[:n_peers]], cp)
-        work, need, _ = _candidate_traffic(table, cp, *peer_flat)
-        bound = (work.double() * cost_model.seconds_per_pair + need.double() * cost_model.seconds_per_position)
+        bound = torch.zeros(n_peers, dtype=torch.float64)
+        for window, share in table.windows.shares:
+            work, need, _ = _candidate_traffic(table, cp, *peer_flat, window=window)
+            bound += share * (work.double() * cost_model.seconds_per_pair
+                              + need.double() * cost_model.seconds_per_position).max(1).values
         for c in range(n_peers):
-            if float(bound[c].max()) <= best * (1 + TIE):
+            if float(bound[c]) <= best * (1 + TIE):
                 price(c)
     modeled_t, imbalance_t = torch.tensor(modeled, dtype=torch.float64), torch.tensor(imbalance, dtype=torch.float64)
     if prefer_balance:
         best = _choice(modeled_t, imbalance_t, n_peers)
-    else:
-        near = modeled_t <= modeled_t.min() * (1 + TIE)
+    else:  # near-ties broken by balance, never worse than a peer
+        near = (modeled_t <= modeled_t.min() * (1 + TIE)) & (modeled_t <= modeled_t[:n_peers].min())
         best = int(torch.argmin(torch.where(near, imbalance_t, torch.tensor(math.inf, dtype=torch.float64))))
     LAST_CHOICE[:] = [candidates[best][0]]
     return _runs_of(best, cp, group, a, b)
@@ -395,10 +433,23 @@ def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return group[lo:hi] - c * cp, a[lo:hi], b[lo:hi] - a[lo:hi]
 
 
+def _mixed_scores(units, cp: int, flat, q: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(modeled [n_candidates], work [n_candidates, cp]) under the table's window mix: per share of
+    layers, the busiest rank's work + q * max(received, sent), weighed by the shares; work likewise."""
+    modeled = torch.zeros(flat[0], dtype=torch.float64)
+    mixed = torch.zeros(flat[0], cp, dtype=torch.float64)
+    for window, share in units.windows.shares:
+        work, inn, out = _candidate_traffic(units, cp, *flat, window=window)  # [all candidates, cp]
+        modeled += share * (work.double() + q * torch.maximum(inn, out).double()).max(1).values
+        mixed += share * work.double()
+    return modeled, mixed
+
+
 def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
-                       b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       b: torch.Tensor, window: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(work, received, sent) [n_candidates, cp] of every candidate at once (``units``: a ``_Units``
-    or the ``_UnitTable``: only its rows of document runs and P are read).
+    or the ``_UnitTable``: only its rows of document runs and P are read); ``window``: of a layer
+    with that sliding window (``_windowed_traffic``).
 
     ``group`` = candidate * cp + rank of every range [a, b). A rank's pieces of one
     document need [document start, end of its last piece) minus what it owns
@@ -412,10 +463,12 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         out = []
         for c in range(n_cand):
             runs = RankRuns.build(cp, units.P, *_runs_of(c, cp, group, a, b))
-            work, dst, ia, ib = work_and_intervals(runs, units.rows)
+            work, dst, ia, ib = work_and_intervals(runs, units.rows, window)
             counts = overlap_counts(runs, dst, ia, ib)
             out.append((work, counts.sum(0), counts.sum(1)))
         return tuple(torch.stack(x) for x in zip(*out))
+    if window is not None:
+        return _windowed_traffic(units.rows[0], units.P, cp, n_cand, group, a, b, window)
     d_start, d_end, d_id = units.rows[0]
     n_docs = d_start.numel()
     which, doc, pa, pb = clip(a, b, d_start, d_end)
@@ -447,6 +500,46 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         sent = torch.where(key[h] % cp == g[p] % cp, torch.zeros_like(sent), sent)
         out.index_add_(0, g[p], sent)
     return work.view(n_cand, cp), inn.view(n_cand, cp), out.view(n_cand, cp)
+
+
+def _windowed_traffic(row: DocRuns, P: int, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
+                      b: torch.Tensor, window: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_candidate_traffic`` of one row of ids by the plan's own rule, for any window (None: full).
+
+    A piece [pa, pb) of a document starting at s needs [max(s, pa - window), pb)
+    (``intervals.work_and_intervals``); a rank's needs, merged, minus what it owns are
+    what it receives; what an owner sends is its positions inside the other ranks'
+    needs of its candidate. Every candidate at once: rank g = candidate * cp + rank keys
+    its intervals and runs by g * (P + 1) + position, a candidate's runs by
+    candidate * (P + 1) + position. Positions no rank of a search owns (another node's)
+    are received, and sent by no one here.
+    """
+    d_start, d_end, d_id = row
+    size = n_cand * cp
+    stride = P + 1
+    which, doc, pa, pb = clip(a, b, d_start, d_end)
+    real = d_id[doc] > 0
+    which, doc, pa, pb = which[real], doc[real], pa[real], pb[real]
+    g, s = group[which], d_start[doc]
+    work = torch.zeros(size, dtype=torch.long).index_add_(0, g, window_pairs(pa, pb, s, window))
+    if g.numel() == 0:
+        zero = torch.zeros(n_cand, cp, dtype=torch.long)
+        return work.view(n_cand, cp), zero, zero.clone()
+    lo = s if window is None else torch.maximum(s, pa - window)
+    ng, na, nb = merge_intervals(g, lo, pb, P)  # every rank's needs, disjoint, by (g, position)
+    order = torch.argsort(group * stride + a)  # runs by (g, position); also by (candidate, position)
+    og, oa, ob = group[order], a[order], b[order]
+    # What a rank owns of its own needs.
+    q, t, x, y = overlap_pieces(og * stride + oa, og * stride + ob, ng * stride + na, ng * stride + nb)
+    own = torch.zeros(size, dtype=torch.long).index_add_(0, ng[q], y - x)
+    need = torch.zeros(size, dtype=torch.long).index_add_(0, ng, nb - na)
+    # Every rank's needs against every run of its candidate: what each owner holds of them.
+    by_position = torch.argsort((og // cp) * stride + oa)
+    cg, ca, cb = og[by_position], oa[by_position], ob[by_position]
+    nc = ng // cp
+    q, t, x, y = overlap_pieces((cg // cp) * stride + ca, (cg // cp) * stride + cb, nc * stride + na, nc * stride + nb)
+    held = torch.zeros(size, dtype=torch.long).index_add_(0, cg[t], y - x)
+    return work.view(n_cand, cp), (need - own).view(n_cand, cp), (held - own).view(n_cand, cp)
 
 
 class _Ranks:

@@ -39,15 +39,17 @@ slots [first, first + chunk_len)):
 
 Sequence-aligned rows flatten as ``slot * R + row`` (R rows of document ids; the
 batch folds into heads when R = 1), as in ``plan``. Everything is interval
-arithmetic over runs (``intervals``), vectorized over (source, piece) pairs.
+arithmetic over runs (``intervals``), vectorized over (source, piece) pairs, and
+the calls' index tensors are slices of two shared tensors (``_emit``).
 """
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from .intervals import DocRuns, RankRuns, clip, map_ranges, ranges
+from .intervals import DocRuns, RankRuns, clip, map_ranges, ranges, search
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -144,22 +146,25 @@ def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
 
 
 def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    ds: torch.Tensor) -> torch.Tensor:
+                    ds: torch.Tensor, before_ds: Optional[torch.Tensor] = None, mine_flat=None) -> torch.Tensor:
     """[cp, n] slot of position ds in each source's needed chunk for this rank.
 
     The chunk holds the source's positions inside this rank's needed intervals
     (sorted, disjoint), ascending: slot(x) = (source positions in earlier
     intervals) + (source positions in [a_j, x)) for the interval j holding x.
+    ``before_ds`` (``runs.flat_before(ds)``) and ``mine_flat`` (``flat_before`` of this
+    rank's interval starts and ends, [cp, J] each) when the caller has them already.
     """
     mine = dst == rank
     a, b = a[mine], b[mine]
     if a.numel() == 0:
         return torch.zeros(runs.cp, ds.numel(), dtype=torch.long)
-    before_a = runs.flat_before(a)  # [cp, J]
-    count = runs.flat_before(b) - before_a
+    before_a, before_b = mine_flat if mine_flat is not None else (runs.flat_before(a), runs.flat_before(b))
+    count = before_b - before_a  # [cp, J]
     offset = torch.cumsum(count, 1) - count  # [cp, J]
-    j = torch.searchsorted(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
-    return offset[:, j] + runs.flat_before(ds) - before_a[:, j]
+    j = search(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
+    before_ds = runs.flat_before(ds) if before_ds is None else before_ds
+    return offset[:, j] + before_ds - before_a[:, j]
 
 
 def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
@@ -183,43 +188,215 @@ def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
     return src[which], chunk, piece[which], lo, hi - lo
 
 
-def _group_calls(src: torch.Tensor, chunk: torch.Tensor, row: torch.Tensor, doc: torch.Tensor,
-                 n_k: torch.Tensor, slot: torch.Tensor, q_first: torch.Tensor, n_q: torch.Tensor, R: int,
-                 chunk_first: torch.Tensor) -> Dict[Tuple[int, int], CallPlan]:
-    """Full calls per (source, chunk) from pairs sorted by (source, chunk, row, position).
+@dataclass
+class _Segments:
+    """Every call of one rank before capping (segments in call order, pairs in segment order), numpy int64.
 
-    Consecutive pieces of one document that see the same keys of a chunk form one
-    segment (their visible sets are nested, so equal counts mean equal keys).
-    ``chunk_first``: per pair, the slot its chunk's buffer starts at.
+    A segment's queries are the concatenation of its pairs' ranges of ``diag`` (this rank's real
+    query rows in piece order: piece p's rows are diag[q_off[p], q_off[p] + n_q[p])), so a call's
+    q_index is a slice of ``diag`` wherever its ranges touch, and a copy only where they do not.
+    Its keys are the chunk rows [slot, slot + n_k) of one row of ids, flattened slot * R + row.
     """
-    if src.numel() == 0:
+
+    call_src: np.ndarray  # [calls] source rank
+    call_chunk: np.ndarray  # [calls] chunk of that source's delivery
+    call_window: np.ndarray  # [calls] the kernels' window, -1: full
+    call_seg: np.ndarray  # [calls + 1] first segment of each call
+    seg_pair: np.ndarray  # [segments + 1] first pair of each segment
+    seg_q: np.ndarray  # [segments] query rows
+    seg_k: np.ndarray  # [segments] key rows
+    seg_slot: np.ndarray  # [segments] first key's slot in the chunk
+    seg_row: np.ndarray  # [segments] row of ids
+    pair_a: np.ndarray  # [pairs] start of each pair's range in diag
+    pair_n: np.ndarray  # [pairs] its rows
+
+    @classmethod
+    def empty(cls) -> "_Segments":
+        z = np.zeros(0, dtype=np.int64)
+        one = np.zeros(1, dtype=np.int64)
+        return cls(z, z, z, one, one, z, z, z, z, z, z)
+
+
+def _exclusive(x: np.ndarray) -> np.ndarray:
+    """[n + 1] prefix sums starting at 0."""
+    out = np.zeros(x.size + 1, dtype=np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
+          ) -> Dict[Tuple[int, int], Tuple[CallPlan, ...]]:
+    """Per (source, chunk), its kernel calls; a remote full call of more than ``cap`` query rows is cut
+    into calls of at most ``cap`` rows (segments cut too, keeping their keys).
+
+    A chunk's keys are an eighth of a shard at most; its queries need not be (a long document's
+    pieces see every chunk before them). Capping the rows per call keeps what a call gathers and
+    returns (q, out, dout and dq of its rows) as small. Windowed (banded) calls and the own
+    chunk's are left whole. A capped call's segments are cut into *bits* of ``cap`` rows and a
+    remainder, packed greedily in order (a call takes bits while its rows stay <= cap), so a
+    segment of more than ``cap`` rows closes the call before each of its bits, and a call holds
+    at most one bit of each segment: its segments are consecutive.
+
+    Index tensors: a call's q_index is a slice of ``diag`` when its rows form one range of it,
+    else a slice of one gather of every such call's rows; k_index a slice of an arange for one
+    segment (R = 1), else of the concatenated keys of the segments that need it.
+    """
+    n_calls, n_seg = t.call_src.size, t.seg_q.size
+    if n_calls == 0:
         return {}
+    seg_voff = _exclusive(t.seg_q)  # each segment's first row in the virtual concatenation of all
+    call_q = seg_voff[t.call_seg[1:]] - seg_voff[t.call_seg[:-1]]
+    capped = (t.call_src != rank) & (t.call_window < 0) & (call_q > cap)
+    seg_capped = np.repeat(capped, np.diff(t.call_seg))
+    nb = np.where(seg_capped, (t.seg_q + cap - 1) // cap, 1)  # bits per segment
+    bit_first = _exclusive(nb)
+    bit_seg = np.repeat(np.arange(n_seg), nb)
+    bit_j = np.arange(bit_seg.size) - bit_first[bit_seg]
+    bit_v = seg_voff[bit_seg] + bit_j * cap  # bits tile the virtual rows in order
+    bit_m = np.where(seg_capped[bit_seg], np.minimum(cap, t.seg_q[bit_seg] - bit_j * cap), t.seg_q[bit_seg])
+    bit_end = bit_v + bit_m
+    call_bit = bit_first[t.call_seg]  # [calls + 1]
+
+    # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows: from bit i, the call
+    # takes bits i .. nxt[i] - 1, the most whose rows stay <= cap (bit ends are the rows' prefix sums).
+    bit_call = np.repeat(np.arange(n_calls), np.diff(call_bit))
+    nxt = np.minimum(np.searchsorted(bit_end, bit_v + cap, side="right"), call_bit[1:][bit_call])
+    starts = np.zeros(bit_seg.size, dtype=bool)
+    starts[call_bit[:-1][~capped]] = True  # an uncapped call is one call
+    for i in call_bit[:-1][capped].tolist():  # follow the chain of a capped one: one step per call it gives
+        stop = int(call_bit[bit_call[i] + 1])
+        while i < stop:
+            starts[i] = True
+            i = int(nxt[i])
+    sub_lo = np.flatnonzero(starts)
+    sub_call = bit_call[sub_lo].tolist()
+    n_sub = sub_lo.size
+    sub_hi = np.append(sub_lo[1:], bit_seg.size)
+    bit_sub = np.repeat(np.arange(n_sub), sub_hi - sub_lo)
+    seg_lo, seg_hi = bit_seg[sub_lo], bit_seg[sub_hi - 1] + 1
+
+    # Query rows: each bit cut at its pairs' starts; each piece lies in one bit and one pair, so maps
+    # to diag linearly; touching pieces of one call merge into one range.
+    pair_v = _exclusive(t.pair_n)[:-1]
+    first = np.searchsorted(pair_v, bit_v, side="right") - 1
+    count = np.searchsorted(pair_v, bit_end - 1, side="right") - first
+    bit = np.repeat(np.arange(bit_v.size), count)
+    pair = np.arange(bit.size) - _exclusive(count)[bit] + first[bit]
+    x = np.maximum(bit_v[bit], pair_v[pair])
+    piece_len = np.minimum(bit_end[bit], pair_v[pair] + t.pair_n[pair]) - x
+    piece_sub = bit_sub[bit]
+    piece_a = t.pair_a[pair] + x - pair_v[pair]
+    new = np.ones(bit.size, dtype=bool)
+    new[1:] = (piece_sub[1:] != piece_sub[:-1]) | (piece_a[1:] != piece_a[:-1] + piece_len[:-1])
+    heads = np.flatnonzero(new)
+    r_a, r_len, r_sub = piece_a[heads], np.add.reduceat(piece_len, heads), piece_sub[heads]
+    n_ranges = np.bincount(r_sub, minlength=n_sub)
+    r_first = _exclusive(n_ranges)
+    many = n_ranges[r_sub] > 1
+    gathered = ranges(torch.from_numpy(r_a[many]), torch.from_numpy(r_len[many]))
+    gathered = diag[gathered] if gathered.numel() else gathered
+    sub_rows = np.add.reduceat(bit_m, sub_lo)
+    g_off = _exclusive(np.where(n_ranges > 1, sub_rows, 0)).tolist()
+
+    # Keys: concatenated only for the segments of calls of several segments (every one when R > 1).
+    one_seg = (seg_hi - seg_lo == 1) & (R == 1)
+    mark = np.zeros(n_seg + 1, dtype=np.int64)
+    np.add.at(mark, seg_lo[~one_seg], 1)
+    np.add.at(mark, seg_hi[~one_seg], -1)
+    kept = np.where(np.cumsum(mark[:-1]) > 0, t.seg_k, 0)
+    koff = _exclusive(kept).tolist()
+    joined = ranges(torch.from_numpy(t.seg_slot), torch.from_numpy(kept))
+    if R > 1:
+        joined = joined * R + torch.repeat_interleave(torch.from_numpy(t.seg_row), torch.from_numpy(kept))
+    base = torch.arange(int((t.seg_slot + t.seg_k).max())) if one_seg.any() else None
+
+    seg_lo_l, seg_hi_l, one_l = seg_lo.tolist(), seg_hi.tolist(), one_seg.tolist()
+    q_lens, k_lens = bit_m.tolist(), t.seg_k.tolist()
+    slot_l = t.seg_slot[seg_lo].tolist()  # per call: the first key slot of its (first) segment
+    single_a, single_n = r_a[r_first[:-1]].tolist(), r_len[r_first[:-1]].tolist()
+    counts = n_ranges.tolist()
+    windows = [None if w < 0 else w for w in t.call_window.tolist()]
+    lo_l, hi_l = sub_lo.tolist(), sub_hi.tolist()
+    # A call of one query range and one segment (R = 1) is fixed by (range, key slots, window): the
+    # steps of a long document repeat the same few (every chunk before it seen by the same rows),
+    # so they share one CallPlan (immutable), as calls share their index tensors.
+    same: Dict[tuple, CallPlan] = {}
+    key_views: Dict[Tuple[int, int], torch.Tensor] = {}
+    plans: List[CallPlan] = []
+    for u in range(n_sub):
+        s0, s1 = seg_lo_l[u], seg_hi_l[u]
+        ql = tuple(q_lens[lo_l[u]:hi_l[u]])
+        w = windows[sub_call[u]]
+        if one_l[u]:
+            a, n, ks, kn = single_a[u], single_n[u], slot_l[u], k_lens[s0]
+            k = key_views.get((ks, kn))
+            if k is None:
+                k = key_views[(ks, kn)] = base[ks:ks + kn]
+            if counts[u] == 1:
+                call = same.get((a, n, ks, kn, w))
+                if call is None:
+                    call = same[(a, n, ks, kn, w)] = CallPlan(False, diag[a:a + n], k, ql, (kn,), w)
+            else:
+                call = CallPlan(False, gathered[g_off[u]:g_off[u + 1]], k, ql, (kn,), w)
+        else:
+            a = single_a[u]
+            q = diag[a:a + single_n[u]] if counts[u] == 1 else gathered[g_off[u]:g_off[u + 1]]
+            call = CallPlan(False, q, joined[koff[s0]:koff[s1]], ql, tuple(k_lens[s0:s1]), w)
+        plans.append(call)
+    # Calls of one (source, chunk) are adjacent (segments are sorted by it), so are their pieces.
+    sub_of_call = _exclusive(np.bincount(bit_call[sub_lo], minlength=n_calls)).tolist()
+    out: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
+    src_l, chunk_l = t.call_src.tolist(), t.call_chunk.tolist()
+    ci = 0
+    while ci < n_calls:
+        cj = ci + 1
+        while cj < n_calls and src_l[cj] == src_l[ci] and chunk_l[cj] == chunk_l[ci]:
+            cj += 1
+        out[(src_l[ci], chunk_l[ci])] = tuple(plans[sub_of_call[ci]:sub_of_call[cj]])
+        ci = cj
+    return out
+
+
+def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: int, row, doc, ds, pa,
+                   q_off, n_q, mine_flat=None) -> _Segments:
+    """Per (source, chunk), one full call: the keys of [ds, pa) that source holds in that chunk.
+
+    Consecutive pieces of one document that see the same keys of a chunk form one segment
+    (their visible sets are nested, so equal counts mean equal keys).
+    """
+    cp, L = runs.cp, runs.local_len
+    before_ds = runs.flat_before(ds)  # [cp, n]
+    n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
+    if kind == "ring":
+        slot = before_ds - (torch.arange(cp) * L).unsqueeze(1)
+    else:
+        slot = _needed_offsets(runs, rank, *intervals, ds, before_ds, mine_flat)
+        slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
+    src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
+    src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
+    if src.numel() == 0:
+        return _Segments.empty()
+    r = row[piece]
     new = torch.ones_like(src, dtype=torch.bool)
-    new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (row[1:] != row[:-1])
-               | (doc[1:] != doc[:-1]) | (n_k[1:] != n_k[:-1]) | (slot[1:] != slot[:-1]))
+    new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (r[1:] != r[:-1])
+               | (doc[piece][1:] != doc[piece][:-1]) | (n[1:] != n[:-1]) | (lo[1:] != lo[:-1]))
     head = torch.nonzero(new).flatten()
     group = torch.cumsum(new.long(), 0) - 1
-    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, n_q)
-    seg_k, seg_slot, seg_row = n_k[head], slot[head] - chunk_first[head], row[head]
-    key = src[head] * (int(chunk.max()) + 1) + chunk[head]
-    q_index = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
-    k_index = ranges(seg_slot, seg_k) * R + torch.repeat_interleave(seg_row, seg_k)
-    # Split per (source, chunk): pairs, segments and their rows are all in that order.
-    keys, seg_per_call = torch.unique_consecutive(key, return_counts=True)
-    call_of_seg = torch.repeat_interleave(torch.arange(keys.numel()), seg_per_call)
-    q_split = torch.zeros(keys.numel(), dtype=torch.long).index_add_(0, call_of_seg, seg_q)
-    k_split = torch.zeros_like(q_split).index_add_(0, call_of_seg, seg_k)
-    heads = head[torch.cumsum(seg_per_call, 0) - seg_per_call]
-    calls = {}
-    for s, c, qi, ki, ql, kl in zip(src[heads].tolist(), chunk[heads].tolist(), q_index.split(q_split.tolist()),
-                                    k_index.split(k_split.tolist()), seg_q.split(seg_per_call.tolist()),
-                                    seg_k.split(seg_per_call.tolist())):
-        calls[(s, c)] = CallPlan(False, qi, ki, tuple(ql.tolist()), tuple(kl.tolist()))
-    return calls
+    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, n_q[piece])
+    chunk_first = torch.where(src == rank, torch.zeros_like(chunk), chunk * c)
+    seg_k, seg_slot, seg_row = n[head], (lo - chunk_first)[head], r[head]
+    call_new = torch.ones(head.numel(), dtype=torch.bool)
+    call_new[1:] = (src[head][1:] != src[head][:-1]) | (chunk[head][1:] != chunk[head][:-1])
+    call_head = torch.nonzero(call_new).flatten()
+    calls = head[call_head]
+    return _Segments(src[calls].numpy(), chunk[calls].numpy(), np.full(call_head.numel(), -1, dtype=np.int64),
+                     np.append(call_head.numpy(), head.numel()), np.append(head.numpy(), src.numel()),
+                     seg_q.numpy(), seg_k.numpy(), seg_slot.numpy(), seg_row.numpy(), q_off[piece].numpy(),
+                     n_q[piece].numpy())
 
 
-def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, window: int, c: int, R: int,
-                    row, ds, pa, pb, q_first) -> Dict[Tuple[int, int], List[CallPlan]]:
+def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: int, c: int, R: int,
+                       row, ds, pa, pb, q_off, mine_flat=None) -> _Segments:
     """Per (source, chunk): the full and banded calls of a sliding window.
 
     Piece [pa, pb) of a document starting at ds needs keys [max(ds, pa - window), pa)
@@ -227,22 +404,23 @@ def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, win
     boundaries, is one segment [ka, kb) for the piece's queries that see any of it,
     [pa, min(pb, kb + window)). Where the last of them still sees ka, every query sees
     every key (full); else the band's lower edge is the window in bottom-right terms,
-    window - (q_end - kb), and segments sharing that value share a call.
+    window - (q_end - kb), and segments sharing that value share a call (full first,
+    then by that value).
     """
     L = runs.local_len
     lo = torch.maximum(ds, pa - window)
-    by_start, by_len, _ = runs.by_position()
+    by_start, by_len, by_run = runs.by_position()
     piece, k_start, n = map_ranges(by_start, by_len, by_start, lo, pa - lo)  # key position runs, split at runs
     if piece.numel() == 0:
-        return {}
-    owner_run = torch.searchsorted(by_start, k_start, right=True) - 1
-    src = runs.rank[runs.by_position()[2][owner_run]]
+        return _Segments.empty()
+    owner_run = search(by_start, k_start, right=True) - 1
+    src = runs.rank[by_run[owner_run]]
     flat = runs.flat_before(k_start)  # [cp, m]
     cols = torch.arange(k_start.numel())
     if kind == "ring":
         slot = flat[src, cols] - src * L
     else:
-        slot = _needed_offsets(runs, rank, *intervals, k_start)[src, cols]
+        slot = _needed_offsets(runs, rank, *intervals, k_start, flat, mine_flat)[src, cols]
         own = src == rank
         slot = torch.where(own, flat[src, cols] - src * L, slot)
     remote = src != rank
@@ -260,70 +438,45 @@ def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, win
     win = torch.where(band, window - (q_end - kb), torch.full_like(kb, -1))  # -1: full
     s_src = src[which]
     chunk_first = torch.where(s_src == rank, torch.zeros_like(chunk), chunk * c)
-    order = torch.argsort(((s_src * (int(chunk.max()) + 1) + chunk) * (window + 2) + win + 1) * (p.numel() + 1)
-                          + torch.arange(p.numel()))
-    out: Dict[Tuple[int, int], List[CallPlan]] = {}
-    cols = [t[order] for t in (s_src, chunk, win, p, s_lo - chunk_first, kb - ka, q_end - pa[p])]
-    keys = list(zip(cols[0].tolist(), cols[1].tolist(), cols[2].tolist()))
-    start = 0
-    while start < len(keys):
-        stop = start
-        while stop < len(keys) and keys[stop] == keys[start]:
-            stop += 1
-        s, ch, w = keys[start]
-        group = [t[start:stop] for t in cols[3:]]
-        # A piece can see several runs of one source inside one chunk (zigzag's and thd's two
-        # pieces per rank): each is its own segment, and a call holds a query row at most once
-        # (the merge indexes rows), so the n-th segment of a piece goes to the n-th call.
-        seen: Dict[int, int] = {}
-        occurrence = []
-        for x in group[0].tolist():
-            occurrence.append(seen.get(x, 0))
-            seen[x] = occurrence[-1] + 1
-        occurrence = torch.tensor(occurrence)
-        for n in range(int(occurrence.max()) + 1):
-            pp, k_first, nk, nq = (t[occurrence == n] for t in group)
-            q_index = ranges(q_first[pp], nq) * R + torch.repeat_interleave(row[pp], nq)
-            k_index = ranges(k_first, nk) * R + torch.repeat_interleave(row[pp], nk)
-            out.setdefault((s, ch), []).append(CallPlan(False, q_index, k_index, tuple(nq.tolist()),
-                                                        tuple(nk.tolist()), None if w < 0 else w))
-        start = stop
-    return out
-
-
-def _cap_query_rows(call: CallPlan, cap: int) -> List[CallPlan]:
-    """A remote full call cut into calls of at most ``cap`` query rows (segments cut too, keeping their keys).
-
-    A chunk's keys are an eighth of a shard at most; its queries need not be (a long document's
-    pieces see every chunk before them). Capping the rows per call keeps what a call gathers and
-    returns (q, out, dout and dq of its rows) as small. Windowed calls are left whole.
-    """
-    if call.window is not None or call.causal or sum(call.q_lens) <= cap:
-        return [call]
-    q_parts = call.q_index.split(list(call.q_lens))
-    k_parts = call.k_index.split(list(call.k_lens))
-    out, q_acc, k_acc, ql, kl, rows = [], [], [], [], [], 0
-    for qs, ks in zip(q_parts, k_parts):
-        for start in range(0, qs.numel(), cap):
-            piece = qs[start:start + cap]
-            if rows + piece.numel() > cap and ql:
-                out.append(CallPlan(False, torch.cat(q_acc), torch.cat(k_acc), tuple(ql), tuple(kl)))
-                q_acc, k_acc, ql, kl, rows = [], [], [], [], 0
-            q_acc.append(piece)
-            k_acc.append(ks)
-            ql.append(piece.numel())
-            kl.append(ks.numel())
-            rows += piece.numel()
-    out.append(CallPlan(False, torch.cat(q_acc), torch.cat(k_acc), tuple(ql), tuple(kl)))
-    return out
+    call = (s_src * (int(chunk.max()) + 1) + chunk) * (window + 2) + win + 1  # (source, chunk, window)
+    # A piece can see several runs of one source inside one chunk (zigzag's and thd's two pieces per
+    # rank): each is its own segment, and a call holds a query row at most once (the merge indexes
+    # rows), so the n-th segment of a piece within a (source, chunk, window) goes to the n-th call.
+    by_piece = torch.sort(call * (int(p.max()) + 1) + p, stable=True)
+    repeat = torch.ones_like(call, dtype=torch.bool)
+    repeat[1:] = by_piece.values[1:] == by_piece.values[:-1]
+    position = torch.arange(call.numel())
+    run_start = torch.cummax(torch.where(repeat, torch.zeros_like(position), position), 0).values
+    occurrence = torch.empty_like(call)
+    occurrence[by_piece.indices] = position - run_start
+    call = call * (int(occurrence.max()) + 1) + occurrence
+    order = torch.argsort(call * (p.numel() + 1) + torch.arange(p.numel()))
+    k_first, nk, nq = (s_lo - chunk_first)[order], (kb - ka)[order], (q_end - pa[p])[order]
+    call, s_src, chunk, win, p = call[order], s_src[order], chunk[order], win[order], p[order]
+    call_new = torch.ones_like(call, dtype=torch.bool)
+    call_new[1:] = call[1:] != call[:-1]
+    heads = torch.nonzero(call_new).flatten()
+    m = int(call.numel())
+    return _Segments(s_src[heads].numpy(), chunk[heads].numpy(), win[heads].numpy(),
+                     np.append(heads.numpy(), m), np.arange(m + 1, dtype=np.int64), nq.numpy(), nk.numpy(),
+                     k_first.numpy(), row[p].numpy(), q_off[p].numpy(), nq.numpy())
 
 
 def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
                       counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                      window: Optional[int] = None) -> StreamPlan:
+                      window: Optional[int] = None, mine_flat=None) -> StreamPlan:
     """This rank's steps for chunk ``kind``; ``counts``/``intervals`` are the plan's global tables.
 
-    ``window``: a sliding window (query p sees keys from p - window), see ``_windowed_calls``.
+    ``mine_flat``: ``RankRuns.flat_before`` of this rank's interval starts and ends ([cp, J]
+    each), when the caller computed them already (``plan.build_plan`` does, for its receive tables).
+
+    ``window``: a sliding window (query p sees keys from p - window), see ``_windowed_segments``.
+    Segments, bits and ranges are vectorized tables; Python loops only over the kernel calls it
+    returns. Query indices are slices of one tensor of this rank's rows (a copy only where a
+    call's rows do not touch), key indices slices of one tensor of every segment's chunk rows:
+    a long document's pieces see every chunk before them, and materializing each call's rows
+    cost cp * L per rank (the builder before, tests/stream_reference.py, which this one equals).
+    Calls share those tensors: they are read, never written.
     """
     if kind not in CHUNK_KINDS:
         raise KeyError(f"unknown chunk kind {kind!r}; known: {CHUNK_KINDS}")
@@ -331,38 +484,29 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
     c = chunk_rows_for(L)
     row, doc, ds, pa, pb, q_first = _pieces(runs, rows, rank)
     n_q = pb - pa
+    own: Tuple[CallPlan, ...] = ()
     calls: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
-    causal: Optional[CallPlan] = None
-    if row.numel() and window is not None:
-        calls = {key: tuple(v) for key, v in _windowed_calls(kind, runs, rank, counts, intervals, window, c, R,
-                                                              row, ds, pa, pb, q_first).items()}
-        diag = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
-        lens = tuple(n_q.tolist())
-        causal = CallPlan(True, diag, diag, lens, lens, window if int(n_q.max()) > window + 1 else None)
-    elif row.numel():
-        before_ds = runs.flat_before(ds)  # [cp, n]
-        n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
-        if kind == "ring":
-            slot = before_ds - (torch.arange(cp) * L).unsqueeze(1)
+    if row.numel():
+        diag = ranges(q_first, n_q)  # [real query rows] piece p's rows at q_off[p]: the causal call's
+        if R > 1:
+            diag = diag * R + torch.repeat_interleave(row, n_q)
+        q_off = torch.cumsum(n_q, 0) - n_q
+        if window is not None:
+            segs = _windowed_segments(kind, runs, rank, intervals, window, c, R, row, ds, pa, pb, q_off, mine_flat)
         else:
-            slot = _needed_offsets(runs, rank, *intervals, ds)
-            slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
-        src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
-        src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
-        calls = {key: (call,) for key, call in _group_calls(
-            src, chunk, row[piece], doc[piece], n, lo, q_first[piece], n_q[piece], R,
-            torch.where(src == rank, torch.zeros_like(chunk), chunk * c)).items()}
-        diag = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
+            segs = _full_segments(kind, runs, rank, intervals, c, R, row, doc, ds, pa, q_off, n_q, mine_flat)
+        calls = _emit(segs, diag, rank, c, R)
         lens = tuple(n_q.tolist())
-        causal = CallPlan(True, diag, diag, lens, lens)
-    own = calls.get((rank, 0), ()) + ((causal,) if causal is not None else ())
+        causal = CallPlan(True, diag, diag, lens, lens,
+                          window if window is not None and int(n_q.max()) > window + 1 else None)
+        own = calls.get((rank, 0), ()) + (causal,)
     steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
+    received = counts[:, rank].tolist()
     for i, j in remote_steps(kind, counts, L, c):
         src = (rank - i) % cp
-        delivered = L if kind == "ring" else int(counts[src, rank])
+        delivered = L if kind == "ring" else received[src]
         n = max(0, min(c, delivered - j * c))
-        remote = tuple(piece for call in calls.get((src, j), ()) for piece in _cap_query_rows(call, c))
-        steps.append(Step(i, j, src, j * c, n, remote))
+        steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))
 
 

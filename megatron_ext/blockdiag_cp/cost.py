@@ -44,9 +44,10 @@ layer) stand in when no model config is at hand. It is a ranking device for
 layouts, not a prediction of seconds.
 """
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -178,15 +179,17 @@ class CostModel:
                    seconds_per_message_inter=float(latency_inter))
 
     @classmethod
-    def from_config(cls, config, link: str = "nvlink", ranks_per_node: int = 0) -> "CostModel":
+    def from_config(cls, config, link: str = "nvlink", ranks_per_node: int = 0,
+                    hierarchical: bool = True) -> "CostModel":
         """From a megatron TransformerConfig (num_attention_heads, num_query_groups, kv_channels);
-        ``ranks_per_node`` > 0: two levels (NVLink inside a node, IB between), ``link`` ignored."""
+        ``ranks_per_node`` > 0: two levels (NVLink inside a node, IB between; ``hierarchical``: the
+        exchange routes a node's remote keys once), ``link`` ignored."""
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_query_groups", None) or heads)
         head_dim = int(getattr(config, "kv_channels", None) or config.hidden_size // heads)
         dtype_bytes = 2 if (getattr(config, "bf16", False) or getattr(config, "fp16", False)) else 4
         if ranks_per_node:
-            return cls.two_level(ranks_per_node, heads, kv_heads, head_dim, dtype_bytes)
+            return cls.two_level(ranks_per_node, heads, kv_heads, head_dim, dtype_bytes, hierarchical=hierarchical)
         return cls.preset(link, heads, kv_heads, head_dim, dtype_bytes)
 
     # -- topology ----------------------------------------------------------
@@ -313,15 +316,137 @@ def _pair_and_row(heads, kv_heads, head_dim, dtype_bytes, flops):
     return 14 * heads * head_dim / flops, 2 * kv_heads * head_dim * dtype_bytes
 
 
-def default_cost_model(cp_group=None, config=None) -> CostModel:
-    """From the launch: NVLink when the CP group sits on one node, else two levels (NVLink inside a
-    node, InfiniBand between nodes, hierarchical) with the group's CP ranks per node.
+@dataclass(frozen=True)
+class WindowMix:
+    """The model's sliding windows as the planner prices one layer: (window, share of layers) pairs.
 
-    CP ranks per node come from ``parallel_state.cp_ranks_per_node`` (global ranks node-major,
+    A query at p of a document starting at s sees keys [max(s, p - window), p] (Megatron's
+    ``window_size=(window, 0)``); window None is full causal attention. Layers may mix them
+    (``window_attn_skip_freq``): every layer waits for its slowest rank, so a layout costs the
+    shares' modeled times weighed by the shares (``balanced`` counts each share's work and the
+    keys its windows reach). Canonical: one entry per distinct window, ascending, None last.
+    """
+
+    shares: Tuple[Tuple[Optional[int], float], ...] = ((None, 1.0),)
+
+    def __post_init__(self):
+        merged = {}
+        for entry in self.shares:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise ValueError(f"WindowMix.shares: (window, share) pairs, got {entry!r}")
+            window, share = entry
+            if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+                raise ValueError(f"WindowMix: a window is an int >= 0 (keys before the query) or None (full "
+                                 f"attention), got {window!r}")
+            if not (isinstance(share, (int, float)) and not isinstance(share, bool) and share > 0):
+                raise ValueError(f"WindowMix: each share of layers must be > 0, got {share!r} for window {window!r}")
+            merged[window] = merged.get(window, 0.0) + float(share)
+        total = sum(merged.values())
+        if not merged or abs(total - 1.0) > 1e-9:
+            raise ValueError(f"WindowMix: the shares of layers must sum to 1, got {total!r} ({self.shares!r})")
+        canonical = tuple(sorted(merged.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+        object.__setattr__(self, "shares", canonical)
+
+    @classmethod
+    def of(cls, window: Optional[int], windowed: float = 1.0) -> "WindowMix":
+        """``window`` on a ``windowed`` share of the layers (0 < windowed <= 1), full attention on the rest."""
+        if window is None:
+            return cls()
+        if not (isinstance(windowed, (int, float)) and 0 < windowed <= 1):
+            raise ValueError(f"WindowMix.of: windowed is the share of windowed layers, in (0, 1], got {windowed!r}")
+        return cls(((window, float(windowed)),) + (((None, 1.0 - windowed),) if windowed < 1 else ()))
+
+    @classmethod
+    def from_layers(cls, windows: Sequence) -> "WindowMix":
+        """Per layer: its window (int), None (full attention), or Megatron's (left, 0) pair."""
+        windows = list(windows)
+        if not windows:
+            raise ValueError("WindowMix.from_layers: no layers given")
+        counts = {}
+        for w in windows:
+            w = _left_window(w)
+            counts[w] = counts.get(w, 0) + 1
+        return cls(tuple((w, n / len(windows)) for w, n in counts.items()))
+
+    @classmethod
+    def from_config(cls, config) -> "WindowMix":
+        """A megatron TransformerConfig's layers (``window_size``, ``window_attn_skip_freq``, ``num_layers``),
+        by megatron's own rule for which layers are windowed (``layers.attention.layer_window_size``)."""
+        from ..layers.attention import layer_window_size
+
+        layers = int(getattr(config, "num_layers", 0) or 0)
+        if layers < 1:
+            raise ValueError(f"WindowMix.from_config: the config has num_layers={layers!r}")
+        return cls.from_layers([layer_window_size(config, n) for n in range(1, layers + 1)])
+
+    @property
+    def windows(self) -> Tuple[int, ...]:
+        """The distinct sliding windows, ascending (none for full attention only)."""
+        return tuple(w for w, _ in self.shares if w is not None)
+
+    @property
+    def full_only(self) -> bool:
+        return not self.windows
+
+    def agreement_key(self) -> int:
+        """A 64-bit fact of the mix (agreed across ranks: it decides where balanced cuts fall).
+
+        A digest of its text, not ``hash()``: None's hash differs between processes before Python 3.12.
+        """
+        if self.full_only:
+            return 0
+        digest = hashlib.blake2b(repr(self.shares).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
+
+    def describe(self) -> str:
+        return ", ".join(f"{'full' if w is None else f'window {w}'}: {f:.3g}" for w, f in self.shares)
+
+
+def _left_window(w) -> Optional[int]:
+    """A layer's window as the planner takes it: Megatron's (left, 0) pair, an int, or None."""
+    if w is None:
+        return None
+    if isinstance(w, (tuple, list)):
+        if len(w) != 2 or w[1] not in (0, None):
+            raise ValueError(f"a sliding window is Megatron's (left, 0) (causal), got {tuple(w)!r}")
+        w = w[0]
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        raise ValueError(f"a sliding window's left size is an int >= 0, got {w!r}")
+    return int(w)
+
+
+def resolve_windows(windows) -> WindowMix:
+    """None -> full attention on every layer; an int or Megatron (left, 0) pair -> that window on
+    every layer; a ``WindowMix`` as is; a list -> per-layer windows (``WindowMix.from_layers``)."""
+    if windows is None:
+        return WindowMix()
+    if isinstance(windows, WindowMix):
+        return windows
+    if isinstance(windows, int) and not isinstance(windows, bool):
+        return WindowMix.of(_left_window(windows))
+    if isinstance(windows, tuple) and len(windows) == 2:
+        return WindowMix.of(_left_window(windows))  # Megatron's window_size (left, 0), every layer
+    if isinstance(windows, list):
+        return WindowMix.from_layers(windows)
+    raise ValueError(f"windows must be None, a window (int or Megatron's (left, 0)), a WindowMix, or a list of "
+                     f"per-layer windows; got {windows!r:.80}")
+
+
+def default_cost_model(cp_group=None, config=None, kv_exchange: Optional[str] = None) -> CostModel:
+    """From the launch: NVLink when the CP group sits on one node, else two levels (NVLink inside a
+    node, InfiniBand between nodes) with the group's CP ranks per node.
+
+    The two levels price the exchange the step runs (``kv_exchange``; None: the configured knob):
+    a node's remote keys crossing IB once only for "hierarchical" (with more than one CP rank per
+    node, else it falls back to a2a), every rank fetching its own keys for the others. CP ranks
+    per node come from ``parallel_state.cp_ranks_per_node`` (global ranks node-major,
     ``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE`` processes per node). A group that does not
     split into equal node blocks gets one-level InfiniBand (logged). Without a process group
     (planning ahead, tests) the group is taken to sit on one node.
     """
+    from . import state as knobs
+
+    exchange = knobs.normalize_kv_exchange(knobs._CP_KV_EXCHANGE if kv_exchange is None else kv_exchange)
     kind, per_node = "nvlink", 0
     try:
         from .. import parallel_state as ps
@@ -336,8 +461,9 @@ def default_cost_model(cp_group=None, config=None) -> CostModel:
     except Exception:  # noqa: BLE001 - no distributed context: one node
         kind = "nvlink"
     if kind == "two_level":
-        return CostModel.from_config(config, ranks_per_node=per_node) if config is not None \
-            else CostModel.two_level(per_node)
+        hierarchical = exchange == "hierarchical" and per_node > 1
+        return CostModel.from_config(config, ranks_per_node=per_node, hierarchical=hierarchical) \
+            if config is not None else CostModel.two_level(per_node, hierarchical=hierarchical)
     return CostModel.from_config(config, kind) if config is not None else CostModel.preset(kind)
 
 
@@ -352,5 +478,6 @@ def resolve_cost_model(cost_model: Optional[object]) -> CostModel:
     raise ValueError(f"cost_model must be a CostModel, 'nvlink', 'ib' or None; got {cost_model!r}")
 
 
-__all__ = ["CostModel", "Traffic", "Overlapped", "default_cost_model", "resolve_cost_model", "normalize_link",
+__all__ = ["CostModel", "Traffic", "Overlapped", "WindowMix", "default_cost_model", "resolve_cost_model",
+           "resolve_windows", "normalize_link",
            "H200_BF16_ATTENTION_FLOPS", "LINK_BYTES_PER_SECOND", "DEFAULT_DIMS", "FORWARD_SHARE"]

@@ -30,8 +30,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from .cost import CostModel, Traffic
-from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, flat_ranges, merge_intervals,
-                        overlap_counts, overlap_pieces, ranges, work_and_intervals)
+from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, flat_ranges, map_ranges, merge_intervals,
+                        overlap_counts, overlap_pieces, ranges, search, work_and_intervals)
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,8 @@ def node_routes(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.Ten
     bounds = (total.view(-1, 1) * j.view(1, -1)) // g  # [n_nodes, g + 1]
     stride = P + 1
     inner = (torch.arange(n_nodes).view(-1, 1) * stride + bounds[:, 1:g]).reshape(-1)  # interior bounds
-    first = torch.searchsorted(inner, N * stride + off, right=True) - N * (g - 1)
-    last = torch.searchsorted(inner, N * stride + off + length - 1, right=True) - N * (g - 1)
+    first = search(inner, N * stride + off, right=True) - N * (g - 1)
+    last = search(inner, N * stride + off + length - 1, right=True) - N * (g - 1)
     piece, window = _expand(first, last - first + 1)
     lo = torch.maximum(off[piece], bounds[N[piece], window])
     hi = torch.minimum(off[piece] + length[piece], bounds[N[piece], window + 1])
@@ -232,6 +232,16 @@ def build_hierarchical_route(layout, doc_ids: torch.Tensor, rank: int, ranks_per
     return rank_route(routes, runs, (dst, a, b), rank)
 
 
+def _by_peer(mask: torch.Tensor, peer: torch.Tensor, cp: int, *columns: torch.Tensor):
+    """peer -> the ``columns`` of the rows where ``mask`` holds and ``peer`` is that peer, in row order."""
+    rows = torch.nonzero(mask).flatten()
+    order = torch.sort(peer[rows], stable=True)
+    rows = rows[order.indices]
+    bounds = torch.searchsorted(order.values, torch.arange(cp + 1)).tolist()
+    picked = [c[rows] for c in columns]
+    return lambda p: tuple(c[bounds[p]:bounds[p + 1]] for c in picked)
+
+
 def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> HierarchicalRoute:
     """One rank's view of ``routes`` (see ``HierarchicalRoute``)."""
     dst, a, b = intervals
@@ -255,14 +265,34 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
         keep = hi > lo
         lo, hi = lo[keep], hi[keep]
         # flat -> positions through src's runs: a flat range inside one run maps linearly
-        from .intervals import map_ranges
         s = runs.of_rank(src)
         _, start, n = map_ranges(runs.flat[s], runs.length[s], runs.start[s], lo, hi - lo)
         return start, start + n
 
-    # Stage 1: per peer in rank order, what this rank sends and receives.
-    send_parts, send_counts, recv_keys, recv_counts = [], [], [], []
+    # What this rank needs: (source, position) ranges in the output buffer's order (by source, then
+    # position; every source at once, as the plan's receive tables), the output slot of a range's
+    # first row at L + its offset.
+    mine = dst == rank
+    need_src = need_start = need_end = empty
+    if bool(mine.any()):
+        lo, hi = flat_ranges(runs, a[mine], b[mine])  # [cp, J]: each source's flat range per interval
+        n = hi - lo
+        n[rank] = 0
+        src_of = torch.arange(cp).repeat_interleave(n.shape[1])
+        q, need_start, length = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), n.reshape(-1))
+        need_src, need_end = src_of[q], need_start + length
+    need_off = torch.cumsum(need_end - need_start, 0) - (need_end - need_start)
+    out_rows = L + int((need_end - need_start).sum())
+
+    # Stage 1: per peer in rank order, what this rank sends and receives (received rows as ranges of
+    # (peer, position), ascending: by peer, then position).
+    send_parts, send_counts, recv_counts = [], [], []
+    r1_peer, r1_start, r1_end = [], [], []
     inter_send = inter_recv = 0
+    # This rank's fetch pieces as owner and as fetcher, grouped by the other end once (stable: each
+    # peer's pieces keep their order), not masked per peer (THD's routes hold millions of pieces).
+    as_owner = _by_peer(routes.fetch_owner == rank, routes.fetch_rank, cp, routes.fetch_start, routes.fetch_end)
+    as_fetcher = _by_peer(routes.fetch_rank == rank, routes.fetch_owner, cp, routes.fetch_start, routes.fetch_end)
     for peer in range(cp):
         if peer == rank:
             send_counts.append(0)
@@ -270,44 +300,47 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
             continue
         if peer // g == node:  # direct, inside the node
             s_start, s_end = positions_of(rank, peer)
-            r_start, r_end = positions_of(peer, rank)
+            from_peer = need_src == peer
+            r_start, r_end = need_start[from_peer], need_end[from_peer]
         else:  # fetch pieces: this rank as owner (to fetcher peer) and as fetcher (from owner peer)
-            out = (routes.fetch_owner == rank) & (routes.fetch_rank == peer)
-            inc = (routes.fetch_rank == rank) & (routes.fetch_owner == peer)
-            s_start, s_end = routes.fetch_start[out], routes.fetch_end[out]
-            r_start, r_end = routes.fetch_start[inc], routes.fetch_end[inc]
+            s_start, s_end = as_owner(peer)
+            r_start, r_end = as_fetcher(peer)
         rows = local_rows(s_start, s_end)
         send_parts.append(rows)
         send_counts.append(rows.numel())
-        recv_pos = ranges(r_start, r_end - r_start)
-        recv_keys.append(peer * stride + recv_pos)
-        recv_counts.append(recv_pos.numel())
+        n_recv = int((r_end - r_start).sum())
+        r1_peer.append(torch.full_like(r_start, peer))
+        r1_start.append(r_start)
+        r1_end.append(r_end)
+        recv_counts.append(n_recv)
         if peer // g != node:
             inter_send += rows.numel()
-            inter_recv += recv_pos.numel()
+            inter_recv += n_recv
     send1_index = torch.cat(send_parts) if send_parts else empty
-    recv1_key = torch.cat(recv_keys) if recv_keys else empty  # ascending: by peer, then position
+    recv1 = tuple(torch.cat(x) if x else empty for x in (r1_peer, r1_start, r1_end))
 
-    # What this rank needs, as (source, position) keys in the output buffer's order.
-    need_parts = []
-    for src in range(cp):
-        if src != rank:
-            start, end = positions_of(src, rank)
-            need_parts.append(src * stride + ranges(start, end - start))
-    need_key = torch.cat(need_parts) if need_parts else empty
-    out_rows = L + need_key.numel()
 
-    def slots(keys: torch.Tensor) -> torch.Tensor:
-        """Output slot of each (source, position) key, -1 where this rank does not need it."""
-        if keys.numel() == 0:
-            return empty
-        i = torch.searchsorted(need_key, keys).clamp(max=max(need_key.numel() - 1, 0))
-        found = need_key.numel() > 0
-        hit = (need_key[i] == keys) if found else torch.zeros_like(keys, dtype=torch.bool)
-        return torch.where(hit, L + i, torch.full_like(keys, -1))
+    def slots(owner: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """Output slot of each row of the ranges [start, end) of ``owner`` (in range order), -1
+        where this rank does not need it: the ranges cut at the needed ranges (interval arithmetic)."""
+        n = end - start
+        total = int(n.sum()) if n.numel() else 0
+        out = torch.full((total,), -1, dtype=torch.long)
+        if total == 0 or need_start.numel() == 0:
+            return out
+        key_start, key_end = owner * stride + start, owner * stride + end
+        q, t, lo, hi = overlap_pieces(need_src * stride + need_start, need_src * stride + need_end,
+                                      key_start, key_end)
+        row_off = torch.cumsum(n, 0) - n
+        at = ranges(row_off[q] + lo - key_start[q], hi - lo)
+        out[at] = ranges(L + need_off[t] + lo - (need_src[t] * stride + need_start[t]), hi - lo)
+        return out
 
     # Stage 2: forward pieces from this rank (as fetcher) and to it, per node peer in rank order.
-    send2_parts, send2_counts, recv2_keys, recv2_counts = [], [], [], []
+    r1_key = recv1[0] * stride + recv1[1]  # stage-1 ranges' first keys, ascending
+    r1_off = torch.cumsum(recv1[2] - recv1[1], 0) - (recv1[2] - recv1[1])  # their rows in the stage-1 buffer
+    send2_parts, send2_counts, recv2_counts = [], [], []
+    r2_owner, r2_start, r2_end = [], [], []
     for peer in range(cp):
         if peer == rank or peer // g != node:
             send2_counts.append(0)
@@ -316,20 +349,21 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
         out = (routes.forward_fetcher == rank) & (routes.forward_dst == peer)
         o_owner, o_start, o_end = routes.forward_owner[out], routes.forward_start[out], routes.forward_end[out]
         # Each forward piece lies inside one fetch piece: contiguous rows of the stage-1 buffer.
-        first = torch.searchsorted(recv1_key, o_owner * stride + o_start)
-        rows = ranges(first, o_end - o_start)
+        key = o_owner * stride + o_start
+        j = search(r1_key, key, right=True) - 1
+        rows = ranges(r1_off[j] + key - r1_key[j], o_end - o_start) if j.numel() else empty
         send2_parts.append(rows)
         send2_counts.append(rows.numel())
         inc = (routes.forward_fetcher == peer) & (routes.forward_dst == rank)
-        i_owner, i_start, i_end = routes.forward_owner[inc], routes.forward_start[inc], routes.forward_end[inc]
-        owner_rows = torch.repeat_interleave(i_owner, i_end - i_start)
-        recv2_keys.append(owner_rows * stride + ranges(i_start, i_end - i_start))
-        recv2_counts.append(int((i_end - i_start).sum()))
+        r2_owner.append(routes.forward_owner[inc])
+        r2_start.append(routes.forward_start[inc])
+        r2_end.append(routes.forward_end[inc])
+        recv2_counts.append(int((r2_end[-1] - r2_start[-1]).sum()))
     send2_index = torch.cat(send2_parts) if send2_parts else empty
-    recv2_key = torch.cat(recv2_keys) if recv2_keys else empty
+    recv2 = tuple(torch.cat(x) if x else empty for x in (r2_owner, r2_start, r2_end))
 
-    slot1 = slots(recv1_key)
-    slot2 = slots(recv2_key)
+    slot1 = slots(*recv1)
+    slot2 = slots(*recv2)
     assert bool((slot2 >= 0).all()), "route bug: a forwarded row is not needed by its destination"
     delivered = torch.zeros(out_rows, dtype=torch.long)
     delivered[slot1[slot1 >= 0]] += 1

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .balanced import BALANCE_GOAL, RunSpec, balanced_runs
-from .cost import CostModel, resolve_cost_model
+from .cost import CostModel, WindowMix, resolve_cost_model, resolve_windows
 from .intervals import RankRuns, document_runs
 from .state import normalize_layout
 
@@ -74,11 +74,14 @@ class Layout:
 
 
 def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
-                 cost_model: Optional[CostModel] = None) -> Layout:
+                 cost_model: Optional[CostModel] = None, windows=None) -> Layout:
     """doc_ids: [b, P] int64 already padded to the layout's granularity.
 
-    ``cost_model`` only steers ``balanced`` (default: ``cost.default_cost_model()``).
+    ``cost_model`` and ``windows`` (the model's sliding windows, ``cost.resolve_windows``: None,
+    a window, a ``WindowMix`` or per-layer windows) only steer ``balanced`` (default cost model:
+    ``cost.default_cost_model()``).
     """
+    windows = resolve_windows(windows)
     name = normalize_layout(name)
     strategy = LAYOUT_STRATEGIES[name]
     ids = doc_ids.reshape(-1, doc_ids.shape[-1])
@@ -89,7 +92,7 @@ def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
     if cp == 1:
         rank, start, length = [0], [0], [padded]
     else:
-        rank, start, length = strategy.runs(ids, cp, cost_model)
+        rank, start, length = strategy.runs(ids, cp, cost_model, windows)
     return Layout(name=name, cp=cp, padded_len=padded, runs=RankRuns.build(cp, padded, rank, start, length))
 
 
@@ -102,8 +105,11 @@ class LayoutStrategy:
     def granularity(cp: int) -> int:
         return cp
 
-    def runs(self, doc_ids: torch.Tensor, cp: int, cost_model: Optional[CostModel]) -> RunSpec:
-        """(rank, start, length) of the ranges each rank owns (any order; touching ones merge)."""
+    def runs(self, doc_ids: torch.Tensor, cp: int, cost_model: Optional[CostModel],
+             windows: Optional[WindowMix] = None) -> RunSpec:
+        """(rank, start, length) of the ranges each rank owns (any order; touching ones merge).
+
+        ``windows``: the model's sliding windows; only a cost-aware layout (balanced) reads them."""
         raise NotImplementedError
 
 
@@ -117,7 +123,7 @@ class ContiguousLayout(LayoutStrategy):
 
     name = "contiguous"
 
-    def runs(self, doc_ids, cp, cost_model):
+    def runs(self, doc_ids, cp, cost_model, windows=None):
         L = doc_ids.shape[-1] // cp
         return torch.arange(cp), torch.arange(cp) * L, torch.full((cp,), L)
 
@@ -136,7 +142,7 @@ class ZigzagLayout(LayoutStrategy):
     def granularity(cp: int) -> int:
         return 2 * cp if cp > 1 else cp
 
-    def runs(self, doc_ids, cp, cost_model):
+    def runs(self, doc_ids, cp, cost_model, windows=None):
         half = doc_ids.shape[-1] // (2 * cp)
         rank = torch.arange(cp)
         chunk = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]
@@ -163,7 +169,7 @@ class THDLayout(LayoutStrategy):
     def granularity(cp: int) -> int:
         return 2 * cp if cp > 1 else cp
 
-    def runs(self, doc_ids, cp, cost_model):
+    def runs(self, doc_ids, cp, cost_model, windows=None):
         if doc_ids.shape[0] != 1:
             raise ValueError(f"layout 'thd' takes one row of doc ids (THD packs the batch into one "
                              f"sequence), got {doc_ids.shape[0]} rows; pass doc_ids of shape [S] or "
@@ -321,8 +327,8 @@ class BalancedLayout(LayoutStrategy):
 
     name = "balanced"
 
-    def runs(self, doc_ids, cp, cost_model):
-        return balanced_runs(doc_ids, cp, resolve_cost_model(cost_model))
+    def runs(self, doc_ids, cp, cost_model, windows=None):
+        return balanced_runs(doc_ids, cp, resolve_cost_model(cost_model), windows)
 
 
 LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {

@@ -119,8 +119,9 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     # source-major; flat index ranges map to positions through the runs (sorted by flat index).
     mine = dst == rank
     recv_start, recv_len = empty, empty
+    mine_flat = None
     if bool(mine.any()):
-        lo, hi = flat_ranges(runs, a[mine], b[mine])  # [cp, n_mine]
+        lo, hi = mine_flat = flat_ranges(runs, a[mine], b[mine])  # [cp, n_mine]
         n = hi - lo
         n[rank] = 0
         _, recv_start, recv_len = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), n.reshape(-1))
@@ -129,7 +130,7 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     halo_ok, halo_reason = _halo_check(runs, counts)
     exchange = ExchangeTables(counts, send_index, recv_positions, halo_ok, halo_reason)
 
-    stream = _Lazy(lambda kind: build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b), window),
+    stream = _Lazy(lambda kind: build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b), window, mine_flat),
                    CHUNK_KINDS)
     for kind in kinds:
         stream[kind]
@@ -139,12 +140,11 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
 def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     """Halo works when every rank's sources own the position just before one of its runs."""
     cp = runs.cp
-    by_start, _, by_run = runs.by_position()
-    first = runs.start > 0
-    before = runs.start[first] - 1
-    owner = runs.rank[by_run[torch.searchsorted(by_start, before, right=True) - 1]]
+    _, _, by_run = runs.by_position()
+    # The runs partition [0, P): the position before a run's start is the end of the run before it.
+    owner_in_order = runs.rank[by_run]
     adjacent = torch.zeros(cp, cp, dtype=torch.bool)  # [dst, src]
-    adjacent[runs.rank[first], owner] = True
+    adjacent[owner_in_order[1:], owner_in_order[:-1]] = True
     strays = (counts.t() > 0) & ~adjacent  # [dst, src]
     bad = torch.nonzero(strays.any(1)).flatten()
     if bad.numel() == 0:

@@ -13,17 +13,17 @@ modeled / ideal / lower-bound time, without and with overlap (``layout_cost``).
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
-from .cost import CostModel, resolve_cost_model
-from .hierarchy import layout_traffic
+from .cost import CostModel, WindowMix, default_cost_model, resolve_cost_model, resolve_windows
+from .hierarchy import HierarchicalRoute, build_hierarchical_route, layout_traffic
 from .intervals import document_runs, overlap_counts, pair_work, work_and_intervals
 from .layout import Layout, build_layout, padded_length
 from .plan import CHUNK_KINDS, StepPlan, build_plan
 from . import state as knobs
-from .state import normalize_layout
+from .state import normalize_kv_exchange, normalize_layout
 
 
 @dataclass(frozen=True)
@@ -38,17 +38,27 @@ class PreparedPlan:
     plan: StepPlan
     cost_model: CostModel
     layout_seconds: float
-    plan_seconds: float  # layout + plan, this rank's host time
+    plan_seconds: float  # layout + plan (+ route), this rank's host time
+    # The hierarchical exchange's route for ``ranks_per_node`` CP ranks per node (None: not planned
+    # for it, or the exchange would fall back to a2a there: one node, one rank per node).
+    route: Optional[HierarchicalRoute] = None
+    ranks_per_node: int = 0
+    # The model's sliding windows the layout was priced for, and the plans of its windowed layers.
+    windows: WindowMix = WindowMix()
+    window_plans: Optional[Dict[int, StepPlan]] = None
+    window_routes: Optional[Dict[int, HierarchicalRoute]] = None  # the windowed layers' routes
 
     def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str,
-                cost_model: Optional[CostModel] = None) -> bool:
+                cost_model: Optional[CostModel] = None, windows: Optional[WindowMix] = None) -> bool:
         """Planned for these [R, S] ids, this group size, rank and layout (and, for balanced, this
-        cost model when one is given: it decides where the cuts fall)."""
+        cost model and these windows when given: they decide where the cuts fall)."""
+        balanced = layout_name == "balanced"
         return (self.cp == cp and self.rank == rank and self.layout.name == layout_name
                 and self.plan.window is None  # a windowed plan is for its windowed layers only
                 and tuple(doc_ids.shape) == (self.doc_ids.shape[0], self.seq_len)
-                and (cost_model is None or layout_name != "balanced"
+                and (cost_model is None or not balanced
                      or self.cost_model.agreement_key() == cost_model.agreement_key())
+                and (windows is None or not balanced or self.windows == windows)
                 and torch.equal(self.doc_ids[:, :self.seq_len], doc_ids))
 
 
@@ -65,26 +75,54 @@ def _as_rows(doc_ids) -> torch.Tensor:
 
 def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
                  cost_model: Optional[CostModel] = None,
-                 kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None) -> PreparedPlan:
+                 kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None,
+                 kv_exchange: Optional[str] = None, ranks_per_node: Optional[int] = None,
+                 windows=None) -> PreparedPlan:
     """Pad, lay out and plan one step for ``rank`` of ``cp`` (host only, no collective).
 
-    ``window``: plan for a sliding window (work and needed K/V inside the windows only).
+    ``windows``: the model's sliding windows (``cost.resolve_windows``: None, a window, a
+    ``WindowMix`` or per-layer windows): ``balanced`` prices its candidates as that mix, and
+    the plans of the windowed layers are made here too (``window_plans``), as the step would
+    on its first windowed layer. ``window``: make ``plan`` itself for that window (work and
+    needed K/V inside the windows only; such a plan describes, it is not used by a build).
     ``layout`` None: the configured knob (``configure_cp_varlen``); ``kinds``: the
     chunk kinds whose steps are built now (the others are built on first access).
+    ``kv_exchange`` "hierarchical": also this rank's route through the nodes
+    (``hierarchy.build_hierarchical_route``, which the build would otherwise make on the
+    step's first layer), for ``ranks_per_node`` CP ranks per node
+    (``parallel_state.cp_ranks_per_node()`` on the launch); counted in ``plan_seconds``.
     """
     if int(cp) < 1 or not 0 <= int(rank) < int(cp):
         raise ValueError(f"prepare_plan: need cp >= 1 and 0 <= rank < cp, got cp={cp}, rank={rank}")
     name = normalize_layout(knobs._CP_LAYOUT if layout is None else layout)
-    cost = resolve_cost_model(cost_model)
+    mix = resolve_windows(windows)
+    hierarchical = kv_exchange is not None and normalize_kv_exchange(kv_exchange) == "hierarchical" and cp > 1
+    g = 0
+    if hierarchical:
+        if ranks_per_node is None or isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
+                or ranks_per_node < 0:
+            raise ValueError("prepare_plan: kv_exchange='hierarchical' needs ranks_per_node, the CP ranks per node "
+                             f"(parallel_state.cp_ranks_per_node(); 0 when they form no equal node blocks), "
+                             f"got {ranks_per_node!r}")
+        g = ranks_per_node
+    # The default prices the exchange asked for, as the build's does (hierarchical routes or not).
+    cost = default_cost_model(kv_exchange=kv_exchange) if cost_model is None else resolve_cost_model(cost_model)
     ids = _as_rows(doc_ids)
     S = ids.shape[1]
     t0 = time.perf_counter()
     padded = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
-    lay = build_layout(name, padded, cp, cost_model=cost)
+    lay = build_layout(name, padded, cp, cost_model=cost, windows=mix)
     t1 = time.perf_counter()
     plan = build_plan(padded, lay, rank, kinds=kinds, window=window)
+    window_plans = {w: build_plan(padded, lay, rank, kinds=kinds, window=w) for w in mix.windows if w != window}
+    # As the build decides: routes only where the group is several whole nodes of several ranks.
+    routed = hierarchical and 1 < g < cp and cp % g == 0
+    route = build_hierarchical_route(lay, padded, rank, g, window=window) if routed else None
+    window_routes = {w: build_hierarchical_route(lay, padded, rank, g, window=w) for w in window_plans} \
+        if routed else None
     t2 = time.perf_counter()
-    return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0)
+    return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0, route, g, mix, window_plans,
+                        window_routes)
 
 
 def modeled_lower_bound(doc_ids: torch.Tensor, cp: int, local_len: int, cost_model: CostModel) -> float:
@@ -127,66 +165,84 @@ def modeled_lower_bound(doc_ids: torch.Tensor, cp: int, local_len: int, cost_mod
 
 
 def layout_cost(doc_ids: torch.Tensor, layout: Layout, cost_model: CostModel, exchange: str = "needed",
-                overlap: bool = True, kv_backward: str = "refetch") -> dict:
+                overlap: bool = True, kv_backward: str = "refetch", windows=None) -> dict:
     """What ``layout`` costs under ``cost_model`` (padded doc ids [R, P] or [P]; any process, no group).
 
     ``exchange``: "needed" (a2a / halo, or the hierarchical routes of a two-level
     hierarchical model) or "allgather" (a ring of full chunks). Returns per-rank
     work and traffic (``cost.Traffic``), the modeled seconds without overlap and,
     with ``overlap``, the streamed op's (``CostModel.overlapped``, ``kv_backward``
-    "refetch" or "save") and the exposed share of its busiest rank.
+    "refetch" or "save") and the exposed share of its busiest rank. ``windows``
+    (``cost.resolve_windows``): one layer on average over the model's window mix --
+    seconds weighed by the shares of layers (each layer waits for its slowest rank);
+    ``work`` / ``traffic`` / ``counts`` are then those of the mix's first share.
     """
     ids = doc_ids.reshape(-1, doc_ids.shape[-1])
     rows = [document_runs(ids[r]) for r in range(ids.shape[0])]
     runs = layout.runs
-    work, dst, a, b = work_and_intervals(runs, rows)
-    counts = overlap_counts(runs, dst, a, b)
-    traffic = layout_traffic(runs, rows, cost_model, exchange, intervals=(dst, a, b), counts=counts)
-    out = {"work": work, "traffic": traffic, "counts": counts,
-           "modeled_seconds": cost_model.modeled_seconds(work, traffic),
-           "ideal_seconds": cost_model.ideal_seconds(work)}
+    cp = layout.cp
+    out = {"modeled_seconds": 0.0, "ideal_seconds": 0.0}
     if overlap:
-        cp = layout.cp
-        chunks = counts if exchange == "needed" else torch.full((cp, cp), layout.local_len).fill_diagonal_(0)
-        o = cost_model.overlapped(pair_work(runs, rows), traffic, chunks, kv_backward=kv_backward,
-                                  ring=exchange == "allgather")
-        out.update(overlap_seconds=o.modeled_seconds, exposed_share=o.exposed_share,
-                   exposed_seconds=o.exposed_seconds)
+        out.update(overlap_seconds=0.0, exposed_seconds=0.0, exposed_share=0.0)
+    for window, share in resolve_windows(windows).shares:
+        work, dst, a, b = work_and_intervals(runs, rows, window)
+        counts = overlap_counts(runs, dst, a, b)
+        traffic = layout_traffic(runs, rows, cost_model, exchange, intervals=(dst, a, b), counts=counts)
+        if "work" not in out:
+            out.update(work=work, traffic=traffic, counts=counts)
+        out["modeled_seconds"] += share * cost_model.modeled_seconds(work, traffic)
+        out["ideal_seconds"] += share * cost_model.ideal_seconds(work)
+        if overlap:
+            chunks = counts if exchange == "needed" else torch.full((cp, cp), layout.local_len).fill_diagonal_(0)
+            o = cost_model.overlapped(pair_work(runs, rows, window), traffic, chunks, kv_backward=kv_backward,
+                                      ring=exchange == "allgather")
+            out["overlap_seconds"] += share * o.modeled_seconds
+            out["exposed_seconds"] += share * o.exposed_seconds
+    if overlap:
+        out["exposed_share"] = out["exposed_seconds"] / out["overlap_seconds"] if out["overlap_seconds"] > 0 else 0.0
     return out
 
 
 def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
                  cost_model: Optional[CostModel] = None, rank: Optional[int] = None,
-                 window: Optional[int] = None) -> dict:
+                 window: Optional[int] = None, windows=None) -> dict:
     """What a layout costs for these doc ids at ``cp`` ranks: no process group, no device.
 
     Runs ``prepare_plan`` for ``rank`` (default: the last rank) with the
     needed-only exchange's steps, exactly as a real build does, and times it.
-    Counts are per attention call of one layer; seconds come from ``cost_model``
-    (default: ``cost.default_cost_model()``, NVLink without a process group).
+    Counts are per attention call of one layer with ``window`` (None: full
+    attention); ``windows``, the model's mix (default: ``window`` on every layer),
+    steers ``balanced`` and prices the seconds (one layer on average, ``layout_cost``).
+    Seconds come from ``cost_model`` (default: ``cost.default_cost_model()``, NVLink
+    without a process group).
     """
     cost = resolve_cost_model(cost_model)
+    mix = resolve_windows(window if windows is None else windows)
     rank = cp - 1 if rank is None else rank
-    prep = prepare_plan(doc_ids, cp, rank, layout=layout, cost_model=cost, kinds=("needed",), window=window)
+    prep = prepare_plan(doc_ids, cp, rank, layout=layout, cost_model=cost, kinds=("needed",), window=window,
+                        windows=mix)
     plan, lay = prep.plan, prep.layout
     work = plan.work_per_rank.double()
     needed = plan.needed_remote
     allgather = torch.full((cp,), (cp - 1) * lay.local_len, dtype=torch.long)
     mean = float(work.mean())
-    priced = layout_cost(prep.doc_ids, lay, cost, "needed")
-    priced_allgather = layout_cost(prep.doc_ids, lay, cost, "allgather")
+    priced = layout_cost(prep.doc_ids, lay, cost, "needed", windows=mix)
+    priced_allgather = layout_cost(prep.doc_ids, lay, cost, "allgather", windows=mix)
     modeled, modeled_allgather = priced["modeled_seconds"], priced_allgather["modeled_seconds"]
-    ideal = cost.ideal_seconds(work)
+    ideal = priced["ideal_seconds"]
     bound = (modeled_lower_bound(prep.doc_ids, cp, lay.local_len, cost)
-             if prep.doc_ids.shape[0] == 1 and window is None else ideal)
+             if prep.doc_ids.shape[0] == 1 and mix.full_only else ideal)
     return {
         "layout": lay.name, "cp": cp, "rank": rank, "seq_len": prep.seq_len, "window": window,
+        "windows": mix.describe(),
         "padded_len": lay.padded_len, "local_len": lay.local_len,
         "positions": lay.positions,  # [cp, local_len] global padded positions per rank
         "work_per_rank": plan.work_per_rank.tolist(),
         "work_max_over_mean": float(work.max()) / mean if mean > 0 else 1.0,
         "needed_positions_per_rank": needed.tolist(),
-        "traffic": priced["traffic"],  # cost.Traffic of the needed-only (or hierarchical) exchange
+        # cost.Traffic of the needed-only (or hierarchical) exchange, for the layers the counts describe
+        "traffic": priced["traffic"] if mix.shares[0][0] == window else layout_cost(
+            prep.doc_ids, lay, cost, "needed", overlap=False, windows=window)["traffic"],
         "allgather_positions_per_rank": allgather.tolist(),
         "halo_ok": plan.exchange.halo_ok,
         "cost_model": cost.name,

@@ -334,12 +334,12 @@ class _MaskStateCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(mask: torch.Tensor, group) -> tuple:
+    def _key(mask: torch.Tensor, group, windows=None) -> tuple:
         return (mask.data_ptr(), tuple(mask.shape), mask.stride(), mask._version, str(mask.device),
-                _knob_key(group))
+                _knob_key(group), windows)
 
-    def get(self, mask, group) -> Optional[BlockDiagCPState]:
-        key = self._key(mask, group)
+    def get(self, mask, group, windows=None) -> Optional[BlockDiagCPState]:
+        key = self._key(mask, group, windows)
         with self._lock:
             self._entries = [e for e in self._entries if e[0]() is not None]
             for ref, entry_key, state in self._entries:
@@ -347,43 +347,49 @@ class _MaskStateCache:
                     return state
         return None
 
-    def put(self, mask, group, state) -> None:
+    def put(self, mask, group, state, windows=None) -> None:
         with self._lock:
-            self._entries.append((weakref.ref(mask), self._key(mask, group), state))
+            self._entries.append((weakref.ref(mask), self._key(mask, group, windows), state))
 
 
 _MASK_STATES = _MaskStateCache()
 
 
 def state_from_mask(attention_mask: torch.Tensor, group, batch: Optional[int] = None,
-                    device=None) -> BlockDiagCPState:
-    """The step state of a micro batch given by Megatron's per-document causal mask (cached)."""
-    state = _MASK_STATES.get(attention_mask, group)
+                    device=None, windows=None) -> BlockDiagCPState:
+    """The step state of a micro batch given by Megatron's per-document causal mask (cached);
+    ``windows``: the model's sliding windows (``cost.WindowMix``), recorded on the state."""
+    state = _MASK_STATES.get(attention_mask, group, windows)
     if state is None:
         cp, rank = ps.group_size(group), ps.group_rank(group)
         state = BlockDiagCPState.from_source(MegatronMaskSource(attention_mask, cp, rank, batch),
-                                             cp_group=group, device=device, strict=knobs._CP_STRICT)
-        _MASK_STATES.put(attention_mask, group, state)
+                                             cp_group=group, device=device, strict=knobs._CP_STRICT,
+                                             windows=windows)
+        _MASK_STATES.put(attention_mask, group, state, windows)
     return state
 
 
-def state_from_thd(packed_seq_params, local_tokens: int, group, device=None) -> BlockDiagCPState:
+def state_from_thd(packed_seq_params, local_tokens: int, group, device=None, windows=None) -> BlockDiagCPState:
     """The step state of a THD micro batch (cached on its packed_seq_params)."""
     group = getattr(packed_seq_params, "cp_group", None) or group
-    key = (_knob_key(group), local_tokens)
+    key = (_knob_key(group), local_tokens, windows)
     cached = getattr(packed_seq_params, "_blockdiag_cp_state", None)
     if cached is not None and cached[0] == key:
         return cached[1]
     source = ThdSource(packed_seq_params, local_tokens, ps.group_size(group), knobs._CP_THD_PARTITION)
-    state = BlockDiagCPState.from_source(source, cp_group=group, device=device, strict=knobs._CP_STRICT)
+    state = BlockDiagCPState.from_source(source, cp_group=group, device=device, strict=knobs._CP_STRICT,
+                                         windows=windows)
     packed_seq_params._blockdiag_cp_state = (key, state)
     return state
 
 
 def resolve_step_state(packed_seq_params=None, attention_mask=None, *, cp_group=None,
                        local_tokens: Optional[int] = None, batch: Optional[int] = None,
-                       device=None) -> Optional[BlockDiagCPState]:
-    """The state this microbatch's consumer uses: its own > mask-derived > published (or None)."""
+                       device=None, windows=None) -> Optional[BlockDiagCPState]:
+    """The state this microbatch's consumer uses: its own > mask-derived > published (or None).
+
+    ``windows``: the model's sliding windows (``cost.WindowMix``) for a state derived here (mask,
+    THD); those layouts are fixed (zigzag, THD's), so the windows are recorded, not priced."""
     own = getattr(packed_seq_params, "blockdiag_state", None)
     if own is not None:
         return own
@@ -391,7 +397,7 @@ def resolve_step_state(packed_seq_params=None, attention_mask=None, *, cp_group=
     if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd":
         if local_tokens is None:
             raise BlockDiagCPError("THD packed_seq_params need the local token count (q.shape[0])")
-        return state_from_thd(packed_seq_params, local_tokens, group, device=device)
+        return state_from_thd(packed_seq_params, local_tokens, group, device=device, windows=windows)
     if attention_mask is not None:
-        return state_from_mask(attention_mask, group, batch=batch, device=device)
+        return state_from_mask(attention_mask, group, batch=batch, device=device, windows=windows)
     return knobs.current_blockdiag_state()

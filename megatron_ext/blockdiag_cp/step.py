@@ -27,7 +27,7 @@ from .agreement import (
     kernel_failure_error,
 )
 from .backend import log_once, resolve_backend
-from .cost import default_cost_model, resolve_cost_model
+from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .layout import Layout, build_layout, padded_length
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
@@ -182,13 +182,15 @@ class BlockDiagCPState:
         self.agreed_signatures: set = set()  # q/k/v signatures every CP rank agreed on (attention_op)
         self._window_plans: Dict[int, StepPlan] = {}
         self._device_index: Dict[tuple, tuple] = {}
+        self._host_routes: Dict[Optional[int], object] = {}  # window -> hierarchy.HierarchicalRoute (host)
+        self.windows = WindowMix()  # the model's sliding windows the layout was built for
 
     # -- public contract ---------------------------------------------------
 
     @classmethod
     def build(cls, doc_ids, cp_group=None, layout=None, attn_backend=None, kv_exchange=None,
               strict=False, device=None, cost_model=None, prepared=None,
-              kv_backward=None) -> "BlockDiagCPState":
+              kv_backward=None, windows=None) -> "BlockDiagCPState":
         """Validate, agree across the CP group, lay out and plan one step.
 
         ``doc_ids``: the full-sequence document ids ([S] or [b, S]), identical on
@@ -199,16 +201,20 @@ class BlockDiagCPState:
         time) skips the host planning when it was made for these ids, rank and
         layout: only the agreement all-reduce is left on the critical path.
         ``kv_backward``: "refetch" | "save" | "auto" (None: the configured knob).
+        ``windows``: the model's sliding windows (``cost.resolve_windows``: None for full
+        attention, a window or Megatron's (left, 0), a ``WindowMix`` -- e.g.
+        ``WindowMix.from_config(config)`` for ``window_attn_skip_freq`` -- or per-layer windows):
+        ``balanced`` prices its layouts as that mix of layers; agreed across the CP group.
         """
         return cls.from_source(ReplicatedDocIds(doc_ids), cp_group=cp_group, layout=layout,
                                attn_backend=attn_backend, kv_exchange=kv_exchange, strict=strict,
                                device=device, cost_model=cost_model, prepared=prepared,
-                               kv_backward=kv_backward)
+                               kv_backward=kv_backward, windows=windows)
 
     @classmethod
     def from_source(cls, source: DocumentSource, cp_group=None, layout=None, attn_backend=None,
                     kv_exchange=None, strict=False, device=None, cost_model=None,
-                    prepared=None, kv_backward=None) -> "BlockDiagCPState":
+                    prepared=None, kv_backward=None, windows=None) -> "BlockDiagCPState":
         """``build`` for any ``DocumentSource`` (Megatron's mask, THD cu_seqlens, replicated ids)."""
         group = ps.get_cp_group() if cp_group is None else cp_group
         cp, rank = ps.group_size(group), ps.group_rank(group)
@@ -216,13 +222,13 @@ class BlockDiagCPState:
         BUILD_GUARD.enter(ranks)
         try:
             return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-                              cost_model, prepared, kv_backward)
+                              cost_model, prepared, kv_backward, windows)
         finally:
             BUILD_GUARD.exit(ranks)
 
     @classmethod
     def _build(cls, source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-               cost_model, prepared, kv_backward):
+               cost_model, prepared, kv_backward, windows):
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         facts, detail = source.local_facts()  # first: it may fix the layout (THD's partition)
@@ -241,6 +247,10 @@ class BlockDiagCPState:
             except ValueError as exc:
                 knob_error = knob_error or str(exc)
         requested["strict"] = bool(strict)
+        try:
+            mix = resolve_windows(windows)
+        except ValueError as exc:
+            mix, knob_error = WindowMix(), knob_error or str(exc)
         if source.layout is not None and requested.get("layout") != source.layout:
             if layout is not None:  # asked for explicitly: refuse
                 knob_error = knob_error or (
@@ -257,7 +267,9 @@ class BlockDiagCPState:
         cost_fact = 0
         if requested.get("layout") == "balanced":
             try:
-                cost_model = default_cost_model(group) if cost_model is None else resolve_cost_model(cost_model)
+                # The default prices the exchange this step asks for (hierarchical routes or not).
+                cost_model = default_cost_model(group, kv_exchange=requested.get("kv_exchange")) \
+                    if cost_model is None else resolve_cost_model(cost_model)
                 cost_model.check_group(cp)  # a two-level model must split the group into whole nodes
                 cost_fact = cost_model.agreement_key()  # prices, topology, hierarchy, latencies
             except ValueError as exc:
@@ -269,6 +281,8 @@ class BlockDiagCPState:
             facts["unavailable_" + b] = 0 if static[b][0] else 1
         facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
         facts["cost_model"] = cost_fact
+        # The windows decide where the balanced cuts fall too (0 when unused, like the cost model).
+        facts["windows"] = mix.agreement_key() if requested.get("layout") == "balanced" else 0
         # The hierarchical exchange routes by node: every rank must see the same nodes.
         ranks_per_node = ps.cp_ranks_per_node(group) if requested.get("kv_exchange") == "hierarchical" and cp > 1 else 0
         facts["ranks_per_node"] = ranks_per_node
@@ -297,6 +311,11 @@ class BlockDiagCPState:
             raise BlockDiagCPError(
                 "the balanced layout's cost model differs across the CP ranks; pass the same "
                 "cost_model (or --cp-cost-model) on every rank")
+        if not agreed.agreed("windows"):
+            raise BlockDiagCPError(
+                f"the model's sliding windows differ across the CP ranks (this rank: {mix.describe()}); the "
+                "balanced layout prices them: pass the same windows (the model config's window_size / "
+                "window_attn_skip_freq) on every rank")
         for fact, message in source.must_agree.items():
             if not agreed.agreed(fact):
                 raise BlockDiagCPError(message)
@@ -304,15 +323,21 @@ class BlockDiagCPState:
         ids = source.doc_ids(group, cp, rank)  # [R, S]; may gather (identically on every rank)
         seq_len = ids.shape[1]
         layout_name = requested["layout"]
-        if prepared is not None and prepared.matches(ids, cp, rank, layout_name, cost_model):
+        host_route = None  # the hierarchical route, when it was planned ahead for these nodes
+        window_plans, window_routes = {}, {}
+        if prepared is not None and prepared.matches(ids, cp, rank, layout_name, cost_model, mix):
             ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
+            window_plans = dict(prepared.window_plans or {})
+            if prepared.route is not None and prepared.ranks_per_node == ranks_per_node:
+                host_route = prepared.route
+                window_routes = dict(prepared.window_routes or {})
         else:
             if prepared is not None:  # never an error: one rank alone would raise after the agreement
                 log_once(logging.WARNING, "blockdiag-cp: the prepared plan was made for other doc ids, "
                                           "group size, rank or layout; planning in line")
             padded = padded_length(seq_len, layout_name, cp)
             ids = torch.nn.functional.pad(ids, (0, padded - seq_len))
-            lay = build_layout(layout_name, ids, cp, cost_model=cost_model)
+            lay = build_layout(layout_name, ids, cp, cost_model=cost_model, windows=mix)
             # Only the exchange in use is planned now; the other kind is built if ever read.
             plan = build_plan(ids, lay, rank,
                               kinds=(chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed",))
@@ -351,7 +376,7 @@ class BlockDiagCPState:
                      f"blockdiag-cp: kv exchange halo -> a2a: {plan.exchange.halo_reason}")
 
         kv_backward_mode, kv_backward_reason = resolve_kv_backward(requested["kv_backward"], exchange, plan)
-        return cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=seq_len,
+        state = cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=seq_len,
                    plan=plan, attn_backend_requested=backend_req, attn_backend=backend,
                    attn_backend_reason=backend_reason, kv_exchange_requested=exchange_req,
                    kv_exchange=exchange, kv_exchange_reason=exchange_reason, strict=strict,
@@ -359,6 +384,12 @@ class BlockDiagCPState:
                    kv_backward_requested=requested["kv_backward"], kv_backward=kv_backward_mode,
                    kv_backward_reason=kv_backward_reason,
                    cost_model=cost_model if layout_name == "balanced" else None)
+        state.windows = mix
+        state._window_plans.update(window_plans)  # planned ahead with the layout
+        if host_route is not None and exchange == "hierarchical":
+            state._host_routes[None] = host_route
+            state._host_routes.update(window_routes)
+        return state
 
     @property
     def padded_len(self) -> int:
@@ -418,6 +449,7 @@ class BlockDiagCPState:
             "layout": self.layout.name,
             "window": window,
             "cost_model": None if self.cost_model is None else self.cost_model.name,
+            "windows": self.windows.describe(),
             "cp": self.cp,
             "rank": self.rank,
             "strict": self.strict,
@@ -465,8 +497,10 @@ class BlockDiagCPState:
 
         key = ("hier", str(device), window)
         if key not in self._device_index:
-            route = build_hierarchical_route(self.layout, self.doc_ids, self.rank, ps.cp_ranks_per_node(self.group),
-                                             window=window)
+            route = self._host_routes.get(window)  # planned ahead (prepare_plan), else now
+            if route is None:
+                route = self._host_routes[window] = build_hierarchical_route(
+                    self.layout, self.doc_ids, self.rank, ps.cp_ranks_per_node(self.group), window=window)
             self._device_index[key] = route.to(device)
         return self._device_index[key]
 

@@ -162,6 +162,22 @@ def layer_window_size(config, layer_number: int):
     return window if skip[layer_number - 1] else None
 
 
+def _model_windows(config):
+    """The config's layers' windows as the planner takes them (``cost.WindowMix``); None (planned as
+    full attention) when the config gives no layer count or a window the op refuses: the layer's
+    own call raises the error that names it (a non-causal window_size, say)."""
+    from ..blockdiag_cp.cost import WindowMix
+
+    if not getattr(config, "window_size", None):
+        return WindowMix()
+    if not int(getattr(config, "num_layers", 0) or 0):
+        return None
+    try:
+        return WindowMix.from_config(config)
+    except ValueError:
+        return None
+
+
 class BlockDiagCPAttention(MegatronModule):
     """Per-document causal core attention; with CP > 1 it exchanges K/V over the CP group.
 
@@ -231,6 +247,8 @@ class BlockDiagCPAttention(MegatronModule):
         self.attention_dropout_p = config.attention_dropout if attention_dropout is None \
             else attention_dropout
         self.window_size = layer_window_size(config, self.layer_number)
+        # Every layer's window (the model's mix): a state derived from this batch records it.
+        self.model_windows = _model_windows(config)
         self._make_softmax_offset()
         self._check_cp_size()
 
@@ -304,7 +322,8 @@ class BlockDiagCPAttention(MegatronModule):
         if thd:  # megatron squeezed the batch dim: [t, h, d] -> [t, 1, h, d]
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         state = resolve_step_state(packed_seq_params, attention_mask, cp_group=group,
-                                   local_tokens=query.shape[0], batch=query.shape[1], device=query.device)
+                                   local_tokens=query.shape[0], batch=query.shape[1], device=query.device,
+                                   windows=self.model_windows)
         if state is not None and state.cp > 1:
             self._check_state_group(state, group)
             self._check_mla_layout(state)

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                    default="learned_absolute",
                    help="rope re-slices megatron's table for our CP layout (micro batch 1)")
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--window-size", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                   help="sliding-window attention, as Megatron-LM's flag: LEFT 0 (causal), a query sees the "
+                        "LEFT keys before it in its document; the CP plan moves only those keys")
+    g.add_argument("--window-attn-skip-freq", type=int, default=None, metavar="N",
+                   help="with --window-size: every N-th layer attends in full (megatron's "
+                        "window_attn_skip_freq); default: every layer windowed")
     g.add_argument("--bf16", dest="bf16", action="store_true", default=None,
                    help="bf16 compute (default on GPU; CPUs here have no bf16 hardware)")
     g.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 compute")
@@ -208,6 +214,10 @@ def _check_numbers(args) -> None:
     for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
         value = getattr(args, name)
         _require(0 <= value < 1, f"{_flag(name)} must be in [0, 1), got {value}")
+    _require(args.window_size is None or (args.window_size[0] >= 0 and args.window_size[1] == 0),
+             f"--window-size takes LEFT 0 (LEFT >= 0 keys before each query, causal), got {args.window_size}")
+    _require(args.window_attn_skip_freq is None or (args.window_size is not None and args.window_attn_skip_freq >= 1),
+             f"--window-attn-skip-freq needs --window-size and must be >= 1, got {args.window_attn_skip_freq}")
 
 
 def _resolve_schedule(args) -> None:

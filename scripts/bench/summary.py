@@ -539,8 +539,28 @@ def window_section(rows: List[Dict], out: List[str]) -> None:
         return
     out.append("## Sliding windows: K/V moved per layer and work, plan only\n")
     out.append("Busiest rank's K/V received per layer by the needed-only exchanges (a2a = halo = the windowed "
-               "lower bound) against the all-gather ring, in MiB at Llama-3-8B's K/V (4 KiB a row); work = "
-               "attention pairs per rank, max / mean. `scripts/bench/window.py`.\n")
+               "lower bound: exactly the keys some query's window reaches on another rank) against the "
+               "all-gather ring, in MiB at Llama-3-8B's K/V (4 KiB a row); work = attention pairs per rank, "
+               "max / mean. `balanced` is laid out for the window it runs (the model's windows, "
+               "`cost.WindowMix`). `scripts/bench/window.py`.\n")
+    head = {(r["S"], r["cp"], r["mix"], r["layout"], r["window"]): r for r in win}
+    keys = sorted({(S, cp, mix) for S, cp, mix, _, w in head if w == 4096 and mix in ("short", "long")})
+    if keys:
+        out.append("A 4k window, short and long documents: busiest rank's K/V per layer, MiB (no window -> 4k "
+                   "window), against the all-gather ring:\n")
+        out.append("| S | cp | mix | contiguous | zigzag | balanced | all-gather | balanced 4k / all-gather |")
+        out.append("|---:|---:|---|---:|---:|---:|---:|---:|")
+        for S, cp, mix in keys:
+            cells, ag, ratio = [], "-", "-"
+            for layout in ("contiguous", "zigzag", "balanced"):
+                a, b = head.get((S, cp, mix, layout, None)), head.get((S, cp, mix, layout, 4096))
+                cells.append("-" if a is None or b is None else
+                             f"{a['needed_bytes_max'] / 2**20:.0f} -> {b['needed_bytes_max'] / 2**20:.1f}")
+                if layout == "balanced" and b is not None:
+                    ag = f"{b['allgather_bytes'] / 2**20:.0f}"
+                    ratio = f"{b['needed_bytes_max'] / b['allgather_bytes']:.3f}"
+            out.append(f"| {S} | {cp} | {mix} | " + " | ".join(cells) + f" | {ag} | {ratio} |")
+        out.append("\nEvery layout, mix and window:\n")
     out.append("| S | cp | mix | layout | window | needed MiB | all-gather MiB | needed / all-gather | work max/mean |")
     out.append("|---:|---:|---|---|---:|---:|---:|---:|---:|")
     for r in sorted(win, key=lambda r: (r["S"], r["cp"], r["mix"], r["layout"], r["window"] or 0)):
