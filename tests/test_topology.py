@@ -106,6 +106,27 @@ def test_overlap_follows_the_pipeline_by_hand():
     assert o.modeled_seconds <= cm.modeled_seconds(pair_work.sum(0), traffic) + 1e-9
 
 
+def test_one_shot_overlap_of_the_hierarchical_routes_by_hand():
+    """Two nodes of two ranks: rank 3 receives 6 positions over IB (stage 1) and 4 over
+    NVLink (stage 2); seconds_per_position 1 inside a node, 2 between (fwd + bwd), so one direction
+    takes 6 (IB) and 2 (NVLink). Its local compute 14 (forward 4), remote 28 (forward 8)."""
+    cm = CostModel(seconds_per_pair=1.0, seconds_per_position=1.0, seconds_per_position_inter=2.0,
+                   ranks_per_node=2)
+    z = torch.zeros(4, dtype=torch.long)
+    traffic = Traffic(intra_in=torch.tensor([0, 0, 0, 4]), intra_out=z, inter_in=torch.tensor([0, 0, 0, 6]),
+                      inter_out=z, intra_messages=z, inter_messages=z)
+    pair_work = torch.zeros(4, 4)
+    pair_work[3, 3], pair_work[0, 3] = 14.0, 28.0
+    save = cm.overlapped(pair_work, traffic, torch.zeros(4, 4), kv_backward="save", one_shot=True)
+    # forward: max(local 4, IB 6) + NVLink 2 + remote 8 = 16; backward (save): local 10 + remote 20
+    # + the gradients home (6 + 2) = 38.
+    assert save.rank == 3 and save.modeled_seconds == pytest.approx(16 + 38)
+    assert save.compute_seconds == pytest.approx(42) and save.exposed_seconds == pytest.approx(12)
+    refetch = cm.overlapped(pair_work, traffic, torch.zeros(4, 4), kv_backward="refetch", one_shot=True)
+    # backward refetches: max(local 10, IB 6) + NVLink 2, then remote 20 and the gradients 8.
+    assert refetch.modeled_seconds == pytest.approx(16 + 40)
+
+
 def test_overlapped_model_matches_the_plan_and_stays_between_compute_and_no_overlap():
     ids = _ids(896, 3, top=300)
     for cm in (CostModel.preset("ib"), CostModel.two_level(4), CostModel.two_level(4, hierarchical=False)):

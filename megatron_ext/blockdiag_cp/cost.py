@@ -31,6 +31,9 @@ rounds; all-gather is a ring of full chunks), prefetch depth 1:
     chunk i >= 1: begin_i = max(T_{i-1}, fetch_end_i); fetch_{i+1} starts at begin_i; T_i = begin_i + C_i
 
 modeled = T_last (forward, then backward), exposed communication = T_last - sum C.
+The hierarchical exchange delivers its routes at once (``one_shot``): its
+inter-node stage hides behind the local compute, its intra-node stage and the
+gradients' return do not.
 A chunk's fetch time is the rank's exchange time (``comm`` above) shared over its
 chunks by their priced size. Backward with ``kv_backward="refetch"`` fetches the
 chunks again and sends dK/dV home (twice the forward's bytes); "save" only sends
@@ -250,16 +253,19 @@ class CostModel:
         return float(work.double().sum()) / work.numel() * self.seconds_per_pair
 
     def overlapped(self, pair_work: torch.Tensor, traffic: Traffic, chunk_positions: torch.Tensor,
-                   kv_backward: str = "refetch", ring: bool = False) -> Overlapped:
+                   kv_backward: str = "refetch", ring: bool = False, one_shot: bool = False) -> Overlapped:
         """The streamed op's modeled time (see the module docstring).
 
         pair_work[src, dst]: query-key pairs of dst's queries on src's keys
         (``intervals.pair_work``; the diagonal is the local compute);
         chunk_positions[src, dst]: K/V positions dst receives from src (its chunk);
-        ``ring``: every round moves a chunk (all-gather as a ring), none is skipped.
+        ``ring``: every round moves a chunk (all-gather as a ring), none is skipped;
+        ``one_shot``: the hierarchical routes, delivered at once (``_one_shot``).
         """
         if kv_backward not in KV_BACKWARD_MODES:
             raise ValueError(f"kv_backward must be one of {KV_BACKWARD_MODES}, got {kv_backward!r}")
+        if one_shot:
+            return self._one_shot(pair_work, traffic, kv_backward)
         cp = pair_work.shape[0]
         rank = torch.arange(cp)
         comm_fwd = self.comm_seconds(traffic) / 2  # [cp] forward K/V only: half of fwd + bwd
@@ -284,6 +290,31 @@ class CostModel:
             total += _stream(local * share, c * share, fetch * fetch_mult, present)
         compute = pair_work.double().sum(0) * self.seconds_per_pair
         total = torch.maximum(total, compute)  # T_last >= sum C; only float rounding says otherwise
+        r = int(torch.argmax(total))
+        return Overlapped(float(total[r]), float(compute[r]), float(total[r] - compute[r]), r, total)
+
+    def _one_shot(self, pair_work: torch.Tensor, traffic: Traffic, kv_backward: str) -> Overlapped:
+        """The hierarchical exchange: the routes deliver every needed row at once, not chunk by chunk.
+
+        Its inter-node stage is posted before the local keys are attended and hides behind them;
+        the intra-node stage needs it and is exposed; the remote keys are attended after.
+        Backward: "refetch" runs the routes again the same way; the gradients go back through
+        the routes at the end, exposed (forward's traffic once more).
+        """
+        half = 0.5  # Traffic and comm_seconds count forward + backward: one direction is half
+        inter = half * torch.maximum(traffic.inter_in, traffic.inter_out).double() * self.seconds_per_position_inter
+        intra = half * torch.maximum(traffic.intra_in, traffic.intra_out).double() * self.seconds_per_position
+        if self.seconds_per_message or self.seconds_per_message_inter:
+            inter = inter + traffic.inter_messages.double() * self.seconds_per_message_inter
+            intra = intra + traffic.intra_messages.double() * self.seconds_per_message
+        local = pair_work.double().diagonal() * self.seconds_per_pair
+        compute = pair_work.double().sum(0) * self.seconds_per_pair
+        remote = compute - local
+        forward = torch.maximum(local * FORWARD_SHARE, inter) + intra + remote * FORWARD_SHARE
+        back_local = local * (1 - FORWARD_SHARE)
+        fetch = torch.maximum(back_local, inter) + intra if kv_backward == "refetch" else back_local
+        backward = fetch + remote * (1 - FORWARD_SHARE) + inter + intra  # + the gradients home
+        total = torch.maximum(forward + backward, compute)
         r = int(torch.argmax(total))
         return Overlapped(float(total[r]), float(compute[r]), float(total[r] - compute[r]), r, total)
 

@@ -194,8 +194,9 @@ def layout_cost(doc_ids: torch.Tensor, layout: Layout, cost_model: CostModel, ex
         out["ideal_seconds"] += share * cost_model.ideal_seconds(work)
         if overlap:
             chunks = counts if exchange == "needed" else torch.full((cp, cp), layout.local_len).fill_diagonal_(0)
+            routed = exchange == "needed" and bool(cost_model.ranks_per_node) and cost_model.hierarchical
             o = cost_model.overlapped(pair_work(runs, rows, window), traffic, chunks, kv_backward=kv_backward,
-                                      ring=exchange == "allgather")
+                                      ring=exchange == "allgather", one_shot=routed)
             out["overlap_seconds"] += share * o.modeled_seconds
             out["exposed_seconds"] += share * o.exposed_seconds
     if overlap:
