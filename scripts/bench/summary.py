@@ -533,6 +533,33 @@ def cp_memory(rows: List[Dict], out: List[str]) -> None:
     out.append("")
 
 
+def layer_ab_section(rows: List[Dict], out: List[str]) -> None:
+    ab = [r for r in rows if r["suite"] == "layer_ab"]
+    if not ab:
+        return
+    out.append("## One layer against an older engine (`scripts/bench/layer_ab.py`)\n")
+    out.append(f"Forward + backward of one attention layer at cp=2, mix `{ab[0]['mix']}`, S={ab[0]['S']}, dense, "
+               "fp32, 8 heads x 64; fresh processes per run, the two engines alternated; seconds are the "
+               "median over rounds of each run's median (slowest rank).\n")
+    out.append(f"| layout | exchange | {ab[0]['engine']} s | {ab[0]['other']} s | {ab[0]['other']} / "
+               f"{ab[0]['engine']} per round |")
+    out.append("|---|---|---:|---:|---|")
+    for r in ab:
+        out.append(f"| {r['layout']} | {r['exchange']} | {r['seconds']:.3f} | {r['seconds_other']:.3f} | "
+                   + ", ".join(f"{x:.2f}" for x in r["ratio_other_over_this_per_round"]) + " |")
+    out.append("")
+
+
+def layer_ab_target(rows: List[Dict], out: List[str]) -> None:
+    ab = [r for r in rows if r["suite"] == "layer_ab"]
+    if not ab:
+        return
+    ratios = [r["seconds_other"] / r["seconds"] for r in ab]
+    out.append(f"- one layer at cp=2 ({ab[0]['mix']}, S={ab[0]['S']}) no slower than {ab[0]['other']}: "
+               f"{_mark(min(ratios) >= 1.0)}, {ab[0]['other']} / {ab[0]['engine']} {min(ratios):.2f}–"
+               f"{max(ratios):.2f}× over the 9 layout x exchange pairs.")
+
+
 def window_section(rows: List[Dict], out: List[str]) -> None:
     win = [r for r in rows if r["suite"] == "window"]
     if not win:
@@ -595,11 +622,13 @@ def render(rows: List[Dict]) -> str:
     speed_targets(rows, out)
     memory_targets(rows, out)
     cp_memory_targets(rows, out)
+    layer_ab_target(rows, out)
     out.append("")
     comm_tables(rows, out)
     balance(rows, out)
     speed(rows, out)
     cp_memory(rows, out)
+    layer_ab_section(rows, out)
     window_section(rows, out)
     other(rows, out)
     scale_section(rows, out)
