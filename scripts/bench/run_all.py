@@ -13,6 +13,7 @@ profiled iteration each), memory (per-rank peak and held memory of one layer as 
 cp 2-8, every layout x exchange x kv_backward; scripts/bench/memory.py),
 model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without CUDA),
 scale (plan only, no processes: layout + plan cost and modeled time at 32k-1M tokens, cp 8-64),
+scale_latency (plan only: balanced at the two-level points with a per-message latency priced),
 window (plan only: K/V bytes and work with and without a sliding window, 32k-128k at cp 8),
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
 Megatron-mask document derivation and the per-call q/k/v agreement against one layer at
@@ -36,9 +37,10 @@ for _p in (HERE, REPO_ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "window",
-              "gpu_check", "dropin")
-DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "window")  # gpu: a skipped row without CUDA
+ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
+              "window", "gpu_check", "dropin")
+DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
+                  "window")  # gpu: a skipped row without CUDA
 
 
 def parse_args(argv=None):
@@ -153,6 +155,13 @@ def main(argv=None) -> int:
             rows += scale.run(log=_log)
             rows += scale.run_worst_case(log=_log)
         timings["scale"] = time.perf_counter() - t0
+
+    if "scale_latency" in suites:
+        import scale
+
+        t0 = time.perf_counter()
+        rows += scale.run_latency(points=((131072, 16),) if args.quick else scale.TWO_LEVEL_POINTS, log=_log)
+        timings["scale_latency"] = time.perf_counter() - t0
 
     if "window" in suites:
         import window

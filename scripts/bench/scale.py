@@ -276,3 +276,39 @@ def run_worst_case(n_mixes: int = 24, speed_points=SPEED_POINTS, model_points=TW
     finally:
         torch.set_num_threads(threads)
     return rows
+
+
+# Per-message latency (intra-node, inter-node) in seconds: none, NCCL-like small-message figures, and a slow fabric.
+LATENCIES = ((0.0, 0.0), (3e-6, 10e-6), (10e-6, 30e-6))
+
+
+def run_latency(points=TWO_LEVEL_POINTS, latencies=LATENCIES, mixes=None, log=print) -> List[Dict]:
+    """Suite "scale_latency": balanced's modeled / ideal at the two-level points with a per-message
+    latency added to every transfer (``CostModel.two_level(latency=, latency_inter=)``); the layout is
+    searched under each priced model, so the figure is what the planner achieves, not a re-pricing."""
+    from megatron_ext.blockdiag_cp import balanced, plan_summary
+    from megatron_ext.blockdiag_cp.cost import CostModel
+    from scale_mixes import SCALE_MIXES, scale_doc_ids
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows: List[Dict] = []
+    try:
+        for S, cp in points:
+            t0 = time.perf_counter()
+            for mix in mixes or SCALE_MIXES:
+                ids = scale_doc_ids(mix, S)
+                for lat, lat_inter in latencies:
+                    cost = CostModel.two_level(GPUS_PER_NODE, latency=lat, latency_inter=lat_inter)
+                    summ = plan_summary(ids, cp, layout="balanced", cost_model=cost)
+                    ideal = summ["ideal_seconds"]
+                    rows.append({"suite": "scale_latency", "mix": mix, "S": S, "cp": cp, "layout": "balanced",
+                                 "link": "2lvl", "exchange": "hier", "backend": "-", "cost_model": cost.name,
+                                 "latency_us": 1e6 * lat, "latency_inter_us": 1e6 * lat_inter,
+                                 "modeled_over_ideal": summ["modeled_seconds"] / ideal,
+                                 "overlap_over_ideal": summ["overlap_seconds"] / ideal,
+                                 "candidate": balanced.LAST_CHOICE[0]})
+            log(f"  scale_latency S={S} cp={cp}: {time.perf_counter() - t0:.1f}s")
+    finally:
+        torch.set_num_threads(threads)
+    return rows

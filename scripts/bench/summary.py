@@ -285,6 +285,7 @@ def scale_section(rows: List[Dict], out: List[str]) -> None:
     bench_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
     out.append("## Scale (plan only, issues 10 and 19)\n")
     two_level_section(rows, out, bench_dir)
+    latency_section(rows, out)
     worst_case_section(rows, out, bench_dir)
     out.append("### Issue 10's points (one link for the whole group)\n")
     out.append("Balanced at the issue's target points (NVLink: work max/mean <= 1.05 and modeled <= 1.2x "
@@ -388,6 +389,25 @@ def two_level_section(rows: List[Dict], out: List[str], bench_dir: str) -> None:
                    f"{fmt(t['overlap_save_over_ideal'])} | {100 * t['exposed_share']:.0f}% | "
                    f"{fmt(t['uniform_ib_overlap'])} | {_mark(t['not_worse_than_peers'])} | "
                    f"`{t['candidate'][:60]}` | {_mark(t['held'])} (<= {t['limit']}) |")
+    out.append("")
+
+
+def latency_section(rows: List[Dict], out: List[str]) -> None:
+    lat = [r for r in rows if r["suite"] == "scale_latency"]
+    if not lat:
+        return
+    pairs = sorted({(r["latency_us"], r["latency_inter_us"]) for r in lat})
+    out.append("### Per-message latency (issue 19)\n")
+    out.append("Balanced's modeled / ideal at the two-level points (no overlap; overlapped with refetch after the "
+               "slash) when every transfer also pays a latency (intra-node / inter-node, microseconds), the "
+               "layout searched under each model (`scripts/bench/scale.py::run_latency`).\n")
+    out.append("| S | cp | mix | " + " | ".join(f"{a:g} / {b:g} us" for a, b in pairs) + " |")
+    out.append("|---:|---:|---|" + "---:|" * len(pairs))
+    for S, cp, mix in sorted({(r["S"], r["cp"], r["mix"]) for r in lat}):
+        got = {(r["latency_us"], r["latency_inter_us"]): r for r in lat if (r["S"], r["cp"], r["mix"]) == (S, cp, mix)}
+        cells = [f"{got[p]['modeled_over_ideal']:.3f} / {got[p]['overlap_over_ideal']:.3f}" if p in got else "-"
+                 for p in pairs]
+        out.append(f"| {S} | {cp} | {mix} | " + " | ".join(cells) + " |")
     out.append("")
 
 
