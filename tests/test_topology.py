@@ -83,6 +83,30 @@ def test_two_level_traffic_equals_a_position_brute_force(cp, g, hierarchical):
                 assert getattr(got, k).tolist() == v, (name, seed, k, getattr(got, k).tolist(), v)
 
 
+def test_per_message_latency_by_hand():
+    """Two nodes of two ranks, every rank fetching its own rows: rank 0 receives 5 positions from rank 1
+    (its node) and 3 from rank 2 and 2 from rank 3 (the other node); rank 2 receives 4 from rank 0.
+    Messages per link are the larger of a rank's non-empty incoming and outgoing transfers, paid
+    forward and backward."""
+    cm = CostModel(seconds_per_pair=1.0, seconds_per_position=1.0, seconds_per_position_inter=2.0,
+                   ranks_per_node=2, seconds_per_message=10.0, seconds_per_message_inter=100.0)
+    counts = torch.zeros(4, 4, dtype=torch.long)  # [src, dst]
+    counts[1, 0], counts[2, 0], counts[3, 0], counts[0, 2] = 5, 3, 2, 4
+    traffic = Traffic.from_counts(counts, ranks_per_node=2)
+    assert traffic.intra_messages.tolist() == [1, 1, 0, 0]
+    assert traffic.inter_messages.tolist() == [2, 0, 1, 1]  # rank 0: 2 in, 1 out; rank 2: 1 in, 1 out
+    comm = cm.comm_seconds(traffic)
+    # rank 0: NVLink 5 x 1 + IB max(5 in, 4 out) x 2 + 2 x (1 x 10 + 2 x 100) = 5 + 10 + 420
+    assert comm[0].item() == pytest.approx(435)
+    # rank 2: IB max(4 in, 3 out) x 2 + 2 x (1 x 100) = 208; rank 3: IB 2 out x 2 + 200 = 204
+    assert comm[2].item() == pytest.approx(208) and comm[3].item() == pytest.approx(204)
+    # rank 1: NVLink 5 out + 2 x 10
+    assert comm[1].item() == pytest.approx(25)
+    free = CostModel(seconds_per_pair=1.0, seconds_per_position=1.0, seconds_per_position_inter=2.0,
+                     ranks_per_node=2)
+    assert (comm - free.comm_seconds(traffic)).tolist() == pytest.approx([420, 20, 200, 200])
+
+
 def test_overlap_follows_the_pipeline_by_hand():
     """Three ranks, one link (seconds_per_position 1 fwd+bwd: a chunk of n positions takes n/2 to
     fetch in forward). Rank 2: local compute 2, chunks from rank 1 (round 1) and rank 0 (round 2)."""
