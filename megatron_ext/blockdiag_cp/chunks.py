@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import DocRuns, RankRuns, clip, map_ranges, ranges, search
+from .intervals import DocRuns, RankRuns, _real_pieces, clip, map_ranges, ranges, repeat_index, search, take, true_at
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -138,10 +138,9 @@ def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
     r_start, r_len, r_local = runs.start[mine], runs.length[mine], runs.local[mine]
     parts = []
     for row, (d_start, d_end, d_id) in enumerate(rows):
-        run, doc, pa, pb = clip(r_start, r_start + r_len, d_start, d_end)
-        real = d_id[doc] > 0
-        run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
-        parts.append((torch.full_like(doc, row), doc, d_start[doc], pa, pb, r_local[run] + pa - r_start[run]))
+        run, doc, pa, pb = _real_pieces(*clip(r_start, r_start + r_len, d_start, d_end), d_id)
+        parts.append((torch.full_like(doc, row), doc, take(d_start, doc), pa, pb,
+                      take(r_local, run) + pa - take(r_start, run)))
     return [torch.cat(x) for x in zip(*parts)]
 
 
@@ -164,7 +163,7 @@ def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tenso
     offset = torch.cumsum(count, 1) - count  # [cp, J]
     j = search(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
     before_ds = runs.flat_before(ds) if before_ds is None else before_ds
-    return offset[:, j] + before_ds - before_a[:, j]
+    return offset.index_select(1, j) + before_ds - before_a.index_select(1, j)
 
 
 def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
@@ -178,14 +177,16 @@ def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
     first = torch.where(remote, slot // chunk_rows, torch.zeros_like(slot))
     last = torch.where(remote, (slot + n_k - 1) // chunk_rows, torch.zeros_like(slot))
     count = last - first + 1
-    which = torch.repeat_interleave(torch.arange(src.numel()), count)
+    which = repeat_index(count)
     chunk = ranges(first, count)
-    lo = torch.where(remote[which], torch.maximum(slot[which], chunk * chunk_rows), slot[which])
-    hi = torch.where(remote[which], torch.minimum((slot + n_k)[which], (chunk + 1) * chunk_rows),
-                     (slot + n_k)[which])
-    order = torch.argsort((src[which] * (chunk.max() + 1) + chunk) * (piece.max() + 1) + piece[which])
-    which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
-    return src[which], chunk, piece[which], lo, hi - lo
+    at, remote_at, end_at = take(slot, which), take(remote, which), take(slot + n_k, which)
+    lo = torch.where(remote_at, torch.maximum(at, chunk * chunk_rows), at)
+    hi = torch.where(remote_at, torch.minimum(end_at, (chunk + 1) * chunk_rows), end_at)
+    key = (take(src, which) * (chunk.max() + 1) + chunk) * (piece.max() + 1) + take(piece, which)
+    if key.numel() > 1 and not bool((key[1:] >= key[:-1]).all()):  # keys are distinct: sorted is the order
+        order = torch.argsort(key)
+        which, chunk, lo, hi = take(which, order), take(chunk, order), take(lo, order), take(hi, order)
+    return take(src, which), chunk, take(piece, which), lo, hi - lo
 
 
 @dataclass
@@ -372,27 +373,32 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     else:
         slot = _needed_offsets(runs, rank, *intervals, ds, before_ds, mine_flat)
         slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
-    src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
-    src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
+    cell = true_at((n_k > 0).view(-1))  # source-major, pieces ascending: src * n + piece
+    n_pieces = n_k.shape[1]
+    src, piece = cell // n_pieces, cell % n_pieces
+    src, chunk, piece, lo, n = _split_at_chunks(src, take(slot.reshape(-1), cell), take(n_k.reshape(-1), cell),
+                                                piece, rank, c)
     if src.numel() == 0:
         return _Segments.empty()
-    r = row[piece]
+    r, d = take(row, piece), take(doc, piece)
     new = torch.ones_like(src, dtype=torch.bool)
     new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (r[1:] != r[:-1])
-               | (doc[piece][1:] != doc[piece][:-1]) | (n[1:] != n[:-1]) | (lo[1:] != lo[:-1]))
-    head = torch.nonzero(new).flatten()
+               | (d[1:] != d[:-1]) | (n[1:] != n[:-1]) | (lo[1:] != lo[:-1]))
+    head = true_at(new)
     group = torch.cumsum(new.long(), 0) - 1
-    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, n_q[piece])
+    nq_piece = take(n_q, piece)
+    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, nq_piece)
     chunk_first = torch.where(src == rank, torch.zeros_like(chunk), chunk * c)
-    seg_k, seg_slot, seg_row = n[head], (lo - chunk_first)[head], r[head]
+    src_h, chunk_h = take(src, head), take(chunk, head)
+    seg_k, seg_slot, seg_row = take(n, head), take(lo - chunk_first, head), take(r, head)
     call_new = torch.ones(head.numel(), dtype=torch.bool)
-    call_new[1:] = (src[head][1:] != src[head][:-1]) | (chunk[head][1:] != chunk[head][:-1])
-    call_head = torch.nonzero(call_new).flatten()
-    calls = head[call_head]
-    return _Segments(src[calls].numpy(), chunk[calls].numpy(), np.full(call_head.numel(), -1, dtype=np.int64),
+    call_new[1:] = (src_h[1:] != src_h[:-1]) | (chunk_h[1:] != chunk_h[:-1])
+    call_head = true_at(call_new)
+    return _Segments(take(src_h, call_head).numpy(), take(chunk_h, call_head).numpy(),
+                     np.full(call_head.numel(), -1, dtype=np.int64),
                      np.append(call_head.numpy(), head.numel()), np.append(head.numpy(), src.numel()),
-                     seg_q.numpy(), seg_k.numpy(), seg_slot.numpy(), seg_row.numpy(), q_off[piece].numpy(),
-                     n_q[piece].numpy())
+                     seg_q.numpy(), seg_k.numpy(), seg_slot.numpy(), seg_row.numpy(), take(q_off, piece).numpy(),
+                     nq_piece.numpy())
 
 
 def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: int, c: int, R: int,

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
-from .intervals import (RankRuns, document_runs, flat_ranges, map_ranges, overlap_counts, ranges,
+from .intervals import (RankRuns, document_runs, flat_ranges, map_ranges, overlap_counts, ranges, take, true_at,
                         work_and_intervals)
 from .layout import Layout, thd_exchange_counts
 
@@ -108,20 +108,20 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     empty = torch.empty(0, dtype=torch.long)
     send_index: List[torch.Tensor] = [empty] * cp
     recv_positions: List[torch.Tensor] = [empty] * cp
-    out = dst != rank
-    if bool(out.any()):
-        lo, hi = flat_ranges(runs, a[out], b[out], rank)
+    out = true_at(dst != rank)
+    if out.numel():
+        lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank)
         n = hi - lo
         local = ranges(lo - rank * L, n)
-        per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, dst[out], n)
+        per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, take(dst, out), n)
         send_index = list(torch.split(local, per_dst.tolist()))
     # This rank as the destination: every other owner's positions inside its own intervals,
     # source-major; flat index ranges map to positions through the runs (sorted by flat index).
-    mine = dst == rank
+    mine = true_at(dst == rank)
     recv_start, recv_len = empty, empty
     mine_flat = None
-    if bool(mine.any()):
-        lo, hi = mine_flat = flat_ranges(runs, a[mine], b[mine])  # [cp, n_mine]
+    if mine.numel():
+        lo, hi = mine_flat = flat_ranges(runs, take(a, mine), take(b, mine))  # [cp, n_mine]
         n = hi - lo
         n[rank] = 0
         _, recv_start, recv_len = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), n.reshape(-1))
@@ -142,7 +142,7 @@ def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     cp = runs.cp
     _, _, by_run = runs.by_position()
     # The runs partition [0, P): the position before a run's start is the end of the run before it.
-    owner_in_order = runs.rank[by_run]
+    owner_in_order = take(runs.rank, by_run)
     adjacent = torch.zeros(cp, cp, dtype=torch.bool)  # [dst, src]
     adjacent[owner_in_order[1:], owner_in_order[:-1]] = True
     strays = (counts.t() > 0) & ~adjacent  # [dst, src]
