@@ -173,20 +173,26 @@ def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
     """
     if src.numel() == 0:
         return src, src, src, src, src
-    remote = src != rank
-    first = torch.where(remote, slot // chunk_rows, torch.zeros_like(slot))
-    last = torch.where(remote, (slot + n_k - 1) // chunk_rows, torch.zeros_like(slot))
+    # In numpy, the own source's few ranges fixed up after: torch's where over the (source, piece)
+    # pairs (cp x pieces of them in a THD plan) cost more than the rest of the split.
+    s, start, end, p = src.numpy(), slot.numpy(), (slot + n_k).numpy(), piece.numpy()
+    own = np.flatnonzero(s == rank)
+    first, last = start // chunk_rows, (end - 1) // chunk_rows
+    first[own] = 0  # the own chunk is never cut
+    last[own] = 0
     count = last - first + 1
-    which = repeat_index(count)
-    chunk = ranges(first, count)
-    at, remote_at, end_at = take(slot, which), take(remote, which), take(slot + n_k, which)
-    lo = torch.where(remote_at, torch.maximum(at, chunk * chunk_rows), at)
-    hi = torch.where(remote_at, torch.minimum(end_at, (chunk + 1) * chunk_rows), end_at)
-    key = (take(src, which) * (chunk.max() + 1) + chunk) * (piece.max() + 1) + take(piece, which)
-    if key.numel() > 1 and not bool((key[1:] >= key[:-1]).all()):  # keys are distinct: sorted is the order
-        order = torch.argsort(key)
-        which, chunk, lo, hi = take(which, order), take(chunk, order), take(lo, order), take(hi, order)
-    return take(src, which), chunk, take(piece, which), lo, hi - lo
+    which = np.repeat(np.arange(s.size), count)
+    chunk = ranges(torch.from_numpy(first), torch.from_numpy(count)).numpy()
+    at, end_at = start[which], end[which]
+    lo, hi = np.maximum(at, chunk * chunk_rows), np.minimum(end_at, (chunk + 1) * chunk_rows)
+    own_at = (np.cumsum(count) - count)[own]  # each own range is one entry
+    lo[own_at], hi[own_at] = at[own_at], end_at[own_at]
+    key = (s[which] * (int(chunk.max()) + 1) + chunk) * (int(p.max()) + 1) + p[which]
+    if key.size > 1 and not bool((key[1:] >= key[:-1]).all()):  # keys are distinct: sorted is the order
+        order = np.argsort(key)
+        which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
+    return (torch.from_numpy(s[which]), torch.from_numpy(chunk), torch.from_numpy(p[which]), torch.from_numpy(lo),
+            torch.from_numpy(hi - lo))
 
 
 @dataclass
@@ -279,15 +285,20 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     # Query rows: each bit cut at its pairs' starts; each piece lies in one bit and one pair, so maps
     # to diag linearly; touching pieces of one call merge into one range.
     pair_v = _exclusive(t.pair_n)[:-1]
-    first = np.searchsorted(pair_v, bit_v, side="right") - 1
-    count = np.searchsorted(pair_v, bit_end - 1, side="right") - first
-    bit = np.repeat(np.arange(bit_v.size), count)
-    pair = np.arange(bit.size) - _exclusive(count)[bit] + first[bit]
-    x = np.maximum(bit_v[bit], pair_v[pair])
-    piece_len = np.minimum(bit_end[bit], pair_v[pair] + t.pair_n[pair]) - x
-    piece_sub = bit_sub[bit]
-    piece_a = t.pair_a[pair] + x - pair_v[pair]
-    new = np.ones(bit.size, dtype=bool)
+    if bit_v.size == pair_v.size and np.array_equal(bit_v, pair_v) and bool((t.pair_n > 0).all()):
+        # Bits and pairs tile the same rows: equal starts, so bit i is pair i (every segment of one
+        # piece and no bit cut, as in a THD plan, where the searches below were most of the cost).
+        piece_len, piece_sub, piece_a = bit_m, bit_sub, t.pair_a
+    else:
+        first = np.searchsorted(pair_v, bit_v, side="right") - 1
+        count = np.searchsorted(pair_v, bit_end - 1, side="right") - first
+        bit = np.repeat(np.arange(bit_v.size), count)
+        pair = np.arange(bit.size) - _exclusive(count)[bit] + first[bit]
+        x = np.maximum(bit_v[bit], pair_v[pair])
+        piece_len = np.minimum(bit_end[bit], pair_v[pair] + t.pair_n[pair]) - x
+        piece_sub = bit_sub[bit]
+        piece_a = t.pair_a[pair] + x - pair_v[pair]
+    new = np.ones(piece_a.size, dtype=bool)
     new[1:] = (piece_sub[1:] != piece_sub[:-1]) | (piece_a[1:] != piece_a[:-1] + piece_len[:-1])
     heads = np.flatnonzero(new)
     r_a, r_len, r_sub = piece_a[heads], np.add.reduceat(piece_len, heads), piece_sub[heads]
@@ -305,13 +316,14 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     np.add.at(mark, seg_lo[~one_seg], 1)
     np.add.at(mark, seg_hi[~one_seg], -1)
     kept = np.where(np.cumsum(mark[:-1]) > 0, t.seg_k, 0)
-    koff = _exclusive(kept).tolist()
+    koff = _exclusive(kept)
     joined = ranges(torch.from_numpy(t.seg_slot), torch.from_numpy(kept))
     if R > 1:
         joined = joined * R + torch.repeat_interleave(torch.from_numpy(t.seg_row), torch.from_numpy(kept))
     base = torch.arange(int((t.seg_slot + t.seg_k).max())) if one_seg.any() else None
 
     seg_lo_l, seg_hi_l, one_l = seg_lo.tolist(), seg_hi.tolist(), one_seg.tolist()
+    key_lo, key_hi = koff[seg_lo].tolist(), koff[seg_hi].tolist()  # per call: its slice of ``joined``
     q_lens, k_lens = bit_m.tolist(), t.seg_k.tolist()
     slot_l = t.seg_slot[seg_lo].tolist()  # per call: the first key slot of its (first) segment
     single_a, single_n = r_a[r_first[:-1]].tolist(), r_len[r_first[:-1]].tolist()
@@ -342,7 +354,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         else:
             a = single_a[u]
             q = diag[a:a + single_n[u]] if counts[u] == 1 else gathered[g_off[u]:g_off[u + 1]]
-            call = CallPlan(False, q, joined[koff[s0]:koff[s1]], ql, tuple(k_lens[s0:s1]), w)
+            call = CallPlan(False, q, joined[key_lo[u]:key_hi[u]], ql, tuple(k_lens[s0:s1]), w)
         plans.append(call)
     # Calls of one (source, chunk) are adjacent (segments are sorted by it), so are their pieces.
     sub_of_call = _exclusive(np.bincount(bit_call[sub_lo], minlength=n_calls)).tolist()

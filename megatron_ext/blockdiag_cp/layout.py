@@ -193,7 +193,21 @@ def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     new = torch.zeros(P, dtype=torch.bool)
     new[0] = True
     new[1:] = (doc_ids[1:] != doc_ids[:-1]) & (doc_ids[1:] > 0)
-    cu = torch.cat([torch.nonzero(new).flatten(), torch.tensor([P])])
+    return _checked_thd_cu(torch.cat([torch.nonzero(new).flatten(), torch.tensor([P])]), doc_ids, cp)
+
+
+def _thd_cu_of_runs(doc_runs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], doc_ids: torch.Tensor,
+                    cp: int) -> torch.Tensor:
+    """``thd_padded_cu_seqlens`` from the row's ``document_runs`` (a boundary at every start of a
+    nonzero run, and at 0), without another pass over the P ids."""
+    d_start, _, d_id = doc_runs
+    later = d_start[1:][d_id[1:] > 0]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), later, torch.tensor([doc_ids.numel()])])
+    return _checked_thd_cu(cu, doc_ids, cp)
+
+
+def _checked_thd_cu(cu: torch.Tensor, doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+    """cu, or the error naming the first document whose padded extent is not a multiple of 2*cp."""
     extent = cu.diff()
     bad = torch.nonzero(extent % (2 * cp)).flatten()
     if bad.numel():
@@ -234,7 +248,7 @@ def thd_partitioned_indices(cu_seqlens_padded, total_tokens: int, cp: int, rank:
     return index + local[seq] * cp + half * (chunk - (index >= half).long())
 
 
-def thd_exchange_counts(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+def thd_exchange_counts(doc_ids: torch.Tensor, cp: int, doc_runs=None) -> torch.Tensor:
     """counts[src, dst] of the THD layout in closed form (one row of doc ids, padded for THD).
 
     Every padded document is cut into 2*cp chunks of c tokens; its real tokens
@@ -244,12 +258,13 @@ def thd_exchange_counts(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     with A_K, B_K fixed by K alone: the sum over documents is a sum over K of
     the documents' c and f. Equals the generic interval count
     (``intervals.overlap_counts``) at O(documents + cp^3) instead of
-    O(documents * cp^2).
+    O(documents * cp^2). ``doc_runs``: the row's ``intervals.document_runs``, when the caller has them.
     """
     row = doc_ids.reshape(-1)
-    cu = thd_padded_cu_seqlens(row, cp)
+    doc_runs = document_runs(row) if doc_runs is None else doc_runs
+    cu = _thd_cu_of_runs(doc_runs, row, cp)
     c = cu.diff() // (2 * cp)  # [n]
-    d_start, d_end, d_id = document_runs(row)
+    d_start, d_end, d_id = doc_runs
     which = torch.searchsorted(d_start, cu[:-1])  # the run starting each extent
     real = torch.where(d_id[which] > 0, torch.minimum(d_end[which], cu[1:]) - cu[:-1], torch.zeros_like(c))
     has = real > 0

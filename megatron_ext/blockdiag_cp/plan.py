@@ -99,7 +99,7 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
     if layout.name == "thd" and R == 1 and cp > 1 and window is None:  # every rank needs every document
-        counts = thd_exchange_counts(doc_ids[0], cp)
+        counts = thd_exchange_counts(doc_ids[0], cp, rows[0])
     else:
         counts = overlap_counts(runs, dst, a, b)
     needed_remote = counts.sum(0)
