@@ -265,16 +265,16 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     call_bit = bit_first[t.call_seg]  # [calls + 1]
 
     # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows: from bit i, the call
-    # takes bits i .. nxt[i] - 1, the most whose rows stay <= cap (bit ends are the rows' prefix sums).
+    # takes bits i .. nxt(i) - 1, the most whose rows stay <= cap (bit ends are the rows' prefix sums).
+    # nxt is searched only at the bits the chains visit (one per call they give), not at every bit.
     bit_call = np.repeat(np.arange(n_calls), np.diff(call_bit))
-    nxt = np.minimum(np.searchsorted(bit_end, bit_v + cap, side="right"), call_bit[1:][bit_call])
     starts = np.zeros(bit_seg.size, dtype=bool)
     starts[call_bit[:-1][~capped]] = True  # an uncapped call is one call
-    for i in call_bit[:-1][capped].tolist():  # follow the chain of a capped one: one step per call it gives
-        stop = int(call_bit[bit_call[i] + 1])
+    search_end = bit_end.searchsorted
+    for i, stop in zip(call_bit[:-1][capped].tolist(), call_bit[1:][capped].tolist()):  # a capped call's chain
         while i < stop:
             starts[i] = True
-            i = int(nxt[i])
+            i = min(int(search_end(bit_v[i] + cap, side="right")), stop)
     sub_lo = np.flatnonzero(starts)
     sub_call = bit_call[sub_lo].tolist()
     n_sub = sub_lo.size
@@ -285,10 +285,12 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     # Query rows: each bit cut at its pairs' starts; each piece lies in one bit and one pair, so maps
     # to diag linearly; touching pieces of one call merge into one range.
     pair_v = _exclusive(t.pair_n)[:-1]
-    if bit_v.size == pair_v.size and np.array_equal(bit_v, pair_v) and bool((t.pair_n > 0).all()):
-        # Bits and pairs tile the same rows: equal starts, so bit i is pair i (every segment of one
-        # piece and no bit cut, as in a THD plan, where the searches below were most of the cost).
-        piece_len, piece_sub, piece_a = bit_m, bit_sub, t.pair_a
+    if t.pair_n.size == n_seg and bool((t.pair_n > 0).all()):
+        # One pair per segment (every segment has one): a bit lies inside its segment's pair, so it is
+        # one piece and the searches below (most of the cost at cp x documents segments: THD) are not
+        # needed. pair_v is then seg_voff[:-1].
+        piece_len, piece_sub = bit_m, bit_sub
+        piece_a = t.pair_a[bit_seg] + bit_v - pair_v[bit_seg]
     else:
         first = np.searchsorted(pair_v, bit_v, side="right") - 1
         count = np.searchsorted(pair_v, bit_end - 1, side="right") - first

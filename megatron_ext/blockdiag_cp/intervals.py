@@ -244,7 +244,8 @@ def _part_lookup(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, pa
 
     One pass over the positions instead of ~log2(parts) cache-missing steps per range end."""
     n, end = part_starts.numel(), int(part_ends[-1]) if part_ends.numel() else 0
-    if n == 0 or a.numel() * 4 * n.bit_length() < end or int(part_starts[0]) != 0 or int(b.max()) > end:
+    if n == 0 or a.numel() == 0 or a.numel() * 4 * n.bit_length() < end or int(part_starts[0]) != 0 \
+            or int(b.max()) > end:
         return None
     if not bool((part_starts[1:] == part_ends[:-1]).all()):
         return None
@@ -260,8 +261,14 @@ def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.
     order, ascending within a query; a query's uncovered parts give no piece.
     """
     q_end = q_start + q_len
-    j0 = (search(tab_start, q_start, right=True) - 1).clamp(min=0)
-    j1 = search(tab_start, q_end) - 1  # last table range starting < q_end
+    tab_of = _part_lookup(q_start, q_end, tab_start, tab_start + tab_len)
+    if tab_of is not None and bool(((q_len == 0) | (q_start >= 0)).all()):
+        # Empty queries give no piece whatever their j: clamped only to stay inside the lookup.
+        last = tab_of.numel() - 1
+        j0, j1 = take(tab_of, q_start.clamp(0, last)), take(tab_of, (q_end - 1).clamp(0, last))
+    else:
+        j0 = (search(tab_start, q_start, right=True) - 1).clamp(min=0)
+        j1 = search(tab_start, q_end) - 1  # last table range starting < q_end
     count = torch.where(q_len > 0, (j1 - j0 + 1).clamp(min=0), torch.zeros_like(j0))
     which, j = _expand(j0, count)
     t_start = take(tab_start, j)
