@@ -217,18 +217,24 @@ class HierarchicalRoute:
 
 
 def build_hierarchical_route(layout, doc_ids: torch.Tensor, rank: int, ranks_per_node: int,
-                             routes: Optional[NodeRoutes] = None, window: Optional[int] = None) -> HierarchicalRoute:
+                             routes: Optional[NodeRoutes] = None, window: Optional[int] = None,
+                             intervals=None, counts: Optional[torch.Tensor] = None) -> HierarchicalRoute:
     """This rank's route for ``layout`` (``layout.Layout``) and padded doc ids [R, P] or [P].
 
     Computed identically on every rank from global tables; ``routes`` when already at hand.
     ``window``: the rows a sliding window needs (``plan.build_plan``'s ``window``).
+    ``intervals`` (dst, a, b) and ``counts``: the plan's needed intervals for that window and
+    their ``overlap_counts``, when the caller has them (``plan.plan_with_tables``).
     """
     runs = layout.runs
-    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
-    rows = [document_runs(ids[r]) for r in range(ids.shape[0])]
-    _, dst, a, b = work_and_intervals(runs, rows, window)
+    if intervals is None:
+        ids = doc_ids.reshape(-1, doc_ids.shape[-1])
+        rows = [document_runs(ids[r]) for r in range(ids.shape[0])]
+        _, dst, a, b = work_and_intervals(runs, rows, window)
+    else:
+        dst, a, b = intervals
     if routes is None:
-        routes = node_routes(runs, dst, a, b, ranks_per_node)
+        routes = node_routes(runs, dst, a, b, ranks_per_node, counts)
     return rank_route(routes, runs, (dst, a, b), rank)
 
 

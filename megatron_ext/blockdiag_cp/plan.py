@@ -82,7 +82,8 @@ class _Lazy(Mapping):
 
 
 def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
-               kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None) -> StepPlan:
+               kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None,
+               doc_runs: Optional[Sequence] = None) -> StepPlan:
     """doc_ids: [R, P] int64 (padded); all tables are global except this rank's indices.
 
     ``kinds``: the chunk kinds whose steps are built now; any other is built on first access.
@@ -90,18 +91,27 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     needed K/V, exchange tables and kernel calls count only keys inside the windows.
     Works on the layout's runs and each row's document runs (``intervals``): one
     pass over the doc ids, the rest over runs, documents and this rank's indices.
+    ``doc_runs``: ``intervals.document_runs`` of every row, when the caller has them.
     """
+    return plan_with_tables(doc_ids, layout, rank, kinds, window, doc_runs)[0]
+
+
+def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Sequence[str] = CHUNK_KINDS,
+                     window: Optional[int] = None, doc_runs: Optional[Sequence] = None):
+    """``build_plan``, and the global tables it made that a hierarchical route needs too: (plan,
+    (dst, a, b) needed intervals, counts by interval overlap or None where THD's closed form gave them)."""
     R, P = doc_ids.shape
     cp, L = layout.cp, layout.local_len
     runs = layout.runs
-    rows = [document_runs(doc_ids[row]) for row in range(R)]
+    rows = [document_runs(doc_ids[row]) for row in range(R)] if doc_runs is None else list(doc_runs)
     work_per_rank, dst, a, b = work_and_intervals(runs, rows, window)
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
     if layout.name == "thd" and R == 1 and cp > 1 and window is None:  # every rank needs every document
         counts = thd_exchange_counts(doc_ids[0], cp, rows[0])
+        overlap = None
     else:
-        counts = overlap_counts(runs, dst, a, b)
+        counts = overlap = overlap_counts(runs, dst, a, b)
     needed_remote = counts.sum(0)
 
     # This rank as the source: its local rows inside every other rank's intervals.
@@ -134,7 +144,7 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
                    CHUNK_KINDS)
     for kind in kinds:
         stream[kind]
-    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window)
+    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window), (dst, a, b), overlap
 
 
 def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:

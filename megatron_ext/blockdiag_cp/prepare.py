@@ -21,7 +21,7 @@ from .cost import CostModel, WindowMix, default_cost_model, resolve_cost_model, 
 from .hierarchy import HierarchicalRoute, build_hierarchical_route, layout_traffic
 from .intervals import document_runs, overlap_counts, pair_work, work_and_intervals
 from .layout import Layout, build_layout, padded_length
-from .plan import CHUNK_KINDS, StepPlan, build_plan
+from .plan import CHUNK_KINDS, StepPlan, plan_with_tables
 from . import state as knobs
 from .state import normalize_kv_exchange, normalize_layout
 
@@ -111,14 +111,22 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
     S = ids.shape[1]
     t0 = time.perf_counter()
     padded = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
-    lay = build_layout(name, padded, cp, cost_model=cost, windows=mix)
+    # The rows' document runs, once for the layout, every plan and every route.
+    rows = [document_runs(padded[r]) for r in range(padded.shape[0])]
+    lay = build_layout(name, padded, cp, cost_model=cost, windows=mix, doc_runs=rows)
     t1 = time.perf_counter()
-    plan = build_plan(padded, lay, rank, kinds=kinds, window=window)
-    window_plans = {w: build_plan(padded, lay, rank, kinds=kinds, window=w) for w in mix.windows if w != window}
+    tables = {}  # window -> (needed intervals, their overlap counts): the plan's, reused by its route
+    plan, *tables[window] = plan_with_tables(padded, lay, rank, kinds, window, rows)
+    window_plans = {}
+    for w in mix.windows:
+        if w != window:
+            window_plans[w], *tables[w] = plan_with_tables(padded, lay, rank, kinds, w, rows)
     # As the build decides: routes only where the group is several whole nodes of several ranks.
     routed = hierarchical and 1 < g < cp and cp % g == 0
-    route = build_hierarchical_route(lay, padded, rank, g, window=window) if routed else None
-    window_routes = {w: build_hierarchical_route(lay, padded, rank, g, window=w) for w in window_plans} \
+    route = build_hierarchical_route(lay, padded, rank, g, window=window, intervals=tables[window][0],
+                                     counts=tables[window][1]) if routed else None
+    window_routes = {w: build_hierarchical_route(lay, padded, rank, g, window=w, intervals=tables[w][0],
+                                                 counts=tables[w][1]) for w in window_plans} \
         if routed else None
     t2 = time.perf_counter()
     return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0, route, g, mix, window_plans,
