@@ -82,6 +82,10 @@ NODE_FINALISTS = 1
 # Runs of consecutive tiny documents are bundled into units of at most this fraction of a rank's share.
 BUNDLE_FRACTION = 1 / 16
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
+# What the exact pricing computed for the candidate it chose, which the plan of that layout computes
+# again (full attention only): (runs, work, (dst, a, b), counts, two-level routes or None, ranks per node).
+# ``prepare.prepare_plan`` empties it before its layout and takes it after, so it never outlives a call.
+CHOSEN_TABLES: List[tuple] = []
 
 
 class _UnitTable:
@@ -390,21 +394,28 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
                   n_peers: int, prefer_balance: bool = True) -> RunSpec:
     """Price every candidate with the full model (``hierarchy.layout_traffic``) and pick by ``_choice``
     (``prefer_balance``) or the least modeled time (near-ties: the best balance)."""
-    from .hierarchy import layout_traffic
+    from .hierarchy import layout_traffic, node_routes
 
     P = table.P
     n_cand, group, a, b = _flatten([owned for _, owned in candidates], cp)
     modeled, imbalance = [math.inf] * n_cand, [math.inf] * n_cand
+    routed = cost_model.spans_nodes(cp) and cost_model.hierarchical
+    tables = {}  # candidate -> what CHOSEN_TABLES keeps (full attention only)
 
     def price(c: int) -> None:
         runs = RankRuns.build(cp, P, *_runs_of(c, cp, group, a, b))
         total, mixed = 0.0, torch.zeros(cp, dtype=torch.float64)
         for window, share in table.windows.shares:  # each share of layers with its own needed keys
             work, dst, ia, ib = work_and_intervals(runs, table.rows, window)
-            traffic = layout_traffic(runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib),
-                                     counts=overlap_counts(runs, dst, ia, ib))
+            counts = overlap_counts(runs, dst, ia, ib)
+            # layout_traffic's two-level path, with its routes kept for the plan's route
+            routes = node_routes(runs, dst, ia, ib, cost_model.ranks_per_node, counts) if routed else None
+            traffic = routes.traffic() if routed else layout_traffic(
+                runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib), counts=counts)
             total += share * cost_model.modeled_seconds(work, traffic)
             mixed += share * work.double()
+            if window is None and share == 1.0:
+                tables[c] = (runs, work, (dst, ia, ib), counts, routes, cost_model.ranks_per_node)
         modeled[c] = total
         imbalance[c] = float(mixed.max()) / max(float(mixed.mean()), 1e-9)
 
@@ -433,6 +444,7 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
         near = (modeled_t <= modeled_t.min() * (1 + TIE)) & (modeled_t <= modeled_t[:n_peers].min())
         best = int(torch.argmin(torch.where(near, imbalance_t, torch.tensor(math.inf, dtype=torch.float64))))
     LAST_CHOICE[:] = [candidates[best][0]]
+    CHOSEN_TABLES[:] = [tables[best]] if best in tables else []
     return _runs_of(best, cp, group, a, b)
 
 

@@ -97,21 +97,27 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
 
 
 def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Sequence[str] = CHUNK_KINDS,
-                     window: Optional[int] = None, doc_runs: Optional[Sequence] = None):
+                     window: Optional[int] = None, doc_runs: Optional[Sequence] = None, known=None):
     """``build_plan``, and the global tables it made that a hierarchical route needs too: (plan,
-    (dst, a, b) needed intervals, counts by interval overlap or None where THD's closed form gave them)."""
+    (dst, a, b) needed intervals, counts by interval overlap or None where THD's closed form gave them).
+
+    ``known``: (work, (dst, a, b), counts) of this layout and window, when already computed (the
+    balanced search's exact pricing of the layout it chose)."""
     R, P = doc_ids.shape
     cp, L = layout.cp, layout.local_len
     runs = layout.runs
     rows = [document_runs(doc_ids[row]) for row in range(R)] if doc_runs is None else list(doc_runs)
-    work_per_rank, dst, a, b = work_and_intervals(runs, rows, window)
+    if known is None:
+        work_per_rank, dst, a, b = work_and_intervals(runs, rows, window)
+    else:
+        work_per_rank, (dst, a, b), _ = known
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
     if layout.name == "thd" and R == 1 and cp > 1 and window is None:  # every rank needs every document
         counts = thd_exchange_counts(doc_ids[0], cp, rows[0])
         overlap = None
     else:
-        counts = overlap = overlap_counts(runs, dst, a, b)
+        counts = overlap = overlap_counts(runs, dst, a, b) if known is None else known[2]
     needed_remote = counts.sum(0)
 
     # This rank as the source: its local rows inside every other rank's intervals.
