@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
@@ -156,11 +157,15 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
 def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     """Halo works when every rank's sources own the position just before one of its runs."""
     cp = runs.cp
-    _, _, by_run = runs.by_position()
-    # The runs partition [0, P): the position before a run's start is the end of the run before it.
-    owner_in_order = take(runs.rank, by_run)
-    adjacent = torch.zeros(cp, cp, dtype=torch.bool)  # [dst, src]
-    adjacent[owner_in_order[1:], owner_in_order[:-1]] = True
+    # The runs partition [0, P): the position before a run's start is the end of the run before it,
+    # found through a table of which rank's run ends where (no sort of the runs by position).
+    rank, start = runs.rank.numpy(), runs.start.numpy()
+    ends_at = np.empty(runs.padded_len + 1, dtype=np.int16 if cp < 2 ** 15 else np.int64)
+    ends_at[start + runs.length.numpy()] = rank  # read below only at run starts > 0: every one is written
+    inner = start > 0
+    adjacent = np.zeros(cp * cp, dtype=bool)  # [dst, src] flat
+    adjacent[rank[inner] * cp + ends_at[start[inner]]] = True
+    adjacent = torch.from_numpy(adjacent).view(cp, cp)
     strays = (counts.t() > 0) & ~adjacent  # [dst, src]
     bad = torch.nonzero(strays.any(1)).flatten()
     if bad.numel() == 0:

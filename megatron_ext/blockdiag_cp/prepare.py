@@ -69,7 +69,7 @@ def _as_rows(doc_ids) -> torch.Tensor:
     if doc_ids.dim() not in (1, 2) or doc_ids.shape[-1] == 0:
         raise ValueError(f"doc_ids must have shape [S] or [b, S] with S > 0, got {tuple(doc_ids.shape)}")
     ids = doc_ids.detach().to("cpu", torch.int64)
-    if bool((ids < 0).any()):
+    if int(ids.min()) < 0:  # one reduction, not a [b, S] mask
         raise ValueError(f"doc_ids must be >= 0 (0 = padding, documents 1-based); found {int(ids.min())}")
     return ids.unsqueeze(0) if ids.dim() == 1 else ids
 
