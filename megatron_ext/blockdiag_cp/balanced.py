@@ -500,34 +500,41 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         return _windowed_traffic(units.rows[0], units.P, cp, n_cand, group, a, b, window)
     d_start, d_end, d_id = units.rows[0]
     n_docs = d_start.numel()
-    which, doc, pa, pb = _real_pieces(*clip(a, b, d_start, d_end), d_id)
-    g, s = take(group, which), take(d_start, doc)
+    # In numpy (a few dozen small array ops, each cheaper than torch's dispatch); sums by bincount's
+    # float64 weights, exact: every partial sum is an integer far below 2**53.
+    which, doc, pa, pb = (x.numpy() for x in _real_pieces(*clip(a, b, d_start, d_end), d_id))
+    starts = d_start.numpy()
+    g, s = group.numpy()[which], starts[doc]
     size = n_cand * cp
-    work = torch.zeros(size, dtype=torch.long).index_add_(0, g, (pa + pb - 2 * s + 1) * (pb - pa) // 2)
+
+    def total(index, values, n):
+        return np.bincount(index, weights=values, minlength=n).astype(np.int64)
+
+    work = total(g, (pa + pb - 2 * s + 1) * (pb - pa) // 2, size)
     # Holders: (candidate, document, rank) -> reach (end of the last piece) and tokens owned.
     cand = g // cp
-    key, inverse = torch.unique((cand * n_docs + doc) * cp + g % cp, return_inverse=True)
-    reach = torch.zeros(key.numel(), dtype=torch.long).scatter_reduce_(0, inverse, pb, "amax")
-    own = torch.zeros(key.numel(), dtype=torch.long).index_add_(0, inverse, pb - pa)
+    key, inverse = np.unique((cand * n_docs + doc) * cp + g % cp, return_inverse=True)
+    reach = np.zeros(key.size, dtype=np.int64)
+    np.maximum.at(reach, inverse, pb)
+    own = total(inverse, pb - pa, key.size)
     h_doc = (key // cp) % n_docs
     h_group = (key // cp // n_docs) * cp + key % cp
-    inn = torch.zeros(size, dtype=torch.long).index_add_(0, h_group, reach - take(d_start, h_doc) - own)
+    inn = total(h_group, reach - starts[h_doc] - own, size)
     # Sends: every piece against the other holders of its (candidate, document).
     holder_cd = key // cp  # sorted
     piece_cd = cand * n_docs + doc
-    lo = search(holder_cd, piece_cd)
-    hi = search(holder_cd, piece_cd, right=True)
-    many = hi - lo > 1
-    out = torch.zeros(size, dtype=torch.long)
-    if bool(many.any()):
-        pieces = true_at(many)
-        p, h = _expand(take(lo, pieces), take(hi - lo, pieces))
-        p = take(pieces, p)
-        g_p = take(g, p)
-        sent = (torch.minimum(take(pb, p), take(reach, h)) - take(pa, p)).clamp(min=0)
-        sent = torch.where(take(key, h) % cp == g_p % cp, torch.zeros_like(sent), sent)
-        out.index_add_(0, g_p, sent)
-    return work.view(n_cand, cp), inn.view(n_cand, cp), out.view(n_cand, cp)
+    lo = np.searchsorted(holder_cd, piece_cd)
+    hi = np.searchsorted(holder_cd, piece_cd, side="right")
+    pieces = np.flatnonzero(hi - lo > 1)
+    out = np.zeros(size, dtype=np.int64)
+    if pieces.size:
+        p, h = (x.numpy() for x in _expand(torch.from_numpy(lo[pieces]), torch.from_numpy((hi - lo)[pieces])))
+        p = pieces[p]
+        g_p = g[p]
+        sent = np.maximum(np.minimum(pb[p], reach[h]) - pa[p], 0)
+        sent = np.where(key[h] % cp == g_p % cp, 0, sent)
+        out = total(g_p, sent, size)
+    return tuple(torch.from_numpy(x).view(n_cand, cp) for x in (work, inn, out))
 
 
 def _windowed_traffic(row: DocRuns, P: int, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
