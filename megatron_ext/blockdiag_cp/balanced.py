@@ -50,11 +50,13 @@ import math
 from itertools import chain
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .cost import CostModel, WindowMix
-from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, merge_intervals, overlap_counts,
-                        overlap_pieces, window_pairs, work_and_intervals)
+from .intervals import (DocRuns, RankRuns, _expand, _real_pieces, clip, document_runs, merge_intervals,
+                        overlap_counts, overlap_pieces, repeat_index, search, take, true_at, window_pairs,
+                        work_and_intervals)
 
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
@@ -80,6 +82,10 @@ NODE_FINALISTS = 1
 # Runs of consecutive tiny documents are bundled into units of at most this fraction of a rank's share.
 BUNDLE_FRACTION = 1 / 16
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
+# What the exact pricing computed for the candidate it chose, which the plan of that layout computes
+# again (full attention only): (runs, work, (dst, a, b), counts, two-level routes or None, ranks per node).
+# ``prepare.prepare_plan`` empties it before its layout and takes it after, so it never outlives a call.
+CHOSEN_TABLES: List[tuple] = []
 
 
 class _UnitTable:
@@ -154,6 +160,18 @@ class _Units:
             self.bundle.append(tiny)
             self.shared.append(later)
         self.by_work = sorted(range(len(self.start)), key=lambda i: -self.work[i])
+        self._splittable = {}  # L -> (units ``light`` can reject, by work; those it rejects at any limit)
+
+    def heavy(self, limit: float, L: int) -> List[int]:
+        """The units ``light(i, limit, L)`` rejects, in ``by_work`` order, without a call per unit: the
+        ones over ``limit`` are a prefix of the rest (sorted by work), the others are fixed by L."""
+        if L not in self._splittable:
+            order = [i for i in self.by_work if self.alpha[i] != 0 and not self.bundle[i]]
+            fixed = [(k, i) for k, i in enumerate(order) if self.end[i] - self.start[i] > L or self.shared[i]]
+            self._splittable[L] = (order, [-self.work[i] for i in order], fixed)
+        order, neg_work, fixed = self._splittable[L]
+        over = bisect.bisect_left(neg_work, -limit)  # order[:over]: work > limit
+        return order[:over] + [i for k, i in fixed if k >= over]
 
     def light(self, i: int, limit: float, L: int) -> bool:
         """Placed whole: padding, a bundle, or at most L tokens and ``limit`` work, and not a head of a
@@ -179,15 +197,17 @@ def _pairs(x: int, y: int, s: int, window: Optional[int]) -> int:
     return grow + max(0, hi - max(lo - 1, w)) * w
 
 
-def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None) -> RunSpec:
+def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None,
+                  doc_runs: Optional[Sequence[DocRuns]] = None) -> RunSpec:
     """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring).
 
     ``windows``: the model's sliding windows (``cost.WindowMix``; None: full attention): every
     candidate is priced as the layers' mix of windowed work and windowed needed keys.
+    ``doc_runs``: ``intervals.document_runs`` of every row, when the caller has them.
     """
     cost_model.check_group(cp)
     R, P = ids.shape
-    table = _UnitTable([document_runs(row) for row in ids], P, windows)
+    table = _UnitTable([document_runs(row) for row in ids] if doc_runs is None else list(doc_runs), P, windows)
     whole: Spans = [(0, P)]
     exact_needed = R > 1 or cost_model.seconds_per_message > 0
     if not cost_model.spans_nodes(cp) or R > 1:
@@ -312,7 +332,7 @@ def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bu
                                      [((2 * cp - 1 - r) * half, (2 * cp - r) * half) for r in range(cp)])))
         n_peers.append(len(c))  # contiguous (and zigzag): the result is never worse than these
         target = u.total / cp
-        if any(not u.light(i, min(thresholds) * target, L) for i in u.by_work):
+        if u.heavy(min(thresholds) * target, L):
             seen = set()  # step-1 splits already packed
             for theta in thresholds:
                 packed = _split_and_pack(u, cp, theta, "zigzag", seen)
@@ -374,21 +394,28 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
                   n_peers: int, prefer_balance: bool = True) -> RunSpec:
     """Price every candidate with the full model (``hierarchy.layout_traffic``) and pick by ``_choice``
     (``prefer_balance``) or the least modeled time (near-ties: the best balance)."""
-    from .hierarchy import layout_traffic
+    from .hierarchy import layout_traffic, node_routes
 
     P = table.P
     n_cand, group, a, b = _flatten([owned for _, owned in candidates], cp)
     modeled, imbalance = [math.inf] * n_cand, [math.inf] * n_cand
+    routed = cost_model.spans_nodes(cp) and cost_model.hierarchical
+    tables = {}  # candidate -> what CHOSEN_TABLES keeps (full attention only)
 
     def price(c: int) -> None:
         runs = RankRuns.build(cp, P, *_runs_of(c, cp, group, a, b))
         total, mixed = 0.0, torch.zeros(cp, dtype=torch.float64)
         for window, share in table.windows.shares:  # each share of layers with its own needed keys
             work, dst, ia, ib = work_and_intervals(runs, table.rows, window)
-            traffic = layout_traffic(runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib),
-                                     counts=overlap_counts(runs, dst, ia, ib))
+            counts = overlap_counts(runs, dst, ia, ib)
+            # layout_traffic's two-level path, with its routes kept for the plan's route
+            routes = node_routes(runs, dst, ia, ib, cost_model.ranks_per_node, counts) if routed else None
+            traffic = routes.traffic() if routed else layout_traffic(
+                runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib), counts=counts)
             total += share * cost_model.modeled_seconds(work, traffic)
             mixed += share * work.double()
+            if window is None and share == 1.0:
+                tables[c] = (runs, work, (dst, ia, ib), counts, routes, cost_model.ranks_per_node)
         modeled[c] = total
         imbalance[c] = float(mixed.max()) / max(float(mixed.mean()), 1e-9)
 
@@ -417,15 +444,17 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
         near = (modeled_t <= modeled_t.min() * (1 + TIE)) & (modeled_t <= modeled_t[:n_peers].min())
         best = int(torch.argmin(torch.where(near, imbalance_t, torch.tensor(math.inf, dtype=torch.float64))))
     LAST_CHOICE[:] = [candidates[best][0]]
+    CHOSEN_TABLES[:] = [tables[best]] if best in tables else []
     return _runs_of(best, cp, group, a, b)
 
 
 def _flatten(owned_lists: Sequence[Owned], cp: int) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every candidate's ranges as flat tensors, candidate-major: (count, candidate * cp + rank, a, b)."""
     per_rank = [spans for owned in owned_lists for spans in owned]
-    group = torch.repeat_interleave(torch.arange(len(per_rank)), torch.tensor([len(x) for x in per_rank]))
-    a, b = torch.tensor(list(chain.from_iterable(chain.from_iterable(per_rank))), dtype=torch.long).view(-1, 2).t()
-    return len(owned_lists), group, a.contiguous(), b.contiguous()
+    group = repeat_index(torch.from_numpy(np.fromiter(map(len, per_rank), dtype=np.int64, count=len(per_rank))))
+    # numpy reads the flat ints several times faster than torch.tensor does.
+    ab = np.fromiter(chain.from_iterable(chain.from_iterable(per_rank)), dtype=np.int64).reshape(-1, 2)
+    return len(owned_lists), group, torch.from_numpy(ab[:, 0].copy()), torch.from_numpy(ab[:, 1].copy())
 
 
 def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> RunSpec:
@@ -471,35 +500,41 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         return _windowed_traffic(units.rows[0], units.P, cp, n_cand, group, a, b, window)
     d_start, d_end, d_id = units.rows[0]
     n_docs = d_start.numel()
-    which, doc, pa, pb = clip(a, b, d_start, d_end)
-    real = d_id[doc] > 0
-    which, doc, pa, pb = which[real], doc[real], pa[real], pb[real]
-    g, s = group[which], d_start[doc]
+    # In numpy (a few dozen small array ops, each cheaper than torch's dispatch); sums by bincount's
+    # float64 weights, exact: every partial sum is an integer far below 2**53.
+    which, doc, pa, pb = (x.numpy() for x in _real_pieces(*clip(a, b, d_start, d_end), d_id))
+    starts = d_start.numpy()
+    g, s = group.numpy()[which], starts[doc]
     size = n_cand * cp
-    work = torch.zeros(size, dtype=torch.long).index_add_(0, g, (pa + pb - 2 * s + 1) * (pb - pa) // 2)
+
+    def total(index, values, n):
+        return np.bincount(index, weights=values, minlength=n).astype(np.int64)
+
+    work = total(g, (pa + pb - 2 * s + 1) * (pb - pa) // 2, size)
     # Holders: (candidate, document, rank) -> reach (end of the last piece) and tokens owned.
     cand = g // cp
-    key, inverse = torch.unique((cand * n_docs + doc) * cp + g % cp, return_inverse=True)
-    reach = torch.zeros(key.numel(), dtype=torch.long).scatter_reduce_(0, inverse, pb, "amax")
-    own = torch.zeros(key.numel(), dtype=torch.long).index_add_(0, inverse, pb - pa)
+    key, inverse = np.unique((cand * n_docs + doc) * cp + g % cp, return_inverse=True)
+    reach = np.zeros(key.size, dtype=np.int64)
+    np.maximum.at(reach, inverse, pb)
+    own = total(inverse, pb - pa, key.size)
     h_doc = (key // cp) % n_docs
     h_group = (key // cp // n_docs) * cp + key % cp
-    inn = torch.zeros(size, dtype=torch.long).index_add_(0, h_group, reach - d_start[h_doc] - own)
+    inn = total(h_group, reach - starts[h_doc] - own, size)
     # Sends: every piece against the other holders of its (candidate, document).
     holder_cd = key // cp  # sorted
     piece_cd = cand * n_docs + doc
-    lo = torch.searchsorted(holder_cd, piece_cd)
-    hi = torch.searchsorted(holder_cd, piece_cd, right=True)
-    many = hi - lo > 1
-    out = torch.zeros(size, dtype=torch.long)
-    if bool(many.any()):
-        pieces = torch.nonzero(many).flatten()
-        p, h = _expand(lo[pieces], (hi - lo)[pieces])
+    lo = np.searchsorted(holder_cd, piece_cd)
+    hi = np.searchsorted(holder_cd, piece_cd, side="right")
+    pieces = np.flatnonzero(hi - lo > 1)
+    out = np.zeros(size, dtype=np.int64)
+    if pieces.size:
+        p, h = (x.numpy() for x in _expand(torch.from_numpy(lo[pieces]), torch.from_numpy((hi - lo)[pieces])))
         p = pieces[p]
-        sent = (torch.minimum(pb[p], reach[h]) - pa[p]).clamp(min=0)
-        sent = torch.where(key[h] % cp == g[p] % cp, torch.zeros_like(sent), sent)
-        out.index_add_(0, g[p], sent)
-    return work.view(n_cand, cp), inn.view(n_cand, cp), out.view(n_cand, cp)
+        g_p = g[p]
+        sent = np.maximum(np.minimum(pb[p], reach[h]) - pa[p], 0)
+        sent = np.where(key[h] % cp == g_p % cp, 0, sent)
+        out = total(g_p, sent, size)
+    return tuple(torch.from_numpy(x).view(n_cand, cp) for x in (work, inn, out))
 
 
 def _windowed_traffic(row: DocRuns, P: int, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
@@ -601,11 +636,13 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
     ranks = _Ranks(cp, L)
     load, room = ranks.load, ranks.room
     whole = []
-    for i in units.by_work:
+    # zigzag: the light units only go whole, so only the heavy ones are visited; the ones split are
+    # then taken out of by_work. need: the share (so which units are light) moves as ranks fill.
+    split = set()
+    for i in (units.by_work if style == "need" else units.heavy(theta * target, L)):
         a, b, w = units.start[i], units.end[i], units.work[i]
         n = b - a
-        share = max(target - min(load), 0.0) if style == "need" else target
-        if units.light(i, theta * share, L):
+        if style == "need" and units.light(i, theta * max(target - min(load), 0.0), L):
             whole.append(i)
             continue
         if style == "need":
@@ -623,9 +660,12 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
         if any(room[r] < (h[1] - h[0]) + (t[1] - t[0]) for r, (h, t) in zip(chosen, pairs)):
             whole.append(i)  # no room to split it: step 3 cuts it where it lands
             continue
+        split.add(i)
         for rank, (head, tail) in zip(chosen, pairs):
             ranks.give(rank, *head, units.span(i, *head))
             ranks.give(rank, *tail, units.span(i, *tail))
+    if style != "need":
+        whole = [i for i in units.by_work if i not in split] if split else list(units.by_work)
 
     if seen is not None:
         key = tuple(tuple(o) for o in ranks.owned)

@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import DocRuns, RankRuns, clip, map_ranges, ranges, search
+from .intervals import DocRuns, RankRuns, _real_pieces, clip, map_ranges, ranges, repeat_index, search, take, true_at
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -138,10 +138,9 @@ def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
     r_start, r_len, r_local = runs.start[mine], runs.length[mine], runs.local[mine]
     parts = []
     for row, (d_start, d_end, d_id) in enumerate(rows):
-        run, doc, pa, pb = clip(r_start, r_start + r_len, d_start, d_end)
-        real = d_id[doc] > 0
-        run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
-        parts.append((torch.full_like(doc, row), doc, d_start[doc], pa, pb, r_local[run] + pa - r_start[run]))
+        run, doc, pa, pb = _real_pieces(*clip(r_start, r_start + r_len, d_start, d_end), d_id)
+        parts.append((torch.full_like(doc, row), doc, take(d_start, doc), pa, pb,
+                      take(r_local, run) + pa - take(r_start, run)))
     return [torch.cat(x) for x in zip(*parts)]
 
 
@@ -164,7 +163,7 @@ def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tenso
     offset = torch.cumsum(count, 1) - count  # [cp, J]
     j = search(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
     before_ds = runs.flat_before(ds) if before_ds is None else before_ds
-    return offset[:, j] + before_ds - before_a[:, j]
+    return offset.index_select(1, j) + before_ds - before_a.index_select(1, j)
 
 
 def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
@@ -174,18 +173,26 @@ def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
     """
     if src.numel() == 0:
         return src, src, src, src, src
-    remote = src != rank
-    first = torch.where(remote, slot // chunk_rows, torch.zeros_like(slot))
-    last = torch.where(remote, (slot + n_k - 1) // chunk_rows, torch.zeros_like(slot))
+    # In numpy, the own source's few ranges fixed up after: torch's where over the (source, piece)
+    # pairs (cp x pieces of them in a THD plan) cost more than the rest of the split.
+    s, start, end, p = src.numpy(), slot.numpy(), (slot + n_k).numpy(), piece.numpy()
+    own = np.flatnonzero(s == rank)
+    first, last = start // chunk_rows, (end - 1) // chunk_rows
+    first[own] = 0  # the own chunk is never cut
+    last[own] = 0
     count = last - first + 1
-    which = torch.repeat_interleave(torch.arange(src.numel()), count)
-    chunk = ranges(first, count)
-    lo = torch.where(remote[which], torch.maximum(slot[which], chunk * chunk_rows), slot[which])
-    hi = torch.where(remote[which], torch.minimum((slot + n_k)[which], (chunk + 1) * chunk_rows),
-                     (slot + n_k)[which])
-    order = torch.argsort((src[which] * (chunk.max() + 1) + chunk) * (piece.max() + 1) + piece[which])
-    which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
-    return src[which], chunk, piece[which], lo, hi - lo
+    which = np.repeat(np.arange(s.size), count)
+    chunk = ranges(torch.from_numpy(first), torch.from_numpy(count)).numpy()
+    at, end_at = start[which], end[which]
+    lo, hi = np.maximum(at, chunk * chunk_rows), np.minimum(end_at, (chunk + 1) * chunk_rows)
+    own_at = (np.cumsum(count) - count)[own]  # each own range is one entry
+    lo[own_at], hi[own_at] = at[own_at], end_at[own_at]
+    key = (s[which] * (int(chunk.max()) + 1) + chunk) * (int(p.max()) + 1) + p[which]
+    if key.size > 1 and not bool((key[1:] >= key[:-1]).all()):  # keys are distinct: sorted is the order
+        order = np.argsort(key)
+        which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
+    return (torch.from_numpy(s[which]), torch.from_numpy(chunk), torch.from_numpy(p[which]), torch.from_numpy(lo),
+            torch.from_numpy(hi - lo))
 
 
 @dataclass
@@ -258,16 +265,16 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     call_bit = bit_first[t.call_seg]  # [calls + 1]
 
     # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows: from bit i, the call
-    # takes bits i .. nxt[i] - 1, the most whose rows stay <= cap (bit ends are the rows' prefix sums).
+    # takes bits i .. nxt(i) - 1, the most whose rows stay <= cap (bit ends are the rows' prefix sums).
+    # nxt is searched only at the bits the chains visit (one per call they give), not at every bit.
     bit_call = np.repeat(np.arange(n_calls), np.diff(call_bit))
-    nxt = np.minimum(np.searchsorted(bit_end, bit_v + cap, side="right"), call_bit[1:][bit_call])
     starts = np.zeros(bit_seg.size, dtype=bool)
     starts[call_bit[:-1][~capped]] = True  # an uncapped call is one call
-    for i in call_bit[:-1][capped].tolist():  # follow the chain of a capped one: one step per call it gives
-        stop = int(call_bit[bit_call[i] + 1])
+    search_end = bit_end.searchsorted
+    for i, stop in zip(call_bit[:-1][capped].tolist(), call_bit[1:][capped].tolist()):  # a capped call's chain
         while i < stop:
             starts[i] = True
-            i = int(nxt[i])
+            i = min(int(search_end(bit_v[i] + cap, side="right")), stop)
     sub_lo = np.flatnonzero(starts)
     sub_call = bit_call[sub_lo].tolist()
     n_sub = sub_lo.size
@@ -278,15 +285,22 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     # Query rows: each bit cut at its pairs' starts; each piece lies in one bit and one pair, so maps
     # to diag linearly; touching pieces of one call merge into one range.
     pair_v = _exclusive(t.pair_n)[:-1]
-    first = np.searchsorted(pair_v, bit_v, side="right") - 1
-    count = np.searchsorted(pair_v, bit_end - 1, side="right") - first
-    bit = np.repeat(np.arange(bit_v.size), count)
-    pair = np.arange(bit.size) - _exclusive(count)[bit] + first[bit]
-    x = np.maximum(bit_v[bit], pair_v[pair])
-    piece_len = np.minimum(bit_end[bit], pair_v[pair] + t.pair_n[pair]) - x
-    piece_sub = bit_sub[bit]
-    piece_a = t.pair_a[pair] + x - pair_v[pair]
-    new = np.ones(bit.size, dtype=bool)
+    if t.pair_n.size == n_seg and bool((t.pair_n > 0).all()):
+        # One pair per segment (every segment has one): a bit lies inside its segment's pair, so it is
+        # one piece and the searches below (most of the cost at cp x documents segments: THD) are not
+        # needed. pair_v is then seg_voff[:-1].
+        piece_len, piece_sub = bit_m, bit_sub
+        piece_a = t.pair_a[bit_seg] + bit_v - pair_v[bit_seg]
+    else:
+        first = np.searchsorted(pair_v, bit_v, side="right") - 1
+        count = np.searchsorted(pair_v, bit_end - 1, side="right") - first
+        bit = np.repeat(np.arange(bit_v.size), count)
+        pair = np.arange(bit.size) - _exclusive(count)[bit] + first[bit]
+        x = np.maximum(bit_v[bit], pair_v[pair])
+        piece_len = np.minimum(bit_end[bit], pair_v[pair] + t.pair_n[pair]) - x
+        piece_sub = bit_sub[bit]
+        piece_a = t.pair_a[pair] + x - pair_v[pair]
+    new = np.ones(piece_a.size, dtype=bool)
     new[1:] = (piece_sub[1:] != piece_sub[:-1]) | (piece_a[1:] != piece_a[:-1] + piece_len[:-1])
     heads = np.flatnonzero(new)
     r_a, r_len, r_sub = piece_a[heads], np.add.reduceat(piece_len, heads), piece_sub[heads]
@@ -304,13 +318,14 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     np.add.at(mark, seg_lo[~one_seg], 1)
     np.add.at(mark, seg_hi[~one_seg], -1)
     kept = np.where(np.cumsum(mark[:-1]) > 0, t.seg_k, 0)
-    koff = _exclusive(kept).tolist()
+    koff = _exclusive(kept)
     joined = ranges(torch.from_numpy(t.seg_slot), torch.from_numpy(kept))
     if R > 1:
         joined = joined * R + torch.repeat_interleave(torch.from_numpy(t.seg_row), torch.from_numpy(kept))
     base = torch.arange(int((t.seg_slot + t.seg_k).max())) if one_seg.any() else None
 
     seg_lo_l, seg_hi_l, one_l = seg_lo.tolist(), seg_hi.tolist(), one_seg.tolist()
+    key_lo, key_hi = koff[seg_lo].tolist(), koff[seg_hi].tolist()  # per call: its slice of ``joined``
     q_lens, k_lens = bit_m.tolist(), t.seg_k.tolist()
     slot_l = t.seg_slot[seg_lo].tolist()  # per call: the first key slot of its (first) segment
     single_a, single_n = r_a[r_first[:-1]].tolist(), r_len[r_first[:-1]].tolist()
@@ -341,7 +356,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         else:
             a = single_a[u]
             q = diag[a:a + single_n[u]] if counts[u] == 1 else gathered[g_off[u]:g_off[u + 1]]
-            call = CallPlan(False, q, joined[koff[s0]:koff[s1]], ql, tuple(k_lens[s0:s1]), w)
+            call = CallPlan(False, q, joined[key_lo[u]:key_hi[u]], ql, tuple(k_lens[s0:s1]), w)
         plans.append(call)
     # Calls of one (source, chunk) are adjacent (segments are sorted by it), so are their pieces.
     sub_of_call = _exclusive(np.bincount(bit_call[sub_lo], minlength=n_calls)).tolist()
@@ -372,27 +387,32 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     else:
         slot = _needed_offsets(runs, rank, *intervals, ds, before_ds, mine_flat)
         slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
-    src, piece = torch.nonzero(n_k > 0, as_tuple=True)  # source-major, pieces ascending
-    src, chunk, piece, lo, n = _split_at_chunks(src, slot[src, piece], n_k[src, piece], piece, rank, c)
+    cell = true_at((n_k > 0).view(-1))  # source-major, pieces ascending: src * n + piece
+    n_pieces = n_k.shape[1]
+    src, piece = cell // n_pieces, cell % n_pieces
+    src, chunk, piece, lo, n = _split_at_chunks(src, take(slot.reshape(-1), cell), take(n_k.reshape(-1), cell),
+                                                piece, rank, c)
     if src.numel() == 0:
         return _Segments.empty()
-    r = row[piece]
+    r, d = take(row, piece), take(doc, piece)
     new = torch.ones_like(src, dtype=torch.bool)
     new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (r[1:] != r[:-1])
-               | (doc[piece][1:] != doc[piece][:-1]) | (n[1:] != n[:-1]) | (lo[1:] != lo[:-1]))
-    head = torch.nonzero(new).flatten()
+               | (d[1:] != d[:-1]) | (n[1:] != n[:-1]) | (lo[1:] != lo[:-1]))
+    head = true_at(new)
     group = torch.cumsum(new.long(), 0) - 1
-    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, n_q[piece])
+    nq_piece = take(n_q, piece)
+    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, nq_piece)
     chunk_first = torch.where(src == rank, torch.zeros_like(chunk), chunk * c)
-    seg_k, seg_slot, seg_row = n[head], (lo - chunk_first)[head], r[head]
+    src_h, chunk_h = take(src, head), take(chunk, head)
+    seg_k, seg_slot, seg_row = take(n, head), take(lo - chunk_first, head), take(r, head)
     call_new = torch.ones(head.numel(), dtype=torch.bool)
-    call_new[1:] = (src[head][1:] != src[head][:-1]) | (chunk[head][1:] != chunk[head][:-1])
-    call_head = torch.nonzero(call_new).flatten()
-    calls = head[call_head]
-    return _Segments(src[calls].numpy(), chunk[calls].numpy(), np.full(call_head.numel(), -1, dtype=np.int64),
+    call_new[1:] = (src_h[1:] != src_h[:-1]) | (chunk_h[1:] != chunk_h[:-1])
+    call_head = true_at(call_new)
+    return _Segments(take(src_h, call_head).numpy(), take(chunk_h, call_head).numpy(),
+                     np.full(call_head.numel(), -1, dtype=np.int64),
                      np.append(call_head.numpy(), head.numel()), np.append(head.numpy(), src.numel()),
-                     seg_q.numpy(), seg_k.numpy(), seg_slot.numpy(), seg_row.numpy(), q_off[piece].numpy(),
-                     n_q[piece].numpy())
+                     seg_q.numpy(), seg_k.numpy(), seg_slot.numpy(), seg_row.numpy(), take(q_off, piece).numpy(),
+                     nq_piece.numpy())
 
 
 def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: int, c: int, R: int,

@@ -217,18 +217,24 @@ class HierarchicalRoute:
 
 
 def build_hierarchical_route(layout, doc_ids: torch.Tensor, rank: int, ranks_per_node: int,
-                             routes: Optional[NodeRoutes] = None, window: Optional[int] = None) -> HierarchicalRoute:
+                             routes: Optional[NodeRoutes] = None, window: Optional[int] = None,
+                             intervals=None, counts: Optional[torch.Tensor] = None) -> HierarchicalRoute:
     """This rank's route for ``layout`` (``layout.Layout``) and padded doc ids [R, P] or [P].
 
     Computed identically on every rank from global tables; ``routes`` when already at hand.
     ``window``: the rows a sliding window needs (``plan.build_plan``'s ``window``).
+    ``intervals`` (dst, a, b) and ``counts``: the plan's needed intervals for that window and
+    their ``overlap_counts``, when the caller has them (``plan.plan_with_tables``).
     """
     runs = layout.runs
-    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
-    rows = [document_runs(ids[r]) for r in range(ids.shape[0])]
-    _, dst, a, b = work_and_intervals(runs, rows, window)
+    if intervals is None:
+        ids = doc_ids.reshape(-1, doc_ids.shape[-1])
+        rows = [document_runs(ids[r]) for r in range(ids.shape[0])]
+        _, dst, a, b = work_and_intervals(runs, rows, window)
+    else:
+        dst, a, b = intervals
     if routes is None:
-        routes = node_routes(runs, dst, a, b, ranks_per_node)
+        routes = node_routes(runs, dst, a, b, ranks_per_node, counts)
     return rank_route(routes, runs, (dst, a, b), rank)
 
 
@@ -286,7 +292,7 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
 
     # Stage 1: per peer in rank order, what this rank sends and receives (received rows as ranges of
     # (peer, position), ascending: by peer, then position).
-    send_parts, send_counts, recv_counts = [], [], []
+    send_starts, send_ends, send_counts, recv_counts = [], [], [], []
     r1_peer, r1_start, r1_end = [], [], []
     inter_send = inter_recv = 0
     # This rank's fetch pieces as owner and as fetcher, grouped by the other end once (stable: each
@@ -305,18 +311,21 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
         else:  # fetch pieces: this rank as owner (to fetcher peer) and as fetcher (from owner peer)
             s_start, s_end = as_owner(peer)
             r_start, r_end = as_fetcher(peer)
-        rows = local_rows(s_start, s_end)
-        send_parts.append(rows)
-        send_counts.append(rows.numel())
+        # Every peer's send rows are made at once after the loop (local_rows is elementwise then a
+        # concatenation of ranges, so one call on all peers' ranges is the peers' calls end to end).
+        send_starts.append(s_start)
+        send_ends.append(s_end)
+        n_send = int((s_end - s_start).clamp(min=0).sum()) if s_start.numel() else 0
+        send_counts.append(n_send)
         n_recv = int((r_end - r_start).sum())
         r1_peer.append(torch.full_like(r_start, peer))
         r1_start.append(r_start)
         r1_end.append(r_end)
         recv_counts.append(n_recv)
         if peer // g != node:
-            inter_send += rows.numel()
+            inter_send += n_send
             inter_recv += n_recv
-    send1_index = torch.cat(send_parts) if send_parts else empty
+    send1_index = local_rows(torch.cat(send_starts), torch.cat(send_ends)) if send_starts else empty
     recv1 = tuple(torch.cat(x) if x else empty for x in (r1_peer, r1_start, r1_end))
 
 

@@ -74,12 +74,13 @@ class Layout:
 
 
 def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
-                 cost_model: Optional[CostModel] = None, windows=None) -> Layout:
+                 cost_model: Optional[CostModel] = None, windows=None, doc_runs=None) -> Layout:
     """doc_ids: [b, P] int64 already padded to the layout's granularity.
 
     ``cost_model`` and ``windows`` (the model's sliding windows, ``cost.resolve_windows``: None,
     a window, a ``WindowMix`` or per-layer windows) only steer ``balanced`` (default cost model:
-    ``cost.default_cost_model()``).
+    ``cost.default_cost_model()``). ``doc_runs``: ``intervals.document_runs`` of every row, when the
+    caller has them (a cost-aware layout reads them).
     """
     windows = resolve_windows(windows)
     name = normalize_layout(name)
@@ -92,7 +93,7 @@ def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
     if cp == 1:
         rank, start, length = [0], [0], [padded]
     else:
-        rank, start, length = strategy.runs(ids, cp, cost_model, windows)
+        rank, start, length = strategy.runs(ids, cp, cost_model, windows, doc_runs=doc_runs)
     return Layout(name=name, cp=cp, padded_len=padded, runs=RankRuns.build(cp, padded, rank, start, length))
 
 
@@ -106,10 +107,11 @@ class LayoutStrategy:
         return cp
 
     def runs(self, doc_ids: torch.Tensor, cp: int, cost_model: Optional[CostModel],
-             windows: Optional[WindowMix] = None) -> RunSpec:
+             windows: Optional[WindowMix] = None, doc_runs=None) -> RunSpec:
         """(rank, start, length) of the ranges each rank owns (any order; touching ones merge).
 
-        ``windows``: the model's sliding windows; only a cost-aware layout (balanced) reads them."""
+        ``windows``: the model's sliding windows; only a cost-aware layout (balanced) reads them,
+        and ``doc_runs``, the rows' ``intervals.document_runs`` (None: it finds them)."""
         raise NotImplementedError
 
 
@@ -123,7 +125,7 @@ class ContiguousLayout(LayoutStrategy):
 
     name = "contiguous"
 
-    def runs(self, doc_ids, cp, cost_model, windows=None):
+    def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
         L = doc_ids.shape[-1] // cp
         return torch.arange(cp), torch.arange(cp) * L, torch.full((cp,), L)
 
@@ -142,7 +144,7 @@ class ZigzagLayout(LayoutStrategy):
     def granularity(cp: int) -> int:
         return 2 * cp if cp > 1 else cp
 
-    def runs(self, doc_ids, cp, cost_model, windows=None):
+    def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
         half = doc_ids.shape[-1] // (2 * cp)
         rank = torch.arange(cp)
         chunk = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]
@@ -169,12 +171,12 @@ class THDLayout(LayoutStrategy):
     def granularity(cp: int) -> int:
         return 2 * cp if cp > 1 else cp
 
-    def runs(self, doc_ids, cp, cost_model, windows=None):
+    def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
         if doc_ids.shape[0] != 1:
             raise ValueError(f"layout 'thd' takes one row of doc ids (THD packs the batch into one "
                              f"sequence), got {doc_ids.shape[0]} rows; pass doc_ids of shape [S] or "
                              f"use another layout for per-row documents")
-        cu = thd_padded_cu_seqlens(doc_ids[0], cp)
+        cu = thd_padded_cu_seqlens(doc_ids[0], cp) if doc_runs is None else _thd_cu_of_runs(doc_runs[0], doc_ids[0], cp)
         chunk = cu.diff() // (2 * cp)  # [n]
         rank = torch.arange(cp)
         which = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]: chunks r and 2cp-1-r
@@ -193,7 +195,21 @@ def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     new = torch.zeros(P, dtype=torch.bool)
     new[0] = True
     new[1:] = (doc_ids[1:] != doc_ids[:-1]) & (doc_ids[1:] > 0)
-    cu = torch.cat([torch.nonzero(new).flatten(), torch.tensor([P])])
+    return _checked_thd_cu(torch.cat([torch.nonzero(new).flatten(), torch.tensor([P])]), doc_ids, cp)
+
+
+def _thd_cu_of_runs(doc_runs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], doc_ids: torch.Tensor,
+                    cp: int) -> torch.Tensor:
+    """``thd_padded_cu_seqlens`` from the row's ``document_runs`` (a boundary at every start of a
+    nonzero run, and at 0), without another pass over the P ids."""
+    d_start, _, d_id = doc_runs
+    later = d_start[1:][d_id[1:] > 0]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), later, torch.tensor([doc_ids.numel()])])
+    return _checked_thd_cu(cu, doc_ids, cp)
+
+
+def _checked_thd_cu(cu: torch.Tensor, doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+    """cu, or the error naming the first document whose padded extent is not a multiple of 2*cp."""
     extent = cu.diff()
     bad = torch.nonzero(extent % (2 * cp)).flatten()
     if bad.numel():
@@ -234,7 +250,7 @@ def thd_partitioned_indices(cu_seqlens_padded, total_tokens: int, cp: int, rank:
     return index + local[seq] * cp + half * (chunk - (index >= half).long())
 
 
-def thd_exchange_counts(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+def thd_exchange_counts(doc_ids: torch.Tensor, cp: int, doc_runs=None) -> torch.Tensor:
     """counts[src, dst] of the THD layout in closed form (one row of doc ids, padded for THD).
 
     Every padded document is cut into 2*cp chunks of c tokens; its real tokens
@@ -244,12 +260,13 @@ def thd_exchange_counts(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
     with A_K, B_K fixed by K alone: the sum over documents is a sum over K of
     the documents' c and f. Equals the generic interval count
     (``intervals.overlap_counts``) at O(documents + cp^3) instead of
-    O(documents * cp^2).
+    O(documents * cp^2). ``doc_runs``: the row's ``intervals.document_runs``, when the caller has them.
     """
     row = doc_ids.reshape(-1)
-    cu = thd_padded_cu_seqlens(row, cp)
+    doc_runs = document_runs(row) if doc_runs is None else doc_runs
+    cu = _thd_cu_of_runs(doc_runs, row, cp)
     c = cu.diff() // (2 * cp)  # [n]
-    d_start, d_end, d_id = document_runs(row)
+    d_start, d_end, d_id = doc_runs
     which = torch.searchsorted(d_start, cu[:-1])  # the run starting each extent
     real = torch.where(d_id[which] > 0, torch.minimum(d_end[which], cu[1:]) - cu[:-1], torch.zeros_like(c))
     has = real > 0
@@ -327,8 +344,8 @@ class BalancedLayout(LayoutStrategy):
 
     name = "balanced"
 
-    def runs(self, doc_ids, cp, cost_model, windows=None):
-        return balanced_runs(doc_ids, cp, resolve_cost_model(cost_model), windows)
+    def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
+        return balanced_runs(doc_ids, cp, resolve_cost_model(cost_model), windows, doc_runs)
 
 
 LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {

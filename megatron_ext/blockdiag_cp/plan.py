@@ -19,10 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
-from .intervals import (RankRuns, document_runs, flat_ranges, map_ranges, overlap_counts, ranges,
+from .intervals import (RankRuns, document_runs, flat_ranges, map_ranges, overlap_counts, ranges, take, true_at,
                         work_and_intervals)
 from .layout import Layout, thd_exchange_counts
 
@@ -82,7 +83,8 @@ class _Lazy(Mapping):
 
 
 def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
-               kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None) -> StepPlan:
+               kinds: Sequence[str] = CHUNK_KINDS, window: Optional[int] = None,
+               doc_runs: Optional[Sequence] = None) -> StepPlan:
     """doc_ids: [R, P] int64 (padded); all tables are global except this rank's indices.
 
     ``kinds``: the chunk kinds whose steps are built now; any other is built on first access.
@@ -90,38 +92,53 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
     needed K/V, exchange tables and kernel calls count only keys inside the windows.
     Works on the layout's runs and each row's document runs (``intervals``): one
     pass over the doc ids, the rest over runs, documents and this rank's indices.
+    ``doc_runs``: ``intervals.document_runs`` of every row, when the caller has them.
     """
+    return plan_with_tables(doc_ids, layout, rank, kinds, window, doc_runs)[0]
+
+
+def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Sequence[str] = CHUNK_KINDS,
+                     window: Optional[int] = None, doc_runs: Optional[Sequence] = None, known=None):
+    """``build_plan``, and the global tables it made that a hierarchical route needs too: (plan,
+    (dst, a, b) needed intervals, counts by interval overlap or None where THD's closed form gave them).
+
+    ``known``: (work, (dst, a, b), counts) of this layout and window, when already computed (the
+    balanced search's exact pricing of the layout it chose)."""
     R, P = doc_ids.shape
     cp, L = layout.cp, layout.local_len
     runs = layout.runs
-    rows = [document_runs(doc_ids[row]) for row in range(R)]
-    work_per_rank, dst, a, b = work_and_intervals(runs, rows, window)
+    rows = [document_runs(doc_ids[row]) for row in range(R)] if doc_runs is None else list(doc_runs)
+    if known is None:
+        work_per_rank, dst, a, b = work_and_intervals(runs, rows, window)
+    else:
+        work_per_rank, (dst, a, b), _ = known
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
     if layout.name == "thd" and R == 1 and cp > 1 and window is None:  # every rank needs every document
-        counts = thd_exchange_counts(doc_ids[0], cp)
+        counts = thd_exchange_counts(doc_ids[0], cp, rows[0])
+        overlap = None
     else:
-        counts = overlap_counts(runs, dst, a, b)
+        counts = overlap = overlap_counts(runs, dst, a, b) if known is None else known[2]
     needed_remote = counts.sum(0)
 
     # This rank as the source: its local rows inside every other rank's intervals.
     empty = torch.empty(0, dtype=torch.long)
     send_index: List[torch.Tensor] = [empty] * cp
     recv_positions: List[torch.Tensor] = [empty] * cp
-    out = dst != rank
-    if bool(out.any()):
-        lo, hi = flat_ranges(runs, a[out], b[out], rank)
+    out = true_at(dst != rank)
+    if out.numel():
+        lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank)
         n = hi - lo
         local = ranges(lo - rank * L, n)
-        per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, dst[out], n)
+        per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, take(dst, out), n)
         send_index = list(torch.split(local, per_dst.tolist()))
     # This rank as the destination: every other owner's positions inside its own intervals,
     # source-major; flat index ranges map to positions through the runs (sorted by flat index).
-    mine = dst == rank
+    mine = true_at(dst == rank)
     recv_start, recv_len = empty, empty
     mine_flat = None
-    if bool(mine.any()):
-        lo, hi = mine_flat = flat_ranges(runs, a[mine], b[mine])  # [cp, n_mine]
+    if mine.numel():
+        lo, hi = mine_flat = flat_ranges(runs, take(a, mine), take(b, mine))  # [cp, n_mine]
         n = hi - lo
         n[rank] = 0
         _, recv_start, recv_len = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), n.reshape(-1))
@@ -134,17 +151,21 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
                    CHUNK_KINDS)
     for kind in kinds:
         stream[kind]
-    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window)
+    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window), (dst, a, b), overlap
 
 
 def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     """Halo works when every rank's sources own the position just before one of its runs."""
     cp = runs.cp
-    _, _, by_run = runs.by_position()
-    # The runs partition [0, P): the position before a run's start is the end of the run before it.
-    owner_in_order = runs.rank[by_run]
-    adjacent = torch.zeros(cp, cp, dtype=torch.bool)  # [dst, src]
-    adjacent[owner_in_order[1:], owner_in_order[:-1]] = True
+    # The runs partition [0, P): the position before a run's start is the end of the run before it,
+    # found through a table of which rank's run ends where (no sort of the runs by position).
+    rank, start = runs.rank.numpy(), runs.start.numpy()
+    ends_at = np.empty(runs.padded_len + 1, dtype=np.int16 if cp < 2 ** 15 else np.int64)
+    ends_at[start + runs.length.numpy()] = rank  # read below only at run starts > 0: every one is written
+    inner = start > 0
+    adjacent = np.zeros(cp * cp, dtype=bool)  # [dst, src] flat
+    adjacent[rank[inner] * cp + ends_at[start[inner]]] = True
+    adjacent = torch.from_numpy(adjacent).view(cp, cp)
     strays = (counts.t() > 0) & ~adjacent  # [dst, src]
     bad = torch.nonzero(strays.any(1)).flatten()
     if bad.numel() == 0:

@@ -21,7 +21,8 @@ from .cost import CostModel, WindowMix, default_cost_model, resolve_cost_model, 
 from .hierarchy import HierarchicalRoute, build_hierarchical_route, layout_traffic
 from .intervals import document_runs, overlap_counts, pair_work, work_and_intervals
 from .layout import Layout, build_layout, padded_length
-from .plan import CHUNK_KINDS, StepPlan, build_plan
+from .plan import CHUNK_KINDS, StepPlan, plan_with_tables
+from . import balanced
 from . import state as knobs
 from .state import normalize_kv_exchange, normalize_layout
 
@@ -68,7 +69,7 @@ def _as_rows(doc_ids) -> torch.Tensor:
     if doc_ids.dim() not in (1, 2) or doc_ids.shape[-1] == 0:
         raise ValueError(f"doc_ids must have shape [S] or [b, S] with S > 0, got {tuple(doc_ids.shape)}")
     ids = doc_ids.detach().to("cpu", torch.int64)
-    if bool((ids < 0).any()):
+    if int(ids.min()) < 0:  # one reduction, not a [b, S] mask
         raise ValueError(f"doc_ids must be >= 0 (0 = padding, documents 1-based); found {int(ids.min())}")
     return ids.unsqueeze(0) if ids.dim() == 1 else ids
 
@@ -111,18 +112,41 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
     S = ids.shape[1]
     t0 = time.perf_counter()
     padded = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
-    lay = build_layout(name, padded, cp, cost_model=cost, windows=mix)
+    # The rows' document runs, once for the layout, every plan and every route.
+    rows = [document_runs(padded[r]) for r in range(padded.shape[0])]
+    balanced.CHOSEN_TABLES.clear()
+    lay = build_layout(name, padded, cp, cost_model=cost, windows=mix, doc_runs=rows)
+    chosen = _chosen_tables(lay) if window is None else None
     t1 = time.perf_counter()
-    plan = build_plan(padded, lay, rank, kinds=kinds, window=window)
-    window_plans = {w: build_plan(padded, lay, rank, kinds=kinds, window=w) for w in mix.windows if w != window}
+    tables = {}  # window -> (needed intervals, their overlap counts): the plan's, reused by its route
+    plan, *tables[window] = plan_with_tables(padded, lay, rank, kinds, window, rows,
+                                             known=chosen[1:4] if chosen else None)
+    window_plans = {}
+    for w in mix.windows:
+        if w != window:
+            window_plans[w], *tables[w] = plan_with_tables(padded, lay, rank, kinds, w, rows)
     # As the build decides: routes only where the group is several whole nodes of several ranks.
     routed = hierarchical and 1 < g < cp and cp % g == 0
-    route = build_hierarchical_route(lay, padded, rank, g, window=window) if routed else None
-    window_routes = {w: build_hierarchical_route(lay, padded, rank, g, window=w) for w in window_plans} \
+    routes = chosen[4] if chosen and chosen[5] == g else None  # the search's routes of this layout
+    route = build_hierarchical_route(lay, padded, rank, g, routes=routes, window=window,
+                                     intervals=tables[window][0], counts=tables[window][1]) if routed else None
+    window_routes = {w: build_hierarchical_route(lay, padded, rank, g, window=w, intervals=tables[w][0],
+                                                 counts=tables[w][1]) for w in window_plans} \
         if routed else None
     t2 = time.perf_counter()
     return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0, route, g, mix, window_plans,
                         window_routes)
+
+
+def _chosen_tables(lay: Layout) -> Optional[tuple]:
+    """``balanced.CHOSEN_TABLES`` of this call's layout (emptied: it never serves another call)."""
+    chosen = balanced.CHOSEN_TABLES[0] if balanced.CHOSEN_TABLES else None
+    balanced.CHOSEN_TABLES.clear()
+    if chosen is None or lay.name != "balanced":
+        return None
+    runs = chosen[0]
+    same = all(torch.equal(getattr(runs, f), getattr(lay.runs, f)) for f in ("rank", "start", "length", "local"))
+    return chosen if same and runs.cp == lay.cp and runs.padded_len == lay.padded_len else None
 
 
 def modeled_lower_bound(doc_ids: torch.Tensor, cp: int, local_len: int, cost_model: CostModel) -> float:

@@ -1,0 +1,140 @@
+"""The planner's fast paths (issue 19, planning speed) equal the general code they skip: lookups
+instead of binary searches, the numpy chunk split, the heavy-unit shortcut of the balanced search,
+and the tables prepare_plan shares between the layout search, the plan and the route."""
+
+import pytest
+import torch
+
+from megatron_ext.blockdiag_cp import balanced, chunks, intervals, prepare_plan
+from megatron_ext.blockdiag_cp.cost import CostModel
+from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route
+from megatron_ext.blockdiag_cp.intervals import clip, document_runs, map_ranges, ranges
+from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.plan import build_plan
+
+
+def _partition(P, n, g):
+    cuts = torch.sort(torch.randperm(P - 1, generator=g)[:n - 1] + 1).values
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
+    return starts, torch.cat([cuts, torch.tensor([P])])
+
+
+def _no_lookup(monkeypatch):
+    monkeypatch.setattr(intervals, "_part_lookup", lambda *args: None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clip_and_map_ranges_lookup_equal_searches(seed, monkeypatch):
+    g = torch.Generator().manual_seed(seed)
+    P = 600
+    starts, ends = _partition(P, 7, g)
+    a = torch.randint(0, P, (500,), generator=g)  # many ranges against few parts: the lookup path
+    b = torch.minimum(a + torch.randint(1, 200, (500,), generator=g), torch.tensor(P))
+    q_len = torch.where(torch.rand(500, generator=g) < 0.2, torch.zeros_like(a), b - a)
+    value = torch.randint(0, 10_000, (starts.numel(),), generator=g)
+    assert intervals._part_lookup(a, b, starts, ends) is not None
+    fast = clip(a, b, starts, ends), map_ranges(starts, ends - starts, value, a, q_len)
+    _no_lookup(monkeypatch)
+    slow = clip(a, b, starts, ends), map_ranges(starts, ends - starts, value, a, q_len)
+    for x, y in zip(fast, slow):
+        assert all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+def _split_reference(src, slot, n_k, piece, rank, chunk_rows):
+    """The torch code the numpy split replaced."""
+    remote = src != rank
+    first = torch.where(remote, slot // chunk_rows, torch.zeros_like(slot))
+    last = torch.where(remote, (slot + n_k - 1) // chunk_rows, torch.zeros_like(slot))
+    count = last - first + 1
+    which = torch.repeat_interleave(torch.arange(src.numel()), count)
+    chunk = ranges(first, count)
+    lo = torch.where(remote[which], torch.maximum(slot[which], chunk * chunk_rows), slot[which])
+    hi = torch.where(remote[which], torch.minimum((slot + n_k)[which], (chunk + 1) * chunk_rows), (slot + n_k)[which])
+    order = torch.argsort((src[which] * (chunk.max() + 1) + chunk) * (piece.max() + 1) + piece[which])
+    which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
+    return src[which], chunk, piece[which], lo, hi - lo
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_at_chunks_equals_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    cp, n = 4, 30
+    src = torch.arange(cp).repeat_interleave(n)
+    piece = torch.arange(n).repeat(cp)
+    # Overlapping key ranges of one source (pieces of one document): the sort is needed.
+    slot = torch.randint(0, 50, (cp * n,), generator=g)
+    n_k = torch.randint(1, 40, (cp * n,), generator=g)
+    got = chunks._split_at_chunks(src, slot, n_k, piece, 2, 8)
+    want = _split_reference(src, slot, n_k, piece, 2, 8)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+def test_heavy_units_are_what_light_rejects():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 3000, (300,), generator=g).tolist() + [20_000, 9_000]
+    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[:2 ** 16]
+    ids = torch.nn.functional.pad(ids, (0, 2 ** 16 - ids.numel()))
+    table = balanced._UnitTable([document_runs(ids)], ids.numel())
+    for cp in (4, 8):
+        units = balanced._Units(table, [(0, ids.numel())], cp)
+        L, target = units.tokens // cp, units.total / cp
+        for theta in balanced.SPLIT_THRESHOLDS + (0.05, 0.0):
+            limit = theta * target
+            assert units.heavy(limit, L) == [i for i in units.by_work if not units.light(i, limit, L)]
+
+
+def test_prepare_plan_shares_tables_without_changing_them():
+    """The balanced search's pricing of its choice, the plan's intervals and the route's node routes,
+    reused across one prepare_plan, equal what each computes alone."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [int(x) for x in torch.randint(16, 900, (200,), generator=g)] + [6000]
+    S, cp = 2 ** 15, 16
+    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[:S]
+    cost = CostModel.two_level(8)
+    prep = prepare_plan(ids, cp, cp - 1, layout="balanced", cost_model=cost, kinds=("needed",),
+                        kv_exchange="hierarchical", ranks_per_node=8)
+    assert not balanced.CHOSEN_TABLES  # emptied: nothing outlives the call
+    padded = torch.nn.functional.pad(ids.unsqueeze(0), (0, padded_length(S, "balanced", cp) - S))
+    lay = build_layout("balanced", padded, cp, cost_model=cost)
+    assert all(torch.equal(getattr(lay.runs, f), getattr(prep.layout.runs, f))
+               for f in ("rank", "start", "length", "local"))
+    plan = build_plan(padded, lay, cp - 1, kinds=("needed",))
+    route = build_hierarchical_route(lay, padded, cp - 1, 8)
+    for f in ("needed_remote", "work_per_rank"):
+        assert torch.equal(getattr(plan, f), getattr(prep.plan, f))
+    assert torch.equal(plan.exchange.counts, prep.plan.exchange.counts)
+    assert all(torch.equal(x, y) for x, y in zip(plan.exchange.recv_positions, prep.plan.exchange.recv_positions))
+    for f in route.__dataclass_fields__:
+        x, y = getattr(route, f), getattr(prep.route, f)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f
+    steps = plan.stream["needed"].steps
+    assert [(s.source, s.first, s.chunk_len, len(s.calls)) for s in steps] == \
+        [(s.source, s.first, s.chunk_len, len(s.calls)) for s in prep.plan.stream["needed"].steps]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced", "thd"])
+def test_halo_check_equals_the_sort_by_position(layout):
+    from megatron_ext.blockdiag_cp.plan import _halo_check
+
+    g = torch.Generator().manual_seed(3)
+    cp = 4
+    lengths = [int(x) for x in torch.randint(1, 300, (40,), generator=g)]
+    if layout == "thd":
+        lengths = [-(-n // (2 * cp)) * (2 * cp) for n in lengths]
+    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths)).unsqueeze(0)
+    ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
+    lay = build_layout(layout, ids, cp)
+    counts = build_plan(ids, lay, 0, kinds=()).exchange.counts
+    owner = lay.runs.rank[lay.runs.by_position()[2]]
+    adjacent = torch.zeros(cp, cp, dtype=torch.bool)
+    adjacent[owner[1:], owner[:-1]] = True
+    strays = (counts.t() > 0) & ~adjacent
+    assert _halo_check(lay.runs, counts)[0] == (not bool(strays.any()))
+    # and the reason names the same rank and sources where it fails
+    for fake in (torch.ones(cp, cp, dtype=torch.long).fill_diagonal_(0),):
+        strays = (fake.t() > 0) & ~adjacent
+        ok, why = _halo_check(lay.runs, fake)
+        assert ok == (not bool(strays.any()))
+        if not ok:
+            dst = int(torch.nonzero(strays.any(1)).flatten()[0])
+            assert why.startswith(f"rank {dst} needs K/V from rank(s) {torch.nonzero(strays[dst]).flatten().tolist()}")
