@@ -93,7 +93,7 @@ def test_prepare_plan_shares_tables_without_changing_them():
     cost = CostModel.two_level(8)
     prep = prepare_plan(ids, cp, cp - 1, layout="balanced", cost_model=cost, kinds=("needed",),
                         kv_exchange="hierarchical", ranks_per_node=8)
-    assert not balanced.CHOSEN_TABLES  # emptied: nothing outlives the call
+    assert balanced.take_chosen_tables() is None  # taken: nothing outlives the call
     padded = torch.nn.functional.pad(ids.unsqueeze(0), (0, padded_length(S, "balanced", cp) - S))
     lay = build_layout("balanced", padded, cp, cost_model=cost)
     assert all(torch.equal(getattr(lay.runs, f), getattr(prep.layout.runs, f))
@@ -138,3 +138,23 @@ def test_halo_check_equals_the_sort_by_position(layout):
         if not ok:
             dst = int(torch.nonzero(strays.any(1)).flatten()[0])
             assert why.startswith(f"rank {dst} needs K/V from rank(s) {torch.nonzero(strays[dst]).flatten().tolist()}")
+
+
+def test_the_search_hands_its_tables_only_to_its_own_thread():
+    """A plan built ahead on a planning thread must never take the tables of a search on another."""
+    import threading
+
+    g = torch.Generator().manual_seed(1)
+    lengths = [int(x) for x in torch.randint(16, 900, (200,), generator=g)] + [6000]
+    S, cp = 2 ** 15, 16
+    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[:S]
+    padded = torch.nn.functional.pad(ids.unsqueeze(0), (0, padded_length(S, "balanced", cp) - S))
+    lay = build_layout("balanced", padded, cp, cost_model=CostModel.two_level(8))
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(balanced.take_chosen_tables()))
+    other.start()
+    other.join()
+    assert seen == [None]
+    kept = balanced.take_chosen_tables()
+    assert kept is not None and torch.equal(kept[0].start, lay.runs.start)
+    assert balanced.take_chosen_tables() is None  # taken once

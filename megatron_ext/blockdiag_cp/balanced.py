@@ -47,6 +47,7 @@ sum over them of 1 - document start. One row: alpha = 1, beta = 1 - start.
 import bisect
 import heapq
 import math
+import threading
 from itertools import chain
 from typing import List, Optional, Sequence, Tuple
 
@@ -84,8 +85,16 @@ BUNDLE_FRACTION = 1 / 16
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
 # What the exact pricing computed for the candidate it chose, which the plan of that layout computes
 # again (full attention only): (runs, work, (dst, a, b), counts, two-level routes or None, ranks per node).
-# ``prepare.prepare_plan`` empties it before its layout and takes it after, so it never outlives a call.
-CHOSEN_TABLES: List[tuple] = []
+# ``prepare.prepare_plan`` takes it right after its layout, on the same thread (``take_chosen_tables``):
+# per thread, so a plan built ahead on a planning thread and one built in the step never trade tables.
+_CHOSEN = threading.local()
+
+
+def take_chosen_tables() -> Optional[tuple]:
+    """What this thread's last exact pricing kept for its choice, once (None if nothing is kept)."""
+    chosen = getattr(_CHOSEN, "tables", None)
+    _CHOSEN.tables = None
+    return chosen
 
 
 class _UnitTable:
@@ -400,7 +409,7 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
     n_cand, group, a, b = _flatten([owned for _, owned in candidates], cp)
     modeled, imbalance = [math.inf] * n_cand, [math.inf] * n_cand
     routed = cost_model.spans_nodes(cp) and cost_model.hierarchical
-    tables = {}  # candidate -> what CHOSEN_TABLES keeps (full attention only)
+    tables = {}  # candidate -> what take_chosen_tables hands the plan (full attention only)
 
     def price(c: int) -> None:
         runs = RankRuns.build(cp, P, *_runs_of(c, cp, group, a, b))
@@ -444,7 +453,7 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
         near = (modeled_t <= modeled_t.min() * (1 + TIE)) & (modeled_t <= modeled_t[:n_peers].min())
         best = int(torch.argmin(torch.where(near, imbalance_t, torch.tensor(math.inf, dtype=torch.float64))))
     LAST_CHOICE[:] = [candidates[best][0]]
-    CHOSEN_TABLES[:] = [tables[best]] if best in tables else []
+    _CHOSEN.tables = tables.get(best)
     return _runs_of(best, cp, group, a, b)
 
 

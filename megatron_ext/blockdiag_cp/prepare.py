@@ -114,7 +114,7 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
     padded = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
     # The rows' document runs, once for the layout, every plan and every route.
     rows = [document_runs(padded[r]) for r in range(padded.shape[0])]
-    balanced.CHOSEN_TABLES.clear()
+    balanced.take_chosen_tables()  # nothing left by an earlier search on this thread
     lay = build_layout(name, padded, cp, cost_model=cost, windows=mix, doc_runs=rows)
     chosen = _chosen_tables(lay) if window is None else None
     t1 = time.perf_counter()
@@ -139,9 +139,8 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
 
 
 def _chosen_tables(lay: Layout) -> Optional[tuple]:
-    """``balanced.CHOSEN_TABLES`` of this call's layout (emptied: it never serves another call)."""
-    chosen = balanced.CHOSEN_TABLES[0] if balanced.CHOSEN_TABLES else None
-    balanced.CHOSEN_TABLES.clear()
+    """What the balanced search priced for this call's layout (taken: it never serves another call)."""
+    chosen = balanced.take_chosen_tables()
     if chosen is None or lay.name != "balanced":
         return None
     runs = chosen[0]
