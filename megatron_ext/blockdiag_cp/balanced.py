@@ -75,9 +75,10 @@ BALANCE_PRICE = 0.2
 # "need" splits at these thresholds only (the others never won on the scale and worst-case mixes).
 NEED_THRESHOLDS = (0.5,)
 # Two levels: the split thresholds of the node-level search (over every unit of the sequence) and of
-# the per-node searches.
-NODE_LEVEL_THRESHOLDS = SPLIT_THRESHOLDS
-NODE_THRESHOLDS = SPLIT_THRESHOLDS
+# the per-node searches. The low ones spread a node's share of a long document (its head: little
+# work, many keys to send) over more of the node's ranks than two, which sent its whole prefix.
+NODE_LEVEL_THRESHOLDS = SPLIT_THRESHOLDS + (0.1, 0.04)
+NODE_THRESHOLDS = SPLIT_THRESHOLDS + (0.1, 0.04)
 # Two levels: the node layouts (best first) that get an intra-node search and a full pricing.
 NODE_FINALISTS = 1
 # Runs of consecutive tiny documents are bundled into units of at most this fraction of a rank's share.
