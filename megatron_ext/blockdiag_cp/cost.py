@@ -42,7 +42,7 @@ dK/dV home. Backward compute is 2.5x forward, as in ``seconds_per_pair``.
 Presets: H200 bf16 attention at 500e12 FLOP/s effective; NVLink 400e9 B/s per
 GPU inside a node; InfiniBand 400 Gb/s = 50e9 B/s per GPU across nodes; message
 latency 0 unless given: at 3 us inside a node / 10 us between, the scale_latency suite
-(``bench/SUMMARY.md``) finds +0.01-0.04x ideal where documents are long and up to +0.18x on
+(``bench/SUMMARY.md``) finds +0.01-0.03x ideal where documents are long and up to +0.18x on
 short ones, whose attention is too cheap to carry a message's fixed cost.
 The default dims (32 query heads, 8 K/V heads, head dim 128, bf16: a Llama-3-8B
 layer) stand in when no model config is at hand. It is a ranking device for

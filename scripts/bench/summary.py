@@ -429,9 +429,10 @@ def worst_case_section(rows: List[Dict], out: List[str], bench_dir: str) -> None
                "tokens, uniform, heavy-tailed with one document of S/8-S/2, one document). Plan: one rank's "
                "layout + plan (`prepare_plan`, last rank), CPU ms of the planning thread, median of 3 after one "
                "warm-up, worst over the mixes (and which). `side by side`: the engine before issue 19 and "
-               "this one measured alternately in one run (bench/scale19_before.json, "
-               f"{before.get('measured', 'not measured')}; the machine is shared: compare within a run).\n")
-    out.append("| S | cp | topology | layout | worst plan ms | mix | side by side: before | after | target |")
+               "the engine of that day measured alternately in one run (bench/scale19_before.json, "
+               f"{before.get('measured', 'not measured')}; the machine is shared: compare within a run; the "
+               "planner has been made faster since, so `then` is not this run's engine).\n")
+    out.append("| S | cp | topology | layout | worst plan ms | mix | side by side: before | then | target |")
     out.append("|---:|---:|---|---|---:|---|---:|---:|---|")
     for S, cp, link, limit in scale.SPEED_POINTS:
         for layout in scale.LAYOUTS + ("te_thd",):
