@@ -8,9 +8,10 @@ import torch
 from megatron_ext.blockdiag_cp import balanced, chunks, intervals, prepare_plan
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route
-from megatron_ext.blockdiag_cp.intervals import clip, document_runs, map_ranges, ranges
+from megatron_ext.blockdiag_cp.intervals import clip, document_runs, map_ranges
 from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan
+from stream_reference import _split_at_chunks as split_at_chunks_in_torch  # the torch code the numpy split replaced
 
 
 def _partition(P, n, g):
@@ -40,21 +41,6 @@ def test_clip_and_map_ranges_lookup_equal_searches(seed, monkeypatch):
         assert all(torch.equal(u, v) for u, v in zip(x, y))
 
 
-def _split_reference(src, slot, n_k, piece, rank, chunk_rows):
-    """The torch code the numpy split replaced."""
-    remote = src != rank
-    first = torch.where(remote, slot // chunk_rows, torch.zeros_like(slot))
-    last = torch.where(remote, (slot + n_k - 1) // chunk_rows, torch.zeros_like(slot))
-    count = last - first + 1
-    which = torch.repeat_interleave(torch.arange(src.numel()), count)
-    chunk = ranges(first, count)
-    lo = torch.where(remote[which], torch.maximum(slot[which], chunk * chunk_rows), slot[which])
-    hi = torch.where(remote[which], torch.minimum((slot + n_k)[which], (chunk + 1) * chunk_rows), (slot + n_k)[which])
-    order = torch.argsort((src[which] * (chunk.max() + 1) + chunk) * (piece.max() + 1) + piece[which])
-    which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
-    return src[which], chunk, piece[which], lo, hi - lo
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_split_at_chunks_equals_reference(seed):
     g = torch.Generator().manual_seed(seed)
@@ -65,7 +51,7 @@ def test_split_at_chunks_equals_reference(seed):
     slot = torch.randint(0, 50, (cp * n,), generator=g)
     n_k = torch.randint(1, 40, (cp * n,), generator=g)
     got = chunks._split_at_chunks(src, slot, n_k, piece, 2, 8)
-    want = _split_reference(src, slot, n_k, piece, 2, 8)
+    want = split_at_chunks_in_torch(src, slot, n_k, piece, 2, 8)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
