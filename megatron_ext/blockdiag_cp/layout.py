@@ -22,7 +22,7 @@ import torch
 
 from .balanced import BALANCE_GOAL, RunSpec, balanced_runs
 from .cost import CostModel, WindowMix, resolve_cost_model, resolve_windows
-from .intervals import RankRuns, document_runs
+from .intervals import DocRuns, RankRuns, document_runs
 from .state import normalize_layout
 
 
@@ -176,7 +176,7 @@ class THDLayout(LayoutStrategy):
             raise ValueError(f"layout 'thd' takes one row of doc ids (THD packs the batch into one "
                              f"sequence), got {doc_ids.shape[0]} rows; pass doc_ids of shape [S] or "
                              f"use another layout for per-row documents")
-        cu = thd_padded_cu_seqlens(doc_ids[0], cp) if doc_runs is None else _thd_cu_of_runs(doc_runs[0], doc_ids[0], cp)
+        cu = thd_padded_cu_seqlens(doc_ids[0], cp, None if doc_runs is None else doc_runs[0])
         chunk = cu.diff() // (2 * cp)  # [n]
         rank = torch.arange(cp)
         which = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]: chunks r and 2cp-1-r
@@ -185,24 +185,14 @@ class THDLayout(LayoutStrategy):
         return rank.view(cp, 1, 1).expand_as(start).reshape(-1), start.reshape(-1), length.reshape(-1)
 
 
-def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int, doc_runs: Optional[DocRuns] = None) -> torch.Tensor:
     """[n + 1] padded document boundaries from one row of doc ids, checked for THD at cp.
 
     A boundary sits at every start of a nonzero run (and at 0): padding after a
-    document belongs to that document's padded extent.
+    document belongs to that document's padded extent. ``doc_runs``: the row's
+    ``intervals.document_runs``, when the caller has them (no other pass over the ids).
     """
-    P = doc_ids.numel()
-    new = torch.zeros(P, dtype=torch.bool)
-    new[0] = True
-    new[1:] = (doc_ids[1:] != doc_ids[:-1]) & (doc_ids[1:] > 0)
-    return _checked_thd_cu(torch.cat([torch.nonzero(new).flatten(), torch.tensor([P])]), doc_ids, cp)
-
-
-def _thd_cu_of_runs(doc_runs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], doc_ids: torch.Tensor,
-                    cp: int) -> torch.Tensor:
-    """``thd_padded_cu_seqlens`` from the row's ``document_runs`` (a boundary at every start of a
-    nonzero run, and at 0), without another pass over the P ids."""
-    d_start, _, d_id = doc_runs
+    d_start, _, d_id = document_runs(doc_ids) if doc_runs is None else doc_runs
     later = d_start[1:][d_id[1:] > 0]
     cu = torch.cat([torch.zeros(1, dtype=torch.long), later, torch.tensor([doc_ids.numel()])])
     return _checked_thd_cu(cu, doc_ids, cp)
@@ -264,7 +254,7 @@ def thd_exchange_counts(doc_ids: torch.Tensor, cp: int, doc_runs=None) -> torch.
     """
     row = doc_ids.reshape(-1)
     doc_runs = document_runs(row) if doc_runs is None else doc_runs
-    cu = _thd_cu_of_runs(doc_runs, row, cp)
+    cu = thd_padded_cu_seqlens(row, cp, doc_runs)
     c = cu.diff() // (2 * cp)  # [n]
     d_start, d_end, d_id = doc_runs
     which = torch.searchsorted(d_start, cu[:-1])  # the run starting each extent
