@@ -64,6 +64,15 @@ def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index)
 
 
+def keep_where(mask: torch.Tensor, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Each of ``xs`` at the entries where the 1-D ``mask`` holds (``xs`` themselves when it holds at
+    every one, the usual case): one index for all of them, each taken by ``take``."""
+    if bool(mask.all()):
+        return xs
+    keep = true_at(mask)
+    return tuple(take(x, keep) for x in xs)
+
+
 def repeat_index(count: torch.Tensor) -> torch.Tensor:
     """``torch.repeat_interleave(torch.arange(n), count)``: each i repeated count[i] times (numpy's
     repeat, several times faster on one core)."""
@@ -109,9 +118,7 @@ class RankRuns:
               length: torch.Tensor) -> "RankRuns":
         """Sort by (rank, start), drop empty runs, merge runs that touch; every rank must own P / cp."""
         rank, start, length = (torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in (rank, start, length))
-        if not bool((length > 0).all()):
-            keep = true_at(length > 0)
-            rank, start, length = take(rank, keep), take(start, keep), take(length, keep)
+        rank, start, length = keep_where(length > 0, rank, start, length)
         key = rank * (padded_len + 1) + start
         if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
             order = torch.argsort(key)
@@ -280,20 +287,14 @@ def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.
     t_start = take(tab_start, j)
     lo = torch.maximum(take(q_start, which), t_start)
     n = (torch.minimum(take(q_end, which), t_start + take(tab_len, j)) - lo).clamp(min=0)
-    if not bool((n > 0).all()):
-        keep = true_at(n > 0)
-        which, j, lo, n, t_start = take(which, keep), take(j, keep), take(lo, keep), take(n, keep), take(t_start, keep)
+    which, j, lo, n, t_start = keep_where(n > 0, which, j, lo, n, t_start)
     return which, take(tab_value, j) + lo - t_start, n
 
 
 def _real_pieces(run: torch.Tensor, doc: torch.Tensor, pa: torch.Tensor, pb: torch.Tensor, d_id: torch.Tensor
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pieces of ``clip`` that lie in real documents (id > 0), in the same order."""
-    real = take(d_id, doc) > 0
-    if bool(real.all()):
-        return run, doc, pa, pb
-    keep = true_at(real)
-    return take(run, keep), take(doc, keep), take(pa, keep), take(pb, keep)
+    return keep_where(take(d_id, doc) > 0, run, doc, pa, pb)
 
 
 def needed_intervals(rank: torch.Tensor, doc: torch.Tensor, doc_start: torch.Tensor, pb: torch.Tensor
@@ -415,10 +416,7 @@ def overlap_pieces(tab_start: torch.Tensor, tab_end: torch.Tensor, q_start: torc
     which, j = _expand(j0, count)
     lo = torch.maximum(take(q_start, which), take(tab_start, j))
     hi = torch.minimum(take(q_end, which), take(tab_end, j))
-    if bool((hi > lo).all()):
-        return which, j, lo, hi
-    keep = true_at(hi > lo)
-    return take(which, keep), take(j, keep), take(lo, keep), take(hi, keep)
+    return keep_where(hi > lo, which, j, lo, hi)
 
 
 def _sum_tables(runs: RankRuns) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
