@@ -402,14 +402,13 @@ def _cut(spans: Spans, *parts: Sequence[Tuple[int, int]]) -> Owned:
 
 def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates: Sequence[Tuple[str, Owned]],
                   n_peers: int, prefer_balance: bool = True) -> RunSpec:
-    """Price every candidate with the full model (``hierarchy.layout_traffic``) and pick by ``_choice``
+    """Price every candidate with the full model (``hierarchy.needed_traffic``) and pick by ``_choice``
     (``prefer_balance``) or the least modeled time (near-ties: the best balance)."""
-    from .hierarchy import layout_traffic, node_routes
+    from .hierarchy import needed_traffic
 
     P = table.P
     n_cand, group, a, b = _flatten([owned for _, owned in candidates], cp)
     modeled, imbalance = [math.inf] * n_cand, [math.inf] * n_cand
-    routed = cost_model.spans_nodes(cp) and cost_model.hierarchical
     tables = {}  # candidate -> what take_chosen_tables hands the plan (full attention only)
 
     def price(c: int) -> None:
@@ -418,10 +417,7 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
         for window, share in table.windows.shares:  # each share of layers with its own needed keys
             work, dst, ia, ib = work_and_intervals(runs, table.rows, window)
             counts = overlap_counts(runs, dst, ia, ib)
-            # layout_traffic's two-level path, with its routes kept for the plan's route
-            routes = node_routes(runs, dst, ia, ib, cost_model.ranks_per_node, counts) if routed else None
-            traffic = routes.traffic() if routed else layout_traffic(
-                runs, table.rows, cost_model, "needed", intervals=(dst, ia, ib), counts=counts)
+            traffic, routes = needed_traffic(runs, (dst, ia, ib), counts, cost_model)  # routes: for the plan
             total += share * cost_model.modeled_seconds(work, traffic)
             mixed += share * work.double()
             if window is None and share == 1.0:

@@ -25,7 +25,7 @@ by source rank in rank order, ascending position within a source.
 """
 
 from dataclasses import dataclass, fields
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -167,9 +167,18 @@ def layout_traffic(runs: RankRuns, rows: Sequence[DocRuns], cost_model: CostMode
         dst, a, b = intervals
     if counts is None:
         counts = overlap_counts(runs, dst, a, b)
+    return needed_traffic(runs, (dst, a, b), counts, cost_model)[0]
+
+
+def needed_traffic(runs: RankRuns, intervals, counts: torch.Tensor, cost_model: CostModel
+                   ) -> Tuple[Traffic, Optional[NodeRoutes]]:
+    """The needed-only exchange's traffic under ``cost_model``, and the node routes it priced (None
+    unless the model is two-level and hierarchical), for a caller that plans those routes next."""
+    g, two_level = cost_model.ranks_per_node, cost_model.spans_nodes(runs.cp)
     if two_level and cost_model.hierarchical:
-        return node_routes(runs, dst, a, b, g, counts).traffic()
-    return Traffic.from_counts(counts, g if two_level else 0)
+        routes = node_routes(runs, *intervals, g, counts)
+        return routes.traffic(), routes
+    return Traffic.from_counts(counts, g if two_level else 0), None
 
 
 # ---------------------------------------------------------------------------
