@@ -1,5 +1,6 @@
 """The streamed planner as it was before the vectorized call builder (issue 19 item 4), verbatim but for
-one fix both builders carry (09308a2: a call holds a query row at most once).
+one fix both builders carry (09308a2: a call holds a query row at most once); the transfer order
+(``chunks.remote_steps``, unchanged by the new builder) is imported, not copied.
 
 Kept as the reference the new ``chunks.build_stream_plan`` must equal, field for field (every
 step, call, index tensor and length), on random document ids: every layout, windows, several
@@ -12,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.blockdiag_cp.chunks import CHUNK_KINDS, CallPlan, Step, StreamPlan, chunk_rows_for
+from megatron_ext.blockdiag_cp.chunks import CHUNK_KINDS, CallPlan, Step, StreamPlan, chunk_rows_for, remote_steps
 from megatron_ext.blockdiag_cp.intervals import DocRuns, RankRuns, clip, map_ranges, ranges
 
 
@@ -249,20 +250,3 @@ def reference_build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRun
         remote = tuple(piece for call in calls.get((src, j), ()) for piece in _cap_query_rows(call, c))
         steps.append(Step(i, j, src, j * c, n, remote))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))
-
-
-def remote_steps(kind: str, counts: torch.Tensor, local_len: int, chunk_rows: int) -> List[Tuple[int, int]]:
-    """(round, piece) of every remote step, in transfer order; the same on every rank.
-
-    ring: piece-major (each piece goes around the ring before the next starts);
-    needed: round-major, a round having as many pieces as its largest transfer.
-    """
-    cp = counts.shape[0]
-    if kind == "ring":
-        pieces = -(-local_len // chunk_rows)
-        return [(i, j) for j in range(pieces) for i in range(1, cp)]
-    out = []
-    for i in range(1, cp):
-        largest = int(counts[torch.arange(cp), (torch.arange(cp) + i) % cp].max())
-        out += [(i, j) for j in range(-(-largest // chunk_rows))]
-    return out
