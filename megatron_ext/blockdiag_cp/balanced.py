@@ -26,10 +26,14 @@ inter-node price: a document light enough for one node stays inside one node,
 and only what does not fit a node is split across nodes (its keys cross IB once
 per node, ``hierarchy``). Then, for the best node layouts, inside every node over
 its g ranks at the intra-node price (what a rank receives includes the remote
-keys its node forwards to it). The node-level peers contiguous and zigzag nested
-in themselves are the flat contiguous and zigzag layouts. The finalists (and the
-flat contiguous and zigzag) are priced exactly with the full model
-(``hierarchy.layout_traffic``), which picks.
+keys its node forwards to it). That layout is also polished by equal-length range
+swaps inside nodes (``swaps``; the busiest rank first, scored like the per-node
+searches): the per-node searches split a document over m ranks at equal work
+and pack the rest by a greedy key, which leaves a node's ranks 10-20% apart
+where a few documents carry most of the work. The node-level peers contiguous
+and zigzag nested in themselves are the flat contiguous and zigzag layouts. The
+finalists (the layout, swapped and not, and the flat contiguous and zigzag) are
+priced exactly with the full model (``hierarchy.layout_traffic``), which picks.
 
 Choice (one level): the least modeled time, except that a candidate within
 BALANCE_GOAL (work max/mean) wins if it costs at most BALANCE_PRICE more and is
@@ -55,6 +59,7 @@ import numpy as np
 import torch
 
 from .cost import CostModel, WindowMix
+from .swaps import RangeSwaps, RangeWork, merged_spans
 from .intervals import (DocRuns, RankRuns, _expand, _real_pieces, clip, document_runs, merge_intervals,
                         overlap_counts, overlap_pieces, repeat_index, search, take, true_at, window_pairs,
                         work_and_intervals)
@@ -81,6 +86,14 @@ NODE_LEVEL_THRESHOLDS = SPLIT_THRESHOLDS + (0.1, 0.04)
 NODE_THRESHOLDS = SPLIT_THRESHOLDS + (0.1, 0.04)
 # Two levels: the node layouts (best first) that get an intra-node search and a full pricing.
 NODE_FINALISTS = 1
+# Two levels: rounds of equal-length range swaps (``swaps``) over the nodes of the best node layout,
+# at most NODE_SWAP_ROUNDS and at most SWAP_ROUND_POSITIONS / P (a round's cost grows with the
+# sequence: the pass costs about the same CPU at any length; 32 rounds at 128k, 4 at 1M).
+NODE_SWAP_ROUNDS = 32
+SWAP_ROUND_POSITIONS = 32 * 131072
+# ... and not past SWAP_MAX_POSITIONS: at 1M positions 4 rounds and the exact pricing of one more
+# finalist cost ~25 ms of a 100 ms planning budget and gained <= 0.004x ideal (bench/SUMMARY.md).
+SWAP_MAX_POSITIONS = 1 << 19
 # Runs of consecutive tiny documents are bundled into units of at most this fraction of a rank's share.
 BUNDLE_FRACTION = 1 / 16
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
@@ -234,14 +247,20 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
         nodes = _search(table, whole, cp // g, cost_model.positions_per_pair_inter,
                         bundle=max(1, int(P // cp * BUNDLE_FRACTION)), thresholds=NODE_LEVEL_THRESHOLDS)
         finalists = []
+        q = cost_model.positions_per_pair
         for c in nodes.order()[:NODE_FINALISTS]:
-            owned, labels = [], []
-            for inner in _search_many(table, [_merged(spans) for spans in nodes.owned(c)], g,
-                                      cost_model.positions_per_pair, thresholds=NODE_THRESHOLDS):
+            per_node, labels = [], []
+            for inner in _search_many(table, [merged_spans(spans) for spans in nodes.owned(c)], g, q,
+                                      thresholds=NODE_THRESHOLDS):
                 best = inner.cheapest()
-                owned += inner.owned(best)
+                per_node.append(inner.owned(best))
                 labels.append(inner.labels[best])
-            finalists.append((f"{nodes.labels[c]} > {_summarize(labels)}", owned))
+            label = f"{nodes.labels[c]} > {_summarize(labels)}"
+            finalists.append((label, [spans for owned in per_node for spans in owned]))
+            if table.windows.full_only:
+                swapped = _swapped_nodes(table, per_node, g, q)
+                if swapped is not None:
+                    finalists.append((f"{label} + swaps", swapped))
     L = P // cp
     peers: List[Tuple[str, Owned]] = [("contiguous", [[(r * L, (r + 1) * L)] for r in range(cp)])]
     if P % (2 * cp) == 0:
@@ -252,23 +271,42 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
                          prefer_balance=not cost_model.spans_nodes(cp))
 
 
+def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: float) -> Optional[Owned]:
+    """The group's layout after range swaps (``swaps``) inside its nodes, each node scored like its
+    search (work + q * max(in, out) over its g ranks, keys from other nodes received like the rest);
+    None if no swap helped (or the sequence is too long for the pass: SWAP_MAX_POSITIONS)."""
+    rounds = min(NODE_SWAP_ROUNDS, SWAP_ROUND_POSITIONS // table.P) if table.P <= SWAP_MAX_POSITIONS else 0
+    if rounds == 0:
+        return None
+
+    def score(cands: Sequence[Owned], pairs, base) -> np.ndarray:
+        # A swap inside node n changes only node n's scores.
+        jobs = [(0, n) for n in range(len(cands[0]) // g)] if pairs is None else \
+            [(k, A // g) for k, (A, _) in enumerate(pairs)]
+        w, inn, out = _candidate_traffic(table, g, *_flatten([cands[k][n * g:(n + 1) * g] for k, n in jobs], g))
+        node_scores = (w.double() + q * torch.maximum(inn, out).double()).numpy()  # [jobs, g]
+        scores = np.zeros((len(cands), len(cands[0]))) if base is None else np.tile(base, (len(cands), 1))
+        for (k, n), row in zip(jobs, node_scores):
+            scores[k, n * g:(n + 1) * g] = row
+        return scores
+
+    search = RangeSwaps([spans for node in per_node for spans in node], score, _range_work(table), group=g)
+    for _ in range(rounds):
+        if not search.step():
+            break
+    return search.owned if search.swaps else None
+
+
+def _range_work(table: _UnitTable) -> RangeWork:
+    return RangeWork(table.start.numpy(), table.alpha.numpy(), table.beta.numpy(), table.P)
+
+
 def _summarize(labels: Sequence[str]) -> str:
     """Per-node choices, counted: 'pack/strict x6, zigzag@0.5 x2'."""
     counts = {}
     for label in labels:
         counts[label] = counts.get(label, 0) + 1
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in counts.items())
-
-
-def _merged(spans: Sequence[Tuple[int, int]]) -> Spans:
-    """Sorted, touching ranges merged."""
-    out: Spans = []
-    for a, b in sorted(spans):
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        elif b > a:
-            out.append((a, b))
-    return out
 
 
 class _Found:
