@@ -26,8 +26,8 @@ import numpy as np
 
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
 TOLERANCE = 1e-12  # relative: a swap must lower a score by more than rounding
-# (candidates, the two ranks each one changed, the scores before them) -> [n, cp] seconds (or work
-# units) per rank; (the start, None, None): score every rank. A scorer may score only what changed.
+# (candidates, the two ranks each one changed, the scores before them) -> [n, cp] per-rank scores in
+# work units; (the start, None, None): score every rank. A scorer may score only what changed.
 Scorer = Callable[[Sequence[Owned], Optional[Sequence[Tuple[int, int]]], Optional[np.ndarray]], np.ndarray]
 PEERS = 16  # at most this many peers a round scores (the best swap with each), best estimates first
 
@@ -70,12 +70,11 @@ def merged_spans(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
 
 
 class RangeSwaps:
-    """One layout's search (see the module docstring). ``work_scale``: the scorer's units per work unit."""
+    """One layout's search (see the module docstring); the scorer counts in ``range_work``'s units."""
 
-    def __init__(self, owned: Owned, score: Scorer, range_work: RangeWork, work_scale: float = 1.0,
-                 group: int = 0):
+    def __init__(self, owned: Owned, score: Scorer, range_work: RangeWork, group: int = 0):
         self.owned = [merged_spans(o) for o in owned]
-        self.score, self.range_work, self.work_scale = score, range_work, work_scale
+        self.score, self.range_work = score, range_work
         self.group = group or len(self.owned)  # swaps stay inside groups of this many ranks (nodes)
         self.total = score([self.owned], None, None)[0]  # [cp]
         self.done = len(self.owned) < 2
@@ -123,7 +122,7 @@ class RangeSwaps:
             self.done = True
             return False
         B, ia, ib, x, y, n = options
-        moved = self.work_scale * (self.range_work.of(y, y + n) - self.range_work.of(x, x + n))  # A gains
+        moved = self.range_work.of(y, y + n) - self.range_work.of(x, x + n)  # what A gains
         estimate = np.maximum(self.total[A] + moved, self.total[B] - moved)
         ranked = np.argsort(estimate, kind="stable")
         # Each peer's best swap (its first place in ``ranked``), the PEERS best of those.
