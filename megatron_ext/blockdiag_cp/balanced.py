@@ -183,6 +183,7 @@ class _Units:
             self.bundle.append(tiny)
             self.shared.append(later)
         self.by_work = sorted(range(len(self.start)), key=lambda i: -self.work[i])
+        self.neg_len = [a - b for a, b in zip(self.start, self.end)]  # minus each unit's tokens: a sort key
         self._splittable = {}  # L -> (units ``light`` can reject, by work; those it rejects at any limit)
 
     def heavy(self, limit: float, L: int) -> List[int]:
@@ -643,7 +644,7 @@ class _Ranks:
 
     def cut_in(self, spans: Sequence[Tuple[int, int]], order: Optional[Sequence[int]] = None) -> None:
         """Fill the ranks' free tokens (ranks in ``order``) with these ranges, cutting where one is full."""
-        order = list(range(len(self.room))) if order is None else list(order)
+        order = range(len(self.room)) if order is None else order
         room, owned = self.room, self.owned
         k = 0
         r = order[0] if order else 0
@@ -652,11 +653,11 @@ class _Ranks:
                 while room[r] == 0:
                     k += 1
                     r = order[k]
-                take = min(room[r], b - a)
+                take = room[r] if room[r] < b - a else b - a
                 owned[r].append((a, a + take))
                 room[r] -= take
                 a += take
-        assert all(x == 0 for x in room), room
+        assert not any(room), room  # every rank full (room is never negative)
 
 
 def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
@@ -718,7 +719,7 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
         seen.add(key)
     # Step 2, two ways: whole units strictly where they fit (the rest cut in), or binned and streamed.
     strict = ranks.copy()
-    _fill(strict, units, whole, key=lambda r: strict.load[r])
+    _fill(strict, units, whole)
     # Step 2: a heap on the current key (ties by rank) instead of a scan of every rank per unit.
     bins: List[List[int]] = [[] for _ in range(cp)]
     tokens = [L - r for r in room]
@@ -732,19 +733,21 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
         tokens[r] += ends[i] - starts[i]
         work[r] += works[i]
         replace(heap, (max(work[r] / target, tokens[r] / L), r))
-    ranks.cut_in((starts[i], ends[i]) for b in bins for i in sorted(b, key=lambda i: starts[i] - ends[i]))
+    # Within a bin, longest first (a stable sort: ties keep their by_work order).
+    neg_len = units.neg_len.__getitem__
+    ranks.cut_in([(starts[i], ends[i]) for b in bins for i in sorted(b, key=neg_len)])
     return ranks.owned, strict.owned
 
 
-def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key, cut_in_key_order: bool = True) -> None:
-    """Whole units in ``order`` to the rank with the smallest ``key`` that has room; the rest cut in
-    (into the ranks by ``key``, or in rank order)."""
+def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int]) -> None:
+    """Whole units in ``order`` to the least loaded rank that has room (ties by rank); the rest cut
+    into the ranks' free tokens, least loaded first."""
     room, owned, load = ranks.room, ranks.owned, ranks.load
-    heap = [(key(r), r) for r in range(len(room)) if room[r] > 0]
+    heap = [(load[r], r) for r in range(len(room)) if room[r] > 0]
     heapq.heapify(heap)
     rest = []
     starts, ends, works = units.start, units.end, units.work
-    pop, push = heapq.heappop, heapq.heappush
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i in order:
         a, b = starts[i], ends[i]
         n = b - a
@@ -754,7 +757,7 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key, cut_in_ke
             room[r] -= n
             load[r] += works[i]
             if room[r] > 0:
-                heapq.heapreplace(heap, (key(r), r))
+                replace(heap, (load[r], r))
             else:
                 pop(heap)
             continue
@@ -764,18 +767,15 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int], key, cut_in_ke
             if room[r] >= n:
                 ranks.give(r, a, b, works[i])
                 if room[r] > 0:
-                    push(heap, (key(r), r))
+                    push(heap, (load[r], r))
                 placed = True
                 break
             stash.append(r)
         for r in stash:
-            push(heap, (key(r), r))
+            push(heap, (load[r], r))
         if not placed:
             rest.append((a, b))
-    if cut_in_key_order:
-        ranks.cut_in(rest, order=sorted(range(len(room)), key=key))
-    else:
-        ranks.cut_in(rest)
+    ranks.cut_in(rest, order=sorted(range(len(room)), key=load.__getitem__))
 
 
 __all__ = ["balanced_runs", "BALANCE_GOAL", "SPLIT_THRESHOLDS"]
