@@ -566,10 +566,14 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
     h_group = (key // cp // n_docs) * cp + key % cp
     inn = total(h_group, reach - starts[h_doc] - own, size)
     # Sends: every piece against the other holders of its (candidate, document).
-    holder_cd = key // cp  # sorted
-    piece_cd = cand * n_docs + doc
-    lo = np.searchsorted(holder_cd, piece_cd)
-    hi = np.searchsorted(holder_cd, piece_cd, side="right")
+    # A piece's (candidate, document) is its holder's (key[inverse]): its holders are the run of
+    # equal holder_cd (sorted) around inverse, bounded by where holder_cd changes (no binary searches).
+    holder_cd = key // cp
+    change = np.ones(key.size + 1, dtype=bool)
+    change[1:-1] = holder_cd[1:] != holder_cd[:-1]
+    bound = np.flatnonzero(change)  # [distinct (candidate, document) + 1] each run's first holder, then the end
+    run = (np.cumsum(change[:-1]) - 1)[inverse]  # each piece's run
+    lo, hi = bound[run], bound[run + 1]
     pieces = np.flatnonzero(hi - lo > 1)
     out = np.zeros(size, dtype=np.int64)
     if pieces.size:
