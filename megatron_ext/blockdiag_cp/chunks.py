@@ -145,8 +145,9 @@ def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
 
 
 def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    ds: torch.Tensor, before_ds: Optional[torch.Tensor] = None, mine_flat=None) -> torch.Tensor:
-    """[cp, n] slot of position ds in each source's needed chunk for this rank.
+                    ds: torch.Tensor, before_ds: Optional[torch.Tensor] = None, mine_flat=None
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """([cp, n] slot of position ds in each source's needed chunk for this rank, ``runs.flat_before(ds)``).
 
     The chunk holds the source's positions inside this rank's needed intervals
     (sorted, disjoint), ascending: slot(x) = (source positions in earlier
@@ -157,13 +158,18 @@ def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tenso
     mine = dst == rank
     a, b = a[mine], b[mine]
     if a.numel() == 0:
-        return torch.zeros(runs.cp, ds.numel(), dtype=torch.long)
+        return torch.zeros(runs.cp, ds.numel(), dtype=torch.long), \
+            runs.flat_before(ds) if before_ds is None else before_ds
     before_a, before_b = mine_flat if mine_flat is not None else (runs.flat_before(a), runs.flat_before(b))
     count = before_b - before_a  # [cp, J]
     offset = torch.cumsum(count, 1) - count  # [cp, J]
     j = search(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
+    if before_ds is None and torch.equal(take(a, j), ds):
+        # Full attention, one row: a piece's document start is its interval's start, so its
+        # flat_before is the interval's (no second search over every source) and its slot the offset.
+        return offset.index_select(1, j), before_a.index_select(1, j)
     before_ds = runs.flat_before(ds) if before_ds is None else before_ds
-    return offset.index_select(1, j) + before_ds - before_a.index_select(1, j)
+    return offset.index_select(1, j) + before_ds - before_a.index_select(1, j), before_ds
 
 
 def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
@@ -380,13 +386,13 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     (their visible sets are nested, so equal counts mean equal keys).
     """
     cp, L = runs.cp, runs.local_len
-    before_ds = runs.flat_before(ds)  # [cp, n]
-    n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
     if kind == "ring":
+        before_ds = runs.flat_before(ds)  # [cp, n]
         slot = before_ds - (torch.arange(cp) * L).unsqueeze(1)
     else:
-        slot = _needed_offsets(runs, rank, *intervals, ds, before_ds, mine_flat)
+        slot, before_ds = _needed_offsets(runs, rank, *intervals, ds, None, mine_flat)
         slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
+    n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
     cell = true_at((n_k > 0).view(-1))  # source-major, pieces ascending: src * n + piece
     n_pieces = n_k.shape[1]
     src, piece = cell // n_pieces, cell % n_pieces
@@ -440,7 +446,7 @@ def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: 
     if kind == "ring":
         slot = flat[src, cols] - src * L
     else:
-        slot = _needed_offsets(runs, rank, *intervals, k_start, flat, mine_flat)[src, cols]
+        slot = _needed_offsets(runs, rank, *intervals, k_start, flat, mine_flat)[0][src, cols]
         own = src == rank
         slot = torch.where(own, flat[src, cols] - src * L, slot)
     remote = src != rank
