@@ -359,23 +359,27 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
     r1_off = torch.cumsum(recv1[2] - recv1[1], 0) - (recv1[2] - recv1[1])  # their rows in the stage-1 buffer
     send2_parts, send2_counts, recv2_counts = [], [], []
     r2_owner, r2_start, r2_end = [], [], []
+    # This rank's forward pieces as fetcher (by destination) and as destination (by fetcher), grouped
+    # once as in stage 1, not masked per node peer.
+    forwards = (routes.forward_owner, routes.forward_start, routes.forward_end)
+    as_forwarder = _by_peer(routes.forward_fetcher == rank, routes.forward_dst, cp, *forwards)
+    as_forward_dst = _by_peer(routes.forward_dst == rank, routes.forward_fetcher, cp, *forwards)
     for peer in range(cp):
         if peer == rank or peer // g != node:
             send2_counts.append(0)
             recv2_counts.append(0)
             continue
-        out = (routes.forward_fetcher == rank) & (routes.forward_dst == peer)
-        o_owner, o_start, o_end = routes.forward_owner[out], routes.forward_start[out], routes.forward_end[out]
+        o_owner, o_start, o_end = as_forwarder(peer)
         # Each forward piece lies inside one fetch piece: contiguous rows of the stage-1 buffer.
         key = o_owner * stride + o_start
         j = search(r1_key, key, right=True) - 1
         rows = ranges(r1_off[j] + key - r1_key[j], o_end - o_start) if j.numel() else empty
         send2_parts.append(rows)
         send2_counts.append(rows.numel())
-        inc = (routes.forward_fetcher == peer) & (routes.forward_dst == rank)
-        r2_owner.append(routes.forward_owner[inc])
-        r2_start.append(routes.forward_start[inc])
-        r2_end.append(routes.forward_end[inc])
+        i_owner, i_start, i_end = as_forward_dst(peer)
+        r2_owner.append(i_owner)
+        r2_start.append(i_start)
+        r2_end.append(i_end)
         recv2_counts.append(int((r2_end[-1] - r2_start[-1]).sum()))
     send2_index = torch.cat(send2_parts) if send2_parts else empty
     recv2 = tuple(torch.cat(x) if x else empty for x in (r2_owner, r2_start, r2_end))
