@@ -271,18 +271,20 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
             return empty
         return ranges(runs.flat_before(starts, rank) - rank * L, ends - starts)
 
-    def positions_of(src: int, d: int):
-        """(start, end) of the ranges of src's positions inside d's intervals, ascending."""
-        mine = dst == d
-        if not bool(mine.any()):
-            return empty, empty
-        lo, hi = flat_ranges(runs, a[mine], b[mine], src)
+    def node_positions():
+        """peer -> (start, end) of the ranges of this rank's positions inside that node peer's
+        intervals, ascending: every node peer's at once (each interval maps on its own, and the
+        intervals are sorted by dst, so a peer's ranges are a slice of them)."""
+        mine = (torch.div(dst, g, rounding_mode="floor") == node) & (dst != rank)
+        lo, hi = flat_ranges(runs, a[mine], b[mine], rank)
         keep = hi > lo
-        lo, hi = lo[keep], hi[keep]
-        # flat -> positions through src's runs: a flat range inside one run maps linearly
-        s = runs.of_rank(src)
-        _, start, n = map_ranges(runs.flat[s], runs.length[s], runs.start[s], lo, hi - lo)
-        return start, start + n
+        lo, hi, peer_of = lo[keep], hi[keep], dst[mine][keep]
+        # flat -> positions through this rank's runs: a flat range inside one run maps linearly
+        s = runs.of_rank(rank)
+        q, start, n = map_ranges(runs.flat[s], runs.length[s], runs.start[s], lo, hi - lo)
+        end = start + n
+        bounds = torch.searchsorted(peer_of[q], torch.arange(cp + 1)).tolist()
+        return lambda p: (start[bounds[p]:bounds[p + 1]], end[bounds[p]:bounds[p + 1]])
 
     # What this rank needs: (source, position) ranges in the output buffer's order (by source, then
     # position; every source at once, as the plan's receive tables), the output slot of a range's
@@ -308,13 +310,14 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
     # peer's pieces keep their order), not masked per peer (THD's routes hold millions of pieces).
     as_owner = _by_peer(routes.fetch_owner == rank, routes.fetch_rank, cp, routes.fetch_start, routes.fetch_end)
     as_fetcher = _by_peer(routes.fetch_rank == rank, routes.fetch_owner, cp, routes.fetch_start, routes.fetch_end)
+    to_node_peer = node_positions()
     for peer in range(cp):
         if peer == rank:
             send_counts.append(0)
             recv_counts.append(0)
             continue
         if peer // g == node:  # direct, inside the node
-            s_start, s_end = positions_of(rank, peer)
+            s_start, s_end = to_node_peer(peer)
             from_peer = need_src == peer
             r_start, r_end = need_start[from_peer], need_end[from_peer]
         else:  # fetch pieces: this rank as owner (to fetcher peer) and as fetcher (from owner peer)
