@@ -56,6 +56,7 @@ def test_split_at_chunks_equals_reference(seed):
 
 
 def test_heavy_units_are_what_light_rejects():
+    """``heavy`` and ``next_heavy`` (the need split's lookup) reject exactly what ``light`` does."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 3000, (300,), generator=g).tolist() + [20_000, 9_000]
     ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[:2 ** 16]
@@ -67,6 +68,11 @@ def test_heavy_units_are_what_light_rejects():
         for theta in balanced.SPLIT_THRESHOLDS + (0.05, 0.0):
             limit = theta * target
             assert units.heavy(limit, L) == [i for i in units.by_work if not units.light(i, limit, L)]
+            # From every position of the splittable order: the next unit light rejects there.
+            order = units.splittable(L)[0]
+            for k in range(0, len(order) + 1, 7):
+                rest = [j for j, i in enumerate(order) if j >= k and not units.light(i, limit, L)]
+                assert units.next_heavy(k, limit, L) == (rest[0] if rest else None)
 
 
 def test_prepare_plan_shares_tables_without_changing_them():

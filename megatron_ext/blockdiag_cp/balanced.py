@@ -186,16 +186,31 @@ class _Units:
         self.neg_len = [a - b for a, b in zip(self.start, self.end)]  # minus each unit's tokens: a sort key
         self._splittable = {}  # L -> (units ``light`` can reject, by work; those it rejects at any limit)
 
+    def splittable(self, L: int) -> Tuple[List[int], List[float], List[int]]:
+        """(the units ``light`` can reject, by work; minus their work; the positions in that list of
+        those it rejects at any limit: longer than L or read later)."""
+        if L not in self._splittable:
+            order = [i for i in self.by_work if self.alpha[i] != 0 and not self.bundle[i]]
+            fixed = [k for k, i in enumerate(order) if self.end[i] - self.start[i] > L or self.shared[i]]
+            self._splittable[L] = (order, [-self.work[i] for i in order], fixed)
+        return self._splittable[L]
+
     def heavy(self, limit: float, L: int) -> List[int]:
         """The units ``light(i, limit, L)`` rejects, in ``by_work`` order, without a call per unit: the
         ones over ``limit`` are a prefix of the rest (sorted by work), the others are fixed by L."""
-        if L not in self._splittable:
-            order = [i for i in self.by_work if self.alpha[i] != 0 and not self.bundle[i]]
-            fixed = [(k, i) for k, i in enumerate(order) if self.end[i] - self.start[i] > L or self.shared[i]]
-            self._splittable[L] = (order, [-self.work[i] for i in order], fixed)
-        order, neg_work, fixed = self._splittable[L]
+        order, neg_work, fixed = self.splittable(L)
         over = bisect.bisect_left(neg_work, -limit)  # order[:over]: work > limit
-        return order[:over] + [i for k, i in fixed if k >= over]
+        return order[:over] + [order[k] for k in fixed if k >= over]
+
+    def next_heavy(self, k: int, limit: float, L: int) -> Optional[int]:
+        """The first position >= k in ``splittable(L)``'s order of a unit ``light(., limit, L)``
+        rejects (None: none left): a unit over ``limit`` if k is still inside that prefix, else the
+        next one rejected at any limit."""
+        order, neg_work, fixed = self.splittable(L)
+        if k < bisect.bisect_left(neg_work, -limit):
+            return k
+        f = bisect.bisect_left(fixed, k)
+        return fixed[f] if f < len(fixed) else None
 
     def light(self, i: int, limit: float, L: int) -> bool:
         """Placed whole: padding, a bundle, or at most L tokens and ``limit`` work, and not a head of a
@@ -684,16 +699,22 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
     target = max(units.total / cp, 1e-9)
     ranks = _Ranks(cp, L)
     load, room = ranks.load, ranks.room
-    whole = []
-    # zigzag: the light units only go whole, so only the heavy ones are visited; the ones split are
-    # then taken out of by_work. need: the share (so which units are light) moves as ranks fill.
+    # Only the heavy units are visited (the light ones only go whole); every unit not split then
+    # goes whole, in by_work order. zigzag: which units are heavy is fixed by theta. need: it moves
+    # as ranks fill (the limit, theta of the least loaded rank's missing work, only falls), so the
+    # next heavy unit is looked up after each split (``next_heavy``) instead of testing every unit.
     split = set()
-    for i in (units.by_work if style == "need" else units.heavy(theta * target, L)):
+    if style == "need":
+        order = units.splittable(L)[0]
+
+        def heavy_units():
+            k = units.next_heavy(0, theta * max(target - min(load), 0.0), L)
+            while k is not None:
+                yield order[k]
+                k = units.next_heavy(k + 1, theta * max(target - min(load), 0.0), L)
+    for i in (heavy_units() if style == "need" else units.heavy(theta * target, L)):
         a, b, w = units.start[i], units.end[i], units.work[i]
         n = b - a
-        if style == "need" and units.light(i, theta * max(target - min(load), 0.0), L):
-            whole.append(i)
-            continue
         if style == "need":
             needs = sorted(range(cp), key=lambda r: (load[r] - target, -room[r]))
             m, covered = 0, 0.0
@@ -707,14 +728,12 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
         bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
         pairs = [((bounds[k], bounds[k + 1]), (bounds[2 * m - 1 - k], bounds[2 * m - k])) for k in range(m)]
         if any(room[r] < (h[1] - h[0]) + (t[1] - t[0]) for r, (h, t) in zip(chosen, pairs)):
-            whole.append(i)  # no room to split it: step 3 cuts it where it lands
-            continue
+            continue  # no room to split it: it goes whole, and step 3 cuts it where it lands
         split.add(i)
         for rank, (head, tail) in zip(chosen, pairs):
             ranks.give(rank, *head, units.span(i, *head))
             ranks.give(rank, *tail, units.span(i, *tail))
-    if style != "need":
-        whole = [i for i in units.by_work if i not in split] if split else list(units.by_work)
+    whole = [i for i in units.by_work if i not in split] if split else list(units.by_work)
 
     if seen is not None:
         key = tuple(tuple(o) for o in ranks.owned)
@@ -751,7 +770,7 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int]) -> None:
     heapq.heapify(heap)
     rest = []
     starts, ends, works = units.start, units.end, units.work
-    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    pop, replace, heapify = heapq.heappop, heapq.heapreplace, heapq.heapify
     for i in order:
         a, b = starts[i], ends[i]
         n = b - a
@@ -765,19 +784,21 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int]) -> None:
             else:
                 pop(heap)
             continue
-        stash, placed = [], False
-        while heap and len(stash) < 4:
-            _, r = pop(heap)
+        # Else the first with room among the four least loaded (read off a sort of the few ranks
+        # left, not four pops and pushes); its entry is updated in place and the heap remade.
+        for entry in sorted(heap)[:4]:
+            r = entry[1]
             if room[r] >= n:
                 ranks.give(r, a, b, works[i])
+                k = heap.index(entry)
                 if room[r] > 0:
-                    push(heap, (load[r], r))
-                placed = True
+                    heap[k] = (load[r], r)
+                else:
+                    heap[k] = heap[-1]
+                    heap.pop()
+                heapify(heap)
                 break
-            stash.append(r)
-        for r in stash:
-            push(heap, (load[r], r))
-        if not placed:
+        else:
             rest.append((a, b))
     ranks.cut_in(rest, order=sorted(range(len(room)), key=load.__getitem__))
 
