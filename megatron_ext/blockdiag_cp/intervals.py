@@ -33,18 +33,22 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     In numpy (zero-copy views of the same memory): torch's CPU cumsum, masking and scatter
     were several times slower, and at 1M rows this was most of a plan's index building.
     """
-    s, n = _np64(starts), _np64(lengths)
+    return torch.from_numpy(_ranges_np(_np64(starts), _np64(lengths)))
+
+
+def _ranges_np(s: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """``ranges`` of int64 numpy arrays, to a numpy array (for callers that stay in numpy)."""
     if n.size and not (n > 0).all():
         keep = n > 0
         s, n = s[keep], n[keep]
     total = int(n.sum()) if n.size else 0
     if total == 0:
-        return torch.empty(0, dtype=torch.long)
+        return np.zeros(0, dtype=np.int64)
     steps = np.ones(total, dtype=np.int64)
     steps[0] = s[0]
     steps[np.cumsum(n[:-1])] = s[1:] - (s[:-1] + n[:-1] - 1)
     np.cumsum(steps, out=steps)
-    return torch.from_numpy(steps)
+    return steps
 
 
 def _np64(x: torch.Tensor) -> np.ndarray:
@@ -74,10 +78,27 @@ def keep_where(mask: torch.Tensor, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...
 
 
 def repeat_index(count: torch.Tensor) -> torch.Tensor:
-    """``torch.repeat_interleave(torch.arange(n), count)``: each i repeated count[i] times (numpy's
-    repeat, several times faster on one core)."""
-    c = _np64(count)
-    return torch.from_numpy(np.repeat(np.arange(c.size, dtype=np.int64), c))
+    """``torch.repeat_interleave(torch.arange(n), count)``: each i repeated count[i] times (``repeat_arange``)."""
+    return torch.from_numpy(repeat_arange(_np64(count)))
+
+
+def repeat_arange(count: np.ndarray) -> np.ndarray:
+    """``np.repeat(np.arange(n), count)`` (int64, count >= 0), fast for many short repeats too.
+
+    numpy's repeat pays per entry: with counts of a few (runs of a THD layout against the
+    positions, pieces against chunks) it was 3-4x slower than counting where each index
+    ends (a bincount of the counts' prefix sums) and summing those up (a cumsum); with long
+    repeats (few entries, long outputs) numpy's is the faster, so it stays for those.
+    """
+    n = count.size
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(count)
+    total = int(ends[-1])
+    if total > 4 * n:  # one more temporary of the output's size: worth it only for short repeats
+        return np.repeat(np.arange(n, dtype=np.int64), count)
+    # out[t] = number of entries ending at or before t; entry i ends at ends[i] (the last ends at total).
+    return np.cumsum(np.bincount(ends[:-1], minlength=total)[:total])
 
 
 def search(table: torch.Tensor, x: torch.Tensor, right: bool = False) -> torch.Tensor:
@@ -239,15 +260,24 @@ def clip(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends:
 
     In range order, ascending within a range; every range non-empty.
     """
+    return tuple(torch.from_numpy(x) for x in _clip_np(a, b, part_starts, part_ends))
+
+
+def _clip_np(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends: torch.Tensor
+             ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``clip``, as int64 numpy arrays: numpy's elementwise ops and gathers cost a half to a third
+    of torch's on one core (a THD layout clips 2 * cp runs per document)."""
     part_of = _part_lookup(a, b, part_starts, part_ends)
+    a, b, part_starts, part_ends = _np64(a), _np64(b), _np64(part_starts), _np64(part_ends)
     if part_of is not None:
-        first, last = take(part_of, a), take(part_of, b - 1)
+        part_of = part_of.numpy()
+        first, last = part_of[a], part_of[b - 1]
     else:
-        first = search(part_starts, a, right=True) - 1
-        last = search(part_starts, b - 1, right=True) - 1
-    which, part = _expand(first, last - first + 1)
-    return (which, part, torch.maximum(take(a, which), take(part_starts, part)),
-            torch.minimum(take(b, which), take(part_ends, part)))
+        first = np.searchsorted(part_starts, a, side="right") - 1
+        last = np.searchsorted(part_starts, b - 1, side="right") - 1
+    count = last - first + 1
+    which, part = repeat_arange(count), _ranges_np(first, count)
+    return which, part, np.maximum(a[which], part_starts[part]), np.minimum(b[which], part_ends[part])
 
 
 def _part_lookup(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends: torch.Tensor
@@ -273,22 +303,27 @@ def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.
     Returns the non-empty pieces (query index, value start, length) in query
     order, ascending within a query; a query's uncovered parts give no piece.
     """
+    tab_of = _part_lookup(q_start, q_start + q_len, tab_start, tab_start + tab_len)
+    # In numpy: its elementwise ops and gathers cost a half to a third of torch's on one core.
+    q_start, q_len, tab_start, tab_len = _np64(q_start), _np64(q_len), _np64(tab_start), _np64(tab_len)
     q_end = q_start + q_len
-    tab_of = _part_lookup(q_start, q_end, tab_start, tab_start + tab_len)
-    if tab_of is not None and bool(((q_len == 0) | (q_start >= 0)).all()):
+    if tab_of is not None and ((q_len == 0) | (q_start >= 0)).all():
         # Empty queries give no piece whatever their j: clamped only to stay inside the lookup.
-        last = tab_of.numel() - 1
-        j0, j1 = take(tab_of, q_start.clamp(0, last)), take(tab_of, (q_end - 1).clamp(0, last))
+        tab_of = tab_of.numpy()
+        last = tab_of.size - 1
+        j0, j1 = tab_of[np.clip(q_start, 0, last)], tab_of[np.clip(q_end - 1, 0, last)]
     else:
-        j0 = (search(tab_start, q_start, right=True) - 1).clamp(min=0)
-        j1 = search(tab_start, q_end) - 1  # last table range starting < q_end
-    count = torch.where(q_len > 0, (j1 - j0 + 1).clamp(min=0), torch.zeros_like(j0))
-    which, j = _expand(j0, count)
-    t_start = take(tab_start, j)
-    lo = torch.maximum(take(q_start, which), t_start)
-    n = (torch.minimum(take(q_end, which), t_start + take(tab_len, j)) - lo).clamp(min=0)
-    which, j, lo, n, t_start = keep_where(n > 0, which, j, lo, n, t_start)
-    return which, take(tab_value, j) + lo - t_start, n
+        j0 = np.maximum(np.searchsorted(tab_start, q_start, side="right") - 1, 0)
+        j1 = np.searchsorted(tab_start, q_end) - 1  # last table range starting < q_end
+    count = np.where(q_len > 0, np.maximum(j1 - j0 + 1, 0), 0)
+    which, j = repeat_arange(count), _ranges_np(j0, count)
+    t_start = tab_start[j]
+    lo = np.maximum(q_start[which], t_start)
+    n = np.maximum(np.minimum(q_end[which], t_start + tab_len[j]) - lo, 0)
+    if not (n > 0).all():
+        keep = np.flatnonzero(n > 0)
+        which, j, lo, n, t_start = which[keep], j[keep], lo[keep], n[keep], t_start[keep]
+    return torch.from_numpy(which), torch.from_numpy(_np64(tab_value)[j] + lo - t_start), torch.from_numpy(n)
 
 
 def _real_pieces(run: torch.Tensor, doc: torch.Tensor, pa: torch.Tensor, pb: torch.Tensor, d_id: torch.Tensor
@@ -335,17 +370,30 @@ def work_and_intervals(runs: RankRuns, rows: Sequence[DocRuns], window: Optional
     """
     cp = runs.cp
     run_end = runs.start + runs.length
+    rank = runs.rank.numpy()
     work = torch.zeros(cp, dtype=torch.long)
     parts = []
+    # In numpy (a THD layout has 2 * cp runs per document): a half to a third of torch's op costs.
     for d_start, d_end, d_id in rows:
-        run, doc, pa, pb = _real_pieces(*clip(runs.start, run_end, d_start, d_end), d_id)
-        owner, s = take(runs.rank, run), take(d_start, doc)
-        work.index_add_(0, owner, window_pairs(pa, pb, s, window))
+        run, doc, pa, pb = _clip_np(runs.start, run_end, d_start, d_end)
+        real = np.flatnonzero(_np64(d_id)[doc] > 0)
+        if real.size < doc.size:
+            run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
+        owner, s = rank[run], _np64(d_start)[doc]
         if window is None:
-            parts.append(needed_intervals(owner, doc, s, pb))
+            lo, hi = pa - s + 1, pb - s  # as window_pairs: each query's keys, first and last
+            pairs = torch.from_numpy((lo + hi) * (hi - lo + 1) // 2)
         else:
-            parts.append((owner, torch.maximum(s, pa - window), pb))
-    dst, a, b = (torch.cat(x) for x in zip(*parts))
+            pairs = window_pairs(*(torch.from_numpy(x) for x in (pa, pb, s)), window)
+        work.index_add_(0, torch.from_numpy(owner), pairs)
+        if window is None:
+            last = np.ones(owner.size, dtype=bool)  # as needed_intervals: a rank's last piece of a document
+            last[:-1] = (doc[1:] != doc[:-1]) | (owner[1:] != owner[:-1])
+            last = np.flatnonzero(last)
+            parts.append((owner[last], s[last], pb[last]))
+        else:
+            parts.append((owner, np.maximum(s, pa - window), pb))
+    dst, a, b = (torch.from_numpy(np.concatenate(x)) for x in zip(*parts))
     if len(rows) > 1 or window is not None:
         dst, a, b = merge_intervals(dst, a, b, runs.padded_len)
     return work, dst, a, b

@@ -161,7 +161,7 @@ def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     # found through a table of which rank's run ends where (no sort of the runs by position).
     rank, start = runs.rank.numpy(), runs.start.numpy()
     ends_at = np.empty(runs.padded_len + 1, dtype=np.int16 if cp < 2 ** 15 else np.int64)
-    ends_at[start + runs.length.numpy()] = rank  # read below only at run starts > 0: every one is written
+    ends_at[start + runs.length.numpy()] = rank.astype(ends_at.dtype)  # read below only at run starts > 0: all written
     inner = start > 0
     adjacent = np.zeros(cp * cp, dtype=bool)  # [dst, src] flat
     adjacent[rank[inner] * cp + ends_at[start[inner]]] = True
