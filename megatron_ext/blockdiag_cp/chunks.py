@@ -49,8 +49,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import (DocRuns, RankRuns, _real_pieces, clip, map_ranges, ranges, repeat_arange, repeat_index, search,
-                        take, true_at)
+from .intervals import (DocRuns, RankRuns, _ranges_np, _real_pieces, clip, map_ranges, ranges, repeat_arange,
+                        repeat_index, search, take)
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -180,16 +180,22 @@ def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
     """
     if src.numel() == 0:
         return src, src, src, src, src
+    return tuple(torch.from_numpy(x) for x in _split_at_chunks_np(src.numpy(), slot.numpy(), n_k.numpy(),
+                                                                   piece.numpy(), rank, chunk_rows))
+
+
+def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
+    """``_split_at_chunks`` of int64 numpy arrays (not empty), to numpy arrays."""
     # In numpy, the own source's few ranges fixed up after: torch's where over the (source, piece)
     # pairs (cp x pieces of them in a THD plan) cost more than the rest of the split.
-    s, start, end, p = src.numpy(), slot.numpy(), (slot + n_k).numpy(), piece.numpy()
+    end = start + n_k
     own = np.flatnonzero(s == rank)
     first, last = start // chunk_rows, (end - 1) // chunk_rows
     first[own] = 0  # the own chunk is never cut
     last[own] = 0
     count = last - first + 1
     which = repeat_arange(count)
-    chunk = ranges(torch.from_numpy(first), torch.from_numpy(count)).numpy()
+    chunk = _ranges_np(first, count)
     at, end_at = start[which], end[which]
     lo, hi = np.maximum(at, chunk * chunk_rows), np.minimum(end_at, (chunk + 1) * chunk_rows)
     own_at = (np.cumsum(count) - count)[own]  # each own range is one entry
@@ -198,8 +204,7 @@ def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
     if key.size > 1 and not bool((key[1:] >= key[:-1]).all()):  # keys are distinct: sorted is the order
         order = np.argsort(key)
         which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
-    return (torch.from_numpy(s[which]), torch.from_numpy(chunk), torch.from_numpy(p[which]), torch.from_numpy(lo),
-            torch.from_numpy(hi - lo))
+    return s[which], chunk, p[which], lo, hi - lo
 
 
 @dataclass
@@ -393,33 +398,30 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     else:
         slot, before_ds = _needed_offsets(runs, rank, *intervals, ds, None, mine_flat)
         slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
-    n_k = runs.flat_before(pa) - before_ds  # [cp, n]: each source's positions in [ds, pa)
-    cell = true_at((n_k > 0).view(-1))  # source-major, pieces ascending: src * n + piece
-    n_pieces = n_k.shape[1]
-    src, piece = cell // n_pieces, cell % n_pieces
-    src, chunk, piece, lo, n = _split_at_chunks(src, take(slot.reshape(-1), cell), take(n_k.reshape(-1), cell),
-                                                piece, rank, c)
-    if src.numel() == 0:
+    n_k = (runs.flat_before(pa) - before_ds).numpy()  # [cp, n]: each source's positions in [ds, pa)
+    # In numpy from here (cp x pieces cells, ~10^5 under THD at 1M / cp 64): a half to a third of torch's op costs.
+    cell = np.flatnonzero(n_k.reshape(-1) > 0)  # source-major, pieces ascending: src * n + piece
+    if cell.size == 0:
         return _Segments.empty()
-    r, d = take(row, piece), take(doc, piece)
-    new = torch.ones_like(src, dtype=torch.bool)
+    src, piece = np.divmod(cell, n_k.shape[1])
+    src, chunk, piece, lo, n = _split_at_chunks_np(src, slot.numpy().reshape(-1)[cell], n_k.reshape(-1)[cell],
+                                                   piece, rank, c)
+    r, d = row.numpy()[piece], doc.numpy()[piece]
+    new = np.ones(src.size, dtype=bool)
     new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (r[1:] != r[:-1])
                | (d[1:] != d[:-1]) | (n[1:] != n[:-1]) | (lo[1:] != lo[:-1]))
-    head = true_at(new)
-    group = torch.cumsum(new.long(), 0) - 1
-    nq_piece = take(n_q, piece)
-    seg_q = torch.zeros(head.numel(), dtype=torch.long).index_add_(0, group, nq_piece)
-    chunk_first = torch.where(src == rank, torch.zeros_like(chunk), chunk * c)
-    src_h, chunk_h = take(src, head), take(chunk, head)
-    seg_k, seg_slot, seg_row = take(n, head), take(lo - chunk_first, head), take(r, head)
-    call_new = torch.ones(head.numel(), dtype=torch.bool)
+    head = np.flatnonzero(new)
+    nq_piece = n_q.numpy()[piece]
+    seg_q = np.add.reduceat(nq_piece, head)  # a segment's pieces are adjacent, from its head on
+    chunk_first = np.where(src == rank, 0, chunk * c)
+    src_h, chunk_h = src[head], chunk[head]
+    seg_k, seg_slot, seg_row = n[head], (lo - chunk_first)[head], r[head]
+    call_new = np.ones(head.size, dtype=bool)
     call_new[1:] = (src_h[1:] != src_h[:-1]) | (chunk_h[1:] != chunk_h[:-1])
-    call_head = true_at(call_new)
-    return _Segments(take(src_h, call_head).numpy(), take(chunk_h, call_head).numpy(),
-                     np.full(call_head.numel(), -1, dtype=np.int64),
-                     np.append(call_head.numpy(), head.numel()), np.append(head.numpy(), src.numel()),
-                     seg_q.numpy(), seg_k.numpy(), seg_slot.numpy(), seg_row.numpy(), take(q_off, piece).numpy(),
-                     nq_piece.numpy())
+    call_head = np.flatnonzero(call_new)
+    return _Segments(src_h[call_head], chunk_h[call_head], np.full(call_head.size, -1, dtype=np.int64),
+                     np.append(call_head, head.size), np.append(head, src.size),
+                     seg_q, seg_k, seg_slot, seg_row, q_off.numpy()[piece], nq_piece)
 
 
 def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: int, c: int, R: int,
