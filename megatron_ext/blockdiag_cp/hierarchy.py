@@ -27,6 +27,7 @@ by source rank in rank order, ascending position within a source.
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .cost import CostModel, Traffic
@@ -346,16 +347,16 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
         where this rank does not need it: the ranges cut at the needed ranges (interval arithmetic)."""
         n = end - start
         total = int(n.sum()) if n.numel() else 0
-        out = torch.full((total,), -1, dtype=torch.long)
+        out = np.full(total, -1, dtype=np.int64)  # numpy: its scatter of ~10^6 rows is ~3x faster than torch's
         if total == 0 or need_start.numel() == 0:
-            return out
+            return torch.from_numpy(out)
         key_start, key_end = owner * stride + start, owner * stride + end
         q, t, lo, hi = overlap_pieces(need_src * stride + need_start, need_src * stride + need_end,
                                       key_start, key_end)
         row_off = torch.cumsum(n, 0) - n
         at = ranges(row_off[q] + lo - key_start[q], hi - lo)
-        out[at] = ranges(L + need_off[t] + lo - (need_src[t] * stride + need_start[t]), hi - lo)
-        return out
+        out[at.numpy()] = ranges(L + need_off[t] + lo - (need_src[t] * stride + need_start[t]), hi - lo).numpy()
+        return torch.from_numpy(out)
 
     # Stage 2: forward pieces from this rank (as fetcher) and to it, per node peer in rank order.
     r1_key = recv1[0] * stride + recv1[1]  # stage-1 ranges' first keys, ascending
@@ -389,10 +390,13 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
 
     slot1 = slots(*recv1)
     slot2 = slots(*recv2)
-    assert bool((slot2 >= 0).all()), "route bug: a forwarded row is not needed by its destination"
-    delivered = torch.zeros(out_rows, dtype=torch.long)
-    delivered[slot1[slot1 >= 0]] += 1
-    delivered[slot2] += 1
+    # The checks in numpy, a byte per row: torch's indexed increments of ~10^6 rows cost ~3x more
+    # (~15 ms of a 1M / cp 64 single document's route).
+    s1, s2 = slot1.numpy(), slot2.numpy()
+    assert bool((s2 >= 0).all()), "route bug: a forwarded row is not needed by its destination"
+    delivered = np.zeros(out_rows, dtype=np.int8)
+    delivered[s1[s1 >= 0]] += 1
+    delivered[s2] += 1
     assert bool((delivered[L:] == 1).all()), "route bug: a needed row is not delivered exactly once"
     fetch_moves = routes.fetch_owner.numel() > 0
     return HierarchicalRoute(

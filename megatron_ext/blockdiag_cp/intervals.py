@@ -85,10 +85,10 @@ def repeat_index(count: torch.Tensor) -> torch.Tensor:
 def repeat_arange(count: np.ndarray) -> np.ndarray:
     """``np.repeat(np.arange(n), count)`` (int64, count >= 0), fast for many short repeats too.
 
-    numpy's repeat pays per entry: with counts of a few (runs of a THD layout against the
-    positions, pieces against chunks) it was 3-4x slower than counting where each index
-    ends (a bincount of the counts' prefix sums) and summing those up (a cumsum); with long
-    repeats (few entries, long outputs) numpy's is the faster, so it stays for those.
+    numpy's repeat pays per entry: with counts of one or two (runs against documents, pieces
+    against chunks, bits per segment) it was 2-3x slower than counting where each index ends
+    (a bincount of the counts' prefix sums) and summing those up (a cumsum); with long repeats
+    (few entries, long outputs) numpy's is the faster, so it stays for those.
     """
     n = count.size
     if n == 0:
@@ -139,13 +139,17 @@ class RankRuns:
               length: torch.Tensor) -> "RankRuns":
         """Sort by (rank, start), drop empty runs, merge runs that touch; every rank must own P / cp."""
         rank, start, length = (torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in (rank, start, length))
-        rank, start, length = keep_where(length > 0, rank, start, length)
-        key = rank * (padded_len + 1) + start
-        if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
-            order = torch.argsort(key)
-            rank, start, length = take(rank, order), take(start, order), take(length, order)
-        # The merge and checks in numpy: a THD layout has 2 * cp runs per document.
+        # In numpy (a THD layout has 2 * cp runs per document): a half to a third of torch's op costs.
         r, s, n = rank.numpy(), start.numpy(), length.numpy()
+        if not (n > 0).all():
+            keep = np.flatnonzero(n > 0)
+            r, s, n = r[keep], s[keep], n[keep]
+            rank, start, length = torch.from_numpy(r), torch.from_numpy(s), torch.from_numpy(n)
+        key = r * (padded_len + 1) + s
+        if key.size > 1 and not (key[1:] > key[:-1]).all():
+            order = torch.argsort(torch.from_numpy(key))
+            rank, start, length = take(rank, order), take(start, order), take(length, order)
+            r, s, n = rank.numpy(), start.numpy(), length.numpy()
         if r.size > 1:
             touch = np.zeros(r.size, dtype=bool)
             touch[1:] = (r[1:] == r[:-1]) & (s[1:] == s[:-1] + n[:-1])
@@ -229,7 +233,8 @@ class RankRuns:
             i = torch.searchsorted(starts, x.unsqueeze(0).expand(self.cp, -1).contiguous(), right=True)
             x = x.unsqueeze(0)  # [1, n] against [cp, n]
             return torch.minimum(x + base.gather(1, i), cap.gather(1, i)).long()
-        # Large: in numpy, whose gathers and elementwise ops cost a half to a third of torch's on one core.
+        # One source, or many positions: in numpy, whose gathers and elementwise ops cost a half to a
+        # third of torch's on one core.
         t, q, base, cap = starts.numpy(), x.numpy(), base.numpy(), cap.numpy()
         if src is not None:
             i = np.searchsorted(t[src], q, side="right")

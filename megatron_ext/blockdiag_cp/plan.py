@@ -160,7 +160,8 @@ def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     # The runs partition [0, P): the position before a run's start is the end of the run before it,
     # found through a table of which rank's run ends where (no sort of the runs by position).
     rank, start = runs.rank.numpy(), runs.start.numpy()
-    ends_at = np.empty(runs.padded_len + 1, dtype=np.int16 if cp < 2 ** 15 else np.int64)
+    # The narrowest dtype that holds a rank: the table is as long as the sequence, written once (fresh memory).
+    ends_at = np.empty(runs.padded_len + 1, dtype=np.int8 if cp < 2 ** 7 else np.int16 if cp < 2 ** 15 else np.int64)
     ends_at[start + runs.length.numpy()] = rank.astype(ends_at.dtype)  # read below only at run starts > 0: all written
     inner = start > 0
     adjacent = np.zeros(cp * cp, dtype=bool)  # [dst, src] flat
