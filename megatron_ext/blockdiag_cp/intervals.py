@@ -344,24 +344,23 @@ def _real_pieces(run: torch.Tensor, doc: torch.Tensor, pa: torch.Tensor, pb: tor
     return keep_where(take(d_id, doc) > 0, run, doc, pa, pb)
 
 
-def needed_intervals(rank: torch.Tensor, doc: torch.Tensor, doc_start: torch.Tensor, pb: torch.Tensor
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dst, a, b): [document start, last query + 1) per (rank, document) from real pieces.
+def needed_intervals(rank: np.ndarray, doc: np.ndarray, doc_start: np.ndarray, pb: np.ndarray
+                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst, a, b): [document start, last query + 1) per (rank, document) from real pieces (numpy).
 
     Pieces in rank-major, ascending order (as ``clip`` of rank runs gives them):
     a rank's pieces of one document are adjacent, its last one ends the interval.
     """
-    if rank.numel() == 0:
-        return rank, rank, rank
-    last = torch.ones_like(rank, dtype=torch.bool)
+    last = np.ones(rank.size, dtype=bool)
     last[:-1] = (doc[1:] != doc[:-1]) | (rank[1:] != rank[:-1])
-    last = true_at(last)
-    return take(rank, last), take(doc_start, last), take(pb, last)
+    last = np.flatnonzero(last)
+    return rank[last], doc_start[last], pb[last]
 
 
 def window_pairs(pa: torch.Tensor, pb: torch.Tensor, s: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """Query-key pairs of queries [pa, pb) of a document starting at s: query p sees keys
-    [max(s, p - window), p], min(p - s + 1, window + 1) of them (all p - s + 1 without a window)."""
+    [max(s, p - window), p], min(p - s + 1, window + 1) of them (all p - s + 1 without a window;
+    then numpy arrays work as well as tensors)."""
     lo, hi = pa - s + 1, pb - s  # each query's key count before the window, first and last
     if window is None:
         return (lo + hi) * (hi - lo + 1) // 2
@@ -392,17 +391,11 @@ def work_and_intervals(runs: RankRuns, rows: Sequence[DocRuns], window: Optional
         if real.size < doc.size:
             run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
         owner, s = rank[run], _np64(d_start)[doc]
-        if window is None:
-            lo, hi = pa - s + 1, pb - s  # as window_pairs: each query's keys, first and last
-            pairs = torch.from_numpy((lo + hi) * (hi - lo + 1) // 2)
-        else:
-            pairs = window_pairs(*(torch.from_numpy(x) for x in (pa, pb, s)), window)
+        pairs = torch.from_numpy(window_pairs(pa, pb, s, None)) if window is None else \
+            window_pairs(*(torch.from_numpy(x) for x in (pa, pb, s)), window)
         work.index_add_(0, torch.from_numpy(owner), pairs)
         if window is None:
-            last = np.ones(owner.size, dtype=bool)  # as needed_intervals: a rank's last piece of a document
-            last[:-1] = (doc[1:] != doc[:-1]) | (owner[1:] != owner[:-1])
-            last = np.flatnonzero(last)
-            parts.append((owner[last], s[last], pb[last]))
+            parts.append(needed_intervals(owner, doc, s, pb))
         else:
             parts.append((owner, np.maximum(s, pa - window), pb))
     dst, a, b = (torch.from_numpy(np.concatenate(x)) for x in zip(*parts))
