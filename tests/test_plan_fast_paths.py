@@ -55,6 +55,24 @@ def test_split_at_chunks_equals_reference(seed):
     assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_split_at_chunks_in_order_equals_reference(seed):
+    """Ascending, mostly disjoint key ranges (documents of a THD plan), a few over several chunks, some
+    empty: the split's order check (per range, not per entry) must see whether a sort is needed."""
+    g = torch.Generator().manual_seed(seed)
+    cp, n = 4, 30
+    src = torch.arange(cp).repeat_interleave(n)
+    piece = torch.arange(n).repeat(cp)
+    n_k = torch.randint(0, 6, (cp * n,), generator=g)
+    n_k[torch.randint(0, cp * n, (3,), generator=g)] = 17  # over several chunks of 8
+    slot = torch.cat([torch.cumsum(x, 0) - x for x in n_k.view(cp, n)])
+    slot[torch.randint(0, cp * n, (seed,), generator=g)] -= 1  # an overlap now and then: a sort needed
+    slot = slot.clamp(min=0)
+    got = chunks._split_at_chunks(src, slot, n_k, piece, 2, 8)
+    want = split_at_chunks_in_torch(src, slot, n_k, piece, 2, 8)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
 def test_heavy_units_are_what_light_rejects():
     """``heavy`` and ``next_heavy`` (the need split's lookup) reject exactly what ``light`` does."""
     g = torch.Generator().manual_seed(0)
