@@ -41,6 +41,22 @@ def test_clip_and_map_ranges_lookup_equal_searches(seed, monkeypatch):
         assert all(torch.equal(u, v) for u, v in zip(x, y))
 
 
+@pytest.mark.parametrize("high", [3, 40])
+def test_repeat_arange_equals_numpys_repeat(high):
+    """Both ways of ``repeat_arange`` (counts summed by a bincount for short repeats, numpy's repeat
+    for long ones), zeros and an empty count included."""
+    import numpy as np
+
+    g = np.random.default_rng(high)
+    for n in (0, 1, 7, 500):
+        count = g.integers(0, high, n)
+        if n > 1:
+            count[0] = count[-1] = 0  # an index that never appears, first and last
+        want = np.repeat(np.arange(n, dtype=np.int64), count)
+        got = intervals.repeat_arange(count.astype(np.int64))
+        assert got.dtype == np.int64 and np.array_equal(got, want), (n, count.tolist())
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_split_at_chunks_equals_reference(seed):
     g = torch.Generator().manual_seed(seed)

@@ -60,8 +60,7 @@ import torch
 
 from .cost import CostModel, WindowMix
 from .intervals import (DocRuns, RankRuns, _expand, _real_pieces, clip, document_runs, merge_intervals,
-                        overlap_counts, overlap_pieces, repeat_index, search, take, true_at, window_pairs,
-                        work_and_intervals)
+                        overlap_counts, overlap_pieces, repeat_index, window_pairs, work_and_intervals)
 from .swaps import RangeSwaps, RangeWork, merged_spans
 
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges

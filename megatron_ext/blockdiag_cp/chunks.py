@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from .intervals import (DocRuns, RankRuns, _ranges_np, _real_pieces, clip, map_ranges, ranges, repeat_arange,
-                        repeat_index, search, take)
+                        search, take)
 
 CHUNK_KINDS = ("ring", "needed")
 
