@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from .cost import CostModel, WindowMix
-from .intervals import (DocRuns, RankRuns, _expand, _real_pieces, clip, document_runs, merge_intervals,
+from .intervals import (DocRuns, RankRuns, _expand_np, _real_pieces, clip, document_runs, merge_intervals,
                         overlap_counts, overlap_pieces, repeat_index, window_pairs, work_and_intervals)
 from .swaps import RangeSwaps, RangeWork, merged_spans
 
@@ -591,7 +591,7 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
     pieces = np.flatnonzero(hi - lo > 1)
     out = np.zeros(size, dtype=np.int64)
     if pieces.size:
-        p, h = (x.numpy() for x in _expand(torch.from_numpy(lo[pieces]), torch.from_numpy((hi - lo)[pieces])))
+        p, h = _expand_np(lo[pieces], (hi - lo)[pieces])
         p = pieces[p]
         g_p = g[p]
         sent = np.maximum(np.minimum(pb[p], reach[h]) - pa[p], 0)

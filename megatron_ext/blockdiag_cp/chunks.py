@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import (DocRuns, RankRuns, _ranges_np, _real_pieces, clip, map_ranges, ranges, repeat_arange,
+from .intervals import (DocRuns, RankRuns, _expand_np, _real_pieces, clip, map_ranges, ranges, repeat_arange,
                         search, take)
 
 CHUNK_KINDS = ("ring", "needed")
@@ -194,8 +194,7 @@ def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
     first[own] = 0  # the own chunk is never cut
     last[own] = 0
     count = last - first + 1
-    which = repeat_arange(count)
-    chunk = _ranges_np(first, count)
+    which, chunk = _expand_np(first, count)
     at, end_at = start[which], end[which]
     lo, hi = np.maximum(at, chunk * chunk_rows), np.minimum(end_at, (chunk + 1) * chunk_rows)
     own_at = (np.cumsum(count) - count)[own]  # each own range is one entry

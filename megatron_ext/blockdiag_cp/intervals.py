@@ -115,7 +115,12 @@ def search(table: torch.Tensor, x: torch.Tensor, right: bool = False) -> torch.T
 
 def _expand(first: torch.Tensor, count: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(owner, index): for each i, index runs over first[i] .. first[i] + count[i] - 1."""
-    return repeat_index(count), ranges(first, count)
+    return tuple(torch.from_numpy(x) for x in _expand_np(_np64(first), _np64(count)))
+
+
+def _expand_np(first: np.ndarray, count: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``_expand`` of int64 numpy arrays, to numpy arrays (for callers that stay in numpy)."""
+    return repeat_arange(count), _ranges_np(first, count)
 
 
 @dataclass(frozen=True)
@@ -284,7 +289,7 @@ def _clip_np(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_e
         first = np.searchsorted(part_starts, a, side="right") - 1
         last = np.searchsorted(part_starts, b - 1, side="right") - 1
     count = last - first + 1
-    which, part = repeat_arange(count), _ranges_np(first, count)
+    which, part = _expand_np(first, count)
     return which, part, np.maximum(a[which], part_starts[part]), np.minimum(b[which], part_ends[part])
 
 
@@ -328,7 +333,7 @@ def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.
         j0 = np.maximum(np.searchsorted(tab_start, q_start, side="right") - 1, 0)
         j1 = np.searchsorted(tab_start, q_end) - 1  # last table range starting < q_end
     count = np.where(q_len > 0, np.maximum(j1 - j0 + 1, 0), 0)
-    which, j = repeat_arange(count), _ranges_np(j0, count)
+    which, j = _expand_np(j0, count)
     t_start = tab_start[j]
     lo = np.maximum(q_start[which], t_start)
     n = np.maximum(np.minimum(q_end[which], t_start + tab_len[j]) - lo, 0)
