@@ -707,10 +707,9 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
         order = units.splittable(L)[0]
 
         def heavy_units():
-            k = units.next_heavy(0, theta * max(target - min(load), 0.0), L)
-            while k is not None:
+            k = -1
+            while (k := units.next_heavy(k + 1, theta * max(target - min(load), 0.0), L)) is not None:
                 yield order[k]
-                k = units.next_heavy(k + 1, theta * max(target - min(load), 0.0), L)
     for i in (heavy_units() if style == "need" else units.heavy(theta * target, L)):
         a, b, w = units.start[i], units.end[i], units.work[i]
         n = b - a
