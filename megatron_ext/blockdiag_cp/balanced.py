@@ -26,7 +26,10 @@ inter-node price: a document light enough for one node stays inside one node,
 and only what does not fit a node is split across nodes (its keys cross IB once
 per node, ``hierarchy``). Then, for the best node layouts, inside every node over
 its g ranks at the intra-node price (what a rank receives includes the remote
-keys its node forwards to it). That layout is also polished by equal-length range
+keys its node forwards to it), plus each rank's IB time under the hierarchical
+exchange (``_NodeExchange``: the window of remote rows it fetches, which the node
+layout fixes, or the rows other nodes read that it owns, which the node's search
+decides, whichever is larger). That layout is also polished by equal-length range
 swaps inside nodes (``swaps``; the busiest rank first, scored like the per-node
 searches): the per-node searches split a document over m ranks at equal work
 and pack the rest by a greedy key, which leaves a node's ranks 10-20% apart
@@ -235,6 +238,69 @@ def _pairs(x: int, y: int, s: int, window: Optional[int]) -> int:
     return grow + max(0, hi - max(lo - 1, w)) * w
 
 
+class _NodeExchange:
+    """Two levels, one node layout: the IB time a node's ranks add to its search's scores, in pairs.
+
+    The hierarchical exchange (``hierarchy``) cuts node N's remote rows R(N) into g
+    equal windows and N's j-th rank fetches window j: the node layout alone fixes
+    those sizes (``fetch``). A row that m other nodes read is sent over IB m times,
+    by whichever rank of its node owns it: that is what a node's search decides. So
+    a rank pays q_inter * max(its window, the rows it sends), and the sends below a
+    position x, F(x), are piecewise linear; per document, its nodes' reaches (end of
+    each node's last piece) sorted r1 <= r2 <= r3:
+
+        [s ........ r1 ........ r2 ........ r3)      one document, held by 3 nodes
+         2 other nodes read     1           0        rows sent per position
+
+    A piece [a, b) of a node's rank sends F(b) - F(a) rows.
+    """
+
+    def __init__(self, table: _UnitTable, node_owned: Owned, g: int, q_inter: float):
+        d_start, d_end, d_id = table.rows[0]
+        nodes = len(node_owned)
+        _, group, a, b = _flatten([node_owned], nodes)
+        which, doc, pa, pb = (x.numpy() for x in _real_pieces(*clip(a, b, d_start, d_end), d_id))
+        node, starts = group.numpy()[which], d_start.numpy()
+        # Holders: (document, node) -> reach and tokens owned; documents in position order.
+        key, inverse = np.unique(doc * nodes + node, return_inverse=True)
+        reach = np.zeros(key.size, dtype=np.int64)
+        np.maximum.at(reach, inverse, pb)
+        own = np.bincount(inverse, weights=pb - pa, minlength=key.size).astype(np.int64)
+        h_doc, h_node = key // nodes, key % nodes
+        remote = np.bincount(h_node, weights=reach - starts[h_doc] - own, minlength=nodes).astype(np.int64)
+        self.fetch = np.diff(remote[:, None] * np.arange(g + 1) // g, axis=1)  # [nodes, g]: |window j of R(N)|
+        order = np.lexsort((reach, h_doc))
+        d, r = h_doc[order], reach[order]
+        first = np.ones(d.size, dtype=bool)
+        first[1:] = d[1:] != d[:-1]
+        run_start = np.flatnonzero(first)
+        holders = np.diff(np.append(run_start, d.size))[np.cumsum(first) - 1]  # per entry: its document's holders
+        t = np.arange(d.size) - run_start[np.cumsum(first) - 1]  # 0 .. holders - 1, by reach
+        lo = np.where(first, starts[d], np.roll(r, 1))  # from the previous reach (the document start first)
+        w = holders - 1 - t
+        keep = (w > 0) & (r > lo)
+        self.lo, self.hi, self.w = lo[keep], r[keep], w[keep]
+        self.below = np.concatenate([[0], np.cumsum(self.w * (self.hi - self.lo))])[:-1]
+        self.g, self.q_inter = g, q_inter
+
+    def sent_below(self, x: np.ndarray) -> np.ndarray:
+        """F(x): rows sent over IB from positions below x."""
+        if self.lo.size == 0:
+            return np.zeros(x.shape, dtype=np.int64)
+        j = np.searchsorted(self.lo, x, side="right") - 1
+        jc = np.maximum(j, 0)
+        inside = np.clip(x, self.lo[jc], self.hi[jc]) - self.lo[jc]
+        return np.where(j >= 0, self.below[jc] + self.w[jc] * inside, 0)
+
+    def pairs(self, node_of: np.ndarray, n_cand: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+              ) -> torch.Tensor:
+        """[n_cand, g]: q_inter * max(window fetched, rows sent) of each rank of each candidate
+        (``group`` = candidate * g + rank, as ``_flatten``; ``node_of``: each candidate's node)."""
+        sent = self.sent_below(b.numpy()) - self.sent_below(a.numpy())
+        out = np.bincount(group.numpy(), weights=sent, minlength=n_cand * self.g).reshape(n_cand, self.g)
+        return torch.from_numpy(self.q_inter * np.maximum(self.fetch[node_of], out))
+
+
 def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None,
                   doc_runs: Optional[Sequence[DocRuns]] = None) -> RunSpec:
     """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring).
@@ -265,15 +331,20 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
         q = cost_model.positions_per_pair
         for c in nodes.order()[:NODE_FINALISTS]:
             per_node, labels = [], []
-            for inner in _search_many(table, [merged_spans(spans) for spans in nodes.owned(c)], g, q,
-                                      thresholds=NODE_THRESHOLDS):
+            node_owned = nodes.owned(c)
+            # Which rank of a node sends the rows other nodes read is the node's own choice: priced in
+            # its search (the hierarchical exchange, full attention; the exact pricing judges the rest).
+            exchange = _NodeExchange(table, node_owned, g, cost_model.positions_per_pair_inter) \
+                if cost_model.hierarchical and table.windows.full_only else None
+            for inner in _search_many(table, [merged_spans(spans) for spans in node_owned], g, q,
+                                      thresholds=NODE_THRESHOLDS, exchange=exchange):
                 best = inner.cheapest()
                 per_node.append(inner.owned(best))
                 labels.append(inner.labels[best])
             label = f"{nodes.labels[c]} > {_summarize(labels)}"
             finalists.append((label, [spans for owned in per_node for spans in owned]))
             if table.windows.full_only:
-                swapped = _swapped_nodes(table, per_node, g, q)
+                swapped = _swapped_nodes(table, per_node, g, q, exchange)
                 if swapped is not None:
                     finalists.append((f"{label} + swaps", swapped))
     L = P // cp
@@ -286,10 +357,12 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
                          prefer_balance=not cost_model.spans_nodes(cp))
 
 
-def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: float) -> Optional[Owned]:
+def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: float,
+                   exchange: Optional[_NodeExchange] = None) -> Optional[Owned]:
     """The group's layout after range swaps (``swaps``) inside its nodes, each node scored like its
-    search (work + q * max(in, out) over its g ranks, keys from other nodes received like the rest);
-    None if no swap helped (or the sequence is too long for the pass: SWAP_MAX_POSITIONS)."""
+    search (work + q * max(in, out) over its g ranks, keys from other nodes received like the rest,
+    plus ``exchange``'s IB time); None if no swap helped (or the sequence is too long for the pass:
+    SWAP_MAX_POSITIONS)."""
     rounds = min(NODE_SWAP_ROUNDS, SWAP_ROUND_POSITIONS // table.P) if table.P <= SWAP_MAX_POSITIONS else 0
     if rounds == 0:
         return None
@@ -298,8 +371,12 @@ def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: floa
         # A swap inside node n changes only node n's scores.
         jobs = [(0, n) for n in range(len(cands[0]) // g)] if pairs is None else \
             [(k, A // g) for k, (A, _) in enumerate(pairs)]
-        w, inn, out = _candidate_traffic(table, g, *_flatten([cands[k][n * g:(n + 1) * g] for k, n in jobs], g))
-        node_scores = (w.double() + q * torch.maximum(inn, out).double()).numpy()  # [jobs, g]
+        flat = _flatten([cands[k][n * g:(n + 1) * g] for k, n in jobs], g)
+        w, inn, out = _candidate_traffic(table, g, *flat)
+        node_scores = w.double() + q * torch.maximum(inn, out).double()  # [jobs, g]
+        if exchange is not None:
+            node_scores += exchange.pairs(np.array([n for _, n in jobs]), *flat)
+        node_scores = node_scores.numpy()
         scores = np.zeros((len(cands), len(cands[0]))) if base is None else np.tile(base, (len(cands), 1))
         for (k, n), row in zip(jobs, node_scores):
             scores[k, n * g:(n + 1) * g] = row
@@ -381,9 +458,11 @@ def _search(table: _UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
 
 
 def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bundle: int = 0,
-                 thresholds: Sequence[float] = SPLIT_THRESHOLDS) -> List[_Found]:
+                 thresholds: Sequence[float] = SPLIT_THRESHOLDS,
+                 exchange: Optional[_NodeExchange] = None) -> List[_Found]:
     """``_search`` for several independent span sets (a group's nodes), each over its own ``cp`` ranks;
-    all candidates are scored together (one batched count instead of one per span set)."""
+    all candidates are scored together (one batched count instead of one per span set).
+    ``exchange``: span set n is node n of that node layout, its ranks' IB time is scored too."""
     units = [_Units(table, spans, cp, bundle) for spans in many]
     cands, n_peers = [], []
     for spans, u in zip(many, units):
@@ -409,12 +488,13 @@ def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bu
             stream, strict = _split_and_pack(u, cp, math.inf, "zigzag")
             c += [("pack", stream), ("pack/strict", strict)]
         cands.append(c)
-    costs = _score_many(units[0], cp, q, cands)
+    costs = _score_many(units[0], cp, q, cands, exchange)
     return [_Found([label for label, _ in c], *cost[2], cp, cost[0], cost[1], n)
             for c, cost, n in zip(cands, costs, n_peers)]
 
 
-def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tuple[str, Owned]]]):
+def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tuple[str, Owned]]],
+                exchange: Optional[_NodeExchange] = None):
     """``_score`` of several searches' candidates in one batch; per search (modeled, imbalance, flat).
 
     A search's imbalance is its work max over its own mean (its spans' share)."""
@@ -422,7 +502,8 @@ def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tup
     if sum(sizes) == 0:
         return [None] * len(cands)
     flat = _flatten([owned for c in cands for _, owned in c], cp)
-    modeled, work = _mixed_scores(units, cp, flat, q)  # [all candidates], [all candidates, cp]
+    extra = None if exchange is None else exchange.pairs(np.repeat(np.arange(len(cands)), sizes), *flat)
+    modeled, work = _mixed_scores(units, cp, flat, q, extra)  # [all candidates], [all candidates, cp]
     worst, mean = work.max(1).values, work.mean(1).clamp(min=1e-9)
     out_list, first = [], 0
     for n in sizes:
@@ -521,14 +602,19 @@ def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return group[lo:hi] - c * cp, a[lo:hi], b[lo:hi] - a[lo:hi]
 
 
-def _mixed_scores(units, cp: int, flat, q: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def _mixed_scores(units, cp: int, flat, q: float, extra: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(modeled [n_candidates], work [n_candidates, cp]) under the table's window mix: per share of
-    layers, the busiest rank's work + q * max(received, sent), weighed by the shares; work likewise."""
+    layers, the busiest rank's work + q * max(received, sent) (+ ``extra`` [n_candidates, cp], full
+    attention only), weighed by the shares; work likewise."""
     modeled = torch.zeros(flat[0], dtype=torch.float64)
     mixed = torch.zeros(flat[0], cp, dtype=torch.float64)
     for window, share in units.windows.shares:
         work, inn, out = _candidate_traffic(units, cp, *flat, window=window)  # [all candidates, cp]
-        modeled += share * (work.double() + q * torch.maximum(inn, out).double()).max(1).values
+        rank = work.double() + q * torch.maximum(inn, out).double()
+        if extra is not None:
+            rank = rank + extra
+        modeled += share * rank.max(1).values
         mixed += share * work.double()
     return modeled, mixed
 
