@@ -226,9 +226,10 @@ def test_node_exchange_ib_loads_equal_the_hierarchical_brute_force(cp, g):
 
 def test_node_aware_balanced_is_near_a_brute_force_optimum_on_tiny_cases():
     """cp 4 = 2 nodes x 2, S = 32, every document within a node's share (16 tokens), IB 8x NVLink and
-    a key as dear as half a query-key pair: balanced is within 5% of the best of all 2520 layouts in
+    a key as dear as half a query-key pair: balanced is within 3% of the best of all 2520 layouts in
     4-token chunks (an exhaustive search; balanced cuts at any token, so it can also beat it: over 120
-    random cases the ratio ran 0.79-1.04, median 0.95, 113 of 120 at most 1)."""
+    random cases the ratio ran 0.79-1.024, median 0.94, 115 of 120 at most 1; the 5 above it are node
+    layouts: a document that fits a node's tokens but not its work kept whole in one node)."""
     cm = CostModel(1.0, 0.5, "tiny", ranks_per_node=2, seconds_per_position_inter=4.0)
     cp, S = 4, 32
     layouts = list(_chunk_layouts(S, cp, 4))
@@ -244,7 +245,20 @@ def test_node_aware_balanced_is_near_a_brute_force_optimum_on_tiny_cases():
         rows = [document_runs(ids[0])]
         work, dst, a, b = work_and_intervals(lay.runs, rows)
         assert cm.modeled_seconds(work, layout_traffic(lay.runs, rows, cm)) == pytest.approx(got)
-        assert got <= best * 1.05, (torch.unique_consecutive(ids[0], return_counts=True)[1].tolist(), got, best)
+        assert got <= best * 1.03, (torch.unique_consecutive(ids[0], return_counts=True)[1].tolist(), got, best)
+
+
+def test_node_search_tries_a_striped_node():
+    """Documents of 11, 5, 10 and 6 tokens at cp 4 = 2 x 2: each node's span starts with a document
+    and ends inside the next, where its 2 ranks balance on chunks 0, 2 / 1, 3 of it (striped), not
+    0, 3 / 1, 2 (zigzag); balanced does at least as well as the exhaustive 4-token search (44; it
+    finds 43.5, cutting at single tokens; without the striped candidate 45)."""
+    cm = CostModel(1.0, 0.5, "tiny", ranks_per_node=2, seconds_per_position_inter=4.0)
+    ids = torch.repeat_interleave(torch.arange(1, 5), torch.tensor([11, 5, 10, 6])).unsqueeze(0)
+    row = ids[0].tolist()
+    best = min(_brute_price(row, positions, cm) for positions in _chunk_layouts(32, 4, 4))
+    assert best == 44.0
+    assert _brute_price(row, build_layout("balanced", ids, 4, cm).positions.tolist(), cm) <= best
 
 
 def test_node_search_prices_the_rows_a_rank_sends_over_ib():

@@ -6,6 +6,9 @@ of the K/V positions it receives and sends (``q``: the cost model's pairs per
 position; a rank whose rows many ranks need pays for sending them). Candidates:
 
 - ``contiguous`` and ``zigzag`` themselves, so the result is never worse than either;
+- inside a node (two levels): ``striped``, chunks r and g + r of the node's 2g, which
+  balances a node whose span starts a document and ends inside the next (a 2-rank
+  node: chunks 0, 2 / 1, 3 where zigzag takes 0, 3 / 1, 2);
 - split-and-pack: documents heavier than ``theta`` of a rank's work share are
   split over a few ranks (``zigzag`` pairs, which equalise their work, at every
   SPLIT_THRESHOLDS; ``need``, zigzag pairs over the least loaded ranks, at
@@ -473,6 +476,10 @@ def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bu
             c.append(("zigzag", _cut(spans, [(r * half, (r + 1) * half) for r in range(cp)],
                                      [((2 * cp - 1 - r) * half, (2 * cp - r) * half) for r in range(cp)])))
         n_peers.append(len(c))  # contiguous (and zigzag): the result is never worse than these
+        if exchange is not None and L % 2 == 0:
+            half = L // 2
+            c.append(("striped", _cut(spans, [(r * half, (r + 1) * half) for r in range(cp)],
+                                      [((cp + r) * half, (cp + r + 1) * half) for r in range(cp)])))
         target = u.total / cp
         if u.heavy(min(thresholds) * target, L):
             seen = set()  # step-1 splits already packed
