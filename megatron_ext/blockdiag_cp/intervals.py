@@ -213,17 +213,19 @@ class RankRuns:
         np_dtype = np.int32 if dtype == torch.int32 else np.int64
         rank, start, length = self.rank.numpy(), self.start.numpy(), self.length.numpy()
         count = np.bincount(rank, minlength=cp)
-        col = np.arange(rank.size) - (np.cumsum(count) - count)[rank]
         K = int(count.max())
         flat = rank * L + self.local.numpy()
+        run_base, run_cap = flat - start, flat + length
         starts = np.full((cp, K), P + 1, dtype=np_dtype)  # padding sorts after every x <= P
-        # Flat indices into the row-major tables: one 1-D scatter each, not a 2-D fancy index.
-        starts.reshape(-1)[rank * K + col] = start
         base = np.repeat((np.arange(cp, dtype=np_dtype) * L)[:, None], K + 1, axis=1)
         cap = base.copy()
-        entry = rank * (K + 1) + col + 1
-        base.reshape(-1)[entry] = flat - start
-        cap.reshape(-1)[entry] = flat + length
+        # Runs are rank-major: each rank's are one slice, copied into its row (cp slice copies cost
+        # a tenth of three scatters of every run, ~280k of them in a THD layout at 1M / cp 64).
+        ends = np.cumsum(count).tolist()
+        for r, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+            starts[r, :hi - lo] = start[lo:hi]
+            base[r, 1:hi - lo + 1] = run_base[lo:hi]
+            cap[r, 1:hi - lo + 1] = run_cap[lo:hi]
         return torch.from_numpy(starts), torch.from_numpy(base), torch.from_numpy(cap)
 
     def flat_before(self, x: torch.Tensor, src: Optional[int] = None) -> torch.Tensor:
