@@ -184,3 +184,37 @@ def test_the_search_hands_its_tables_only_to_its_own_thread():
     kept = balanced.take_chosen_tables()
     assert kept is not None and torch.equal(kept[0].start, lay.runs.start)
     assert balanced.take_chosen_tables() is None  # taken once
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("n", [25, 20_000])  # one torch search, and a numpy search per source
+def test_owned_ranges_equals_positions_brute_force(seed, n):
+    """``intervals.owned_ranges`` (pieces read off flat_before's searches) against every source's
+    positions filtered one by one, and against ``map_ranges`` of the flat ranges (the code it replaced)."""
+    g = torch.Generator().manual_seed(seed)
+    cp, L = 4, 30
+    P = cp * L
+    # Random runs: cut [0, P) into pieces and deal them to ranks, L positions each.
+    owner = torch.arange(cp).repeat_interleave(L)[torch.randperm(P, generator=g)]
+    change = torch.ones(P, dtype=torch.bool)
+    change[1:] = owner[1:] != owner[:-1]
+    start = torch.nonzero(change).flatten()
+    length = torch.cat([start[1:], torch.tensor([P])]) - start
+    runs = intervals.RankRuns.build(cp, P, owner[start], start, length)
+    a = torch.randint(0, P + 1, (n,), generator=g)
+    b = torch.minimum(a + torch.randint(0, 40, (n,), generator=g), torch.tensor(P))
+    skip = seed % cp
+    lo, hi, start_out, len_out = intervals.owned_ranges(runs, a, b, skip)
+    got = intervals.ranges(start_out, len_out).tolist()
+    want = []
+    for src in range(cp):
+        pos = runs.positions(src).tolist()
+        assert lo[src].tolist() == [src * L + sum(p < x for p in pos) for x in a.tolist()]
+        assert hi[src].tolist() == [src * L + sum(p < x for p in pos) for x in b.tolist()]
+        if src != skip:
+            want += [p for x, y in zip(a.tolist(), b.tolist()) for p in pos if x <= p < y]
+    assert got == want
+    count = hi - lo
+    count[skip] = 0
+    _, ref_start, ref_len = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), count.reshape(-1))
+    assert torch.equal(start_out, ref_start) and torch.equal(len_out, ref_len)

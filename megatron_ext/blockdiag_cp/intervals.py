@@ -455,6 +455,46 @@ def flat_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, src: Optional[
     return runs.flat_before(a, src), runs.flat_before(b, src)
 
 
+def owned_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, skip: int
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every source's positions in each of the ranges [a, b): (lo, hi) [cp, n], ``flat_ranges``, and
+    (start, length), those positions as ranges, source-major, by range, ascending (none of ``skip``).
+
+    The pieces come from the binary searches that give (lo, hi): the entry a search lands on names
+    src's last run starting at or before a (its first run meeting [a, b), or the next when a is past
+    its end) and, searched from the left, its last run starting before b. ``map_ranges`` of the
+    flat ranges through the runs would search (or tabulate) the runs again.
+    """
+    starts, base, cap = runs._prefix_tables
+    cp, width = runs.cp, base.shape[1]
+    t, base, cap = starts.numpy(), base.numpy().reshape(-1), cap.numpy().reshape(-1)
+    qa, qb = a.numpy().astype(t.dtype), b.numpy().astype(t.dtype)
+    # [cp, n] entries of the row-major [cp, K + 1] tables: src's entry i describes its run i - 1.
+    row = np.arange(0, cp * width, width)[:, None]
+    if qa.size * cp < 1 << 16:  # small: one torch search beats a numpy search per source (flat_before)
+        ea, eb = (torch.searchsorted(starts, torch.from_numpy(q).expand(cp, -1).contiguous(), right=right).numpy()
+                  for q, right in ((qa, True), (qb, False)))
+    else:
+        ea, eb = (np.stack([np.searchsorted(t[s], q, side=side) for s in range(cp)]) for q, side in
+                  ((qa, "right"), (qb, "left")))
+    ea, eb = ea + row, eb + row
+    lo, cap_a = np.minimum(qa + base[ea], cap[ea]), cap[ea]
+    hi = np.minimum(qb + base[eb], cap[eb])  # the same count as searched from the right
+    # The global index of the run an entry describes: runs are rank-major, src's first at its offset.
+    count = np.bincount(runs.rank.numpy(), minlength=cp)
+    shift = (np.cumsum(count) - count - 1)[:, None] - row
+    first = ea + shift + (lo == cap_a)  # a past the run's end (or before src's first): the next run
+    last = eb + shift
+    n = np.where(hi > lo, last - first + 1, 0)  # an empty [a, b) inside a run would meet it
+    n[skip] = 0
+    which, run = _expand_np(first.reshape(-1), n.reshape(-1))
+    which %= qa.size
+    run_start, run_len = _np64(runs.start), _np64(runs.length)
+    start = np.maximum(_np64(a)[which], run_start[run])
+    end = np.minimum(_np64(b)[which], run_start[run] + run_len[run])
+    return tuple(torch.from_numpy(x) for x in (lo.astype(np.int64), hi.astype(np.int64), start, end - start))
+
+
 def needed_remote(runs: RankRuns, rows: Sequence[DocRuns], window: Optional[int] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(work [cp], needed [cp]): attention pairs and K/V positions each rank needs and does not own."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
-from .intervals import (RankRuns, document_runs, flat_ranges, map_ranges, overlap_counts, ranges, take, true_at,
+from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take, true_at,
                         work_and_intervals)
 from .layout import Layout, thd_exchange_counts
 
@@ -138,10 +138,10 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     recv_start, recv_len = empty, empty
     mine_flat = None
     if mine.numel():
-        lo, hi = mine_flat = flat_ranges(runs, take(a, mine), take(b, mine))  # [cp, n_mine]
+        lo, hi, recv_start, recv_len = owned_ranges(runs, take(a, mine), take(b, mine), rank)  # [cp, n_mine]
+        mine_flat = lo, hi
         n = hi - lo
         n[rank] = 0
-        _, recv_start, recv_len = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), n.reshape(-1))
         recv_positions = list(torch.split(ranges(recv_start, recv_len), n.sum(1).tolist()))
 
     halo_ok, halo_reason = _halo_check(runs, counts)
