@@ -219,13 +219,17 @@ class RankRuns:
         starts = np.full((cp, K), P + 1, dtype=np_dtype)  # padding sorts after every x <= P
         base = np.repeat((np.arange(cp, dtype=np_dtype) * L)[:, None], K + 1, axis=1)
         cap = base.copy()
-        # Runs are rank-major: each rank's are one slice, copied into its row (cp slice copies cost
-        # a tenth of three scatters of every run, ~280k of them in a THD layout at 1M / cp 64).
-        ends = np.cumsum(count).tolist()
-        for r, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
-            starts[r, :hi - lo] = start[lo:hi]
-            base[r, 1:hi - lo + 1] = run_base[lo:hi]
-            cap[r, 1:hi - lo + 1] = run_cap[lo:hi]
+        first = np.cumsum(count) - count  # [cp] each rank's first run (runs are rank-major)
+        if rank.size < 8 * cp:  # a few runs per rank (contiguous, zigzag): one scatter of every run
+            col = np.arange(rank.size) - first[rank]
+            starts.reshape(-1)[rank * K + col] = start
+            entry = rank * (K + 1) + col + 1
+            base.reshape(-1)[entry], cap.reshape(-1)[entry] = run_base, run_cap
+        else:  # many (THD: 2 per document): each rank's runs are one slice, cp slice copies cost less
+            for r, (lo, hi) in enumerate(zip(first.tolist(), (first + count).tolist())):
+                starts[r, :hi - lo] = start[lo:hi]
+                base[r, 1:hi - lo + 1] = run_base[lo:hi]
+                cap[r, 1:hi - lo + 1] = run_cap[lo:hi]
         return torch.from_numpy(starts), torch.from_numpy(base), torch.from_numpy(cap)
 
     def flat_before(self, x: torch.Tensor, src: Optional[int] = None) -> torch.Tensor:
