@@ -89,6 +89,26 @@ def test_split_at_chunks_in_order_equals_reference(seed):
     assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_split_at_chunks_many_ranges_equals_reference(seed):
+    """Past the few thousand ranges where the split inserts the cut ranges' later pieces instead of
+    expanding every range: mostly one-chunk ranges in order, some over several chunks, empty ones
+    (one at a chunk's start: in no chunk), long own ranges; with seed > 0 an overlap needs the sort."""
+    g = torch.Generator().manual_seed(seed)
+    cp, n = 4, 2500
+    src = torch.arange(cp).repeat_interleave(n)
+    piece = torch.arange(n).repeat(cp)
+    n_k = torch.randint(0, 6, (cp * n,), generator=g)
+    n_k[torch.randint(0, cp * n, (40,), generator=g)] = 30  # over several chunks of 8
+    slot = torch.cat([torch.cumsum(x, 0) - x for x in n_k.view(cp, n)])
+    slot[torch.randint(0, cp * n, (seed,), generator=g)] -= 1
+    slot = slot.clamp(min=0)
+    assert src.numel() >= 1 << 13 and bool(((n_k == 0) & (slot % 8 == 0)).any())
+    got = chunks._split_at_chunks(src, slot, n_k, piece, 2, 8)
+    want = split_at_chunks_in_torch(src, slot, n_k, piece, 2, 8)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
 def test_heavy_units_are_what_light_rejects():
     """``heavy`` and ``next_heavy`` (the need split's lookup) reject exactly what ``light`` does."""
     g = torch.Generator().manual_seed(0)

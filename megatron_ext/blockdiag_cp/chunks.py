@@ -49,8 +49,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import (DocRuns, RankRuns, _expand_np, _real_pieces, clip, map_ranges, ranges, repeat_arange,
-                        search, take)
+from .intervals import (DocRuns, RankRuns, _expand_np, _ranges_np, _real_pieces, clip, map_ranges, ranges,
+                        repeat_arange, search, take)
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -185,7 +185,7 @@ def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
 
 
 def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
-    """``_split_at_chunks`` of int64 numpy arrays (not empty), to numpy arrays."""
+    """``_split_at_chunks`` of int64 numpy arrays (not empty), to numpy arrays (some may be inputs)."""
     # In numpy, the own source's few ranges fixed up after: torch's where over the (source, piece)
     # pairs (cp x pieces of them in a THD plan) cost more than the rest of the split.
     end = start + n_k
@@ -193,17 +193,39 @@ def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
     first, last = start // chunk_rows, (end - 1) // chunk_rows
     first[own] = 0  # the own chunk is never cut
     last[own] = 0
-    count = last - first + 1
-    which, chunk = _expand_np(first, count)
-    at, end_at = start[which], end[which]
-    lo, hi = np.maximum(at, chunk * chunk_rows), np.minimum(end_at, (chunk + 1) * chunk_rows)
-    own_at = (np.cumsum(count) - count)[own]  # each own range is one entry
-    lo[own_at], hi[own_at] = at[own_at], end_at[own_at]
-    key = (s[which] * (int(chunk.max()) + 1) + chunk) * (int(p.max()) + 1) + p[which]
+    if s.size < 1 << 13:  # few ranges: every one expanded to its chunks
+        count = last - first + 1  # 0: an empty range at a chunk's start, in no chunk
+        which, chunk = _expand_np(first, count)
+        at, end_at = start[which], end[which]
+        lo, hi = np.maximum(at, chunk * chunk_rows), np.minimum(end_at, (chunk + 1) * chunk_rows)
+        own_at = (np.cumsum(count) - count)[own]  # each own range is one entry
+        lo[own_at], hi[own_at] = at[own_at], end_at[own_at]
+        s, p = s[which], p[which]
+    else:
+        # Almost every range lies in one chunk (189 of 131k cross a boundary in a 1M / cp 64 THD
+        # plan): it is its own entry, only the others' later pieces are made and inserted after it
+        # (expanding every range cost most of the split; below a few thousand ranges the inserts'
+        # fixed costs outweigh that).
+        if not bool((last >= first).all()):  # an empty range at a chunk's start lies in no chunk
+            keep = np.flatnonzero(last >= first)
+            s, start, end, p, first, last = s[keep], start[keep], end[keep], p[keep], first[keep], last[keep]
+        chunk, lo, hi = first, start, end
+        cut = np.flatnonzero(last > first)
+        if cut.size:
+            extra = last[cut] - first[cut]  # pieces after a cut range's first
+            at = np.repeat(cut + 1, extra)  # np.insert keeps the order of values inserted at one index
+            more = _ranges_np(first[cut] + 1, extra)  # their chunks
+            more_hi = np.minimum(np.repeat(end[cut], extra), (more + 1) * chunk_rows)
+            hi = end.copy()
+            hi[cut] = (first[cut] + 1) * chunk_rows
+            s, p = np.insert(s, at, np.repeat(s[cut], extra)), np.insert(p, at, np.repeat(p[cut], extra))
+            chunk, lo = np.insert(chunk, at, more), np.insert(lo, at, more * chunk_rows)
+            hi = np.insert(hi, at, more_hi)
+    key = (s * (int(chunk.max()) + 1) + chunk) * (int(p.max()) + 1) + p
     if key.size > 1 and not bool((key[1:] >= key[:-1]).all()):  # keys are distinct: sorted is the order
         order = np.argsort(key)
-        which, chunk, lo, hi = which[order], chunk[order], lo[order], hi[order]
-    return s[which], chunk, p[which], lo, hi - lo
+        s, chunk, p, lo, hi = s[order], chunk[order], p[order], lo[order], hi[order]
+    return s, chunk, p, lo, hi - lo
 
 
 @dataclass
