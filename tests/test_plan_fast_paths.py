@@ -238,3 +238,45 @@ def test_owned_ranges_equals_positions_brute_force(seed, n):
     count[skip] = 0
     _, ref_start, ref_len = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), count.reshape(-1))
     assert torch.equal(start_out, ref_start) and torch.equal(len_out, ref_len)
+
+
+@pytest.mark.parametrize("name", ["thd", "contiguous", "zigzag"])
+def test_interval_docs_and_flat_ranges_at_docs_equal_brute_force(name):
+    """work_intervals_and_docs names each interval's document (one row, full attention) and
+    flat_ranges read at those documents' starts equals counting every source's positions."""
+    from megatron_ext.blockdiag_cp.intervals import flat_ranges, work_intervals_and_docs
+
+    cp = 4
+    g = torch.Generator().manual_seed(len(name))
+    lengths = [1, 2 * cp, 5 * cp - 1] + torch.randint(1, 12 * cp, (12,), generator=g).tolist()
+    parts = [torch.zeros(2 * cp, dtype=torch.long)]  # padding first: a document run with id 0
+    for i, n in enumerate(lengths):
+        ext = -(-n // (2 * cp)) * (2 * cp)
+        parts += [torch.full((n,), i + 1), torch.zeros(ext - n, dtype=torch.long)]
+    ids = torch.cat(parts)
+    ids = torch.nn.functional.pad(ids, (0, -ids.numel() % (2 * cp)))
+    runs = build_layout(name, ids.unsqueeze(0), cp).runs
+    rows = [document_runs(ids)]
+    work, dst, a, b, doc = work_intervals_and_docs(runs, rows)
+    want = intervals.work_and_intervals(runs, rows)
+    assert all(torch.equal(x, y) for x, y in zip((work, dst, a, b), want))
+    starts, _, d_id = rows[0]
+    assert torch.equal(starts[doc], a) and bool((d_id[doc] > 0).all())
+    assert bool((ids[a] == d_id[doc]).all()) and bool((ids[b - 1] == d_id[doc]).all())
+    owner = torch.empty(ids.numel(), dtype=torch.long)  # brute force: each position's owner and flat index
+    flat = torch.empty(ids.numel(), dtype=torch.long)
+    for r in range(cp):
+        pos = runs.positions(r)
+        owner[pos], flat[pos] = r, r * runs.local_len + torch.arange(pos.numel())
+    for src in (None, 1):
+        lo, hi = flat_ranges(runs, a, b, src, (starts, doc))
+        assert torch.equal(lo, flat_ranges(runs, a, b, src)[0])
+        for s in range(cp) if src is None else (src,):
+            for j in range(a.numel()):
+                mine = flat[a[j]:b[j]][owner[a[j]:b[j]] == s]
+                before = int((owner[:a[j]] == s).sum())
+                got_lo, got_hi = (lo[s, j], hi[s, j]) if src is None else (lo[j], hi[j])
+                assert int(got_lo) == s * runs.local_len + before
+                assert int(got_hi) - int(got_lo) == mine.numel()
+    assert work_intervals_and_docs(runs, rows, window=3)[4] is None
+    assert work_intervals_and_docs(runs, rows * 2)[4] is None

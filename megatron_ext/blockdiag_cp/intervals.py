@@ -356,8 +356,9 @@ def _real_pieces(run: torch.Tensor, doc: torch.Tensor, pa: torch.Tensor, pb: tor
 
 
 def needed_intervals(rank: np.ndarray, doc: np.ndarray, doc_start: np.ndarray, pb: np.ndarray
-                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dst, a, b): [document start, last query + 1) per (rank, document) from real pieces (numpy).
+                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(dst, a, b, doc): [document start, last query + 1) per (rank, document) from real pieces (numpy),
+    and that document.
 
     Pieces in rank-major, ascending order (as ``clip`` of rank runs gives them):
     a rank's pieces of one document are adjacent, its last one ends the interval.
@@ -365,7 +366,7 @@ def needed_intervals(rank: np.ndarray, doc: np.ndarray, doc_start: np.ndarray, p
     last = np.ones(rank.size, dtype=bool)
     last[:-1] = (doc[1:] != doc[:-1]) | (rank[1:] != rank[:-1])
     last = np.flatnonzero(last)
-    return rank[last], doc_start[last], pb[last]
+    return rank[last], doc_start[last], pb[last], doc[last]
 
 
 def window_pairs(pa: torch.Tensor, pb: torch.Tensor, s: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -390,6 +391,14 @@ def work_and_intervals(runs: RankRuns, rows: Sequence[DocRuns], window: Optional
     ``window``: a sliding window (query p sees keys from p - window): a piece [pa, pb)
     then needs [max(start, pa - window), pb), not its whole document's prefix.
     """
+    return work_intervals_and_docs(runs, rows, window)[:4]
+
+
+def work_intervals_and_docs(runs: RankRuns, rows: Sequence[DocRuns], window: Optional[int] = None
+                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``work_and_intervals``, and with one row and full attention each interval's document (its
+    index in the row's runs: a = starts[doc]), else None (intervals of several rows or windows merge).
+    """
     cp = runs.cp
     run_end = runs.start + runs.length
     rank = runs.rank.numpy()
@@ -408,11 +417,12 @@ def work_and_intervals(runs: RankRuns, rows: Sequence[DocRuns], window: Optional
         if window is None:
             parts.append(needed_intervals(owner, doc, s, pb))
         else:
-            parts.append((owner, np.maximum(s, pa - window), pb))
-    dst, a, b = (torch.from_numpy(np.concatenate(x)) for x in zip(*parts))
+            parts.append((owner, np.maximum(s, pa - window), pb, doc))
+    dst, a, b, doc = (torch.from_numpy(np.concatenate(x)) for x in zip(*parts))
     if len(rows) > 1 or window is not None:
         dst, a, b = merge_intervals(dst, a, b, runs.padded_len)
-    return work, dst, a, b
+        doc = None
+    return work, dst, a, b, doc
 
 
 def merge_intervals(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, padded_len: int
@@ -453,10 +463,19 @@ def overlap_counts(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.
     return counts
 
 
-def flat_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, src: Optional[int] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(lo, hi): the flat index range of src's positions in [a, b) ([cp, n] for every src)."""
-    return runs.flat_before(a, src), runs.flat_before(b, src)
+def flat_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, src: Optional[int] = None,
+                at_docs: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi): the flat index range of src's positions in [a, b) ([cp, n] for every src).
+
+    ``at_docs``: (starts, doc) with a = starts[doc], where the ranges start at document starts
+    (``work_intervals_and_docs``): lo is then searched once per document, not per range (a THD
+    plan's ranges are cp per document).
+    """
+    if at_docs is None:
+        return runs.flat_before(a, src), runs.flat_before(b, src)
+    starts, doc = at_docs
+    lo = runs.flat_before(starts, src)  # [D] or [cp, D]
+    return lo.index_select(lo.dim() - 1, doc), runs.flat_before(b, src)
 
 
 def owned_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, skip: int

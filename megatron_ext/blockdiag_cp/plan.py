@@ -24,7 +24,7 @@ import torch
 
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
 from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take, true_at,
-                        work_and_intervals)
+                        work_intervals_and_docs)
 from .layout import Layout, thd_exchange_counts
 
 
@@ -109,9 +109,10 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     runs = layout.runs
     rows = [document_runs(doc_ids[row]) for row in range(R)] if doc_runs is None else list(doc_runs)
     if known is None:
-        work_per_rank, dst, a, b = work_and_intervals(runs, rows, window)
+        work_per_rank, dst, a, b, doc = work_intervals_and_docs(runs, rows, window)
     else:
         work_per_rank, (dst, a, b), _ = known
+        doc = None
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
     if layout.name == "thd" and R == 1 and cp > 1 and window is None:  # every rank needs every document
@@ -127,7 +128,9 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     recv_positions: List[torch.Tensor] = [empty] * cp
     out = true_at(dst != rank)
     if out.numel():
-        lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank)
+        # Intervals of one row start at their documents' starts: lo is read off one search per document.
+        at_docs = None if doc is None else (rows[0][0], take(doc, out))
+        lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank, at_docs)
         n = hi - lo
         local = ranges(lo - rank * L, n)
         per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, take(dst, out), n)
