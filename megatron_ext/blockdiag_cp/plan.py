@@ -128,8 +128,10 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     recv_positions: List[torch.Tensor] = [empty] * cp
     out = true_at(dst != rank)
     if out.numel():
-        # Intervals of one row start at their documents' starts: lo is read off one search per document.
-        at_docs = None if doc is None else (rows[0][0], take(doc, out))
+        # Intervals of one row start at their documents' starts: where they outnumber the documents
+        # (THD: cp per document), lo is read off one search per document.
+        many = doc is not None and out.numel() > 2 * rows[0][0].numel()
+        at_docs = (rows[0][0], take(doc, out)) if many else None
         lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank, at_docs)
         n = hi - lo
         local = ranges(lo - rank * L, n)
