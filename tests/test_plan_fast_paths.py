@@ -71,19 +71,25 @@ def test_split_at_chunks_equals_reference(seed):
     assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
+def _ranges_in_order(seed, cp, n, long, long_len):
+    """(src, slot, n_k, piece): per source n ascending key ranges of 0-5 keys, ``long`` of them
+    ``long_len`` keys (over several chunks of 8); ``seed`` ranges moved back one key (an overlap:
+    a sort needed)."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.arange(cp).repeat_interleave(n)
+    piece = torch.arange(n).repeat(cp)
+    n_k = torch.randint(0, 6, (cp * n,), generator=g)
+    n_k[torch.randint(0, cp * n, (long,), generator=g)] = long_len
+    slot = torch.cat([torch.cumsum(x, 0) - x for x in n_k.view(cp, n)])
+    slot[torch.randint(0, cp * n, (seed,), generator=g)] -= 1
+    return src, slot.clamp(min=0), n_k, piece
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_split_at_chunks_in_order_equals_reference(seed):
     """Ascending, mostly disjoint key ranges (documents of a THD plan), a few over several chunks, some
     empty: the split's order check (per range, not per entry) must see whether a sort is needed."""
-    g = torch.Generator().manual_seed(seed)
-    cp, n = 4, 30
-    src = torch.arange(cp).repeat_interleave(n)
-    piece = torch.arange(n).repeat(cp)
-    n_k = torch.randint(0, 6, (cp * n,), generator=g)
-    n_k[torch.randint(0, cp * n, (3,), generator=g)] = 17  # over several chunks of 8
-    slot = torch.cat([torch.cumsum(x, 0) - x for x in n_k.view(cp, n)])
-    slot[torch.randint(0, cp * n, (seed,), generator=g)] -= 1  # an overlap now and then: a sort needed
-    slot = slot.clamp(min=0)
+    src, slot, n_k, piece = _ranges_in_order(seed, 4, 30, long=3, long_len=17)
     got = chunks._split_at_chunks(src, slot, n_k, piece, 2, 8)
     want = split_at_chunks_in_torch(src, slot, n_k, piece, 2, 8)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
@@ -94,15 +100,7 @@ def test_split_at_chunks_many_ranges_equals_reference(seed):
     """Past the few thousand ranges where the split inserts the cut ranges' later pieces instead of
     expanding every range: mostly one-chunk ranges in order, some over several chunks, empty ones
     (one at a chunk's start: in no chunk), long own ranges; with seed > 0 an overlap needs the sort."""
-    g = torch.Generator().manual_seed(seed)
-    cp, n = 4, 2500
-    src = torch.arange(cp).repeat_interleave(n)
-    piece = torch.arange(n).repeat(cp)
-    n_k = torch.randint(0, 6, (cp * n,), generator=g)
-    n_k[torch.randint(0, cp * n, (40,), generator=g)] = 30  # over several chunks of 8
-    slot = torch.cat([torch.cumsum(x, 0) - x for x in n_k.view(cp, n)])
-    slot[torch.randint(0, cp * n, (seed,), generator=g)] -= 1
-    slot = slot.clamp(min=0)
+    src, slot, n_k, piece = _ranges_in_order(seed, 4, 2500, long=40, long_len=30)
     assert src.numel() >= 1 << 13 and bool(((n_k == 0) & (slot % 8 == 0)).any())
     got = chunks._split_at_chunks(src, slot, n_k, piece, 2, 8)
     want = split_at_chunks_in_torch(src, slot, n_k, piece, 2, 8)
