@@ -238,22 +238,27 @@ class RankRuns:
         x: [n] positions in [0, P]. src None: [cp, n] for every source; fastest
         with x ascending (the binary searches then walk each table in order).
         """
+        # In numpy, whose gathers and elementwise ops cost a half to a third of torch's on one core.
         starts, base, cap = self._prefix_tables
-        x = x.to(starts.dtype)
-        if src is None and x.numel() * self.cp < 1 << 16:  # small: one torch call beats a numpy search per source
-            i = torch.searchsorted(starts, x.unsqueeze(0).expand(self.cp, -1).contiguous(), right=True)
-            x = x.unsqueeze(0)  # [1, n] against [cp, n]
-            return torch.minimum(x + base.gather(1, i), cap.gather(1, i)).long()
-        # One source, or many positions: in numpy, whose gathers and elementwise ops cost a half to a
-        # third of torch's on one core.
-        t, q, base, cap = starts.numpy(), x.numpy(), base.numpy(), cap.numpy()
+        q, base, cap = x.to(starts.dtype).numpy(), base.numpy(), cap.numpy()
         if src is not None:
-            i = np.searchsorted(t[src], q, side="right")
+            i = np.searchsorted(starts.numpy()[src], q, side="right")
             return torch.from_numpy(np.minimum(q + base[src][i], cap[src][i]).astype(np.int64))
-        # [cp, n] entries of the row-major [cp, K + 1] tables: one flat gather each.
-        i = np.stack([np.searchsorted(t[s], q, side="right") for s in range(self.cp)])
-        i += np.arange(0, self.cp * base.shape[1], base.shape[1])[:, None]
+        i = self._entries(q, right=True)
         return torch.from_numpy(np.minimum(q + base.reshape(-1)[i], cap.reshape(-1)[i]).astype(np.int64))
+
+    def _entries(self, x: np.ndarray, right: bool) -> np.ndarray:
+        """[cp, n] flat indices into the row-major [cp, K + 1] prefix tables: every source's entry
+        for each x (after its last run starting at or before x, right; before x, not right)."""
+        starts = self._prefix_tables[0]
+        t = starts.numpy()
+        x = x.astype(t.dtype, copy=False)
+        if x.size * self.cp < 1 << 16:  # small: one torch search beats a numpy search per source
+            i = torch.searchsorted(starts, torch.from_numpy(x).expand(self.cp, -1).contiguous(), right=right).numpy()
+        else:
+            side = "right" if right else "left"
+            i = np.stack([np.searchsorted(t[s], x, side=side) for s in range(self.cp)])
+        return i + np.arange(0, self.cp * (t.shape[1] + 1), t.shape[1] + 1)[:, None]
 
 
 DocRuns = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (starts, ends, ids) of one row
@@ -490,17 +495,11 @@ def owned_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, skip: int
     """
     starts, base, cap = runs._prefix_tables
     cp, width = runs.cp, base.shape[1]
-    t, base, cap = starts.numpy(), base.numpy().reshape(-1), cap.numpy().reshape(-1)
-    qa, qb = a.numpy().astype(t.dtype), b.numpy().astype(t.dtype)
+    base, cap = base.numpy().reshape(-1), cap.numpy().reshape(-1)
+    qa, qb = a.numpy().astype(base.dtype), b.numpy().astype(base.dtype)
     # [cp, n] entries of the row-major [cp, K + 1] tables: src's entry i describes its run i - 1.
     row = np.arange(0, cp * width, width)[:, None]
-    if qa.size * cp < 1 << 16:  # small: one torch search beats a numpy search per source (flat_before)
-        ea, eb = (torch.searchsorted(starts, torch.from_numpy(q).expand(cp, -1).contiguous(), right=right).numpy()
-                  for q, right in ((qa, True), (qb, False)))
-    else:
-        ea, eb = (np.stack([np.searchsorted(t[s], q, side=side) for s in range(cp)]) for q, side in
-                  ((qa, "right"), (qb, "left")))
-    ea, eb = ea + row, eb + row
+    ea, eb = runs._entries(qa, right=True), runs._entries(qb, right=False)
     lo, cap_a = np.minimum(qa + base[ea], cap[ea]), cap[ea]
     hi = np.minimum(qb + base[eb], cap[eb])  # the same count as searched from the right
     # The global index of the run an entry describes: runs are rank-major, src's first at its offset.
