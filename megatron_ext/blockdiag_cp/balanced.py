@@ -263,13 +263,9 @@ class _NodeExchange:
         nodes = len(node_owned)
         _, group, a, b = _flatten([node_owned], nodes)
         which, doc, pa, pb = (x.numpy() for x in _real_pieces(*clip(a, b, d_start, d_end), d_id))
-        node, starts = group.numpy()[which], d_start.numpy()
+        starts = d_start.numpy()
         # Holders: (document, node) -> reach and tokens owned; documents in position order.
-        key, inverse = np.unique(doc * nodes + node, return_inverse=True)
-        reach = np.zeros(key.size, dtype=np.int64)
-        np.maximum.at(reach, inverse, pb)
-        own = np.bincount(inverse, weights=pb - pa, minlength=key.size).astype(np.int64)
-        h_doc, h_node = key // nodes, key % nodes
+        _, _, reach, own, h_doc, h_node = _holders(group.numpy()[which], doc, pa, pb, starts.size, nodes)
         remote = np.bincount(h_node, weights=reach - starts[h_doc] - own, minlength=nodes).astype(np.int64)
         self.fetch = np.diff(remote[:, None] * np.arange(g + 1) // g, axis=1)  # [nodes, g]: |window j of R(N)|
         order = np.lexsort((reach, h_doc))
@@ -663,14 +659,7 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         return np.bincount(index, weights=values, minlength=n).astype(np.int64)
 
     work = total(g, (pa + pb - 2 * s + 1) * (pb - pa) // 2, size)
-    # Holders: (candidate, document, rank) -> reach (end of the last piece) and tokens owned.
-    cand = g // cp
-    key, inverse = np.unique((cand * n_docs + doc) * cp + g % cp, return_inverse=True)
-    reach = np.zeros(key.size, dtype=np.int64)
-    np.maximum.at(reach, inverse, pb)
-    own = total(inverse, pb - pa, key.size)
-    h_doc = (key // cp) % n_docs
-    h_group = (key // cp // n_docs) * cp + key % cp
+    key, inverse, reach, own, h_doc, h_group = _holders(g, doc, pa, pb, n_docs, cp)
     inn = total(h_group, reach - starts[h_doc] - own, size)
     # Sends: every piece against the other holders of its (candidate, document).
     # A piece's (candidate, document) is its holder's (key[inverse]): its holders are the run of
@@ -691,6 +680,18 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         sent = np.where(key[h] % cp == g_p % cp, 0, sent)
         out = total(g_p, sent, size)
     return tuple(torch.from_numpy(x).view(n_cand, cp) for x in (work, inn, out))
+
+
+def _holders(g: np.ndarray, doc: np.ndarray, pa: np.ndarray, pb: np.ndarray, n_docs: int, cp: int):
+    """The holders of real pieces [pa, pb) of documents ``doc`` on ranks g = candidate * cp + rank:
+    (key, inverse, reach, own, doc, group) per (candidate, document, rank), sorted by key
+    ((candidate * n_docs + document) * cp + rank), each piece's holder, the end of its last piece,
+    the tokens it owns, its document and its g."""
+    key, inverse = np.unique(((g // cp) * n_docs + doc) * cp + g % cp, return_inverse=True)
+    reach = np.zeros(key.size, dtype=np.int64)
+    np.maximum.at(reach, inverse, pb)
+    own = np.bincount(inverse, weights=pb - pa, minlength=key.size).astype(np.int64)
+    return key, inverse, reach, own, (key // cp) % n_docs, (key // cp // n_docs) * cp + key % cp
 
 
 def _windowed_traffic(row: DocRuns, P: int, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
