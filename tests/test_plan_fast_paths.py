@@ -207,8 +207,9 @@ def test_the_search_hands_its_tables_only_to_its_own_thread():
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("n", [25, 20_000])  # one torch search, and a numpy search per source
 def test_owned_ranges_equals_positions_brute_force(seed, n):
-    """``intervals.owned_ranges`` (pieces read off flat_before's searches) against every source's
-    positions filtered one by one, and against ``map_ranges`` of the flat ranges (the code it replaced)."""
+    """``intervals.owned_ranges`` (pieces read off flat_before's searches, with their sources) against
+    every source's positions filtered one by one, and against ``map_ranges`` of the flat ranges (the
+    code it replaced in the plan and the hierarchical route)."""
     g = torch.Generator().manual_seed(seed)
     cp, L = 4, 30
     P = cp * L
@@ -222,15 +223,15 @@ def test_owned_ranges_equals_positions_brute_force(seed, n):
     a = torch.randint(0, P + 1, (n,), generator=g)
     b = torch.minimum(a + torch.randint(0, 40, (n,), generator=g), torch.tensor(P))
     skip = seed % cp
-    lo, hi, start_out, len_out = intervals.owned_ranges(runs, a, b, skip)
-    got = intervals.ranges(start_out, len_out).tolist()
+    lo, hi, src_out, start_out, len_out = intervals.owned_ranges(runs, a, b, skip)
+    got = list(zip(torch.repeat_interleave(src_out, len_out).tolist(), intervals.ranges(start_out, len_out).tolist()))
     want = []
     for src in range(cp):
         pos = runs.positions(src).tolist()
         assert lo[src].tolist() == [src * L + sum(p < x for p in pos) for x in a.tolist()]
         assert hi[src].tolist() == [src * L + sum(p < x for p in pos) for x in b.tolist()]
         if src != skip:
-            want += [p for x, y in zip(a.tolist(), b.tolist()) for p in pos if x <= p < y]
+            want += [(src, p) for x, y in zip(a.tolist(), b.tolist()) for p in pos if x <= p < y]
     assert got == want
     count = hi - lo
     count[skip] = 0

@@ -32,7 +32,7 @@ import torch
 
 from .cost import CostModel, Traffic
 from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, flat_ranges, map_ranges, merge_intervals,
-                        overlap_counts, overlap_pieces, ranges, search, work_and_intervals)
+                        overlap_counts, overlap_pieces, owned_ranges, ranges, search, work_and_intervals)
 
 
 @dataclass(frozen=True)
@@ -293,12 +293,8 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
     mine = dst == rank
     need_src = need_start = need_end = empty
     if bool(mine.any()):
-        lo, hi = flat_ranges(runs, a[mine], b[mine])  # [cp, J]: each source's flat range per interval
-        n = hi - lo
-        n[rank] = 0
-        src_of = torch.arange(cp).repeat_interleave(n.shape[1])
-        q, need_start, length = map_ranges(runs.flat, runs.length, runs.start, lo.reshape(-1), n.reshape(-1))
-        need_src, need_end = src_of[q], need_start + length
+        _, _, need_src, need_start, length = owned_ranges(runs, a[mine], b[mine], rank)
+        need_end = need_start + length
     need_off = torch.cumsum(need_end - need_start, 0) - (need_end - need_start)
     out_rows = L + int((need_end - need_start).sum())
 

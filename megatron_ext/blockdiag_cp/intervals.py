@@ -484,9 +484,10 @@ def flat_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, src: Optional[
 
 
 def owned_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, skip: int
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every source's positions in each of the ranges [a, b): (lo, hi) [cp, n], ``flat_ranges``, and
-    (start, length), those positions as ranges, source-major, by range, ascending (none of ``skip``).
+    (src, start, length), those positions as ranges with their source, source-major, by range,
+    ascending (none of ``skip``).
 
     The pieces come from the binary searches that give (lo, hi): the entry a search lands on names
     src's last run starting at or before a (its first run meeting [a, b), or the next when a is past
@@ -510,11 +511,11 @@ def owned_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, skip: int
     n = np.where(hi > lo, last - first + 1, 0)  # an empty [a, b) inside a run would meet it
     n[skip] = 0
     which, run = _expand_np(first.reshape(-1), n.reshape(-1))
-    which %= qa.size
+    src, which = np.divmod(which, qa.size)
     run_start, run_len = _np64(runs.start), _np64(runs.length)
     start = np.maximum(_np64(a)[which], run_start[run])
     end = np.minimum(_np64(b)[which], run_start[run] + run_len[run])
-    return tuple(torch.from_numpy(x) for x in (lo.astype(np.int64), hi.astype(np.int64), start, end - start))
+    return tuple(torch.from_numpy(x) for x in (lo.astype(np.int64), hi.astype(np.int64), src, start, end - start))
 
 
 def needed_remote(runs: RankRuns, rows: Sequence[DocRuns], window: Optional[int] = None

@@ -143,7 +143,7 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     recv_start, recv_len = empty, empty
     mine_flat = None
     if mine.numel():
-        lo, hi, recv_start, recv_len = owned_ranges(runs, take(a, mine), take(b, mine), rank)  # [cp, n_mine]
+        lo, hi, _, recv_start, recv_len = owned_ranges(runs, take(a, mine), take(b, mine), rank)  # [cp, n_mine]
         mine_flat = lo, hi
         n = hi - lo
         n[rank] = 0
