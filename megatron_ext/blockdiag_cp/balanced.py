@@ -189,7 +189,10 @@ class _Units:
             self.shared.append(later)
         self.by_work = sorted(range(len(self.start)), key=lambda i: -self.work[i])
         self.neg_len = [a - b for a, b in zip(self.start, self.end)]  # minus each unit's tokens: a sort key
+        self.length = [b - a for a, b in zip(self.start, self.end)]
+        self.range = list(zip(self.start, self.end))  # each unit's (start, end): placed whole as is
         self._splittable = {}  # L -> (units ``light`` can reject, by work; those it rejects at any limit)
+        self._halves = {}  # (unit, m) -> ``halves``
 
     def splittable(self, L: int) -> Tuple[List[int], List[float], List[int]]:
         """(the units ``light`` can reject, by work; minus their work; the positions in that list of
@@ -216,6 +219,22 @@ class _Units:
             return k
         f = bisect.bisect_left(fixed, k)
         return fixed[f] if f < len(fixed) else None
+
+    def halves(self, i: int, m: int) -> List[Tuple[int, Optional[Tuple[int, int]], float, Optional[Tuple[int, int]], float]]:
+        """Unit i cut into 2m equal chunks, rank k of m taking chunks k and 2m-1-k (a ``zigzag`` split):
+        per k, (its tokens, head range, its work, tail range, its work), an empty range as None. The
+        same (unit, m) recurs across one search's thresholds: kept per unit."""
+        key = (i, m)
+        if key not in self._halves:
+            a, n = self.start[i], self.end[i] - self.start[i]
+            bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
+            out = []
+            for k in range(m):
+                (ha, hb), (ta, tb) = bounds[k:k + 2], bounds[2 * m - 1 - k:2 * m + 1 - k]
+                out.append((hb - ha + tb - ta, (ha, hb) if hb > ha else None, self.span(i, ha, hb),
+                            (ta, tb) if tb > ta else None, self.span(i, ta, tb)))
+            self._halves[key] = out
+        return self._halves[key]
 
     def light(self, i: int, limit: float, L: int) -> bool:
         """Placed whole: padding, a bundle, or at most L tokens and ``limit`` work, and not a head of a
@@ -760,7 +779,17 @@ class _Ranks:
         room, owned = self.room, self.owned
         k = 0
         r = order[0] if order else 0
-        for a, b in spans:
+        for span in spans:
+            a, b = span
+            if a >= b:
+                continue
+            while room[r] == 0:
+                k += 1
+                r = order[k]
+            if room[r] >= b - a:  # the usual case: it fits the current rank whole
+                owned[r].append(span)
+                room[r] -= b - a
+                continue
             while a < b:
                 while room[r] == 0:
                     k += 1
@@ -804,27 +833,35 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
             k = -1
             while (k := units.next_heavy(k + 1, theta * max(target - min(load), 0.0), L)) is not None:
                 yield order[k]
+    owned = ranks.owned
     for i in (heavy_units() if style == "need" else units.heavy(theta * target, L)):
         a, b, w = units.start[i], units.end[i], units.work[i]
         n = b - a
+        # Ranks picked by sorting (key, rank) tuples: a stable sort of range(cp) by key, without a
+        # key function call per rank.
         if style == "need":
-            needs = sorted(range(cp), key=lambda r: (load[r] - target, -room[r]))
+            needs = sorted([(load[r] - target, -room[r], r) for r in range(cp)])
             m, covered = 0, 0.0
             while m < cp and (m < 2 or covered < w or m * L < n):
-                covered += max(target - load[needs[m]], 0.0)
+                covered += max(target - load[needs[m][2]], 0.0)
                 m += 1
-            chosen = sorted(needs[:m], key=lambda r: load[r])
+            chosen = sorted([r for _, _, r in needs[:m]], key=load.__getitem__)
         else:
             m = min(cp, max(2, -(-n // L), math.ceil(w / (min(theta, 1.0) * target) - 1e-9)))
-            chosen = sorted(sorted(range(cp), key=lambda r: (-room[r], load[r]))[:m], key=lambda r: load[r])
-        bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
-        pairs = [((bounds[k], bounds[k + 1]), (bounds[2 * m - 1 - k], bounds[2 * m - k])) for k in range(m)]
-        if any(room[r] < (h[1] - h[0]) + (t[1] - t[0]) for r, (h, t) in zip(chosen, pairs)):
+            by_room = sorted([(-room[r], load[r], r) for r in range(cp)])
+            chosen = sorted([r for _, _, r in by_room[:m]], key=load.__getitem__)
+        halves = units.halves(i, m)
+        if any(room[r] < size for r, (size, *_) in zip(chosen, halves)):
             continue  # no room to split it: it goes whole, and step 3 cuts it where it lands
         split.add(i)
-        for rank, (head, tail) in zip(chosen, pairs):
-            ranks.give(rank, *head, units.span(i, *head))
-            ranks.give(rank, *tail, units.span(i, *tail))
+        for r, (size, head, head_work, tail, tail_work) in zip(chosen, halves):
+            if head is not None:
+                owned[r].append(head)
+                load[r] += head_work
+            if tail is not None:
+                owned[r].append(tail)
+                load[r] += tail_work
+            room[r] -= size
     whole = [i for i in units.by_work if i not in split] if split else list(units.by_work)
 
     if seen is not None:
@@ -841,16 +878,17 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
     work = list(load)
     heap = [(max(work[r] / target, tokens[r] / L), r) for r in range(cp)]
     heapq.heapify(heap)
-    starts, ends, works, replace = units.start, units.end, units.work, heapq.heapreplace
+    lengths, works, replace = units.length, units.work, heapq.heapreplace
     for i in whole:
         r = heap[0][1]
         bins[r].append(i)
-        tokens[r] += ends[i] - starts[i]
-        work[r] += works[i]
-        replace(heap, (max(work[r] / target, tokens[r] / L), r))
+        t = tokens[r] = tokens[r] + lengths[i]
+        x = work[r] = work[r] + works[i]
+        x, t = x / target, t / L
+        replace(heap, (t if t > x else x, r))  # max(x, t)
     # Within a bin, longest first (a stable sort: ties keep their by_work order).
-    neg_len = units.neg_len.__getitem__
-    ranks.cut_in([(starts[i], ends[i]) for b in bins for i in sorted(b, key=neg_len)])
+    neg_len, ranges = units.neg_len.__getitem__, units.range
+    ranks.cut_in([ranges[i] for b in bins for i in sorted(b, key=neg_len)])
     return ranks.owned, strict.owned
 
 
@@ -861,14 +899,13 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int]) -> None:
     heap = [(load[r], r) for r in range(len(room)) if room[r] > 0]
     heapq.heapify(heap)
     rest = []
-    starts, ends, works = units.start, units.end, units.work
+    ranges, lengths, works = units.range, units.length, units.work
     pop, replace, heapify = heapq.heappop, heapq.heapreplace, heapq.heapify
     for i in order:
-        a, b = starts[i], ends[i]
-        n = b - a
+        n = lengths[i]
         if heap and room[heap[0][1]] >= n:  # the usual case: the first rank in the heap has room
             r = heap[0][1]
-            owned[r].append((a, b))
+            owned[r].append(ranges[i])
             room[r] -= n
             load[r] += works[i]
             if room[r] > 0:
@@ -881,7 +918,7 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int]) -> None:
         for entry in sorted(heap)[:4]:
             r = entry[1]
             if room[r] >= n:
-                ranks.give(r, a, b, works[i])
+                ranks.give(r, *ranges[i], works[i])
                 k = heap.index(entry)
                 if room[r] > 0:
                     heap[k] = (load[r], r)
@@ -891,7 +928,7 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int]) -> None:
                 heapify(heap)
                 break
         else:
-            rest.append((a, b))
+            rest.append(ranges[i])
     ranks.cut_in(rest, order=sorted(range(len(room)), key=load.__getitem__))
 
 
