@@ -154,19 +154,28 @@ class _Units:
     def __init__(self, table: _UnitTable, spans: Spans, cp: int, bundle: int = 0):
         self.rows, self.P, self.spans, self.windows = table.rows, table.P, spans, table.windows
         self.tokens = sum(b - a for a, b in spans)
-        sa = torch.tensor([a for a, _ in spans], dtype=torch.long)
-        sb = torch.tensor([b for _, b in spans], dtype=torch.long)
-        _, unit, starts, ends = clip(sa, sb, table.start, table.end)
-        alpha, beta = table.alpha[unit], table.beta[unit]
-        read_later = (ends < table.doc_end[unit]).tolist()
-        n = ends - starts
-        work = alpha * ((starts + ends - 1).double() * n.double() / 2) + beta * n.double()
+        # The table's units cut at the spans (``intervals.clip`` of a few spans), in numpy: a handful
+        # of small array ops, where torch's dispatch per op cost more than the arithmetic.
+        sa = np.array([a for a, _ in spans], dtype=np.int64)
+        sb = np.array([b for _, b in spans], dtype=np.int64)
+        t_start = table.start.numpy()
+        first = np.searchsorted(t_start, sa, side="right") - 1
+        which, unit = _expand_np(first, np.searchsorted(t_start, sb - 1, side="right") - first)
+        starts = np.maximum(sa[which], t_start[unit])
+        ends = np.minimum(sb[which], table.end.numpy()[unit])
+        alpha, beta = table.alpha.numpy()[unit], table.beta.numpy()[unit]
+        read_later = (ends < table.doc_end.numpy()[unit]).tolist()
+        n = (ends - starts).astype(np.float64)
+        work = alpha * ((starts + ends - 1).astype(np.float64) * n / 2) + beta * n
         # Windows (one row of ids, where a unit is a piece of one document): the layers' mix of windowed
         # work. Several rows: the full-attention coefficients guide the packing; scores stay exact.
         self.mix = None if table.windows.full_only or len(table.rows) > 1 else table.windows.shares
-        doc_start = table.start[unit] if len(table.rows) == 1 else starts
+        doc_start = t_start[unit] if len(table.rows) == 1 else starts
         if self.mix is not None:
-            work = alpha * sum(f * window_pairs(starts, ends, doc_start, w).double() for w, f in self.mix)
+            s_t, e_t, d_t = (torch.from_numpy(x) for x in (starts, ends, doc_start))
+            work = (torch.from_numpy(alpha) * sum(f * window_pairs(s_t, e_t, d_t, w).double()
+                                                  for w, f in self.mix)).numpy()
+        work = torch.from_numpy(work)  # summed by torch, as the search always has
         self.total = float(work.sum())
         self.doc_start = []
         self.start, self.end = [], []
