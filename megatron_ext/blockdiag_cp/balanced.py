@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from .cost import CostModel, WindowMix
-from .intervals import (DocRuns, RankRuns, _expand_np, _real_pieces, clip, document_runs, merge_intervals,
+from .intervals import (DocRuns, RankRuns, _expand_np, clip, document_runs, merge_intervals,
                         overlap_counts, overlap_pieces, repeat_index, window_pairs, work_and_intervals)
 from .swaps import RangeSwaps, RangeWork, merged_spans
 
@@ -290,8 +290,8 @@ class _NodeExchange:
         d_start, d_end, d_id = table.rows[0]
         nodes = len(node_owned)
         _, group, a, b = _flatten([node_owned], nodes)
-        which, doc, pa, pb = (x.numpy() for x in _real_pieces(*clip(a, b, d_start, d_end), d_id))
         starts = d_start.numpy()
+        which, doc, pa, pb = _real_pieces_np(a.numpy(), b.numpy(), starts, d_end.numpy(), d_id.numpy())
         # Holders: (document, node) -> reach and tokens owned; documents in position order.
         _, _, reach, own, h_doc, h_node = _holders(group.numpy()[which], doc, pa, pb, starts.size, nodes)
         remote = np.bincount(h_node, weights=reach - starts[h_doc] - own, minlength=nodes).astype(np.int64)
@@ -638,16 +638,17 @@ def _mixed_scores(units, cp: int, flat, q: float, extra: Optional[torch.Tensor] 
     """(modeled [n_candidates], work [n_candidates, cp]) under the table's window mix: per share of
     layers, the busiest rank's work + q * max(received, sent) (+ ``extra`` [n_candidates, cp], full
     attention only), weighed by the shares; work likewise."""
-    modeled = torch.zeros(flat[0], dtype=torch.float64)
-    mixed = torch.zeros(flat[0], cp, dtype=torch.float64)
+    # In numpy (elementwise ops and a max, as torch's, without its dispatch per op on small arrays).
+    modeled = np.zeros(flat[0])
+    mixed = np.zeros((flat[0], cp))
     for window, share in units.windows.shares:
-        work, inn, out = _candidate_traffic(units, cp, *flat, window=window)  # [all candidates, cp]
-        rank = work.double() + q * torch.maximum(inn, out).double()
+        work, inn, out = (x.numpy() for x in _candidate_traffic(units, cp, *flat, window=window))  # [all candidates, cp]
+        rank = work.astype(np.float64) + q * np.maximum(inn, out).astype(np.float64)
         if extra is not None:
-            rank = rank + extra
-        modeled += share * rank.max(1).values
-        mixed += share * work.double()
-    return modeled, mixed
+            rank = rank + extra.numpy()
+        modeled += share * rank.max(1)
+        mixed += share * work.astype(np.float64)
+    return torch.from_numpy(modeled), torch.from_numpy(mixed)
 
 
 def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
@@ -674,12 +675,12 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         return tuple(torch.stack(x) for x in zip(*out))
     if window is not None:
         return _windowed_traffic(units.rows[0], units.P, cp, n_cand, group, a, b, window)
-    d_start, d_end, d_id = units.rows[0]
-    n_docs = d_start.numel()
+    d_start, d_end, d_id = (x.numpy() for x in units.rows[0])
+    n_docs = d_start.size
     # In numpy (a few dozen small array ops, each cheaper than torch's dispatch); sums by bincount's
     # float64 weights, exact: every partial sum is an integer far below 2**53.
-    which, doc, pa, pb = (x.numpy() for x in _real_pieces(*clip(a, b, d_start, d_end), d_id))
-    starts = d_start.numpy()
+    which, doc, pa, pb = _real_pieces_np(a.numpy(), b.numpy(), d_start, d_end, d_id)
+    starts = d_start
     g, s = group.numpy()[which], starts[doc]
     size = n_cand * cp
 
@@ -708,6 +709,19 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         sent = np.where(key[h] % cp == g_p % cp, 0, sent)
         out = total(g_p, sent, size)
     return tuple(torch.from_numpy(x).view(n_cand, cp) for x in (work, inn, out))
+
+
+def _real_pieces_np(a: np.ndarray, b: np.ndarray, d_start: np.ndarray, d_end: np.ndarray, d_id: np.ndarray
+                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``intervals._real_pieces`` of ``clip(a, b, d_start, d_end)`` in numpy only (range index, document,
+    pa, pb; in range order): the search's ranges are a few thousand, where converting to and from
+    torch cost as much as the two binary searches."""
+    first = np.searchsorted(d_start, a, side="right") - 1
+    which, doc = _expand_np(first, np.searchsorted(d_start, b - 1, side="right") - first)
+    real = d_id[doc] > 0
+    if not real.all():
+        which, doc = which[real], doc[real]
+    return which, doc, np.maximum(a[which], d_start[doc]), np.minimum(b[which], d_end[doc])
 
 
 def _holders(g: np.ndarray, doc: np.ndarray, pa: np.ndarray, pb: np.ndarray, n_docs: int, cp: int):
