@@ -535,13 +535,16 @@ def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tup
     flat = _flatten([owned for c in cands for _, owned in c], cp)
     extra = None if exchange is None else exchange.pairs(np.repeat(np.arange(len(cands)), sizes), *flat)
     modeled, work = _mixed_scores(units, cp, flat, q, extra)  # [all candidates], [all candidates, cp]
-    worst, mean = work.max(1).values, work.mean(1).clamp(min=1e-9)
-    out_list, first = [], 0
-    for n in sizes:
-        lo, hi = torch.searchsorted(flat[1], torch.tensor([first * cp, (first + n) * cp])).tolist()
-        local = (n, flat[1][lo:hi] - first * cp, flat[2][lo:hi], flat[3][lo:hi])
-        out_list.append((modeled[first:first + n], worst[first:first + n] / mean[first:first + n], local))
-        first += n
+    imbalance = work.max(1).values / work.mean(1).clamp(min=1e-9)
+    # Each search's slice of the flat ranges: one binary search for every boundary (groups ascend).
+    firsts = np.cumsum([0] + sizes)
+    bounds = np.searchsorted(flat[1].numpy(), firsts * cp).tolist()
+    group = flat[1].numpy()
+    out_list = []
+    for k, n in enumerate(sizes):
+        first, lo, hi = int(firsts[k]), bounds[k], bounds[k + 1]
+        local = (n, torch.from_numpy(group[lo:hi] - first * cp), flat[2][lo:hi], flat[3][lo:hi])
+        out_list.append((modeled[first:first + n], imbalance[first:first + n], local))
     return out_list
 
 
@@ -704,10 +707,10 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
     if pieces.size:
         p, h = _expand_np(lo[pieces], (hi - lo)[pieces])
         p = pieces[p]
-        g_p = g[p]
         sent = np.maximum(np.minimum(pb[p], reach[h]) - pa[p], 0)
-        sent = np.where(key[h] % cp == g_p % cp, 0, sent)
-        out = total(g_p, sent, size)
+        # Against every holder, its own among them (reach >= pb: pb - pa), taken off after the sums
+        # (exact: integers) instead of a rank test per (piece, holder).
+        out = total(g[p], sent, size) - total(g[pieces], (pb - pa)[pieces], size)
     return tuple(torch.from_numpy(x).view(n_cand, cp) for x in (work, inn, out))
 
 
