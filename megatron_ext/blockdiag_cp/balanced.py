@@ -71,6 +71,7 @@ from .swaps import RangeSwaps, RangeWork, merged_spans
 
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
+Span = Tuple[int, int]  # [a, b)
 Spans = List[Tuple[int, int]]  # the global ranges a search lays out (all of [0, P), or one node's)
 
 BALANCE_GOAL = 1.05
@@ -229,7 +230,7 @@ class _Units:
         f = bisect.bisect_left(fixed, k)
         return fixed[f] if f < len(fixed) else None
 
-    def halves(self, i: int, m: int) -> List[Tuple[int, Optional[Tuple[int, int]], float, Optional[Tuple[int, int]], float]]:
+    def halves(self, i: int, m: int) -> List[Tuple[int, Optional[Span], float, Optional[Span], float]]:
         """Unit i cut into 2m equal chunks, rank k of m taking chunks k and 2m-1-k (a ``zigzag`` split):
         per k, (its tokens, head range, its work, tail range, its work), an empty range as None. The
         same (unit, m) recurs across one search's thresholds: kept per unit."""
@@ -645,7 +646,8 @@ def _mixed_scores(units, cp: int, flat, q: float, extra: Optional[torch.Tensor] 
     modeled = np.zeros(flat[0])
     mixed = np.zeros((flat[0], cp))
     for window, share in units.windows.shares:
-        work, inn, out = (x.numpy() for x in _candidate_traffic(units, cp, *flat, window=window))  # [all candidates, cp]
+        traffic = _candidate_traffic(units, cp, *flat, window=window)  # [all candidates, cp]
+        work, inn, out = (x.numpy() for x in traffic)
         rank = work.astype(np.float64) + q * np.maximum(inn, out).astype(np.float64)
         if extra is not None:
             rank = rank + extra.numpy()
