@@ -49,8 +49,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import (DocRuns, RankRuns, _expand_np, _ranges_np, _real_pieces, clip, map_ranges, ranges,
-                        repeat_arange, search, take)
+from .intervals import (DocRuns, RankRuns, _clip_np, _expand_np, _np64, _ranges_np, map_ranges, ranges,
+                        repeat_arange, search)
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -136,13 +136,17 @@ class StreamPlan:
 def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
     """This rank's real query pieces, in (row, position) order: row, doc, ds, pa, pb, q rows start."""
     mine = runs.of_rank(rank)
-    r_start, r_len, r_local = runs.start[mine], runs.length[mine], runs.local[mine]
+    r_start, r_end, r_local = runs.start[mine], runs.start[mine] + runs.length[mine], _np64(runs.local[mine])
     parts = []
+    # In numpy (the clip's own arrays): a dozen small torch ops per row cost more than the clip at 128k.
     for row, (d_start, d_end, d_id) in enumerate(rows):
-        run, doc, pa, pb = _real_pieces(*clip(r_start, r_start + r_len, d_start, d_end), d_id)
-        parts.append((torch.full_like(doc, row), doc, take(d_start, doc), pa, pb,
-                      take(r_local, run) + pa - take(r_start, run)))
-    return [torch.cat(x) for x in zip(*parts)]
+        run, doc, pa, pb = _clip_np(r_start, r_end, d_start, d_end)
+        real = np.flatnonzero(_np64(d_id)[doc] > 0)
+        if real.size < doc.size:
+            run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
+        parts.append((np.full(doc.size, row, dtype=np.int64), doc, _np64(d_start)[doc], pa, pb,
+                      r_local[run] + pa - _np64(r_start)[run]))
+    return [torch.from_numpy(x[0] if len(x) == 1 else np.concatenate(x)) for x in zip(*parts)]
 
 
 def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
