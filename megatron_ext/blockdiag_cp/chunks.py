@@ -479,7 +479,8 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     else:
         slot, before_ds = _needed_offsets(runs, rank, *intervals, ds, None, mine_flat)
         slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
-    before_pa = runs.flat_before(pa) if mine_flat is None else _before_pieces(runs, rank, intervals, pa, n_q, mine_flat[1])
+    before_pa = runs.flat_before(pa) if mine_flat is None else \
+        _before_pieces(runs, rank, intervals, pa, n_q, mine_flat[1])
     n_k = (before_pa - before_ds).numpy()  # [cp, n]: each source's positions in [ds, pa)
     # In numpy from here (cp x pieces cells, ~10^5 under THD at 1M / cp 64): a half to a third of torch's op costs.
     cell = np.flatnonzero(n_k.reshape(-1) > 0)  # source-major, pieces ascending: src * n + piece
