@@ -49,8 +49,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import (DocRuns, RankRuns, _expand_np, _ranges_np, _real_pieces, clip, map_ranges, ranges,
-                        repeat_arange, search, take)
+from .intervals import (DocRuns, RankRuns, _clip_np, _expand_np, _np64, _ranges_np, map_ranges, ranges,
+                        repeat_arange, search)
 
 CHUNK_KINDS = ("ring", "needed")
 
@@ -136,13 +136,17 @@ class StreamPlan:
 def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
     """This rank's real query pieces, in (row, position) order: row, doc, ds, pa, pb, q rows start."""
     mine = runs.of_rank(rank)
-    r_start, r_len, r_local = runs.start[mine], runs.length[mine], runs.local[mine]
+    r_start, r_end, r_local = runs.start[mine], runs.start[mine] + runs.length[mine], _np64(runs.local[mine])
     parts = []
+    # In numpy (the clip's own arrays): a dozen small torch ops per row cost more than the clip at 128k.
     for row, (d_start, d_end, d_id) in enumerate(rows):
-        run, doc, pa, pb = _real_pieces(*clip(r_start, r_start + r_len, d_start, d_end), d_id)
-        parts.append((torch.full_like(doc, row), doc, take(d_start, doc), pa, pb,
-                      take(r_local, run) + pa - take(r_start, run)))
-    return [torch.cat(x) for x in zip(*parts)]
+        run, doc, pa, pb = _clip_np(r_start, r_end, d_start, d_end)
+        real = np.flatnonzero(_np64(d_id)[doc] > 0)
+        if real.size < doc.size:
+            run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
+        parts.append((np.full(doc.size, row, dtype=np.int64), doc, _np64(d_start)[doc], pa, pb,
+                      r_local[run] + pa - _np64(r_start)[run]))
+    return [torch.from_numpy(x[0] if len(x) == 1 else np.concatenate(x)) for x in zip(*parts)]
 
 
 def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -156,21 +160,54 @@ def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tenso
     ``before_ds`` (``runs.flat_before(ds)``) and ``mine_flat`` (``flat_before`` of this
     rank's interval starts and ends, [cp, J] each) when the caller has them already.
     """
-    mine = dst == rank
-    a, b = a[mine], b[mine]
-    if a.numel() == 0:
+    # In numpy: its masks and column gathers cost a quarter to a half of torch's at [cp, pieces].
+    mine = dst.numpy() == rank
+    a, b = a.numpy()[mine], b.numpy()[mine]
+    if a.size == 0:
         return torch.zeros(runs.cp, ds.numel(), dtype=torch.long), \
             runs.flat_before(ds) if before_ds is None else before_ds
-    before_a, before_b = mine_flat if mine_flat is not None else (runs.flat_before(a), runs.flat_before(b))
+    before_a, before_b = (x.numpy() for x in mine_flat) if mine_flat is not None else \
+        (runs.flat_before(torch.from_numpy(x)).numpy() for x in (a, b))
     count = before_b - before_a  # [cp, J]
-    offset = torch.cumsum(count, 1) - count  # [cp, J]
-    j = search(a, ds, right=True) - 1  # every ds lies in one of this rank's intervals
-    if before_ds is None and torch.equal(take(a, j), ds):
+    offset = np.cumsum(count, 1) - count  # [cp, J]
+    q = ds.numpy()
+    j = np.searchsorted(a, q, side="right") - 1  # every ds lies in one of this rank's intervals
+    if before_ds is None and np.array_equal(a[j], q):
         # Full attention, one row: a piece's document start is its interval's start, so its
         # flat_before is the interval's (no second search over every source) and its slot the offset.
-        return offset.index_select(1, j), before_a.index_select(1, j)
+        return torch.from_numpy(np.take(offset, j, 1)), torch.from_numpy(np.take(before_a, j, 1))
     before_ds = runs.flat_before(ds) if before_ds is None else before_ds
-    return offset.index_select(1, j) + before_ds - before_a.index_select(1, j), before_ds
+    return torch.from_numpy(np.take(offset, j, 1) + before_ds.numpy() - np.take(before_a, j, 1)), before_ds
+
+
+def _before_pieces(runs: RankRuns, rank: int, intervals, pa: torch.Tensor, n_q: torch.Tensor,
+                   before_ends: torch.Tensor) -> torch.Tensor:
+    """``runs.flat_before(pa)`` [cp, n] of this rank's pieces [pa, pa + n_q), read off ``before_ends``
+    (``flat_before`` of this rank's interval ends, [cp, J]) where a piece ends where an interval does.
+
+    Another source owns nothing inside this rank's piece, so its count at pa is its count at the
+    piece's end; a document's last piece on this rank ends its interval (every piece under THD at
+    rank cp - 1, whose two chunks touch). Only this rank's own row and the other pieces are searched:
+    the cp searches per piece were the largest search of a 1M / cp 64 THD plan.
+    """
+    dst, _, b = intervals
+    ends = b.numpy()[dst.numpy() == rank]  # ascending: one rank's intervals are disjoint, sorted
+    if ends.size == 0:
+        return runs.flat_before(pa)
+    pb = (pa + n_q).numpy()
+    at = np.minimum(np.searchsorted(ends, pb), ends.size - 1)
+    hit = ends[at] == pb
+    known = before_ends.numpy()
+    if bool(hit.all()):
+        out = np.take(known, at, axis=1)
+    else:
+        out = np.empty((runs.cp, pa.numel()), dtype=np.int64)
+        found = np.flatnonzero(hit)
+        out[:, found] = np.take(known, at[found], axis=1)
+        searched = np.flatnonzero(~hit)
+        out[:, searched] = runs.flat_before(pa[torch.from_numpy(searched)]).numpy()
+    out[rank] = runs.flat_before(pa, rank).numpy()
+    return torch.from_numpy(out)
 
 
 def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
@@ -442,7 +479,9 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     else:
         slot, before_ds = _needed_offsets(runs, rank, *intervals, ds, None, mine_flat)
         slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
-    n_k = (runs.flat_before(pa) - before_ds).numpy()  # [cp, n]: each source's positions in [ds, pa)
+    before_pa = runs.flat_before(pa) if mine_flat is None else \
+        _before_pieces(runs, rank, intervals, pa, n_q, mine_flat[1])
+    n_k = (before_pa - before_ds).numpy()  # [cp, n]: each source's positions in [ds, pa)
     # In numpy from here (cp x pieces cells, ~10^5 under THD at 1M / cp 64): a half to a third of torch's op costs.
     cell = np.flatnonzero(n_k.reshape(-1) > 0)  # source-major, pieces ascending: src * n + piece
     if cell.size == 0:

@@ -452,11 +452,25 @@ def overlap_counts(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.
 
     Sum over dst's intervals of before_src(b) - before_src(a), ``before_src(x)``
     counting src's positions < x. Interval starts are document starts, shared by
-    every rank that needs the document: they are evaluated once per distinct
-    start ([cp, starts] @ [starts, cp]). Ends are evaluated for every source in
-    ascending order.
+    every rank that needs the document: with many intervals they are evaluated
+    once per distinct start ([cp, starts] @ [starts, cp]) and ends for every
+    source in ascending order; with few, both are searched as they come and
+    summed per dst in numpy (the sort, unique and matmul cost more than they save
+    there: 0.24-0.30 -> 0.15-0.19 ms at 128k / cp 8).
     """
     cp = runs.cp
+    if dst.numel() * cp < 1 << 13:
+        d = dst.numpy()
+        counts = np.zeros((cp, cp), dtype=np.int64)
+        if d.size:
+            inside = runs.flat_before(b).numpy() - runs.flat_before(a).numpy()  # [cp, n]
+            if bool((d[1:] >= d[:-1]).all()):  # sorted by dst (as work_and_intervals gives them)
+                head = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1])))
+                counts[:, d[head]] = np.add.reduceat(inside, head, axis=1)
+            else:
+                np.add.at(counts, (slice(None), d), inside)
+        np.fill_diagonal(counts, 0)
+        return torch.from_numpy(counts)
     b_sorted, order = torch.sort(b, stable=True)
     counts = torch.zeros(cp, cp, dtype=torch.long).index_add_(1, dst[order], runs.flat_before(b_sorted))
     starts, which = torch.unique(a, return_inverse=True)
