@@ -279,3 +279,34 @@ def test_interval_docs_and_flat_ranges_at_docs_equal_brute_force(name):
                 assert int(got_hi) - int(got_lo) == mine.numel()
     assert work_intervals_and_docs(runs, rows, window=3)[4] is None
     assert work_intervals_and_docs(runs, rows * 2)[4] is None
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("n", [40, 3_000])  # under and over overlap_counts' few-intervals threshold at cp 4
+def test_overlap_counts_equals_a_position_count(n, shuffled):
+    """``intervals.overlap_counts`` [src, dst]: positions src owns inside dst's intervals, on both of its
+    paths (few intervals: searched and summed per dst; many: starts once per distinct start), for
+    intervals sorted by dst as work_and_intervals gives them and not, against a count position by
+    position."""
+    g = torch.Generator().manual_seed(n + shuffled)
+    cp, L = 4, 50
+    P = cp * L
+    owner = torch.arange(cp).repeat_interleave(L)[torch.randperm(P, generator=g)]
+    change = torch.ones(P, dtype=torch.bool)
+    change[1:] = owner[1:] != owner[:-1]
+    start = torch.nonzero(change).flatten()
+    length = torch.cat([start[1:], torch.tensor([P])]) - start
+    runs = intervals.RankRuns.build(cp, P, owner[start], start, length)
+    dst = torch.sort(torch.randint(0, cp, (n,), generator=g)).values
+    a = torch.randint(0, 20, (n,), generator=g) * 10  # shared starts, as document starts are
+    b = torch.minimum(a + torch.randint(1, 60, (n,), generator=g), torch.tensor(P))
+    if shuffled:
+        order = torch.randperm(n, generator=g)
+        dst, a, b = dst[order], a[order], b[order]
+    want = torch.zeros(cp, cp, dtype=torch.long)
+    for d, x, y in zip(dst.tolist(), a.tolist(), b.tolist()):
+        for src in owner[x:y].tolist():
+            if src != d:
+                want[src, d] += 1
+    assert (n * cp < 1 << 13) == (n == 40)
+    assert torch.equal(intervals.overlap_counts(runs, dst, a, b), want)
