@@ -24,6 +24,17 @@ def _no_lookup(monkeypatch):
     monkeypatch.setattr(intervals, "_part_lookup", lambda *args: None)
 
 
+def _random_runs(cp, L, g):
+    """[0, cp * L) cut into random pieces dealt to ranks, L positions each: (owner [P], their runs)."""
+    P = cp * L
+    owner = torch.arange(cp).repeat_interleave(L)[torch.randperm(P, generator=g)]
+    change = torch.ones(P, dtype=torch.bool)
+    change[1:] = owner[1:] != owner[:-1]
+    start = torch.nonzero(change).flatten()
+    length = torch.cat([start[1:], torch.tensor([P])]) - start
+    return owner, intervals.RankRuns.build(cp, P, owner[start], start, length)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_clip_and_map_ranges_lookup_equal_searches(seed, monkeypatch):
     g = torch.Generator().manual_seed(seed)
@@ -213,13 +224,7 @@ def test_owned_ranges_equals_positions_brute_force(seed, n):
     g = torch.Generator().manual_seed(seed)
     cp, L = 4, 30
     P = cp * L
-    # Random runs: cut [0, P) into pieces and deal them to ranks, L positions each.
-    owner = torch.arange(cp).repeat_interleave(L)[torch.randperm(P, generator=g)]
-    change = torch.ones(P, dtype=torch.bool)
-    change[1:] = owner[1:] != owner[:-1]
-    start = torch.nonzero(change).flatten()
-    length = torch.cat([start[1:], torch.tensor([P])]) - start
-    runs = intervals.RankRuns.build(cp, P, owner[start], start, length)
+    _, runs = _random_runs(cp, L, g)
     a = torch.randint(0, P + 1, (n,), generator=g)
     b = torch.minimum(a + torch.randint(0, 40, (n,), generator=g), torch.tensor(P))
     skip = seed % cp
@@ -291,12 +296,7 @@ def test_overlap_counts_equals_a_position_count(n, shuffled):
     g = torch.Generator().manual_seed(n + shuffled)
     cp, L = 4, 50
     P = cp * L
-    owner = torch.arange(cp).repeat_interleave(L)[torch.randperm(P, generator=g)]
-    change = torch.ones(P, dtype=torch.bool)
-    change[1:] = owner[1:] != owner[:-1]
-    start = torch.nonzero(change).flatten()
-    length = torch.cat([start[1:], torch.tensor([P])]) - start
-    runs = intervals.RankRuns.build(cp, P, owner[start], start, length)
+    owner, runs = _random_runs(cp, L, g)
     dst = torch.sort(torch.randint(0, cp, (n,), generator=g)).values
     a = torch.randint(0, 20, (n,), generator=g) * 10  # shared starts, as document starts are
     b = torch.minimum(a + torch.randint(1, 60, (n,), generator=g), torch.tensor(P))
