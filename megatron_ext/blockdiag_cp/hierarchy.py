@@ -152,7 +152,6 @@ def layout_traffic(runs: RankRuns, rows: Sequence[DocRuns], cost_model: CostMode
     ``intervals`` (dst, a, b) and ``counts`` when already at hand.
     """
     cp, L = runs.cp, runs.local_len
-    g = cost_model.ranks_per_node
     two_level = cost_model.spans_nodes(cp)
     if exchange == "allgather":
         moved = torch.full((cp,), (cp - 1) * L, dtype=torch.long)
