@@ -271,6 +271,36 @@ def test_balanced_candidates_count_like_the_plan():
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_balanced_lockstep_packing_equals_one_packing_at_a_time(seed):
+    """Steps 2-3 of many packings in lockstep (numpy) hold exactly the ranges, in the same order, that
+    the one-at-a-time Python packing does, for span sets of different sizes at every threshold."""
+    import megatron_ext.blockdiag_cp.balanced as bal
+
+    g = torch.Generator().manual_seed(seed)
+    cp, S = 4, 4096
+    ids = _heavy_ids(g, S, 900).unsqueeze(0)
+    table = bal._UnitTable([document_runs(ids[0])], S)
+    cuts = [0, 640, 1024, 2048, 2560, S]  # node-like span sets with different unit counts
+    jobs = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        units = bal._Units(table, [(a, b)], cp)
+        seen = set()
+        for style, thetas in (("zigzag", bal.NODE_THRESHOLDS), ("need", (0.5, 0.25))):
+            for theta in thetas:
+                split = bal._split(units, cp, theta, style, seen)
+                if split is not None:
+                    jobs.append((units, *split))
+    assert len({len(whole) for *_, whole in jobs}) > 1  # packings of different lengths step together
+    packed = bal._pack_lockstep(jobs, cp)
+    for (units, ranks, whole), flats in zip(jobs, packed):
+        for flat, owned in zip(flats, bal._pack(units, ranks.copy(), whole)):
+            got = [[] for _ in range(cp)]
+            for r, a, b in zip(*(x.tolist() for x in flat)):
+                got[r].append((a, b))
+            assert got == owned
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_balanced_over_ib_with_a_heavy_document_plans_like_the_old_planner(seed):
     """Layouts that split a long document over several ranks plan exactly right."""
     g = torch.Generator().manual_seed(seed)

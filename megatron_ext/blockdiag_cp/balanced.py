@@ -66,13 +66,14 @@ import torch
 
 from .cost import CostModel, WindowMix
 from .intervals import (DocRuns, RankRuns, _expand_np, clip, document_runs, merge_intervals,
-                        overlap_counts, overlap_pieces, repeat_index, window_pairs, work_and_intervals)
+                        overlap_counts, overlap_pieces, repeat_arange, window_pairs, work_and_intervals)
 from .swaps import RangeSwaps, RangeWork, merged_spans
 
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
 Span = Tuple[int, int]  # [a, b)
 Spans = List[Tuple[int, int]]  # the global ranges a search lays out (all of [0, P), or one node's)
+Flat = Tuple[np.ndarray, np.ndarray, np.ndarray]  # (rank, a, b) of a candidate's ranges, by rank
 
 BALANCE_GOAL = 1.05
 # Split thresholds (fraction of a rank's work share a document may carry whole).
@@ -100,6 +101,10 @@ SWAP_ROUND_POSITIONS = 32 * 131072
 # ... and not past SWAP_MAX_POSITIONS: at 1M positions 4 rounds and the exact pricing of one more
 # finalist cost ~25 ms of a 100 ms planning budget and gained <= 0.004x ideal (bench/SUMMARY.md).
 SWAP_MAX_POSITIONS = 1 << 19
+# Steps 2-3 run in lockstep (``_pack_lockstep``) when the packings' whole units are at least this many
+# times the longest packing's (its steps): one numpy step costs about what ~30 packings' Python steps
+# do (measured at 1M / cp 64: a group's 8 nodes at every threshold, 40-70 packings of ~100 units).
+LOCKSTEP_WIDTH = 32
 # Runs of consecutive tiny documents are bundled into units of at most this fraction of a rank's share.
 BUNDLE_FRACTION = 1 / 16
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
@@ -203,6 +208,14 @@ class _Units:
         self.range = list(zip(self.start, self.end))  # each unit's (start, end): placed whole as is
         self._splittable = {}  # L -> (units ``light`` can reject, by work; those it rejects at any limit)
         self._halves = {}  # (unit, m) -> ``halves``
+        self._arrays = None  # ``arrays``
+
+    def arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, length, work) of every unit as numpy arrays (``_pack_lockstep``), made once."""
+        if self._arrays is None:
+            self._arrays = (np.array(self.start, dtype=np.int64), np.array(self.length, dtype=np.int64),
+                            np.array(self.work, dtype=np.float64))
+        return self._arrays
 
     def splittable(self, L: int) -> Tuple[List[int], List[float], List[int]]:
         """(the units ``light`` can reject, by work; minus their work; the positions in that list of
@@ -493,6 +506,7 @@ def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bu
     ``exchange``: span set n is node n of that node layout, its ranks' IB time is scored too."""
     units = [_Units(table, spans, cp, bundle) for spans in many]
     cands, n_peers = [], []
+    jobs = []  # (search, label, units, ranks after step 1, units left whole) per packing
     for spans, u in zip(many, units):
         L = u.tokens // cp
         c: List[Tuple[str, Owned]] = [("contiguous", _cut(spans, [(r * L, (r + 1) * L) for r in range(cp)]))]
@@ -506,20 +520,22 @@ def _search_many(table: _UnitTable, many: Sequence[Spans], cp: int, q: float, bu
             c.append(("striped", _cut(spans, [(r * half, (r + 1) * half) for r in range(cp)],
                                       [((cp + r) * half, (cp + r + 1) * half) for r in range(cp)])))
         target = u.total / cp
+        k = len(cands)
         if u.heavy(min(thresholds) * target, L):
             seen = set()  # step-1 splits already packed
-            for theta in thresholds:
-                packed = _split_and_pack(u, cp, theta, "zigzag", seen)
-                if packed is not None:
-                    c += [(f"zigzag@{theta}", packed[0]), (f"zigzag@{theta}/strict", packed[1])]
-            for theta in NEED_THRESHOLDS:
-                packed = _split_and_pack(u, cp, theta, "need", seen)
-                if packed is not None:
-                    c += [(f"need@{theta}", packed[0]), (f"need@{theta}/strict", packed[1])]
+            splits = [(f"{style}@{theta}", _split(u, cp, theta, style, seen))
+                      for style, ts in (("zigzag", thresholds), ("need", NEED_THRESHOLDS)) for theta in ts]
+            jobs += [(k, label, u, *split) for label, split in splits if split is not None]
         else:  # nothing worth splitting: one packing
-            stream, strict = _split_and_pack(u, cp, math.inf, "zigzag")
-            c += [("pack", stream), ("pack/strict", strict)]
+            jobs.append((k, "pack", u, *_split(u, cp, math.inf, "zigzag")))
         cands.append(c)
+    # Steps 2-3 of every packing: in lockstep when there are many (a group's nodes at every threshold).
+    if sum(len(whole) for *_, whole in jobs) >= LOCKSTEP_WIDTH * max(len(whole) for *_, whole in jobs):
+        packed = _pack_lockstep([(u, ranks, whole) for _, _, u, ranks, whole in jobs], cp)
+    else:
+        packed = [_pack(u, ranks, whole) for _, _, u, ranks, whole in jobs]
+    for (k, label, *_), (stream, strict) in zip(jobs, packed):
+        cands[k] += [(label, stream), (f"{label}/strict", strict)]
     costs = _score_many(units[0], cp, q, cands, exchange)
     return [_Found([label for label, _ in c], *cost[2], cp, cost[0], cost[1], n)
             for c, cost, n in zip(cands, costs, n_peers)]
@@ -623,13 +639,24 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
     return _runs_of(best, cp, group, a, b)
 
 
-def _flatten(owned_lists: Sequence[Owned], cp: int) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every candidate's ranges as flat tensors, candidate-major: (count, candidate * cp + rank, a, b)."""
-    per_rank = [spans for owned in owned_lists for spans in owned]
-    group = repeat_index(torch.from_numpy(np.fromiter(map(len, per_rank), dtype=np.int64, count=len(per_rank))))
+def _flatten(owned_lists: Sequence, cp: int) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every candidate's ranges as flat tensors, candidate-major: (count, candidate * cp + rank, a, b).
+    A candidate: an ``Owned`` or ``_pack_lockstep``'s (rank, a, b) arrays."""
+    lists = [k for k, owned in enumerate(owned_lists) if isinstance(owned, list)]
+    per_rank = [spans for k in lists for spans in owned_lists[k]]
+    count = np.fromiter(map(len, per_rank), dtype=np.int64, count=len(per_rank))
     # numpy reads the flat ints several times faster than torch.tensor does.
     ab = np.fromiter(chain.from_iterable(chain.from_iterable(per_rank)), dtype=np.int64).reshape(-1, 2)
-    return len(owned_lists), group, torch.from_numpy(ab[:, 0].copy()), torch.from_numpy(ab[:, 1].copy())
+    if len(lists) == len(owned_lists):
+        group, a, b = repeat_arange(count), ab[:, 0].copy(), ab[:, 1].copy()
+    else:  # each list's ranges in its candidate's place
+        ends = np.cumsum(count.reshape(-1, cp).sum(1))[:-1]
+        rows, ranks = np.split(np.arange(ab.shape[0]), ends), np.split(repeat_arange(count) % cp, ends)
+        flat = dict(zip(lists, ((r, ab[i, 0], ab[i, 1]) for r, i in zip(ranks, rows))))
+        parts = [flat.get(k, owned) for k, owned in enumerate(owned_lists)]
+        group = np.concatenate([r + k * cp for k, (r, _, _) in enumerate(parts)])
+        a, b = (np.concatenate([p[x] for p in parts]) for x in (1, 2))
+    return len(owned_lists), torch.from_numpy(group), torch.from_numpy(a), torch.from_numpy(b)
 
 
 def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> RunSpec:
@@ -845,6 +872,14 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
     it fits in; those that fit nowhere cut into the least loaded free tokens).
     None when step 1 split exactly as a call with the same ``seen`` set did.
     """
+    split = _split(units, cp, theta, style, seen)
+    return None if split is None else _pack(units, *split)
+
+
+def _split(units: _Units, cp: int, theta: float, style: str,
+           seen: Optional[set] = None) -> Optional[Tuple["_Ranks", List[int]]]:
+    """Step 1 of ``_split_and_pack``: the ranks after it and the units left whole (by_work order);
+    None when it split exactly as a call with the same ``seen`` set did."""
     L = units.tokens // cp
     target = max(units.total / cp, 1e-9)
     ranks = _Ranks(cp, L)
@@ -897,6 +932,15 @@ def _split_and_pack(units: _Units, cp: int, theta: float, style: str,
         if key in seen:
             return None
         seen.add(key)
+    return ranks, whole
+
+
+def _pack(units: _Units, ranks: "_Ranks", whole: Sequence[int]) -> Tuple[Owned, Owned]:
+    """Steps 2-3 of ``_split_and_pack`` after ``_split`` (``ranks`` filled in place), one packing in
+    Python (``_pack_lockstep``: many at once)."""
+    cp, L = len(ranks.room), units.tokens // len(ranks.room)
+    target = max(units.total / cp, 1e-9)
+    load, room = ranks.load, ranks.room
     # Step 2, two ways: whole units strictly where they fit (the rest cut in), or binned and streamed.
     strict = ranks.copy()
     _fill(strict, units, whole)
@@ -958,6 +1002,115 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int]) -> None:
         else:
             rest.append(ranges[i])
     ranks.cut_in(rest, order=sorted(range(len(room)), key=load.__getitem__))
+
+
+def _pack_lockstep(jobs: Sequence[Tuple[_Units, "_Ranks", Sequence[int]]], cp: int) -> List[Tuple[Flat, Flat]]:
+    """``_pack`` of J packings at once (``_split``'s results), each as (rank, a, b) arrays in the order
+    ``_pack``'s lists hold them: both greedy steps 2 walk the J packings' t-th whole units together as
+    [J, cp] numpy arrays (one step per unit, not per (packing, unit)), the same float sums in the
+    same order (bit-identical), and step 3's cuts are binary searches. A packing with fewer units
+    steps through zeros, which change nothing."""
+    J = len(jobs)
+    S = max(len(whole) for _, _, whole in jobs)
+    start, length = np.zeros((J, S), dtype=np.int64), np.zeros((J, S), dtype=np.int64)
+    work, valid = np.zeros((J, S)), np.zeros((J, S), dtype=bool)
+    for j, (u, _, whole) in enumerate(jobs):
+        idx = np.array(whole, dtype=np.int64)
+        u_start, u_length, u_work = u.arrays()
+        start[j, :idx.size], length[j, :idx.size], work[j, :idx.size] = u_start[idx], u_length[idx], u_work[idx]
+        valid[j, :idx.size] = True
+    room0 = np.array([r.room for _, r, _ in jobs], dtype=np.int64).ravel()  # [J * cp]: flat rank j * cp + r
+    load0 = np.array([r.load for _, r, _ in jobs], dtype=np.float64).ravel()
+    L = np.array([u.tokens // cp for u, _, _ in jobs], dtype=np.int64)
+    target = np.array([max(u.total / cp, 1e-9) for u, _, _ in jobs])
+    jrow, base = np.arange(J), np.arange(J) * cp
+    # Step 2 strictly (``_fill``): per unit, the first with room among the (up to) four least loaded
+    # ranks with room, by (load, rank): a stable argsort of the loads, full ranks at inf. A rank with
+    # room n >= 1 has room, so the four need no other test.
+    room, load = room0.copy(), load0.copy()
+    ranked = np.where(room > 0, load, np.inf)
+    by_load = ranked.reshape(J, cp)  # a view
+    lengths, works = length.T.copy(), work.T.copy()  # [S, J]: each step's row contiguous
+    placed = np.empty((S, J), dtype=np.int64)  # flat rank, or -1: cut in afterwards
+    for t in range(S):
+        n = lengths[t]
+        four = by_load.argsort(1, kind="stable")[:, :4]
+        four += base[:, None]
+        fits = room[four] >= n[:, None]
+        k = fits.argmax(1)
+        r = four[jrow, k]
+        has = fits[jrow, k]
+        left = room[r] - n * has
+        room[r] = left
+        x = load[r] + works[t] * has
+        load[r] = x
+        x[left == 0] = np.inf
+        ranked[r] = x
+        r[~has] = -1
+        placed[t] = r
+    # Step 2 streamed: per unit, the rank of the least max(work / share, tokens / L) (ties: the lower).
+    tokens, streamed = np.repeat(L, cp) - room0, load0.copy()
+    key = np.maximum(streamed / np.repeat(target, cp), tokens / np.repeat(L, cp))
+    by_key = key.reshape(J, cp)  # a view
+    binned = np.empty((S, J), dtype=np.int64)
+    for t in range(S):
+        r = by_key.argmin(1)
+        r += base
+        binned[t] = r
+        x = tokens[r] + lengths[t]
+        tokens[r] = x
+        y = streamed[r] + works[t]
+        streamed[r] = y
+        key[r] = np.maximum(y / target, x / L)
+    placed, binned = placed.T, binned.T
+    # Step 3, streamed: each rank's bin longest first (ties in by_work order), ranks in order, cut into
+    # their room; strictly: the units left over, cut into the room left, least loaded rank first.
+    j_of, t_of = np.nonzero(valid)  # job-major
+    s_a, s_n, s_bin = start[j_of, t_of], length[j_of, t_of], binned[j_of, t_of]
+    order = np.argsort(s_bin * (int(s_n.max(initial=0)) + 1) - s_n, kind="stable")  # flat bins: job-major
+    stream = _stream_cut(s_a[order], s_n[order], np.arange(J * cp), room0)
+    left = placed[j_of, t_of] < 0
+    rest = _stream_cut(s_a[left], s_n[left], (np.argsort(load.reshape(J, cp), axis=1, kind="stable")
+                                              + base[:, None]).ravel(), room)
+    # Per packing, step 1's ranges, then (strict) the units placed whole in order, then the cuts.
+    per_rank = [spans for _, ranks, _ in jobs for spans in ranks.owned]
+    ab = np.fromiter(chain.from_iterable(chain.from_iterable(per_rank)), dtype=np.int64).reshape(-1, 2)
+    first = (repeat_arange(np.fromiter(map(len, per_rank), dtype=np.int64, count=len(per_rank))), ab[:, 0], ab[:, 1])
+    whole_kept = ~left
+    p_a = s_a[whole_kept]
+    strict = _by_rank(J, cp, first, (placed[j_of, t_of][whole_kept], p_a, p_a + s_n[whole_kept]), rest)
+    streamed_out = _by_rank(J, cp, first, stream)
+    return [(streamed_out[j], strict[j]) for j in range(J)]
+
+
+def _stream_cut(a: np.ndarray, n: np.ndarray, order: np.ndarray, room: np.ndarray
+                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_Ranks.cut_in`` of many packings at once: the ranges [a, a + n) (packing-major, each packing's
+    tokens its ranks' room) laid end to end and cut into the flat ranks ``order`` (packing-major,
+    each packing's ranks in its fill order) at their ``room``: (flat rank, a, b) per piece, in order."""
+    cap = room[order]
+    bound = np.cumsum(cap)  # each rank's end in the stream of every packing's ranges
+    end = np.cumsum(n)
+    begin = end - n
+    first = np.searchsorted(bound, begin, side="right")
+    which, slot = _expand_np(first, np.searchsorted(bound, end - 1, side="right") - first + 1)
+    lo = np.maximum(begin[which], bound[slot] - cap[slot])
+    hi = np.minimum(end[which], bound[slot])
+    keep = hi > lo  # a full rank inside a range gets nothing
+    which, slot, lo, hi = which[keep], slot[keep], lo[keep], hi[keep]
+    shift = a[which] - begin[which]
+    return order[slot], lo + shift, hi + shift
+
+
+def _by_rank(J: int, cp: int, *parts: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> List[Flat]:
+    """Ranges (flat rank j * cp + r, a, b) from ``parts`` in turn, per packing j: (rank, a, b) by rank,
+    each rank's in the order given."""
+    rank, a, b = (np.concatenate(x) for x in zip(*parts))
+    order = np.argsort(rank, kind="stable")
+    rank, a, b = rank[order], a[order], b[order]
+    cuts = np.searchsorted(rank, np.arange(J + 1) * cp).tolist()
+    rank %= cp
+    return [(rank[lo:hi], a[lo:hi], b[lo:hi]) for lo, hi in zip(cuts[:-1], cuts[1:])]
 
 
 __all__ = ["balanced_runs", "BALANCE_GOAL", "SPLIT_THRESHOLDS"]
