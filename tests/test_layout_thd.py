@@ -86,3 +86,42 @@ def test_closed_form_counts_equal_the_interval_count(cp):
     runs = build_layout("thd", ids.unsqueeze(0), cp).runs
     _, dst, a, b = work_and_intervals(runs, [document_runs(ids)])
     assert torch.equal(thd_exchange_counts(ids, cp), overlap_counts(runs, dst, a, b))
+
+
+def _padded_documents(cp, seed):
+    """One THD row: a padding-only extent, 1-token, 2cp, 2cp + 1, 5cp - 1 and random documents, each
+    padded at its end to a multiple of 2cp."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 2 * cp, 2 * cp + 1, 5 * cp - 1] + torch.randint(1, 12 * cp, (9,), generator=g).tolist()
+    parts = [torch.zeros(2 * cp, dtype=torch.long)]
+    for i, n in enumerate(lengths):
+        ext = -(-n // (2 * cp)) * (2 * cp)
+        parts += [torch.full((n,), i + 1), torch.zeros(ext - n, dtype=torch.long)]
+    return torch.cat(parts)
+
+
+def _chunk_runs(ids, cp):
+    """RankRuns of the layout from its definition: chunks r and 2cp-1-r of every extent, merged by ``build``."""
+    from megatron_ext.blockdiag_cp.intervals import RankRuns
+
+    cu = thd_padded_cu_seqlens(ids, cp).tolist()
+    rank, start, length = [], [], []
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        c = (hi - lo) // (2 * cp)
+        for r in range(cp):
+            rank += [r, r]
+            start += [lo + r * c, lo + (2 * cp - 1 - r) * c]
+            length += [c, c]
+    return RankRuns.build(cp, ids.numel(), torch.tensor(rank), torch.tensor(start), torch.tensor(length))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 8])
+def test_runs_come_merged_as_build_merges_the_chunks(cp):
+    """The layout's runs (touching chunks merged by the layout itself) equal ``RankRuns.build`` of its chunks."""
+    ids = _padded_documents(cp, cp + 10)
+    want = _chunk_runs(ids, cp)
+    rank, start, length = bdcp.layout.THDLayout().runs(ids.unsqueeze(0), cp, None)
+    assert torch.equal(rank, want.rank) and torch.equal(start, want.start) and torch.equal(length, want.length)
+    got = build_layout("thd", ids.unsqueeze(0), cp).runs
+    assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("rank", "start", "length", "local"))
+

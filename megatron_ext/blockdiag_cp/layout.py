@@ -179,13 +179,28 @@ class THDLayout(LayoutStrategy):
                              f"use another layout for per-row documents")
         cu = thd_padded_cu_seqlens(doc_ids[0], cp, None if doc_runs is None else doc_runs[0]).numpy()
         # In numpy: 2 * cp runs per document, at a half to a third of torch's op costs on one core.
+        # Runs that touch come merged, as RankRuns.build would merge them (its merge made three more
+        # arrays of every run, ~5 ms of a 1M / cp 64 plan): rank cp - 1's two chunks of a document,
+        # rank 0's last chunk of a document and its first of the next. Each array is written once.
         chunk = np.diff(cu) // (2 * cp)  # [n]
-        rank = np.arange(cp)
-        which = np.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]: chunks r and 2cp-1-r
-        start = cu[:-1].reshape(1, -1, 1) + which.reshape(cp, 1, 2) * chunk.reshape(1, -1, 1)  # [cp, n, 2]
-        length = np.tile(np.repeat(chunk, 2), cp)  # [cp, n, 2] flattened, as start
-        return torch.from_numpy(np.repeat(rank, 2 * chunk.size)), torch.from_numpy(start.reshape(-1)), \
-            torch.from_numpy(length)
+        n = chunk.size
+        mid = 2 * n * (cp - 2)  # ranks 1 .. cp - 2: [cp - 2, n, 2] runs
+        start, length = np.empty(n + 1 + mid + n, dtype=np.int64), np.empty(n + 1 + mid + n, dtype=np.int64)
+        start[0], start[1:n], start[n] = 0, cu[1:-1] - chunk[:-1], cu[-1] - chunk[-1]  # rank 0: n + 1 runs
+        length[0], length[n] = chunk[0], chunk[-1]
+        np.add(chunk[:-1], chunk[1:], out=length[1:n])
+        rank = np.arange(1, cp - 1)
+        which = np.stack([rank, 2 * cp - 1 - rank], 1)  # [cp - 2, 2]: chunks r and 2cp-1-r
+        s_mid = start[n + 1:n + 1 + mid].reshape(cp - 2, n, 2)
+        np.multiply(which.reshape(cp - 2, 1, 2), chunk.reshape(1, n, 1), out=s_mid)
+        s_mid += cu[:-1].reshape(1, n, 1)
+        length[n + 1:n + 1 + mid].reshape(cp - 2, n, 2)[:] = chunk.reshape(1, n, 1)
+        np.multiply(chunk, cp - 1, out=start[n + 1 + mid:])  # rank cp - 1: chunks cp - 1 and cp, one run
+        start[n + 1 + mid:] += cu[:-1]
+        np.multiply(chunk, 2, out=length[n + 1 + mid:])
+        count = np.full(cp, 2 * n)
+        count[0], count[-1] = n + 1, n
+        return torch.from_numpy(np.repeat(np.arange(cp), count)), torch.from_numpy(start), torch.from_numpy(length)
 
 
 def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int, doc_runs: Optional[DocRuns] = None) -> torch.Tensor:

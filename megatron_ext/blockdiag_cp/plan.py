@@ -167,10 +167,14 @@ def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     rank, start = runs.rank.numpy(), runs.start.numpy()
     # The narrowest dtype that holds a rank: the table is as long as the sequence, written once (fresh memory).
     ends_at = np.empty(runs.padded_len + 1, dtype=np.int8 if cp < 2 ** 7 else np.int16 if cp < 2 ** 15 else np.int64)
-    ends_at[start + runs.length.numpy()] = rank.astype(ends_at.dtype)  # read below only at run starts > 0: all written
-    inner = start > 0
+    ends_at[start + runs.length.numpy()] = rank.astype(ends_at.dtype)  # read below at run starts: all written but 0
+    # The run at 0 has none before it: its own rank there makes it adjacent to itself, the diagonal, never a
+    # stray (counts' is zero); no mask of the runs after 0 and its copies (fresh memory: ~4 ms at 1M / cp 64 THD).
+    ends_at[0] = rank[np.argmin(start)]
     adjacent = np.zeros(cp * cp, dtype=bool)  # [dst, src] flat
-    adjacent[rank[inner] * cp + ends_at[start[inner]]] = True
+    pair = rank * cp
+    pair += ends_at[start]
+    adjacent[pair] = True
     adjacent = torch.from_numpy(adjacent).view(cp, cp)
     strays = (counts.t() > 0) & ~adjacent  # [dst, src]
     bad = torch.nonzero(strays.any(1)).flatten()
