@@ -251,11 +251,18 @@ class _Units:
         if key not in self._halves:
             a, n = self.start[i], self.end[i] - self.start[i]
             bounds = [a + (n * j) // (2 * m) for j in range(2 * m + 1)]
+            span = self.span if self.mix is not None else None
+            al, be = self.alpha[i], self.beta[i]
             out = []
             for k in range(m):
-                (ha, hb), (ta, tb) = bounds[k:k + 2], bounds[2 * m - 1 - k:2 * m + 1 - k]
-                out.append((hb - ha + tb - ta, (ha, hb) if hb > ha else None, self.span(i, ha, hb),
-                            (ta, tb) if tb > ta else None, self.span(i, ta, tb)))
+                ha, hb, ta, tb = bounds[k], bounds[k + 1], bounds[2 * m - 1 - k], bounds[2 * m - k]
+                if span is None:  # ``span`` inline: one method call less per chunk
+                    head_work = al * (hb * (hb - 1) - ha * (ha - 1)) / 2 + be * (hb - ha)
+                    tail_work = al * (tb * (tb - 1) - ta * (ta - 1)) / 2 + be * (tb - ta)
+                else:
+                    head_work, tail_work = span(i, ha, hb), span(i, ta, tb)
+                out.append((hb - ha + tb - ta, (ha, hb) if hb > ha else None, head_work,
+                            (ta, tb) if tb > ta else None, tail_work))
             self._halves[key] = out
         return self._halves[key]
 
@@ -822,12 +829,6 @@ class _Ranks:
         other.room, other.load = list(self.room), list(self.load)
         return other
 
-    def give(self, rank: int, a: int, b: int, cost: float) -> None:
-        if b > a:
-            self.owned[rank].append((a, b))
-            self.room[rank] -= b - a
-            self.load[rank] += cost
-
     def cut_in(self, spans: Sequence[Tuple[int, int]], order: Optional[Sequence[int]] = None) -> None:
         """Fill the ranks' free tokens (ranks in ``order``) with these ranges, cutting where one is full."""
         order = range(len(self.room)) if order is None else order
@@ -968,39 +969,25 @@ def _fill(ranks: "_Ranks", units: "_Units", order: Sequence[int]) -> None:
     """Whole units in ``order`` to the least loaded rank that has room (ties by rank); the rest cut
     into the ranks' free tokens, least loaded first."""
     room, owned, load = ranks.room, ranks.owned, ranks.load
-    heap = [(load[r], r) for r in range(len(room)) if room[r] > 0]
-    heapq.heapify(heap)
+    # The ranks with room by (load, rank), kept sorted (not a heap): most units do not fit the least
+    # loaded rank, and the first with room among the four least loaded is then a slice, not a sort.
+    ranked = sorted((load[r], r) for r in range(len(room)) if room[r] > 0)
     rest = []
-    ranges, lengths, works = units.range, units.length, units.work
-    pop, replace, heapify = heapq.heappop, heapq.heapreplace, heapq.heapify
+    ranges, lengths, works, insort = units.range, units.length, units.work, bisect.insort
     for i in order:
         n = lengths[i]
-        if heap and room[heap[0][1]] >= n:  # the usual case: the first rank in the heap has room
-            r = heap[0][1]
-            owned[r].append(ranges[i])
-            room[r] -= n
-            load[r] += works[i]
-            if room[r] > 0:
-                replace(heap, (load[r], r))
-            else:
-                pop(heap)
-            continue
-        # Else the first with room among the four least loaded (read off a sort of the few ranks
-        # left, not four pops and pushes); its entry is updated in place and the heap remade.
-        for entry in sorted(heap)[:4]:
-            r = entry[1]
+        for k, (_, r) in enumerate(ranked[:4]):
             if room[r] >= n:
-                ranks.give(r, *ranges[i], works[i])
-                k = heap.index(entry)
-                if room[r] > 0:
-                    heap[k] = (load[r], r)
-                else:
-                    heap[k] = heap[-1]
-                    heap.pop()
-                heapify(heap)
                 break
         else:
             rest.append(ranges[i])
+            continue
+        owned[r].append(ranges[i])
+        room[r] -= n
+        load[r] += works[i]
+        del ranked[k]
+        if room[r] > 0:
+            insort(ranked, (load[r], r))
     ranks.cut_in(rest, order=sorted(range(len(room)), key=load.__getitem__))
 
 
