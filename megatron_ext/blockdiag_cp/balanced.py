@@ -165,8 +165,7 @@ class _Units:
         sa = np.array([a for a, _ in spans], dtype=np.int64)
         sb = np.array([b for _, b in spans], dtype=np.int64)
         t_start = table.start.numpy()
-        first = np.searchsorted(t_start, sa, side="right") - 1
-        which, unit = _expand_np(first, np.searchsorted(t_start, sb - 1, side="right") - first)
+        which, unit = _pieces_np(sa, sb, t_start)
         starts = np.maximum(sa[which], t_start[unit])
         ends = np.minimum(sb[which], table.end.numpy()[unit])
         alpha, beta = table.alpha.numpy()[unit], table.beta.numpy()[unit]
@@ -755,12 +754,18 @@ def _real_pieces_np(a: np.ndarray, b: np.ndarray, d_start: np.ndarray, d_end: np
     """``intervals._real_pieces`` of ``clip(a, b, d_start, d_end)`` in numpy only (range index, document,
     pa, pb; in range order): the search's ranges are a few thousand, where converting to and from
     torch cost as much as the two binary searches."""
-    first = np.searchsorted(d_start, a, side="right") - 1
-    which, doc = _expand_np(first, np.searchsorted(d_start, b - 1, side="right") - first)
+    which, doc = _pieces_np(a, b, d_start)
     real = d_id[doc] > 0
     if not real.all():
         which, doc = which[real], doc[real]
     return which, doc, np.maximum(a[which], d_start[doc]), np.minimum(b[which], d_end[doc])
+
+
+def _pieces_np(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Nonempty ranges [a, b) against a partition of [0, P) (its parts' starts, ascending): (range, part)
+    of every piece, in range order (``intervals.clip``'s two binary searches, in numpy)."""
+    first = np.searchsorted(starts, a, side="right") - 1
+    return _expand_np(first, np.searchsorted(starts, b - 1, side="right") - first)
 
 
 def _holders(g: np.ndarray, doc: np.ndarray, pa: np.ndarray, pb: np.ndarray, n_docs: int, cp: int):
@@ -1076,13 +1081,12 @@ def _stream_cut(a: np.ndarray, n: np.ndarray, order: np.ndarray, room: np.ndarra
     tokens its ranks' room) laid end to end and cut into the flat ranks ``order`` (packing-major,
     each packing's ranks in its fill order) at their ``room``: (flat rank, a, b) per piece, in order."""
     cap = room[order]
-    bound = np.cumsum(cap)  # each rank's end in the stream of every packing's ranges
+    first = np.cumsum(cap) - cap  # each rank's first token in the stream of every packing's ranges
     end = np.cumsum(n)
     begin = end - n
-    first = np.searchsorted(bound, begin, side="right")
-    which, slot = _expand_np(first, np.searchsorted(bound, end - 1, side="right") - first + 1)
-    lo = np.maximum(begin[which], bound[slot] - cap[slot])
-    hi = np.minimum(end[which], bound[slot])
+    which, slot = _pieces_np(begin, end, first)  # a full rank's equal start: the next rank's is found
+    lo = np.maximum(begin[which], first[slot])
+    hi = np.minimum(end[which], first[slot] + cap[slot])
     keep = hi > lo  # a full rank inside a range gets nothing
     which, slot, lo, hi = which[keep], slot[keep], lo[keep], hi[keep]
     shift = a[which] - begin[which]
