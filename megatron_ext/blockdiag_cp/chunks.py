@@ -258,11 +258,15 @@ def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
             s, p = np.insert(s, at, np.repeat(s[cut], extra)), np.insert(p, at, np.repeat(p[cut], extra))
             chunk, lo = np.insert(chunk, at, more), np.insert(lo, at, more * chunk_rows)
             hi = np.insert(hi, at, more_hi)
-    key = (s * (int(chunk.max()) + 1) + chunk) * (int(p.max()) + 1) + p
+    key = s * (int(chunk.max()) + 1)  # (s, chunk, p) as one number, in one array (fresh memory)
+    key += chunk
+    key *= int(p.max()) + 1
+    key += p
     if key.size > 1 and not bool((key[1:] >= key[:-1]).all()):  # keys are distinct: sorted is the order
         order = np.argsort(key)
         s, chunk, p, lo, hi = s[order], chunk[order], p[order], lo[order], hi[order]
-    return s, chunk, p, lo, hi - lo
+    hi -= lo  # hi is this function's own array (never an input)
+    return s, chunk, p, lo, hi
 
 
 @dataclass
@@ -326,14 +330,21 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     call_q = seg_voff[t.call_seg[1:]] - seg_voff[t.call_seg[:-1]]
     capped = (t.call_src != rank) & (t.call_window < 0) & (call_q > cap)
     seg_capped = np.repeat(capped, np.diff(t.call_seg))
-    nb = np.where(seg_capped, (t.seg_q + cap - 1) // cap, 1)  # bits per segment
-    bit_first = _exclusive(nb)
-    bit_seg = repeat_arange(nb)
-    bit_j = np.arange(bit_seg.size) - bit_first[bit_seg]
-    bit_v = seg_voff[bit_seg] + bit_j * cap  # bits tile the virtual rows in order
-    bit_m = np.where(seg_capped[bit_seg], np.minimum(cap, t.seg_q[bit_seg] - bit_j * cap), t.seg_q[bit_seg])
-    bit_end = bit_v + bit_m
-    call_bit = bit_first[t.call_seg]  # [calls + 1]
+    whole = not (seg_capped & (t.seg_q > cap)).any()
+    if whole:
+        # No segment is cut (none of a 1M / cp 64 THD plan's): the bits are the segments, their tables
+        # views of the segments' (a dozen fewer arrays as long as the segments: fresh memory, ~5 ms there).
+        bit_seg = np.arange(n_seg)
+        bit_v, bit_m, bit_end, call_bit = seg_voff[:-1], t.seg_q, seg_voff[1:], t.call_seg
+    else:
+        nb = np.where(seg_capped, (t.seg_q + cap - 1) // cap, 1)  # bits per segment
+        bit_first = _exclusive(nb)
+        bit_seg = repeat_arange(nb)
+        bit_j = np.arange(bit_seg.size) - bit_first[bit_seg]
+        bit_v = seg_voff[bit_seg] + bit_j * cap  # bits tile the virtual rows in order
+        bit_m = np.where(seg_capped[bit_seg], np.minimum(cap, t.seg_q[bit_seg] - bit_j * cap), t.seg_q[bit_seg])
+        bit_end = bit_v + bit_m
+        call_bit = bit_first[t.call_seg]  # [calls + 1]
 
     # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows: from bit i, the call
     # takes bits i .. nxt(i) - 1, the most whose rows stay <= cap (bit ends are the rows' prefix sums).
@@ -358,14 +369,14 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
 
     # Query rows: each bit cut at its pairs' starts; each piece lies in one bit and one pair, so maps
     # to diag linearly; touching pieces of one call merge into one range.
-    pair_v = _exclusive(t.pair_n)[:-1]
     if t.pair_n.size == n_seg and bool((t.pair_n > 0).all()):
         # One pair per segment (every segment has one): a bit lies inside its segment's pair, so it is
         # one piece and the searches below (most of the cost at cp x documents segments: THD) are not
-        # needed. pair_v is then seg_voff[:-1].
+        # needed. The pairs' virtual rows are then the segments' (seg_voff), a whole segment's piece its pair.
         piece_len, piece_sub = bit_m, bit_sub
-        piece_a = t.pair_a[bit_seg] + bit_v - pair_v[bit_seg]
+        piece_a = t.pair_a if whole else t.pair_a[bit_seg] + bit_v - seg_voff[bit_seg]
     else:
+        pair_v = _exclusive(t.pair_n)[:-1]
         first = np.searchsorted(pair_v, bit_v, side="right") - 1
         count = np.searchsorted(pair_v, bit_end - 1, side="right") - first
         bit = repeat_arange(count)
@@ -390,8 +401,8 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     # segment, or consecutive documents of one chunk: ~99.8% of a 1M / cp 64 THD plan's segments), so
     # concatenated only for the other calls' segments (every one when R > 1). Concatenating them all
     # built ~0.6M key rows (two int64 temporaries) per rank of a 1M / cp 64 THD plan: ~6 of its ~20 ms.
-    gap = np.zeros(n_seg, dtype=np.int64)  # [segments] 1 where a key range does not follow the one before
-    gap[1:] = t.seg_slot[1:] != t.seg_slot[:-1] + t.seg_k[:-1]
+    gap = np.zeros(n_seg, dtype=bool)  # [segments] where a key range does not follow the one before
+    np.not_equal(t.seg_slot[1:], t.seg_slot[:-1] + t.seg_k[:-1], out=gap[1:])
     gap_before = np.cumsum(gap)  # [segments] gaps up to each segment
     one_seg = (gap_before[seg_hi - 1] == gap_before[seg_lo]) & (R == 1)  # [sub-calls] keys: one range
     if one_seg.all():  # every call's keys one range (each of a 1M / cp 64 THD plan's): nothing to join
@@ -489,16 +500,19 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     src, piece = np.divmod(cell, n_k.shape[1])
     src, chunk, piece, lo, n = _split_at_chunks_np(src, slot.numpy().reshape(-1)[cell], n_k.reshape(-1)[cell],
                                                    piece, rank, c)
-    r, d = row.numpy()[piece], doc.numpy()[piece]
+    # In place where it can (fresh memory: each array of every cell costs ~1 ms of page faults there).
     new = np.ones(src.size, dtype=bool)
-    new[1:] = ((src[1:] != src[:-1]) | (chunk[1:] != chunk[:-1]) | (r[1:] != r[:-1])
-               | (d[1:] != d[:-1]) | (n[1:] != n[:-1]) | (lo[1:] != lo[:-1]))
+    np.not_equal(src[1:], src[:-1], out=new[1:])
+    for x in [chunk, doc.numpy()[piece], n, lo] + ([row.numpy()[piece]] if R > 1 else []):  # one row: all 0
+        new[1:] |= x[1:] != x[:-1]
     head = np.flatnonzero(new)
     nq_piece = n_q.numpy()[piece]
     seg_q = np.add.reduceat(nq_piece, head)  # a segment's pieces are adjacent, from its head on
-    chunk_first = np.where(src == rank, 0, chunk * c)
     src_h, chunk_h = src[head], chunk[head]
-    seg_k, seg_slot, seg_row = n[head], (lo - chunk_first)[head], r[head]
+    seg_slot = lo[head]
+    seg_slot -= np.where(src_h == rank, 0, chunk_h * c)  # the chunk's first slot (own chunk: 0)
+    seg_k = n[head]
+    seg_row = np.zeros(head.size, dtype=np.int64) if R == 1 else row.numpy()[piece[head]]
     call_new = np.ones(head.size, dtype=bool)
     call_new[1:] = (src_h[1:] != src_h[:-1]) | (chunk_h[1:] != chunk_h[:-1])
     call_head = np.flatnonzero(call_new)
