@@ -125,3 +125,15 @@ def test_runs_come_merged_as_build_merges_the_chunks(cp):
     got = build_layout("thd", ids.unsqueeze(0), cp).runs
     assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("rank", "start", "length", "local"))
 
+
+@pytest.mark.parametrize("cp", [2, 3, 8])
+def test_closed_form_work_and_intervals_equal_the_clip(cp):
+    """thd_work_and_intervals against the generic clip of the layout's chunks by the documents."""
+    from megatron_ext.blockdiag_cp.intervals import document_runs, work_intervals_and_docs
+    from megatron_ext.blockdiag_cp.layout import thd_work_and_intervals
+
+    for seed in range(3):
+        ids = _padded_documents(cp, seed)
+        want = work_intervals_and_docs(_chunk_runs(ids, cp), [document_runs(ids)])
+        got = thd_work_and_intervals(ids, cp)
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))

@@ -25,7 +25,7 @@ import torch
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
 from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take, true_at,
                         work_intervals_and_docs)
-from .layout import Layout, thd_exchange_counts
+from .layout import Layout, thd_exchange_counts, thd_work_and_intervals
 
 
 @dataclass(frozen=True)
@@ -108,14 +108,16 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     cp, L = layout.cp, layout.local_len
     runs = layout.runs
     rows = [document_runs(doc_ids[row]) for row in range(R)] if doc_runs is None else list(doc_runs)
+    thd = layout.name == "thd" and R == 1 and cp > 1 and window is None  # closed forms of its tables
     if known is None:
-        work_per_rank, dst, a, b, doc = work_intervals_and_docs(runs, rows, window)
+        work_per_rank, dst, a, b, doc = thd_work_and_intervals(doc_ids[0], cp, rows[0]) if thd else \
+            work_intervals_and_docs(runs, rows, window)
     else:
         work_per_rank, (dst, a, b), _ = known
         doc = None
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
-    if layout.name == "thd" and R == 1 and cp > 1 and window is None:  # every rank needs every document
+    if thd:  # every rank needs every document
         counts = thd_exchange_counts(doc_ids[0], cp, rows[0])
         overlap = None
     else:
