@@ -625,7 +625,8 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
         for c in range(n_peers, n_cand):
             price(c)
         best = min(modeled[n_peers:])
-        peer_flat = _flatten([owned for _, owned in candidates[:n_peers]], cp)
+        k = int(torch.searchsorted(group, torch.tensor(n_peers * cp)))  # the peers lead the flat ranges
+        peer_flat = (n_peers, group[:k], a[:k], b[:k])
         bound = torch.zeros(n_peers, dtype=torch.float64)
         for window, share in table.windows.shares:
             work, need, _ = _candidate_traffic(table, cp, *peer_flat, window=window)
