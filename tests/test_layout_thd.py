@@ -137,3 +137,20 @@ def test_closed_form_work_and_intervals_equal_the_clip(cp):
         want = work_intervals_and_docs(_chunk_runs(ids, cp), [document_runs(ids)])
         got = thd_work_and_intervals(ids, cp)
         assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 8])
+def test_closed_form_owned_ranges_equal_the_searches(cp):
+    """thd_owned_ranges against the generic owned_ranges through the layout's chunks, every rank."""
+    from megatron_ext.blockdiag_cp.intervals import owned_ranges
+    from megatron_ext.blockdiag_cp.layout import thd_owned_ranges, thd_work_and_intervals
+
+    for seed in range(3):
+        ids = _padded_documents(cp, seed)
+        runs = _chunk_runs(ids, cp)
+        _, dst, a, b, _ = thd_work_and_intervals(ids, cp)
+        for rank in range(cp):
+            mine = dst == rank
+            got = thd_owned_ranges(ids, cp, a[mine], b[mine], rank)
+            want = owned_ranges(runs, a[mine], b[mine], rank)
+            assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))

@@ -335,6 +335,54 @@ def thd_work_and_intervals(doc_ids: torch.Tensor, cp: int, doc_runs=None
             torch.from_numpy(which[i]))
 
 
+def _thd_flat_before(cu: np.ndarray, cp: int, x: np.ndarray, ext: np.ndarray) -> np.ndarray:
+    """[cp, n] ``RankRuns.flat_before`` of the THD layout for positions x of extents ext (cu[ext] <= x <=
+    cu[ext + 1]). Every rank owns 2c of each extent, so u / cp positions before extent [u, ..), and of
+    this one its chunks r and 2cp-1-r up to x."""
+    u = cu[ext]
+    c = (cu[ext + 1] - u) // (2 * cp)
+    y = x - u
+    r = np.arange(cp).reshape(cp, 1)
+    count = np.clip(y - r * c, 0, c)
+    count += np.clip(y - (2 * cp - 1 - r) * c, 0, c)
+    count += r * (int(cu[-1]) // cp) + u // cp
+    return count
+
+
+def thd_owned_ranges(doc_ids: torch.Tensor, cp: int, a: torch.Tensor, b: torch.Tensor, skip: int, doc_runs=None
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``intervals.owned_ranges`` of the THD layout in closed form, for ranges [a, b) that each lie in one
+    padded document: (lo, hi) [cp, n], and (src, start, length) every source's positions in them as
+    pieces of its runs (source-major, by range, ascending; none of ``skip``).
+
+    In a document a source's runs are its chunks r and 2cp-1-r, but rank cp - 1's, which touch: one
+    run (rank 0's runs span documents, but a range inside one cuts them at its chunks).
+    """
+    row = doc_ids.reshape(-1)
+    cu = thd_padded_cu_seqlens(row, cp, doc_runs).numpy()
+    qa, qb = a.numpy(), b.numpy()
+    n = qa.size
+    ext = np.searchsorted(cu, qa, side="right") - 1
+    lo, hi = _thd_flat_before(cu, cp, qa, ext), _thd_flat_before(cu, cp, qb, ext)
+    u = cu[ext]
+    c = (cu[ext + 1] - u) // (2 * cp)
+    r = np.arange(cp).reshape(cp, 1, 1)
+    start = np.concatenate([r, 2 * cp - 1 - r], 2) * c.reshape(1, n, 1)  # [cp, n, 2]: chunks r, 2cp-1-r
+    start += u.reshape(1, n, 1)
+    end = start + c.reshape(1, n, 1)
+    end[cp - 1, :, 0] = end[cp - 1, :, 1]  # rank cp - 1: one run, its second chunk empty
+    end[cp - 1, :, 1] = start[cp - 1, :, 1]
+    np.maximum(start, qa.reshape(1, n, 1), out=start)
+    np.minimum(end, qb.reshape(1, n, 1), out=end)
+    keep = end > start
+    keep[skip] = False
+    cell = np.flatnonzero(keep)
+    start, length = start.reshape(-1)[cell], end.reshape(-1)[cell]
+    length -= start
+    return (torch.from_numpy(lo), torch.from_numpy(hi), torch.from_numpy(cell // (2 * n)), torch.from_numpy(start),
+            torch.from_numpy(length))
+
+
 @lru_cache(maxsize=8)
 def _thd_patterns(cp: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """A_K, B_K of ``thd_exchange_counts`` for K = 1..2cp: [2cp, cp(src), cp(dst)] float64."""
@@ -408,4 +456,4 @@ LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
 __all__ = ["Layout", "LayoutStrategy", "ContiguousLayout", "ZigzagLayout", "BalancedLayout", "THDLayout",
            "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
            "position_work", "thd_partitioned_indices", "thd_padded_cu_seqlens",
-           "BALANCE_GOAL", "thd_exchange_counts", "thd_work_and_intervals"]
+           "BALANCE_GOAL", "thd_exchange_counts", "thd_work_and_intervals", "thd_owned_ranges"]

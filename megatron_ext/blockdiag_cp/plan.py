@@ -25,7 +25,7 @@ import torch
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
 from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take, true_at,
                         work_intervals_and_docs)
-from .layout import Layout, thd_exchange_counts, thd_work_and_intervals
+from .layout import Layout, thd_exchange_counts, thd_owned_ranges, thd_work_and_intervals
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,9 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     recv_start, recv_len = empty, empty
     mine_flat = None
     if mine.numel():
-        lo, hi, _, recv_start, recv_len = owned_ranges(runs, take(a, mine), take(b, mine), rank)  # [cp, n_mine]
+        lo, hi, _, recv_start, recv_len = \
+            thd_owned_ranges(doc_ids[0], cp, take(a, mine), take(b, mine), rank, rows[0]) if thd else \
+            owned_ranges(runs, take(a, mine), take(b, mine), rank)  # [cp, n_mine]
         mine_flat = lo, hi
         n = hi - lo
         n[rank] = 0
