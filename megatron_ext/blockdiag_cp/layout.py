@@ -189,12 +189,13 @@ class THDLayout(LayoutStrategy):
         start[0], start[1:n], start[n] = 0, cu[1:-1] - chunk[:-1], cu[-1] - chunk[-1]  # rank 0: n + 1 runs
         length[0], length[n] = chunk[0], chunk[-1]
         np.add(chunk[:-1], chunk[1:], out=length[1:n])
-        rank = np.arange(1, cp - 1)
-        which = np.stack([rank, 2 * cp - 1 - rank], 1)  # [cp - 2, 2]: chunks r and 2cp-1-r
-        s_mid = start[n + 1:n + 1 + mid].reshape(cp - 2, n, 2)
-        np.multiply(which.reshape(cp - 2, 1, 2), chunk.reshape(1, n, 1), out=s_mid)
-        s_mid += cu[:-1].reshape(1, n, 1)
-        length[n + 1:n + 1 + mid].reshape(cp - 2, n, 2)[:] = chunk.reshape(1, n, 1)
+        rank = np.arange(1, cp - 1).reshape(-1, 1)
+        s_mid, l_mid = (x[n + 1:n + 1 + mid].reshape(cp - 2, n, 2) for x in (start, length))
+        for k, first in enumerate((rank, 2 * cp - 1 - rank)):  # chunks r and 2cp-1-r, a [cp - 2, n] view each
+            # (a view per chunk: numpy's loops over a last axis of 2 cost several times more)
+            np.multiply(first, chunk, out=s_mid[:, :, k])
+            s_mid[:, :, k] += cu[:-1]
+            l_mid[:, :, k] = chunk
         np.multiply(chunk, cp - 1, out=start[n + 1 + mid:])  # rank cp - 1: chunks cp - 1 and cp, one run
         start[n + 1 + mid:] += cu[:-1]
         np.multiply(chunk, 2, out=length[n + 1 + mid:])
@@ -335,52 +336,49 @@ def thd_work_and_intervals(doc_ids: torch.Tensor, cp: int, doc_runs=None
             torch.from_numpy(which[i]))
 
 
-def _thd_flat_before(cu: np.ndarray, cp: int, x: np.ndarray, ext: np.ndarray) -> np.ndarray:
-    """[cp, n] ``RankRuns.flat_before`` of the THD layout for positions x of extents ext (cu[ext] <= x <=
-    cu[ext + 1]). Every rank owns 2c of each extent, so u / cp positions before extent [u, ..), and of
-    this one its chunks r and 2cp-1-r up to x."""
-    u = cu[ext]
-    c = (cu[ext + 1] - u) // (2 * cp)
-    y = x - u
-    r = np.arange(cp).reshape(cp, 1)
-    count = np.clip(y - r * c, 0, c)
-    count += np.clip(y - (2 * cp - 1 - r) * c, 0, c)
-    count += r * (int(cu[-1]) // cp) + u // cp
-    return count
-
-
 def thd_owned_ranges(doc_ids: torch.Tensor, cp: int, a: torch.Tensor, b: torch.Tensor, skip: int, doc_runs=None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``intervals.owned_ranges`` of the THD layout in closed form, for ranges [a, b) that each lie in one
-    padded document: (lo, hi) [cp, n], and (src, start, length) every source's positions in them as
-    pieces of its runs (source-major, by range, ascending; none of ``skip``).
+    """``intervals.owned_ranges`` of the THD layout in closed form, for ranges [a, b) that start at a padded
+    document's start and end inside it (as needed intervals do): (lo, hi) [cp, n], and (src, start,
+    length) every source's positions in them as pieces of its runs (source-major, by range, ascending;
+    none of ``skip``).
 
     In a document a source's runs are its chunks r and 2cp-1-r, but rank cp - 1's, which touch: one
-    run (rank 0's runs span documents, but a range inside one cuts them at its chunks).
+    run (rank 0's runs span documents, but a range inside one cuts them at its chunks). Every rank
+    owns u / cp positions before the document at u, so lo = r * L + u / cp and hi adds the pieces.
     """
     row = doc_ids.reshape(-1)
     cu = thd_padded_cu_seqlens(row, cp, doc_runs).numpy()
     qa, qb = a.numpy(), b.numpy()
     n = qa.size
-    ext = np.searchsorted(cu, qa, side="right") - 1
-    lo, hi = _thd_flat_before(cu, cp, qa, ext), _thd_flat_before(cu, cp, qb, ext)
-    u = cu[ext]
-    c = (cu[ext + 1] - u) // (2 * cp)
-    r = np.arange(cp).reshape(cp, 1, 1)
-    start = np.concatenate([r, 2 * cp - 1 - r], 2) * c.reshape(1, n, 1)  # [cp, n, 2]: chunks r, 2cp-1-r
-    start += u.reshape(1, n, 1)
-    end = start + c.reshape(1, n, 1)
-    end[cp - 1, :, 0] = end[cp - 1, :, 1]  # rank cp - 1: one run, its second chunk empty
-    end[cp - 1, :, 1] = start[cp - 1, :, 1]
-    np.maximum(start, qa.reshape(1, n, 1), out=start)
-    np.minimum(end, qb.reshape(1, n, 1), out=end)
-    keep = end > start
+    c = np.searchsorted(cu, qa, side="right")  # the next document's start, then the chunk length
+    c = cu[c]
+    c -= qa
+    c //= 2 * cp
+    r = np.arange(cp).reshape(cp, 1)
+    # [cp, n] tables per chunk, documents on the last axis: numpy's loops over a last axis of 2 (a
+    # [cp, n, 2] table) cost several times more.
+    starts, lengths = [], []
+    for first in (r, 2 * cp - 1 - r):  # chunks r and 2cp-1-r: their starts, and lengths inside [a, b)
+        start = first * c
+        start += qa
+        end = start + c
+        starts.append(start)
+        lengths.append(np.minimum(end, qb, out=end))
+    lengths[0][cp - 1] = lengths[1][cp - 1]  # rank cp - 1: one run, its second chunk empty
+    lengths[1][cp - 1] = starts[1][cp - 1]
+    for start, length in zip(starts, lengths):
+        length -= start
+        np.maximum(length, 0, out=length)  # 0: the range ends before the chunk
+    lo = r * (int(cu[-1]) // cp) + qa // cp
+    hi = lo + lengths[0]
+    hi += lengths[1]
+    length = np.stack(lengths, 2)  # [cp, n, 2]: source-major, by range, ascending
+    keep = length > 0
     keep[skip] = False
     cell = np.flatnonzero(keep)
-    start, length = start.reshape(-1)[cell], end.reshape(-1)[cell]
-    length -= start
-    return (torch.from_numpy(lo), torch.from_numpy(hi), torch.from_numpy(cell // (2 * n)), torch.from_numpy(start),
-            torch.from_numpy(length))
+    return (torch.from_numpy(lo), torch.from_numpy(hi), torch.from_numpy(cell // (2 * n)),
+            torch.from_numpy(np.stack(starts, 2).reshape(-1)[cell]), torch.from_numpy(length.reshape(-1)[cell]))
 
 
 @lru_cache(maxsize=8)
