@@ -140,17 +140,22 @@ def test_closed_form_work_and_intervals_equal_the_clip(cp):
 
 
 @pytest.mark.parametrize("cp", [2, 3, 8])
-def test_closed_form_owned_ranges_equal_the_searches(cp):
-    """thd_owned_ranges against the generic owned_ranges through the layout's chunks, every rank."""
-    from megatron_ext.blockdiag_cp.intervals import owned_ranges
-    from megatron_ext.blockdiag_cp.layout import thd_owned_ranges, thd_work_and_intervals
+def test_closed_form_owned_and_sent_ranges_equal_the_searches(cp):
+    """thd_owned_ranges and thd_send_ranges against the generic owned_ranges and flat_ranges through
+    the layout's chunks, every rank."""
+    from megatron_ext.blockdiag_cp.intervals import flat_ranges, owned_ranges
+    from megatron_ext.blockdiag_cp.layout import thd_owned_ranges, thd_send_ranges, thd_work_and_intervals
 
     for seed in range(3):
         ids = _padded_documents(cp, seed)
         runs = _chunk_runs(ids, cp)
-        _, dst, a, b, _ = thd_work_and_intervals(ids, cp)
+        _, dst, a, b, doc = thd_work_and_intervals(ids, cp)
         for rank in range(cp):
             mine = dst == rank
             got = thd_owned_ranges(ids, cp, a[mine], b[mine], rank)
             want = owned_ranges(runs, a[mine], b[mine], rank)
+            assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))
+            other = dst != rank
+            got = thd_send_ranges(ids, cp, rank, a[other], b[other], doc[other])
+            want = flat_ranges(runs, a[other], b[other], rank)
             assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))

@@ -336,6 +336,32 @@ def thd_work_and_intervals(doc_ids: torch.Tensor, cp: int, doc_runs=None
             torch.from_numpy(which[i]))
 
 
+def thd_send_ranges(doc_ids: torch.Tensor, cp: int, src: int, a: torch.Tensor, b: torch.Tensor, doc: torch.Tensor,
+                    doc_runs=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``intervals.flat_ranges`` of one source under THD in closed form: (lo, hi) [n], the flat index range
+    of src's positions in each [a, b), for ranges that start at a padded document's start (``doc``: its
+    run in ``doc_runs``) and end inside it, as needed intervals do. src owns a / cp positions before
+    the document and of its own its chunks src and 2cp-1-src: no search per range.
+    """
+    row = doc_ids.reshape(-1)
+    doc_runs = document_runs(row) if doc_runs is None else doc_runs
+    _, c, which, _ = _thd_extents(row, cp, doc_runs)
+    chunk = np.zeros(doc_runs[0].numel(), dtype=np.int64)
+    chunk[which] = c
+    c = chunk[doc.numpy()]  # [n] the chunk length of each range's document
+    qa = a.numpy()
+    y = b.numpy() - qa  # [n] the range's length
+    lo = qa // cp
+    lo += src * (row.numel() // cp)
+    hi = lo.copy()
+    for first in (src, 2 * cp - 1 - src):  # src's positions in its chunks, in place
+        part = c * first
+        np.subtract(y, part, out=part)
+        np.maximum(part, 0, out=part)
+        hi += np.minimum(part, c, out=part)
+    return torch.from_numpy(lo), torch.from_numpy(hi)
+
+
 def thd_owned_ranges(doc_ids: torch.Tensor, cp: int, a: torch.Tensor, b: torch.Tensor, skip: int, doc_runs=None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``intervals.owned_ranges`` of the THD layout in closed form, for ranges [a, b) that start at a padded
@@ -454,4 +480,5 @@ LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
 __all__ = ["Layout", "LayoutStrategy", "ContiguousLayout", "ZigzagLayout", "BalancedLayout", "THDLayout",
            "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
            "position_work", "thd_partitioned_indices", "thd_padded_cu_seqlens",
-           "BALANCE_GOAL", "thd_exchange_counts", "thd_work_and_intervals", "thd_owned_ranges"]
+           "BALANCE_GOAL", "thd_exchange_counts", "thd_work_and_intervals", "thd_owned_ranges",
+           "thd_send_ranges"]

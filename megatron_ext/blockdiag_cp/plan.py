@@ -25,7 +25,7 @@ import torch
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
 from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take, true_at,
                         work_intervals_and_docs)
-from .layout import Layout, thd_exchange_counts, thd_owned_ranges, thd_work_and_intervals
+from .layout import Layout, thd_exchange_counts, thd_owned_ranges, thd_send_ranges, thd_work_and_intervals
 
 
 @dataclass(frozen=True)
@@ -130,11 +130,14 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     recv_positions: List[torch.Tensor] = [empty] * cp
     out = true_at(dst != rank)
     if out.numel():
-        # Intervals of one row start at their documents' starts: where they outnumber the documents
-        # (THD: cp per document), lo is read off one search per document.
-        many = doc is not None and out.numel() > 2 * rows[0][0].numel()
-        at_docs = (rows[0][0], take(doc, out)) if many else None
-        lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank, at_docs)
+        if thd:
+            lo, hi = thd_send_ranges(doc_ids[0], cp, rank, take(a, out), take(b, out), take(doc, out), rows[0])
+        else:
+            # Intervals of one row start at their documents' starts: where they outnumber the documents
+            # (cp per document), lo is read off one search per document.
+            many = doc is not None and out.numel() > 2 * rows[0][0].numel()
+            at_docs = (rows[0][0], take(doc, out)) if many else None
+            lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank, at_docs)
         n = hi - lo
         local = ranges(lo - rank * L, n)
         per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, take(dst, out), n)
