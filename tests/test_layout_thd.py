@@ -130,12 +130,12 @@ def test_runs_come_merged_as_build_merges_the_chunks(cp):
 def test_closed_form_work_and_intervals_equal_the_clip(cp):
     """thd_work_and_intervals against the generic clip of the layout's chunks by the documents."""
     from megatron_ext.blockdiag_cp.intervals import document_runs, work_intervals_and_docs
-    from megatron_ext.blockdiag_cp.layout import thd_work_and_intervals
+    from megatron_ext.blockdiag_cp.layout import thd_extents, thd_work_and_intervals
 
     for seed in range(3):
         ids = _padded_documents(cp, seed)
         want = work_intervals_and_docs(_chunk_runs(ids, cp), [document_runs(ids)])
-        got = thd_work_and_intervals(ids, cp)
+        got = thd_work_and_intervals(thd_extents(ids, cp), cp)
         assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))
 
 
@@ -144,18 +144,19 @@ def test_closed_form_owned_and_sent_ranges_equal_the_searches(cp):
     """thd_owned_ranges and thd_send_ranges against the generic owned_ranges and flat_ranges through
     the layout's chunks, every rank."""
     from megatron_ext.blockdiag_cp.intervals import flat_ranges, owned_ranges
-    from megatron_ext.blockdiag_cp.layout import thd_owned_ranges, thd_send_ranges, thd_work_and_intervals
+    from megatron_ext.blockdiag_cp.layout import thd_extents, thd_owned_ranges, thd_send_ranges, thd_work_and_intervals
 
     for seed in range(3):
         ids = _padded_documents(cp, seed)
         runs = _chunk_runs(ids, cp)
-        _, dst, a, b, doc = thd_work_and_intervals(ids, cp)
+        extents = thd_extents(ids, cp)
+        _, dst, a, b, doc = thd_work_and_intervals(extents, cp)
         for rank in range(cp):
             mine = dst == rank
-            got = thd_owned_ranges(ids, cp, a[mine], b[mine], rank)
+            got = thd_owned_ranges(extents, cp, a[mine], b[mine], rank)
             want = owned_ranges(runs, a[mine], b[mine], rank)
             assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))
             other = dst != rank
-            got = thd_send_ranges(ids, cp, rank, a[other], b[other], doc[other])
+            got = thd_send_ranges(extents, cp, rank, a[other], b[other], doc[other])
             want = flat_ranges(runs, a[other], b[other], rank)
             assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))

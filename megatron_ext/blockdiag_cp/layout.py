@@ -259,10 +259,13 @@ def thd_partitioned_indices(cu_seqlens_padded, total_tokens: int, cp: int, rank:
     return index + local[seq] * cp + half * (chunk - (index >= half).long())
 
 
-def _thd_extents(row: torch.Tensor, cp: int, doc_runs) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def thd_extents(doc_ids: torch.Tensor, cp: int, doc_runs=None) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(cu [n + 1], c [n], run [n], real [n]) of one THD row: the padded documents' bounds, their chunk
-    length, the document run each starts with (its index in ``doc_runs``) and its real tokens (a document
-    starts its extent; 0 for a padding-only extent)."""
+    length, the document run each starts with (its index in ``doc_runs``, the row's
+    ``intervals.document_runs``) and its real tokens (a document starts its extent; 0 for a
+    padding-only extent). What the closed forms below read, made once per plan."""
+    row = doc_ids.reshape(-1)
+    doc_runs = document_runs(row) if doc_runs is None else doc_runs
     cu = thd_padded_cu_seqlens(row, cp, doc_runs).numpy()
     c = np.diff(cu) // (2 * cp)  # [n]
     d_start, d_end, d_id = (x.numpy() for x in doc_runs)
@@ -271,7 +274,7 @@ def _thd_extents(row: torch.Tensor, cp: int, doc_runs) -> Tuple[np.ndarray, np.n
     return cu, c, which, real
 
 
-def thd_exchange_counts(doc_ids: torch.Tensor, cp: int, doc_runs=None) -> torch.Tensor:
+def thd_exchange_counts(doc_ids: torch.Tensor, cp: int, doc_runs=None, extents=None) -> torch.Tensor:
     """counts[src, dst] of the THD layout in closed form (one row of doc ids, padded for THD).
 
     Every padded document is cut into 2*cp chunks of c tokens; its real tokens
@@ -281,12 +284,11 @@ def thd_exchange_counts(doc_ids: torch.Tensor, cp: int, doc_runs=None) -> torch.
     with A_K, B_K fixed by K alone: the sum over documents is a sum over K of
     the documents' c and f. Equals the generic interval count
     (``intervals.overlap_counts``) at O(documents + cp^3) instead of
-    O(documents * cp^2). ``doc_runs``: the row's ``intervals.document_runs``, when the caller has them.
+    O(documents * cp^2). ``doc_runs``: the row's ``intervals.document_runs``, when the caller has them;
+    ``extents``: its ``thd_extents``.
     """
-    row = doc_ids.reshape(-1)
-    doc_runs = document_runs(row) if doc_runs is None else doc_runs
     # In numpy (a few ops per document): a half to a third of torch's op costs on one core.
-    _, c, _, real = _thd_extents(row, cp, doc_runs)
+    _, c, _, real = thd_extents(doc_ids, cp, doc_runs) if extents is None else extents
     has = real > 0
     c, real = c[has], real[has]
     K = (real + c - 1) // c  # chunks holding real tokens, 1..2cp
@@ -298,19 +300,17 @@ def thd_exchange_counts(doc_ids: torch.Tensor, cp: int, doc_runs=None) -> torch.
     return torch.from_numpy(np.rint(counts).astype(np.int64).reshape(cp, cp))
 
 
-def thd_work_and_intervals(doc_ids: torch.Tensor, cp: int, doc_runs=None
+def thd_work_and_intervals(extents, cp: int
                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``intervals.work_intervals_and_docs`` of the THD layout (one row, full attention) in closed form:
-    (work [cp], dst, a, b, doc), intervals sorted by (dst, a).
+    (work [cp], dst, a, b, doc), intervals sorted by (dst, a); ``extents``: the row's ``thd_extents``.
 
     Rank r's queries in a padded document [u, u + 2cp c) with real tokens [u, u + m) are its chunks
     r and 2cp-1-r cut at u + m: query u + x sees x + 1 keys, and it needs [u, end of its last real
     query). O(cp * documents) on [cp, documents] tables, instead of clipping the layout's 2cp runs per
     document against the documents (~14 ms of a 1M / cp 64 plan, its runs and pieces fresh memory).
     """
-    row = doc_ids.reshape(-1)
-    doc_runs = document_runs(row) if doc_runs is None else doc_runs
-    cu, c, which, real = _thd_extents(row, cp, doc_runs)
+    cu, c, which, real = extents
     r = np.arange(cp).reshape(cp, 1)
 
     def real_queries(chunk: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -336,23 +336,22 @@ def thd_work_and_intervals(doc_ids: torch.Tensor, cp: int, doc_runs=None
             torch.from_numpy(which[i]))
 
 
-def thd_send_ranges(doc_ids: torch.Tensor, cp: int, src: int, a: torch.Tensor, b: torch.Tensor, doc: torch.Tensor,
-                    doc_runs=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def thd_send_ranges(extents, cp: int, src: int, a: torch.Tensor, b: torch.Tensor, doc: torch.Tensor
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``intervals.flat_ranges`` of one source under THD in closed form: (lo, hi) [n], the flat index range
     of src's positions in each [a, b), for ranges that start at a padded document's start (``doc``: its
-    run in ``doc_runs``) and end inside it, as needed intervals do. src owns a / cp positions before
-    the document and of its own its chunks src and 2cp-1-src: no search per range.
+    document run) and end inside it, as needed intervals do; ``extents``: the row's ``thd_extents``.
+    src owns a / cp positions before the document and of its own its chunks src and 2cp-1-src: no
+    search per range.
     """
-    row = doc_ids.reshape(-1)
-    doc_runs = document_runs(row) if doc_runs is None else doc_runs
-    _, c, which, _ = _thd_extents(row, cp, doc_runs)
-    chunk = np.zeros(doc_runs[0].numel(), dtype=np.int64)
+    cu, c, which, _ = extents
+    chunk = np.zeros(int(which[-1]) + 1, dtype=np.int64)  # by document run: the runs starting extents
     chunk[which] = c
     c = chunk[doc.numpy()]  # [n] the chunk length of each range's document
     qa = a.numpy()
     y = b.numpy() - qa  # [n] the range's length
     lo = qa // cp
-    lo += src * (row.numel() // cp)
+    lo += src * (int(cu[-1]) // cp)
     hi = lo.copy()
     for first in (src, 2 * cp - 1 - src):  # src's positions in its chunks, in place
         part = c * first
@@ -362,19 +361,18 @@ def thd_send_ranges(doc_ids: torch.Tensor, cp: int, src: int, a: torch.Tensor, b
     return torch.from_numpy(lo), torch.from_numpy(hi)
 
 
-def thd_owned_ranges(doc_ids: torch.Tensor, cp: int, a: torch.Tensor, b: torch.Tensor, skip: int, doc_runs=None
+def thd_owned_ranges(extents, cp: int, a: torch.Tensor, b: torch.Tensor, skip: int
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``intervals.owned_ranges`` of the THD layout in closed form, for ranges [a, b) that start at a padded
     document's start and end inside it (as needed intervals do): (lo, hi) [cp, n], and (src, start,
     length) every source's positions in them as pieces of its runs (source-major, by range, ascending;
-    none of ``skip``).
+    none of ``skip``); ``extents``: the row's ``thd_extents``.
 
     In a document a source's runs are its chunks r and 2cp-1-r, but rank cp - 1's, which touch: one
     run (rank 0's runs span documents, but a range inside one cuts them at its chunks). Every rank
     owns u / cp positions before the document at u, so lo = r * L + u / cp and hi adds the pieces.
     """
-    row = doc_ids.reshape(-1)
-    cu = thd_padded_cu_seqlens(row, cp, doc_runs).numpy()
+    cu = extents[0]
     qa, qb = a.numpy(), b.numpy()
     n = qa.size
     c = np.searchsorted(cu, qa, side="right")  # the next document's start, then the chunk length
@@ -480,5 +478,5 @@ LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
 __all__ = ["Layout", "LayoutStrategy", "ContiguousLayout", "ZigzagLayout", "BalancedLayout", "THDLayout",
            "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
            "position_work", "thd_partitioned_indices", "thd_padded_cu_seqlens",
-           "BALANCE_GOAL", "thd_exchange_counts", "thd_work_and_intervals", "thd_owned_ranges",
-           "thd_send_ranges"]
+           "BALANCE_GOAL", "thd_exchange_counts", "thd_extents", "thd_work_and_intervals",
+           "thd_owned_ranges", "thd_send_ranges"]

@@ -25,7 +25,8 @@ import torch
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
 from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take, true_at,
                         work_intervals_and_docs)
-from .layout import Layout, thd_exchange_counts, thd_owned_ranges, thd_send_ranges, thd_work_and_intervals
+from .layout import (Layout, thd_exchange_counts, thd_extents, thd_owned_ranges, thd_send_ranges,
+                     thd_work_and_intervals)
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,9 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     runs = layout.runs
     rows = [document_runs(doc_ids[row]) for row in range(R)] if doc_runs is None else list(doc_runs)
     thd = layout.name == "thd" and R == 1 and cp > 1 and window is None  # closed forms of its tables
+    extents = thd_extents(doc_ids[0], cp, rows[0]) if thd else None
     if known is None:
-        work_per_rank, dst, a, b, doc = thd_work_and_intervals(doc_ids[0], cp, rows[0]) if thd else \
+        work_per_rank, dst, a, b, doc = thd_work_and_intervals(extents, cp) if thd else \
             work_intervals_and_docs(runs, rows, window)
     else:
         work_per_rank, (dst, a, b), _ = known
@@ -118,7 +120,7 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
     if thd:  # every rank needs every document
-        counts = thd_exchange_counts(doc_ids[0], cp, rows[0])
+        counts = thd_exchange_counts(doc_ids[0], cp, rows[0], extents)
         overlap = None
     else:
         counts = overlap = overlap_counts(runs, dst, a, b) if known is None else known[2]
@@ -131,7 +133,7 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     out = true_at(dst != rank)
     if out.numel():
         if thd:
-            lo, hi = thd_send_ranges(doc_ids[0], cp, rank, take(a, out), take(b, out), take(doc, out), rows[0])
+            lo, hi = thd_send_ranges(extents, cp, rank, take(a, out), take(b, out), take(doc, out))
         else:
             # Intervals of one row start at their documents' starts: where they outnumber the documents
             # (cp per document), lo is read off one search per document.
@@ -149,7 +151,7 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     mine_flat = None
     if mine.numel():
         lo, hi, _, recv_start, recv_len = \
-            thd_owned_ranges(doc_ids[0], cp, take(a, mine), take(b, mine), rank, rows[0]) if thd else \
+            thd_owned_ranges(extents, cp, take(a, mine), take(b, mine), rank) if thd else \
             owned_ranges(runs, take(a, mine), take(b, mine), rank)  # [cp, n_mine]
         mine_flat = lo, hi
         n = hi - lo
