@@ -133,81 +133,81 @@ class StreamPlan:
         return max((step.chunk_len for step in self.steps[1:]), default=0)
 
 
-def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int):
-    """This rank's real query pieces, in (row, position) order: row, doc, ds, pa, pb, q rows start."""
+def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int) -> List[np.ndarray]:
+    """This rank's real query pieces, in (row, position) order: row, doc, ds, pa, pb, q rows start
+    (int64 numpy arrays: the stream plan stays in numpy up to its index tensors)."""
     mine = runs.of_rank(rank)
-    r_start, r_end, r_local = runs.start[mine], runs.start[mine] + runs.length[mine], _np64(runs.local[mine])
+    r_start = _np64(runs.start)[mine]
+    r_end, r_local = r_start + _np64(runs.length)[mine], _np64(runs.local)[mine]
     parts = []
     # In numpy (the clip's own arrays): a dozen small torch ops per row cost more than the clip at 128k.
     for row, (d_start, d_end, d_id) in enumerate(rows):
         run, doc, pa, pb = _clip_np(r_start, r_end, d_start, d_end)
-        real = np.flatnonzero(_np64(d_id)[doc] > 0)
+        real = (_np64(d_id)[doc] > 0).nonzero()[0]
         if real.size < doc.size:
             run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
         parts.append((np.full(doc.size, row, dtype=np.int64), doc, _np64(d_start)[doc], pa, pb,
-                      r_local[run] + pa - _np64(r_start)[run]))
-    return [torch.from_numpy(x[0] if len(x) == 1 else np.concatenate(x)) for x in zip(*parts)]
+                      r_local[run] + pa - r_start[run]))
+    return [x[0] if len(x) == 1 else np.concatenate(x) for x in zip(*parts)]
 
 
 def _needed_offsets(runs: RankRuns, rank: int, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    ds: torch.Tensor, before_ds: Optional[torch.Tensor] = None, mine_flat=None
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """([cp, n] slot of position ds in each source's needed chunk for this rank, ``runs.flat_before(ds)``).
+                    ds: np.ndarray, before_ds: Optional[np.ndarray] = None, mine_flat=None
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+    """([cp, n] slot of position ds in each source's needed chunk for this rank, ``runs.flat_before(ds)``),
+    numpy arrays.
 
     The chunk holds the source's positions inside this rank's needed intervals
     (sorted, disjoint), ascending: slot(x) = (source positions in earlier
     intervals) + (source positions in [a_j, x)) for the interval j holding x.
     ``before_ds`` (``runs.flat_before(ds)``) and ``mine_flat`` (``flat_before`` of this
-    rank's interval starts and ends, [cp, J] each) when the caller has them already.
+    rank's interval starts and ends, [cp, J] numpy arrays) when the caller has them already.
     """
     # In numpy: its masks and column gathers cost a quarter to a half of torch's at [cp, pieces].
     mine = dst.numpy() == rank
     a, b = a.numpy()[mine], b.numpy()[mine]
     if a.size == 0:
-        return torch.zeros(runs.cp, ds.numel(), dtype=torch.long), \
-            runs.flat_before(ds) if before_ds is None else before_ds
-    before_a, before_b = (x.numpy() for x in mine_flat) if mine_flat is not None else \
-        (runs.flat_before(torch.from_numpy(x)).numpy() for x in (a, b))
+        return np.zeros((runs.cp, ds.size), dtype=np.int64), \
+            runs.flat_before_np(ds) if before_ds is None else before_ds
+    before_a, before_b = mine_flat if mine_flat is not None else (runs.flat_before_np(x) for x in (a, b))
     count = before_b - before_a  # [cp, J]
-    offset = np.cumsum(count, 1) - count  # [cp, J]
-    q = ds.numpy()
-    j = np.searchsorted(a, q, side="right") - 1  # every ds lies in one of this rank's intervals
-    if before_ds is None and np.array_equal(a[j], q):
+    offset = count.cumsum(1) - count  # [cp, J]
+    j = a.searchsorted(ds, side="right") - 1  # every ds lies in one of this rank's intervals
+    if before_ds is None and np.array_equal(a[j], ds):
         # Full attention, one row: a piece's document start is its interval's start, so its
         # flat_before is the interval's (no second search over every source) and its slot the offset.
-        return torch.from_numpy(np.take(offset, j, 1)), torch.from_numpy(np.take(before_a, j, 1))
-    before_ds = runs.flat_before(ds) if before_ds is None else before_ds
-    return torch.from_numpy(np.take(offset, j, 1) + before_ds.numpy() - np.take(before_a, j, 1)), before_ds
+        return offset.take(j, 1), before_a.take(j, 1)
+    before_ds = runs.flat_before_np(ds) if before_ds is None else before_ds
+    return offset.take(j, 1) + before_ds - before_a.take(j, 1), before_ds
 
 
-def _before_pieces(runs: RankRuns, rank: int, intervals, pa: torch.Tensor, n_q: torch.Tensor,
-                   before_ends: torch.Tensor) -> torch.Tensor:
+def _before_pieces(runs: RankRuns, rank: int, intervals, pa: np.ndarray, n_q: np.ndarray,
+                   before_ends: np.ndarray) -> np.ndarray:
     """``runs.flat_before(pa)`` [cp, n] of this rank's pieces [pa, pa + n_q), read off ``before_ends``
     (``flat_before`` of this rank's interval ends, [cp, J]) where a piece ends where an interval does.
 
     Another source owns nothing inside this rank's piece, so its count at pa is its count at the
     piece's end; a document's last piece on this rank ends its interval (every piece under THD at
     rank cp - 1, whose two chunks touch). Only this rank's own row and the other pieces are searched:
-    the cp searches per piece were the largest search of a 1M / cp 64 THD plan.
+    the cp searches per piece were the largest search of a 1M / cp 64 THD plan. numpy in and out.
     """
     dst, _, b = intervals
     ends = b.numpy()[dst.numpy() == rank]  # ascending: one rank's intervals are disjoint, sorted
     if ends.size == 0:
-        return runs.flat_before(pa)
-    pb = (pa + n_q).numpy()
-    at = np.minimum(np.searchsorted(ends, pb), ends.size - 1)
+        return runs.flat_before_np(pa)
+    pb = pa + n_q
+    at = np.minimum(ends.searchsorted(pb), ends.size - 1)
     hit = ends[at] == pb
-    known = before_ends.numpy()
-    if bool(hit.all()):
-        out = np.take(known, at, axis=1)
+    if hit.all():
+        out = before_ends.take(at, axis=1)
     else:
-        out = np.empty((runs.cp, pa.numel()), dtype=np.int64)
-        found = np.flatnonzero(hit)
-        out[:, found] = np.take(known, at[found], axis=1)
-        searched = np.flatnonzero(~hit)
-        out[:, searched] = runs.flat_before(pa[torch.from_numpy(searched)]).numpy()
-    out[rank] = runs.flat_before(pa, rank).numpy()
-    return torch.from_numpy(out)
+        out = np.empty((runs.cp, pa.size), dtype=np.int64)
+        found = hit.nonzero()[0]
+        out[:, found] = before_ends.take(at[found], axis=1)
+        searched = (~hit).nonzero()[0]
+        out[:, searched] = runs.flat_before_np(pa[searched])
+    out[rank] = runs.flat_before_np(pa, rank)
+    return out
 
 
 def _split_at_chunks(src, slot, n_k, piece, rank: int, chunk_rows: int):
@@ -484,41 +484,41 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     (their visible sets are nested, so equal counts mean equal keys).
     """
     cp, L = runs.cp, runs.local_len
+    # In numpy (cp x pieces cells, ~10^5 under THD at 1M / cp 64): a half to a third of torch's op costs.
     if kind == "ring":
-        before_ds = runs.flat_before(ds)  # [cp, n]
-        slot = before_ds - (torch.arange(cp) * L).unsqueeze(1)
+        before_ds = runs.flat_before_np(ds)  # [cp, n]
+        slot = before_ds - (np.arange(cp) * L)[:, None]
     else:
         slot, before_ds = _needed_offsets(runs, rank, *intervals, ds, None, mine_flat)
         slot[rank] = before_ds[rank] - rank * L  # own chunk: local order
-    before_pa = runs.flat_before(pa) if mine_flat is None else \
+    before_pa = runs.flat_before_np(pa) if mine_flat is None else \
         _before_pieces(runs, rank, intervals, pa, n_q, mine_flat[1])
-    n_k = (before_pa - before_ds).numpy()  # [cp, n]: each source's positions in [ds, pa)
-    # In numpy from here (cp x pieces cells, ~10^5 under THD at 1M / cp 64): a half to a third of torch's op costs.
-    cell = np.flatnonzero(n_k.reshape(-1) > 0)  # source-major, pieces ascending: src * n + piece
+    n_k = before_pa - before_ds  # [cp, n]: each source's positions in [ds, pa)
+    cell = (n_k.reshape(-1) > 0).nonzero()[0]  # source-major, pieces ascending: src * n + piece
     if cell.size == 0:
         return _Segments.empty()
     src, piece = np.divmod(cell, n_k.shape[1])
-    src, chunk, piece, lo, n = _split_at_chunks_np(src, slot.numpy().reshape(-1)[cell], n_k.reshape(-1)[cell],
+    src, chunk, piece, lo, n = _split_at_chunks_np(src, slot.reshape(-1)[cell], n_k.reshape(-1)[cell],
                                                    piece, rank, c)
     # In place where it can (fresh memory: each array of every cell costs ~1 ms of page faults there).
     new = np.ones(src.size, dtype=bool)
     np.not_equal(src[1:], src[:-1], out=new[1:])
-    for x in [chunk, doc.numpy()[piece], n, lo] + ([row.numpy()[piece]] if R > 1 else []):  # one row: all 0
+    for x in [chunk, doc[piece], n, lo] + ([row[piece]] if R > 1 else []):  # one row: all 0
         new[1:] |= x[1:] != x[:-1]
     head = np.flatnonzero(new)
-    nq_piece = n_q.numpy()[piece]
+    nq_piece = n_q[piece]
     seg_q = np.add.reduceat(nq_piece, head)  # a segment's pieces are adjacent, from its head on
     src_h, chunk_h = src[head], chunk[head]
     seg_slot = lo[head]
     seg_slot -= np.where(src_h == rank, 0, chunk_h * c)  # the chunk's first slot (own chunk: 0)
     seg_k = n[head]
-    seg_row = np.zeros(head.size, dtype=np.int64) if R == 1 else row.numpy()[piece[head]]
+    seg_row = np.zeros(head.size, dtype=np.int64) if R == 1 else row[piece[head]]
     call_new = np.ones(head.size, dtype=bool)
     call_new[1:] = (src_h[1:] != src_h[:-1]) | (chunk_h[1:] != chunk_h[:-1])
     call_head = np.flatnonzero(call_new)
     return _Segments(src_h[call_head], chunk_h[call_head], np.full(call_head.size, -1, dtype=np.int64),
                      np.append(call_head, head.size), np.append(head, src.size),
-                     seg_q, seg_k, seg_slot, seg_row, q_off.numpy()[piece], nq_piece)
+                     seg_q, seg_k, seg_slot, seg_row, q_off[piece], nq_piece)
 
 
 def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: int, c: int, R: int,
@@ -546,7 +546,8 @@ def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: 
     if kind == "ring":
         slot = flat[src, cols] - src * L
     else:
-        slot = _needed_offsets(runs, rank, *intervals, k_start, flat, mine_flat)[0][src, cols]
+        slot = torch.from_numpy(_needed_offsets(runs, rank, *intervals, k_start.numpy(), flat.numpy(),
+                                                mine_flat)[0])[src, cols]
         own = src == rank
         slot = torch.where(own, flat[src, cols] - src * L, slot)
     remote = src != rank
@@ -610,15 +611,19 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
     c = chunk_rows_for(L)
     row, doc, ds, pa, pb, q_first = _pieces(runs, rows, rank)
     n_q = pb - pa
+    if mine_flat is not None:
+        mine_flat = tuple(x.numpy() for x in mine_flat)
     own: Tuple[CallPlan, ...] = ()
     calls: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
-    if row.numel():
-        diag = ranges(q_first, n_q)  # [real query rows] piece p's rows at q_off[p]: the causal call's
+    if row.size:
+        # [real query rows] piece p's rows at q_off[p]: the causal call's
+        diag = torch.from_numpy(_ranges_np(q_first, n_q))
         if R > 1:
-            diag = diag * R + torch.repeat_interleave(row, n_q)
-        q_off = torch.cumsum(n_q, 0) - n_q
+            diag = diag * R + torch.from_numpy(np.repeat(row, n_q))
+        q_off = n_q.cumsum() - n_q
         if window is not None:
-            segs = _windowed_segments(kind, runs, rank, intervals, window, c, R, row, ds, pa, pb, q_off, mine_flat)
+            segs = _windowed_segments(kind, runs, rank, intervals, window, c, R,
+                                      *(torch.from_numpy(x) for x in (row, ds, pa, pb, q_off)), mine_flat)
         else:
             segs = _full_segments(kind, runs, rank, intervals, c, R, row, doc, ds, pa, q_off, n_q, mine_flat)
         calls = _emit(segs, diag, rank, c, R)

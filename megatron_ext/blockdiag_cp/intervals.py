@@ -38,22 +38,24 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def _ranges_np(s: np.ndarray, n: np.ndarray) -> np.ndarray:
     """``ranges`` of int64 numpy arrays, to a numpy array (for callers that stay in numpy)."""
-    if n.size and not (n > 0).all():
-        keep = n > 0
+    # ndarray methods, not numpy's functions: their dispatch costs as much as the work on a few ranges.
+    keep = n > 0
+    if not keep.all():
         s, n = s[keep], n[keep]
-    total = int(n.sum()) if n.size else 0
-    if total == 0:
+    if n.size == 0:
         return np.zeros(0, dtype=np.int64)
-    steps = np.ones(total, dtype=np.int64)
+    ends = n.cumsum()
+    steps = np.empty(int(ends[-1]), dtype=np.int64)
+    steps.fill(1)
     steps[0] = s[0]
-    steps[np.cumsum(n[:-1])] = s[1:] - (s[:-1] + n[:-1] - 1)
-    np.cumsum(steps, out=steps)
+    steps[ends[:-1]] = s[1:] - (s[:-1] + n[:-1] - 1)
+    steps.cumsum(out=steps)
     return steps
 
 
-def _np64(x: torch.Tensor) -> np.ndarray:
-    """An int64 numpy view of a CPU tensor (a copy only if it is not int64)."""
-    return x.numpy().astype(np.int64, copy=False)
+def _np64(x) -> np.ndarray:
+    """An int64 numpy view of a CPU tensor or array (a copy only if it is not int64)."""
+    return (x if isinstance(x, np.ndarray) else x.numpy()).astype(np.int64, copy=False)
 
 
 def true_at(mask: torch.Tensor) -> torch.Tensor:
@@ -93,7 +95,7 @@ def repeat_arange(count: np.ndarray) -> np.ndarray:
     n = count.size
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(count)
+    ends = count.cumsum()
     total = int(ends[-1])
     if total > 4 * n:  # one more temporary of the output's size: worth it only for short repeats
         return np.repeat(np.arange(n, dtype=np.int64), count)
@@ -189,7 +191,7 @@ class RankRuns:
 
     def of_rank(self, rank: int) -> slice:
         """The slice of runs ``rank`` owns (runs are rank-major)."""
-        lo, hi = torch.searchsorted(self.rank, torch.tensor([rank, rank + 1])).tolist()
+        lo, hi = self.rank.numpy().searchsorted((rank, rank + 1)).tolist()
         return slice(lo, hi)
 
     def positions(self, rank: int = None) -> torch.Tensor:
@@ -211,16 +213,18 @@ class RankRuns:
         return take(self.start, order), take(self.length, order), order
 
     @cached_property
-    def _prefix_tables(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per rank src, padded to the most runs K: (starts [cp, K], base, cap [cp, K + 1]).
+    def _prefix_tables(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per rank src, padded to the most runs K: (starts [cp, K], base, cap [cp, K + 1]), and
+        every source's starts in one ascending [cp * K] table (``_entries``) with each source's
+        offset in it [cp, 1]. numpy arrays: the planner reads them in numpy, a few times per plan.
 
         flat_before(src, x) = min(x + base[src, i], cap[src, i]) with i = number of
         src's run starts <= x: entry i describes src's run i - 1, entry 0 the
         empty prefix (src * L). int32 where positions fit (half the memory traffic).
         """
         cp, P, L = self.cp, self.padded_len, self.local_len
-        dtype = torch.int32 if P < 2**31 - 1 else torch.long
-        np_dtype = np.int32 if dtype == torch.int32 else np.int64
+        # The one-table search shifts source s by s * (P + 2): int32 where that fits too.
+        np_dtype = np.int32 if cp * (P + 2) < 2**31 - 1 else np.int64
         rank, start, length = self.rank.numpy(), self.start.numpy(), self.length.numpy()
         count = np.bincount(rank, minlength=cp)
         K = int(count.max())
@@ -229,7 +233,7 @@ class RankRuns:
         starts = np.full((cp, K), P + 1, dtype=np_dtype)  # padding sorts after every x <= P
         base = np.repeat((np.arange(cp, dtype=np_dtype) * L)[:, None], K + 1, axis=1)
         cap = base.copy()
-        first = np.cumsum(count) - count  # [cp] each rank's first run (runs are rank-major)
+        first = count.cumsum() - count  # [cp] each rank's first run (runs are rank-major)
         if rank.size < 8 * cp:  # a few runs per rank (contiguous, zigzag): one scatter of every run
             col = np.arange(rank.size) - first[rank]
             starts.reshape(-1)[rank * K + col] = start
@@ -240,7 +244,10 @@ class RankRuns:
                 starts[r, :hi - lo] = start[lo:hi]
                 base[r, 1:hi - lo + 1] = run_base[lo:hi]
                 cap[r, 1:hi - lo + 1] = run_cap[lo:hi]
-        return torch.from_numpy(starts), torch.from_numpy(base), torch.from_numpy(cap)
+        # Source s's starts shifted by s * (P + 2) lie in [s (P + 2), s (P + 2) + P + 1]: one ascending
+        # table, where x + s * (P + 2) (x in [0, P]) lands among source s's starts only.
+        shift = (np.arange(cp, dtype=np_dtype) * (P + 2))[:, None]  # [cp, 1]
+        return starts, base, cap, (starts + shift).reshape(-1), shift
 
     def flat_before(self, x: torch.Tensor, src: Optional[int] = None) -> torch.Tensor:
         """src * L + (number of src's positions < x): the flat index of src's first position >= x.
@@ -248,26 +255,31 @@ class RankRuns:
         x: [n] positions in [0, P]. src None: [cp, n] for every source; fastest
         with x ascending (the binary searches then walk each table in order).
         """
+        return torch.from_numpy(self.flat_before_np(x.numpy(), src))
+
+    def flat_before_np(self, x: np.ndarray, src: Optional[int] = None) -> np.ndarray:
+        """``flat_before`` of a numpy array, to an int64 numpy array (for callers that stay in numpy)."""
         # In numpy, whose gathers and elementwise ops cost a half to a third of torch's on one core.
-        starts, base, cap = self._prefix_tables
-        q, base, cap = x.to(starts.dtype).numpy(), base.numpy(), cap.numpy()
+        starts, base, cap = self._prefix_tables[:3]
+        q = x.astype(starts.dtype, copy=False)
         if src is not None:
-            i = np.searchsorted(starts.numpy()[src], q, side="right")
-            return torch.from_numpy(np.minimum(q + base[src][i], cap[src][i]).astype(np.int64))
+            i = starts[src].searchsorted(q, side="right")
+            return np.minimum(q + base[src][i], cap[src][i]).astype(np.int64)
         i = self._entries(q, right=True)
-        return torch.from_numpy(np.minimum(q + base.reshape(-1)[i], cap.reshape(-1)[i]).astype(np.int64))
+        return np.minimum(q + base.reshape(-1)[i], cap.reshape(-1)[i]).astype(np.int64)
 
     def _entries(self, x: np.ndarray, right: bool) -> np.ndarray:
         """[cp, n] flat indices into the row-major [cp, K + 1] prefix tables: every source's entry
         for each x (after its last run starting at or before x, right; before x, not right)."""
-        starts = self._prefix_tables[0]
-        t = starts.numpy()
+        t, _, _, shifted, shift = self._prefix_tables
         x = x.astype(t.dtype, copy=False)
-        if x.size * self.cp < 1 << 16:  # small: one torch search beats a numpy search per source
-            i = torch.searchsorted(starts, torch.from_numpy(x).expand(self.cp, -1).contiguous(), right=right).numpy()
-        else:
-            side = "right" if right else "left"
-            i = np.stack([np.searchsorted(t[s], x, side=side) for s in range(self.cp)])
+        side = "right" if right else "left"
+        if x.size * self.cp < 1 << 16:  # small: one search of the shifted table, not one per source
+            # Source s's entries start at s * (K + 1) and its starts at s * K in the shifted table.
+            i = shifted.searchsorted(x + shift, side=side)  # [cp, n]
+            i += np.arange(self.cp)[:, None]
+            return i
+        i = np.stack([t[s].searchsorted(x, side=side) for s in range(self.cp)])
         return i + np.arange(0, self.cp * (t.shape[1] + 1), t.shape[1] + 1)[:, None]
 
 
@@ -297,39 +309,38 @@ def clip(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends:
     return tuple(torch.from_numpy(x) for x in _clip_np(a, b, part_starts, part_ends))
 
 
-def _clip_np(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends: torch.Tensor
-             ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``clip``, as int64 numpy arrays: numpy's elementwise ops and gathers cost a half to a third
-    of torch's on one core (a THD layout clips 2 * cp runs per document)."""
-    part_of = _part_lookup(a, b, part_starts, part_ends)
+def _clip_np(a, b, part_starts, part_ends) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``clip`` of tensors or arrays, as int64 numpy arrays: numpy's elementwise ops and gathers cost
+    a half to a third of torch's on one core (a THD layout clips 2 * cp runs per document)."""
     a, b, part_starts, part_ends = _np64(a), _np64(b), _np64(part_starts), _np64(part_ends)
+    part_of = _part_lookup(a, b, part_starts, part_ends)
     if part_of is not None:
-        part_of = part_of.numpy()
         first, last = part_of[a].astype(np.int64), part_of[b - 1].astype(np.int64)
     else:
-        first = np.searchsorted(part_starts, a, side="right") - 1
-        last = np.searchsorted(part_starts, b - 1, side="right") - 1
+        first = part_starts.searchsorted(a, side="right") - 1
+        last = part_starts.searchsorted(b - 1, side="right") - 1
     count = last - first + 1
     which, part = _expand_np(first, count)
     return which, part, np.maximum(a[which], part_starts[part]), np.minimum(b[which], part_ends[part])
 
 
-def _part_lookup(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends: torch.Tensor
-                 ) -> Optional[torch.Tensor]:
+def _part_lookup(a, b, part_starts, part_ends) -> Optional[np.ndarray]:
     """[end] the part holding each position, when that beats two binary searches: many ranges (a THD
     layout's 2 * cp per document) against a partition of [0, end) that covers every range; else None.
+    Tensors or arrays in, an array out (numpy: its checks cost a fraction of torch's small ops).
 
     One pass over the positions instead of ~log2(parts) cache-missing steps per range end."""
-    n, end = part_starts.numel(), int(part_ends[-1]) if part_ends.numel() else 0
-    if n == 0 or a.numel() == 0 or a.numel() * 4 * n.bit_length() < end or int(part_starts[0]) != 0 \
+    a, b, part_starts, part_ends = _np64(a), _np64(b), _np64(part_starts), _np64(part_ends)
+    n, end = part_starts.size, int(part_ends[-1]) if part_ends.size else 0
+    if n == 0 or a.size == 0 or a.size * 4 * n.bit_length() < end or int(part_starts[0]) != 0 \
             or int(b.max()) > end:
         return None
-    if not bool((part_starts[1:] == part_ends[:-1]).all()):
+    if not (part_starts[1:] == part_ends[:-1]).all():
         return None
     # int32 where the parts fit: half the memory of a table as long as the positions, written and
     # read once (numpy's repeat of int32 was also several times faster than of int64 here).
     dtype = np.int32 if n < 2 ** 31 else np.int64
-    return torch.from_numpy(np.repeat(np.arange(n, dtype=dtype), _np64(part_ends - part_starts)))
+    return np.repeat(np.arange(n, dtype=dtype), part_ends - part_starts)
 
 
 def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.Tensor,
@@ -340,13 +351,12 @@ def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.
     Returns the non-empty pieces (query index, value start, length) in query
     order, ascending within a query; a query's uncovered parts give no piece.
     """
-    tab_of = _part_lookup(q_start, q_start + q_len, tab_start, tab_start + tab_len)
     # In numpy: its elementwise ops and gathers cost a half to a third of torch's on one core.
     q_start, q_len, tab_start, tab_len = _np64(q_start), _np64(q_len), _np64(tab_start), _np64(tab_len)
     q_end = q_start + q_len
+    tab_of = _part_lookup(q_start, q_end, tab_start, tab_start + tab_len)
     if tab_of is not None and ((q_len == 0) | (q_start >= 0)).all():
         # Empty queries give no piece whatever their j: clamped only to stay inside the lookup.
-        tab_of = tab_of.numpy()
         last = tab_of.size - 1
         j0 = tab_of[np.clip(q_start, 0, last)].astype(np.int64)
         j1 = tab_of[np.clip(q_end - 1, 0, last)].astype(np.int64)
@@ -518,9 +528,9 @@ def owned_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, skip: int
     its end) and, searched from the left, its last run starting before b. ``map_ranges`` of the
     flat ranges through the runs would search (or tabulate) the runs again.
     """
-    starts, base, cap = runs._prefix_tables
+    _, base, cap = runs._prefix_tables[:3]
     cp, width = runs.cp, base.shape[1]
-    base, cap = base.numpy().reshape(-1), cap.numpy().reshape(-1)
+    base, cap = base.reshape(-1), cap.reshape(-1)
     qa, qb = a.numpy().astype(base.dtype), b.numpy().astype(base.dtype)
     # [cp, n] entries of the row-major [cp, K + 1] tables: src's entry i describes its run i - 1.
     row = np.arange(0, cp * width, width)[:, None]
