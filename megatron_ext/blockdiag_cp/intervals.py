@@ -425,20 +425,21 @@ def work_intervals_and_docs(runs: RankRuns, rows: Sequence[DocRuns], window: Opt
     index in the row's runs: a = starts[doc]), else None (intervals of several rows or windows merge).
     """
     cp = runs.cp
-    run_end = runs.start + runs.length
+    run_start = _np64(runs.start)
+    run_end = run_start + _np64(runs.length)
     rank = runs.rank.numpy()
-    work = torch.zeros(cp, dtype=torch.long)
+    work = np.zeros(cp, dtype=np.int64)
     parts = []
     # In numpy (a THD layout has 2 * cp runs per document): a half to a third of torch's op costs.
     for d_start, d_end, d_id in rows:
-        run, doc, pa, pb = _clip_np(runs.start, run_end, d_start, d_end)
-        real = np.flatnonzero(_np64(d_id)[doc] > 0)
+        run, doc, pa, pb = _clip_np(run_start, run_end, d_start, d_end)
+        real = (_np64(d_id)[doc] > 0).nonzero()[0]
         if real.size < doc.size:
             run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
         owner, s = rank[run], _np64(d_start)[doc]
-        pairs = torch.from_numpy(window_pairs(pa, pb, s, None)) if window is None else \
-            window_pairs(*(torch.from_numpy(x) for x in (pa, pb, s)), window)
-        work.index_add_(0, torch.from_numpy(owner), pairs)
+        pairs = window_pairs(pa, pb, s, None) if window is None else \
+            window_pairs(*(torch.from_numpy(x) for x in (pa, pb, s)), window).numpy()
+        np.add.at(work, owner, pairs)
         if window is None:
             parts.append(needed_intervals(owner, doc, s, pb))
         else:
@@ -447,7 +448,7 @@ def work_intervals_and_docs(runs: RankRuns, rows: Sequence[DocRuns], window: Opt
     if len(rows) > 1 or window is not None:
         dst, a, b = merge_intervals(dst, a, b, runs.padded_len)
         doc = None
-    return work, dst, a, b, doc
+    return torch.from_numpy(work), dst, a, b, doc
 
 
 def merge_intervals(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, padded_len: int

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
-from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take, true_at,
+from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take,
                         work_intervals_and_docs)
 from .layout import (Layout, thd_exchange_counts, thd_extents, thd_owned_ranges, thd_send_ranges,
                      thd_work_and_intervals)
@@ -130,7 +130,8 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     empty = torch.empty(0, dtype=torch.long)
     send_index: List[torch.Tensor] = [empty] * cp
     recv_positions: List[torch.Tensor] = [empty] * cp
-    out = true_at(dst != rank)
+    to_dst = dst.numpy()
+    out = torch.from_numpy((to_dst != rank).nonzero()[0])
     if out.numel():
         if thd:
             lo, hi = thd_send_ranges(extents, cp, rank, take(a, out), take(b, out), take(doc, out))
@@ -142,11 +143,12 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
             lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank, at_docs)
         n = hi - lo
         local = ranges(lo - rank * L, n)
-        per_dst = torch.zeros(cp, dtype=torch.long).index_add_(0, take(dst, out), n)
+        per_dst = np.zeros(cp, dtype=np.int64)
+        np.add.at(per_dst, to_dst[out.numpy()], n.numpy())
         send_index = list(torch.split(local, per_dst.tolist()))
     # This rank as the destination: every other owner's positions inside its own intervals,
     # source-major; flat index ranges map to positions through the runs (sorted by flat index).
-    mine = true_at(dst == rank)
+    mine = torch.from_numpy((to_dst == rank).nonzero()[0])
     recv_start, recv_len = empty, empty
     mine_flat = None
     if mine.numel():
@@ -154,7 +156,7 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
             thd_owned_ranges(extents, cp, take(a, mine), take(b, mine), rank) if thd else \
             owned_ranges(runs, take(a, mine), take(b, mine), rank)  # [cp, n_mine]
         mine_flat = lo, hi
-        n = hi - lo
+        n = hi.numpy() - lo.numpy()
         n[rank] = 0
         recv_positions = list(torch.split(ranges(recv_start, recv_len), n.sum(1).tolist()))
 
@@ -184,13 +186,12 @@ def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
     pair = rank * cp
     pair += ends_at[start]
     adjacent[pair] = True
-    adjacent = torch.from_numpy(adjacent).view(cp, cp)
-    strays = (counts.t() > 0) & ~adjacent  # [dst, src]
-    bad = torch.nonzero(strays.any(1)).flatten()
-    if bad.numel() == 0:
+    strays = (counts.numpy().T > 0) & ~adjacent.reshape(cp, cp)  # [dst, src]
+    bad = strays.any(1).nonzero()[0]
+    if bad.size == 0:
         return True, "every straddling document comes from the neighbouring shard"
     dst = int(bad[0])
-    srcs = torch.nonzero(strays[dst]).flatten().tolist()
+    srcs = strays[dst].nonzero()[0].tolist()
     return False, (f"rank {dst} needs K/V from rank(s) {srcs}, which own no shard "
                    f"adjacent to its own (a document straddles more than one boundary)")
 
