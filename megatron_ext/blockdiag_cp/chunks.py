@@ -431,35 +431,31 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     # A call of one query range and one segment (R = 1) is fixed by (range, key slots, window): the
     # steps of a long document repeat the same few (every chunk before it seen by the same rows),
     # so they share one CallPlan (immutable), as calls share their index tensors.
+    # Query rows too repeat (a piece's rows see many chunks): one view per range of ``diag``.
     same: Dict[tuple, CallPlan] = {}
     key_views: Dict[Tuple[int, int], torch.Tensor] = {}
+    query_views: Dict[Tuple[int, int], torch.Tensor] = {}
     plans: List[CallPlan] = []
     for u in range(n_sub):
         s0, s1 = seg_lo_l[u], seg_hi_l[u]
         ql = tuple(q_lens[lo_l[u]:hi_l[u]])
         w = windows[sub_call[u]]
         if one_l[u] and s1 - s0 > 1:  # several segments, keys one range: a view of ``base``
-            ks, kn = slot_l[u], k_span[u]
-            k = key_views.get((ks, kn))
-            if k is None:
-                k = key_views[(ks, kn)] = base[ks:ks + kn]
-            a = single_a[u]
-            q = diag[a:a + single_n[u]] if counts[u] == 1 else gathered[g_off[u]:g_off[u + 1]]
-            call = CallPlan(False, q, k, ql, tuple(k_lens[s0:s1]), w)
+            q = _view(query_views, diag, single_a[u], single_n[u]) if counts[u] == 1 else \
+                gathered[g_off[u]:g_off[u + 1]]
+            call = CallPlan(False, q, _view(key_views, base, slot_l[u], k_span[u]), ql, tuple(k_lens[s0:s1]), w)
         elif one_l[u]:
             a, n, ks, kn = single_a[u], single_n[u], slot_l[u], k_lens[s0]
-            k = key_views.get((ks, kn))
-            if k is None:
-                k = key_views[(ks, kn)] = base[ks:ks + kn]
             if counts[u] == 1:
                 call = same.get((a, n, ks, kn, w))
                 if call is None:
-                    call = same[(a, n, ks, kn, w)] = CallPlan(False, diag[a:a + n], k, ql, (kn,), w)
+                    call = same[(a, n, ks, kn, w)] = CallPlan(False, _view(query_views, diag, a, n),
+                                                              _view(key_views, base, ks, kn), ql, (kn,), w)
             else:
-                call = CallPlan(False, gathered[g_off[u]:g_off[u + 1]], k, ql, (kn,), w)
+                call = CallPlan(False, gathered[g_off[u]:g_off[u + 1]], _view(key_views, base, ks, kn), ql, (kn,), w)
         else:
-            a = single_a[u]
-            q = diag[a:a + single_n[u]] if counts[u] == 1 else gathered[g_off[u]:g_off[u + 1]]
+            q = _view(query_views, diag, single_a[u], single_n[u]) if counts[u] == 1 else \
+                gathered[g_off[u]:g_off[u + 1]]
             call = CallPlan(False, q, joined[key_lo[u]:key_hi[u]], ql, tuple(k_lens[s0:s1]), w)
         plans.append(call)
     # Calls of one (source, chunk) are adjacent (segments are sorted by it), so are their pieces.
@@ -474,6 +470,15 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         out[(src_l[ci], chunk_l[ci])] = tuple(plans[sub_of_call[ci]:sub_of_call[cj]])
         ci = cj
     return out
+
+
+def _view(views: Dict[Tuple[int, int], torch.Tensor], rows: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """rows[start:start + count], one view per (start, count) in ``views`` (~2 us a torch slice; calls
+    read their index tensors, never write them, so they can share one)."""
+    view = views.get((start, count))
+    if view is None:
+        view = views[(start, count)] = rows[start:start + count]
+    return view
 
 
 def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: int, row, doc, ds, pa,
