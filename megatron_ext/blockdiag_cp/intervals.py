@@ -484,7 +484,7 @@ def overlap_counts(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.
         d = dst.numpy()
         counts = np.zeros((cp, cp), dtype=np.int64)
         if d.size:
-            inside = runs.flat_before(b).numpy() - runs.flat_before(a).numpy()  # [cp, n]
+            inside = runs.flat_before_np(b.numpy()) - runs.flat_before_np(a.numpy())  # [cp, n]
             if bool((d[1:] >= d[:-1]).all()):  # sorted by dst (as work_and_intervals gives them)
                 head = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1])))
                 counts[:, d[head]] = np.add.reduceat(inside, head, axis=1)

@@ -212,16 +212,18 @@ def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int, doc_runs: Optional[Doc
     ``intervals.document_runs``, when the caller has them (no other pass over the ids).
     """
     d_start, _, d_id = document_runs(doc_ids) if doc_runs is None else doc_runs
-    later = d_start[1:][d_id[1:] > 0]
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), later, torch.tensor([doc_ids.numel()])])
-    return _checked_thd_cu(cu, doc_ids, cp)
+    # In numpy: a THD plan makes these twice (its layout, its extents), each a few small torch ops.
+    d_start, d_id = d_start.numpy(), d_id.numpy()
+    cu = np.concatenate((np.zeros(1, dtype=np.int64), d_start[1:][d_id[1:] > 0],
+                         np.full(1, doc_ids.numel(), dtype=np.int64)))
+    return torch.from_numpy(_checked_thd_cu(cu, doc_ids, cp))
 
 
-def _checked_thd_cu(cu: torch.Tensor, doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+def _checked_thd_cu(cu: np.ndarray, doc_ids: torch.Tensor, cp: int) -> np.ndarray:
     """cu, or the error naming the first document whose padded extent is not a multiple of 2*cp."""
-    extent = cu.diff()
-    bad = torch.nonzero(extent % (2 * cp)).flatten()
-    if bad.numel():
+    extent = cu[1:] - cu[:-1]
+    bad = (extent % (2 * cp)).nonzero()[0]
+    if bad.size:
         i = int(bad[0])
         doc = int(doc_ids[int(cu[i])])
         raise ValueError(
