@@ -226,7 +226,7 @@ def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
     # In numpy, the own source's few ranges fixed up after: torch's where over the (source, piece)
     # pairs (cp x pieces of them in a THD plan) cost more than the rest of the split.
     end = start + n_k
-    own = np.flatnonzero(s == rank)
+    own = (s == rank).nonzero()[0]
     first, last = start // chunk_rows, (end - 1) // chunk_rows
     first[own] = 0  # the own chunk is never cut
     last[own] = 0
@@ -235,7 +235,7 @@ def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
         which, chunk = _expand_np(first, count)
         at, end_at = start[which], end[which]
         lo, hi = np.maximum(at, chunk * chunk_rows), np.minimum(end_at, (chunk + 1) * chunk_rows)
-        own_at = (np.cumsum(count) - count)[own]  # each own range is one entry
+        own_at = (count.cumsum() - count)[own]  # each own range is one entry
         lo[own_at], hi[own_at] = at[own_at], end_at[own_at]
         s, p = s[which], p[which]
     else:
@@ -244,10 +244,10 @@ def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
         # (expanding every range cost most of the split; below a few thousand ranges the inserts'
         # fixed costs outweigh that).
         if not bool((last >= first).all()):  # an empty range at a chunk's start lies in no chunk
-            keep = np.flatnonzero(last >= first)
+            keep = (last >= first).nonzero()[0]
             s, start, end, p, first, last = s[keep], start[keep], end[keep], p[keep], first[keep], last[keep]
         chunk, lo, hi = first, start, end
-        cut = np.flatnonzero(last > first)
+        cut = (last > first).nonzero()[0]
         if cut.size:
             extra = last[cut] - first[cut]  # pieces after a cut range's first
             at = np.repeat(cut + 1, extra)  # np.insert keeps the order of values inserted at one index
@@ -301,7 +301,7 @@ class _Segments:
 def _exclusive(x: np.ndarray) -> np.ndarray:
     """[n + 1] prefix sums starting at 0."""
     out = np.zeros(x.size + 1, dtype=np.int64)
-    np.cumsum(x, out=out[1:])
+    x.cumsum(out=out[1:])
     return out
 
 
@@ -329,7 +329,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     seg_voff = _exclusive(t.seg_q)  # each segment's first row in the virtual concatenation of all
     call_q = seg_voff[t.call_seg[1:]] - seg_voff[t.call_seg[:-1]]
     capped = (t.call_src != rank) & (t.call_window < 0) & (call_q > cap)
-    seg_capped = np.repeat(capped, np.diff(t.call_seg))
+    seg_capped = np.repeat(capped, t.call_seg[1:] - t.call_seg[:-1])
     whole = not (seg_capped & (t.seg_q > cap)).any()
     if whole:
         # No segment is cut (none of a 1M / cp 64 THD plan's): the bits are the segments, their tables
@@ -351,7 +351,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     # nxt is searched only at the bits the chains visit (one per call they give), not at every bit,
     # and every capped call's chain steps at once: one search per step of the longest chain, not
     # one per call given (~700 numpy calls of a 1M / cp 64 THD plan).
-    bit_call = repeat_arange(np.diff(call_bit))
+    bit_call = repeat_arange(call_bit[1:] - call_bit[:-1])
     starts = np.zeros(bit_seg.size, dtype=bool)
     starts[call_bit[:-1][~capped]] = True  # an uncapped call is one call
     at, stop = call_bit[:-1][capped], call_bit[1:][capped]  # each capped call's chain: where it is, its end
@@ -360,7 +360,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         at = np.minimum(bit_end.searchsorted(bit_v[at] + cap, side="right"), stop)  # > at: a bit is <= cap rows
         going = at < stop
         at, stop = at[going], stop[going]
-    sub_lo = np.flatnonzero(starts)
+    sub_lo = starts.nonzero()[0]
     sub_call = bit_call[sub_lo].tolist()
     n_sub = sub_lo.size
     sub_hi = np.append(sub_lo[1:], bit_seg.size)
@@ -377,8 +377,8 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         piece_a = t.pair_a if whole else t.pair_a[bit_seg] + bit_v - seg_voff[bit_seg]
     else:
         pair_v = _exclusive(t.pair_n)[:-1]
-        first = np.searchsorted(pair_v, bit_v, side="right") - 1
-        count = np.searchsorted(pair_v, bit_end - 1, side="right") - first
+        first = pair_v.searchsorted(bit_v, side="right") - 1
+        count = pair_v.searchsorted(bit_end - 1, side="right") - first
         bit = repeat_arange(count)
         pair = np.arange(bit.size) - _exclusive(count)[bit] + first[bit]
         x = np.maximum(bit_v[bit], pair_v[pair])
@@ -387,7 +387,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         piece_a = t.pair_a[pair] + x - pair_v[pair]
     new = np.ones(piece_a.size, dtype=bool)
     new[1:] = (piece_sub[1:] != piece_sub[:-1]) | (piece_a[1:] != piece_a[:-1] + piece_len[:-1])
-    heads = np.flatnonzero(new)
+    heads = new.nonzero()[0]
     r_a, r_len, r_sub = piece_a[heads], np.add.reduceat(piece_len, heads), piece_sub[heads]
     n_ranges = np.bincount(r_sub, minlength=n_sub)
     r_first = _exclusive(n_ranges)
@@ -403,7 +403,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     # built ~0.6M key rows (two int64 temporaries) per rank of a 1M / cp 64 THD plan: ~6 of its ~20 ms.
     gap = np.zeros(n_seg, dtype=bool)  # [segments] where a key range does not follow the one before
     np.not_equal(t.seg_slot[1:], t.seg_slot[:-1] + t.seg_k[:-1], out=gap[1:])
-    gap_before = np.cumsum(gap)  # [segments] gaps up to each segment
+    gap_before = gap.cumsum()  # [segments] gaps up to each segment
     one_seg = (gap_before[seg_hi - 1] == gap_before[seg_lo]) & (R == 1)  # [sub-calls] keys: one range
     if one_seg.all():  # every call's keys one range (each of a 1M / cp 64 THD plan's): nothing to join
         joined, key_lo, key_hi = None, None, None
@@ -411,7 +411,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         mark = np.zeros(n_seg + 1, dtype=np.int64)
         np.add.at(mark, seg_lo[~one_seg], 1)
         np.add.at(mark, seg_hi[~one_seg], -1)
-        kept = np.where(np.cumsum(mark[:-1]) > 0, t.seg_k, 0)
+        kept = np.where(mark[:-1].cumsum() > 0, t.seg_k, 0)
         koff = _exclusive(kept)
         joined = ranges(torch.from_numpy(t.seg_slot), torch.from_numpy(kept))
         if R > 1:
@@ -510,7 +510,7 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     np.not_equal(src[1:], src[:-1], out=new[1:])
     for x in [chunk, doc[piece], n, lo] + ([row[piece]] if R > 1 else []):  # one row: all 0
         new[1:] |= x[1:] != x[:-1]
-    head = np.flatnonzero(new)
+    head = new.nonzero()[0]
     nq_piece = n_q[piece]
     seg_q = np.add.reduceat(nq_piece, head)  # a segment's pieces are adjacent, from its head on
     src_h, chunk_h = src[head], chunk[head]
@@ -520,7 +520,7 @@ def _full_segments(kind: str, runs: RankRuns, rank: int, intervals, c: int, R: i
     seg_row = np.zeros(head.size, dtype=np.int64) if R == 1 else row[piece[head]]
     call_new = np.ones(head.size, dtype=bool)
     call_new[1:] = (src_h[1:] != src_h[:-1]) | (chunk_h[1:] != chunk_h[:-1])
-    call_head = np.flatnonzero(call_new)
+    call_head = call_new.nonzero()[0]
     return _Segments(src_h[call_head], chunk_h[call_head], np.full(call_head.size, -1, dtype=np.int64),
                      np.append(call_head, head.size), np.append(head, src.size),
                      seg_q, seg_k, seg_slot, seg_row, q_off[piece], nq_piece)

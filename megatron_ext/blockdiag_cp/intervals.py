@@ -100,7 +100,7 @@ def repeat_arange(count: np.ndarray) -> np.ndarray:
     if total > 4 * n:  # one more temporary of the output's size: worth it only for short repeats
         return np.repeat(np.arange(n, dtype=np.int64), count)
     # out[t] = number of entries ending at or before t; entry i ends at ends[i] (the last ends at total).
-    return np.cumsum(np.bincount(ends[:-1], minlength=total)[:total])
+    return np.bincount(ends[:-1], minlength=total)[:total].cumsum()
 
 
 def search(table: torch.Tensor, x: torch.Tensor, right: bool = False) -> torch.Tensor:
@@ -149,7 +149,7 @@ class RankRuns:
         # In numpy (a THD layout has 2 * cp runs per document): a half to a third of torch's op costs.
         r, s, n = rank.numpy(), start.numpy(), length.numpy()
         if not (n > 0).all():
-            keep = np.flatnonzero(n > 0)
+            keep = (n > 0).nonzero()[0]
             r, s, n = r[keep], s[keep], n[keep]
             rank, start, length = torch.from_numpy(r), torch.from_numpy(s), torch.from_numpy(n)
         # One scratch array of every run, for the sort key, then run ends, then r * L: each fresh
@@ -165,15 +165,15 @@ class RankRuns:
             np.equal(r[1:], r[:-1], out=touch[1:])
             touch[1:] &= s[1:] == np.add(s[:-1], n[:-1], out=key[:-1])
             if touch.any():
-                head = np.flatnonzero(~touch)
+                head = (~touch).nonzero()[0]
                 r, s, n = r[head], s[head], np.add.reduceat(n, head)
                 rank, start, length = torch.from_numpy(r), torch.from_numpy(s), torch.from_numpy(n)
         L = padded_len // cp
-        local = np.cumsum(n)  # positions up to each run's end; rank-major: the ranks' ends below
+        local = n.cumsum()  # positions up to each run's end; rank-major: the ranks' ends below
         count = np.bincount(r, minlength=cp)
         has = count > 0
         owned = np.zeros(count.size, dtype=np.int64)
-        owned[has] = np.diff(local[np.cumsum(count)[has] - 1], prepend=0)  # each rank's last end - the last before
+        owned[has] = np.diff(local[count.cumsum()[has] - 1], prepend=0)  # each rank's last end - the last before
         if owned.size != cp or not (owned == L).all():
             raise ValueError(f"layout bug: ranks own {owned.tolist()} positions, expected {L} each")
         local -= n
@@ -390,7 +390,7 @@ def needed_intervals(rank: np.ndarray, doc: np.ndarray, doc_start: np.ndarray, p
     """
     last = np.ones(rank.size, dtype=bool)
     last[:-1] = (doc[1:] != doc[:-1]) | (rank[1:] != rank[:-1])
-    last = np.flatnonzero(last)
+    last = last.nonzero()[0]
     return rank[last], doc_start[last], pb[last], doc[last]
 
 
@@ -486,7 +486,7 @@ def overlap_counts(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.
         if d.size:
             inside = runs.flat_before_np(b.numpy()) - runs.flat_before_np(a.numpy())  # [cp, n]
             if bool((d[1:] >= d[:-1]).all()):  # sorted by dst (as work_and_intervals gives them)
-                head = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1])))
+                head = np.concatenate(([True], d[1:] != d[:-1])).nonzero()[0]
                 counts[:, d[head]] = np.add.reduceat(inside, head, axis=1)
             else:
                 np.add.at(counts, (slice(None), d), inside)
@@ -540,7 +540,7 @@ def owned_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, skip: int
     hi = np.minimum(qb + base[eb], cap[eb])  # the same count as searched from the right
     # The global index of the run an entry describes: runs are rank-major, src's first at its offset.
     count = np.bincount(runs.rank.numpy(), minlength=cp)
-    shift = (np.cumsum(count) - count - 1)[:, None] - row
+    shift = (count.cumsum() - count - 1)[:, None] - row
     first = ea + shift + (lo == cap_a)  # a past the run's end (or before src's first): the next run
     last = eb + shift
     n = np.where(hi > lo, last - first + 1, 0)  # an empty [a, b) inside a run would meet it
