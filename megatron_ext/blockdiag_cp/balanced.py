@@ -309,11 +309,11 @@ class _NodeExchange:
     def __init__(self, table: _UnitTable, node_owned: Owned, g: int, q_inter: float):
         d_start, d_end, d_id = table.rows[0]
         nodes = len(node_owned)
-        _, group, a, b = _flatten([node_owned], nodes)
+        _, group, a, b = _flatten_np([node_owned], nodes)
         starts = d_start.numpy()
-        which, doc, pa, pb = _real_pieces_np(a.numpy(), b.numpy(), starts, d_end.numpy(), d_id.numpy())
+        which, doc, pa, pb = _real_pieces_np(a, b, starts, d_end.numpy(), d_id.numpy())
         # Holders: (document, node) -> reach and tokens owned; documents in position order.
-        _, _, reach, own, h_doc, h_node = _holders(group.numpy()[which], doc, pa, pb, starts.size, nodes)
+        _, _, reach, own, h_doc, h_node = _holders(group[which], doc, pa, pb, starts.size, nodes)
         remote = np.bincount(h_node, weights=reach - starts[h_doc] - own, minlength=nodes).astype(np.int64)
         self.fetch = np.diff(remote[:, None] * np.arange(g + 1) // g, axis=1)  # [nodes, g]: |window j of R(N)|
         order = np.lexsort((reach, h_doc))
@@ -339,13 +339,13 @@ class _NodeExchange:
         inside = np.clip(x, self.lo[jc], self.hi[jc]) - self.lo[jc]
         return np.where(j >= 0, self.below[jc] + self.w[jc] * inside, 0)
 
-    def pairs(self, node_of: np.ndarray, n_cand: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-              ) -> torch.Tensor:
+    def pairs(self, node_of: np.ndarray, n_cand: int, group: np.ndarray, a: np.ndarray, b: np.ndarray
+              ) -> np.ndarray:
         """[n_cand, g]: q_inter * max(window fetched, rows sent) of each rank of each candidate
-        (``group`` = candidate * g + rank, as ``_flatten``; ``node_of``: each candidate's node)."""
-        sent = self.sent_below(b.numpy()) - self.sent_below(a.numpy())
-        out = np.bincount(group.numpy(), weights=sent, minlength=n_cand * self.g).reshape(n_cand, self.g)
-        return torch.from_numpy(self.q_inter * np.maximum(self.fetch[node_of], out))
+        (``group`` = candidate * g + rank, as ``_flatten_np``; ``node_of``: each candidate's node)."""
+        sent = self.sent_below(b) - self.sent_below(a)
+        out = np.bincount(group, weights=sent, minlength=n_cand * self.g).reshape(n_cand, self.g)
+        return self.q_inter * np.maximum(self.fetch[node_of], out)
 
 
 def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None,
@@ -418,12 +418,11 @@ def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: floa
         # A swap inside node n changes only node n's scores.
         jobs = [(0, n) for n in range(len(cands[0]) // g)] if pairs is None else \
             [(k, A // g) for k, (A, _) in enumerate(pairs)]
-        flat = _flatten([cands[k][n * g:(n + 1) * g] for k, n in jobs], g)
-        w, inn, out = _candidate_traffic(table, g, *flat)
-        node_scores = w.double() + q * torch.maximum(inn, out).double()  # [jobs, g]
+        flat = _flatten_np([cands[k][n * g:(n + 1) * g] for k, n in jobs], g)
+        w, inn, out = _traffic_np(table, g, *flat)
+        node_scores = w.astype(np.float64) + q * np.maximum(inn, out).astype(np.float64)  # [jobs, g]
         if exchange is not None:
             node_scores += exchange.pairs(np.array([n for _, n in jobs]), *flat)
-        node_scores = node_scores.numpy()
         scores = np.zeros((len(cands), len(cands[0]))) if base is None else np.tile(base, (len(cands), 1))
         for (k, n), row in zip(jobs, node_scores):
             scores[k, n * g:(n + 1) * g] = row
@@ -449,7 +448,8 @@ def _summarize(labels: Sequence[str]) -> str:
 
 
 class _Found:
-    """A search's candidates, flattened (``_flatten``), with their modeled cost and work balance."""
+    """A search's candidates, flattened (``_flatten_np``), with their modeled cost and work balance
+    (numpy: a handful of small reductions, where torch's dispatch per op cost more)."""
 
     def __init__(self, labels, n_cand, group, a, b, cp, modeled, imbalance, n_peers):
         self.labels, self.n_cand, self.group, self.a, self.b, self.cp = labels, n_cand, group, a, b, cp
@@ -461,38 +461,41 @@ class _Found:
     def cheapest(self) -> int:
         """The least modeled cost, near-ties (TIE) broken by work balance."""
         near = self.modeled <= self.modeled.min() * (1 + TIE)
-        return int(torch.argmin(torch.where(near, self.imbalance, torch.tensor(math.inf, dtype=torch.float64))))
+        return int(np.argmin(np.where(near, self.imbalance, math.inf)))
 
     def order(self) -> List[int]:
         """Candidates best first: the cheapest, then by modeled cost."""
         best = self.cheapest()
-        rest = [int(c) for c in torch.argsort(self.modeled, stable=True) if int(c) != best]
+        rest = [c for c in np.argsort(self.modeled, kind="stable").tolist() if c != best]
         return [best] + rest
 
     def runs(self, c: int) -> RunSpec:
-        return _runs_of(c, self.cp, self.group, self.a, self.b)
+        return tuple(torch.from_numpy(x) for x in self._runs_np(c))
+
+    def _runs_np(self, c: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lo, hi = np.searchsorted(self.group, [c * self.cp, (c + 1) * self.cp]).tolist()
+        return self.group[lo:hi] - c * self.cp, self.a[lo:hi], self.b[lo:hi] - self.a[lo:hi]
 
     def owned(self, c: int) -> Owned:
-        rank, start, length = self.runs(c)
+        rank, start, length = self._runs_np(c)
         out: Owned = [[] for _ in range(self.cp)]
         for r, s, n in zip(rank.tolist(), start.tolist(), length.tolist()):
             out[r].append((s, s + n))
         return out
 
 
-def _choice(modeled: torch.Tensor, imbalance: torch.Tensor, n_peers: int) -> int:
+def _choice(modeled: np.ndarray, imbalance: np.ndarray, n_peers: int) -> int:
     """The least modeled time among candidates within BALANCE_GOAL whose modeled time is at most
     BALANCE_PRICE above the best and no worse than the peers (the first ``n_peers``: contiguous and
     zigzag); if none, the least modeled time (near-ties no worse than the peers: the best balance)."""
-    inf = torch.tensor(math.inf, dtype=torch.float64)
     peers = float(modeled[:n_peers].min())
     limit = min(float(modeled.min()) * (1 + BALANCE_PRICE), peers)
     goal = (imbalance <= BALANCE_GOAL + 1e-12) & (modeled <= limit)
-    if bool(goal.any()):
-        return int(torch.argmin(torch.where(goal, modeled, inf)))
+    if goal.any():
+        return int(np.argmin(np.where(goal, modeled, math.inf)))
     # Near-ties, but never worse than a peer: a better balance does not buy modeled time.
     near = (modeled <= modeled.min() * (1 + TIE)) & (modeled <= peers)
-    return int(torch.argmin(torch.where(near, imbalance, inf)))
+    return int(np.argmin(np.where(near, imbalance, math.inf)))
 
 
 def _search(table: _UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
@@ -555,18 +558,21 @@ def _score_many(units: "_Units", cp: int, q: float, cands: Sequence[Sequence[Tup
     sizes = [len(c) for c in cands]
     if sum(sizes) == 0:
         return [None] * len(cands)
-    flat = _flatten([owned for c in cands for _, owned in c], cp)
+    flat = _flatten_np([owned for c in cands for _, owned in c], cp)
     extra = None if exchange is None else exchange.pairs(np.repeat(np.arange(len(cands)), sizes), *flat)
     modeled, work = _mixed_scores(units, cp, flat, q, extra)  # [all candidates], [all candidates, cp]
-    imbalance = work.max(1).values / work.mean(1).clamp(min=1e-9)
+    # The mean by torch, as the search always has (a mix of windows sums fractions: the order counts).
+    imbalance = work.max(1) / np.maximum(torch.from_numpy(work).mean(1).numpy(), 1e-9)
     # Each search's slice of the flat ranges: one binary search for every boundary (groups ascend).
-    firsts = np.cumsum([0] + sizes)
-    bounds = np.searchsorted(flat[1].numpy(), firsts * cp).tolist()
-    group = flat[1].numpy()
+    firsts = [0]
+    for n in sizes:
+        firsts.append(firsts[-1] + n)
+    group = flat[1]
+    bounds = np.searchsorted(group, np.array(firsts) * cp).tolist()
     out_list = []
     for k, n in enumerate(sizes):
-        first, lo, hi = int(firsts[k]), bounds[k], bounds[k + 1]
-        local = (n, torch.from_numpy(group[lo:hi] - first * cp), flat[2][lo:hi], flat[3][lo:hi])
+        first, lo, hi = firsts[k], bounds[k], bounds[k + 1]
+        local = (n, group[lo:hi] - first * cp, flat[2][lo:hi], flat[3][lo:hi])
         out_list.append((modeled[first:first + n], imbalance[first:first + n], local))
     return out_list
 
@@ -635,19 +641,25 @@ def _choose_exact(table: _UnitTable, cp: int, cost_model: CostModel, candidates:
         for c in range(n_peers):
             if float(bound[c]) <= best * (1 + TIE):
                 price(c)
-    modeled_t, imbalance_t = torch.tensor(modeled, dtype=torch.float64), torch.tensor(imbalance, dtype=torch.float64)
+    modeled_t, imbalance_t = np.array(modeled, dtype=np.float64), np.array(imbalance, dtype=np.float64)
     if prefer_balance:
         best = _choice(modeled_t, imbalance_t, n_peers)
     else:  # near-ties broken by balance, never worse than a peer
         near = (modeled_t <= modeled_t.min() * (1 + TIE)) & (modeled_t <= modeled_t[:n_peers].min())
-        best = int(torch.argmin(torch.where(near, imbalance_t, torch.tensor(math.inf, dtype=torch.float64))))
+        best = int(np.argmin(np.where(near, imbalance_t, math.inf)))
     LAST_CHOICE[:] = [candidates[best][0]]
     _CHOSEN.tables = tables.get(best)
     return _runs_of(best, cp, group, a, b)
 
 
 def _flatten(owned_lists: Sequence, cp: int) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every candidate's ranges as flat tensors, candidate-major: (count, candidate * cp + rank, a, b).
+    """``_flatten_np`` as tensors."""
+    n, group, a, b = _flatten_np(owned_lists, cp)
+    return n, torch.from_numpy(group), torch.from_numpy(a), torch.from_numpy(b)
+
+
+def _flatten_np(owned_lists: Sequence, cp: int) -> Tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """Every candidate's ranges as flat int64 arrays, candidate-major: (count, candidate * cp + rank, a, b).
     A candidate: an ``Owned`` or ``_pack_lockstep``'s (rank, a, b) arrays."""
     lists = [k for k, owned in enumerate(owned_lists) if isinstance(owned, list)]
     per_rank = [spans for k in lists for spans in owned_lists[k]]
@@ -663,7 +675,7 @@ def _flatten(owned_lists: Sequence, cp: int) -> Tuple[int, torch.Tensor, torch.T
         parts = [flat.get(k, owned) for k, owned in enumerate(owned_lists)]
         group = np.concatenate([r + k * cp for k, (r, _, _) in enumerate(parts)])
         a, b = (np.concatenate([p[x] for p in parts]) for x in (1, 2))
-    return len(owned_lists), torch.from_numpy(group), torch.from_numpy(a), torch.from_numpy(b)
+    return len(owned_lists), group, a, b
 
 
 def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> RunSpec:
@@ -671,23 +683,27 @@ def _runs_of(c: int, cp: int, group: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return group[lo:hi] - c * cp, a[lo:hi], b[lo:hi] - a[lo:hi]
 
 
-def _mixed_scores(units, cp: int, flat, q: float, extra: Optional[torch.Tensor] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _mixed_scores(units, cp: int, flat, q: float, extra: Optional[np.ndarray] = None
+                  ) -> Tuple[np.ndarray, np.ndarray]:
     """(modeled [n_candidates], work [n_candidates, cp]) under the table's window mix: per share of
     layers, the busiest rank's work + q * max(received, sent) (+ ``extra`` [n_candidates, cp], full
-    attention only), weighed by the shares; work likewise."""
+    attention only), weighed by the shares; work likewise. ``flat``: ``_flatten_np``'s."""
     # In numpy (elementwise ops and a max, as torch's, without its dispatch per op on small arrays).
     modeled = np.zeros(flat[0])
     mixed = np.zeros((flat[0], cp))
     for window, share in units.windows.shares:
-        traffic = _candidate_traffic(units, cp, *flat, window=window)  # [all candidates, cp]
-        work, inn, out = (x.numpy() for x in traffic)
+        if window is None and len(units.rows) == 1:
+            work, inn, out = _traffic_np(units, cp, *flat)  # [all candidates, cp]
+        else:
+            n, group, a, b = flat
+            traffic = _candidate_traffic(units, cp, n, *(torch.from_numpy(x) for x in (group, a, b)), window=window)
+            work, inn, out = (x.numpy() for x in traffic)
         rank = work.astype(np.float64) + q * np.maximum(inn, out).astype(np.float64)
         if extra is not None:
-            rank = rank + extra.numpy()
+            rank = rank + extra
         modeled += share * rank.max(1)
         mixed += share * work.astype(np.float64)
-    return torch.from_numpy(modeled), torch.from_numpy(mixed)
+    return modeled, mixed
 
 
 def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
@@ -714,13 +730,19 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         return tuple(torch.stack(x) for x in zip(*out))
     if window is not None:
         return _windowed_traffic(units.rows[0], units.P, cp, n_cand, group, a, b, window)
+    return tuple(torch.from_numpy(x) for x in _traffic_np(units, cp, n_cand, group.numpy(), a.numpy(), b.numpy()))
+
+
+def _traffic_np(units, cp: int, n_cand: int, group: np.ndarray, a: np.ndarray, b: np.ndarray
+                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_candidate_traffic`` of one row of ids, full attention, on ``_flatten_np``'s arrays."""
     d_start, d_end, d_id = (x.numpy() for x in units.rows[0])
     n_docs = d_start.size
     # In numpy (a few dozen small array ops, each cheaper than torch's dispatch); sums by bincount's
     # float64 weights, exact: every partial sum is an integer far below 2**53.
-    which, doc, pa, pb = _real_pieces_np(a.numpy(), b.numpy(), d_start, d_end, d_id)
+    which, doc, pa, pb = _real_pieces_np(a, b, d_start, d_end, d_id)
     starts = d_start
-    g, s = group.numpy()[which], starts[doc]
+    g, s = group[which], starts[doc]
     size = n_cand * cp
 
     def total(index, values, n):
@@ -747,7 +769,7 @@ def _candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torc
         # Against every holder, its own among them (reach >= pb: pb - pa), taken off after the sums
         # (exact: integers) instead of a rank test per (piece, holder).
         out = total(g[p], sent, size) - total(g[pieces], (pb - pa)[pieces], size)
-    return tuple(torch.from_numpy(x).view(n_cand, cp) for x in (work, inn, out))
+    return tuple(x.reshape(n_cand, cp) for x in (work, inn, out))
 
 
 def _real_pieces_np(a: np.ndarray, b: np.ndarray, d_start: np.ndarray, d_end: np.ndarray, d_id: np.ndarray
