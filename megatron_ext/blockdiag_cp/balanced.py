@@ -123,7 +123,8 @@ def take_chosen_tables() -> Optional[tuple]:
 
 
 class _UnitTable:
-    """The row(s) cut where any row changes document: (start, end, alpha, beta) tensors over [0, P).
+    """The row(s) cut where any row changes document: (start, end, alpha, beta) numpy arrays over
+    [0, P) (every reader is numpy).
 
     ``windows``: the model's sliding windows (``cost.WindowMix``), which every score prices.
     """
@@ -131,10 +132,12 @@ class _UnitTable:
     def __init__(self, rows: Sequence[DocRuns], P: int, windows: Optional[WindowMix] = None):
         self.rows, self.P = list(rows), P
         self.windows = WindowMix() if windows is None else windows
-        if len(rows) == 1:
-            starts, ends, doc = rows[0]
-            real = (doc > 0).double()
-            alpha, beta = real, real * (1 - starts).double()
+        if len(rows) == 1:  # the units are the row's documents
+            starts, ends, doc = (x.numpy() for x in rows[0])
+            alpha = (doc > 0).astype(np.float64)
+            beta = alpha * (1 - starts).astype(np.float64)
+            # Where the document of each unit ends: a piece ending before it has later readers.
+            self.doc_end = ends
         else:
             starts = torch.unique(torch.cat([r[0] for r in rows]))
             ends = torch.cat([starts[1:], torch.tensor([P])])
@@ -145,10 +148,9 @@ class _UnitTable:
                 real = (row_doc[which] > 0).double()
                 alpha += real
                 beta += real * (1 - row_starts[which]).double()
+            starts, ends, alpha, beta = (x.numpy() for x in (starts, ends, alpha, beta))
+            self.doc_end = ends
         self.start, self.end, self.alpha, self.beta = starts, ends, alpha, beta
-        # Where the document of each unit ends (one row): a piece ending before it has later readers.
-        self.doc_end = rows[0][1][torch.searchsorted(rows[0][0], starts, right=True) - 1] if len(rows) == 1 \
-            else ends
 
 
 class _Units:
@@ -164,12 +166,12 @@ class _Units:
         # of small array ops, where torch's dispatch per op cost more than the arithmetic.
         sa = np.array([a for a, _ in spans], dtype=np.int64)
         sb = np.array([b for _, b in spans], dtype=np.int64)
-        t_start = table.start.numpy()
+        t_start = table.start
         which, unit = _pieces_np(sa, sb, t_start)
         starts = np.maximum(sa[which], t_start[unit])
-        ends = np.minimum(sb[which], table.end.numpy()[unit])
-        alpha, beta = table.alpha.numpy()[unit], table.beta.numpy()[unit]
-        read_later = (ends < table.doc_end.numpy()[unit]).tolist()
+        ends = np.minimum(sb[which], table.end[unit])
+        alpha, beta = table.alpha[unit], table.beta[unit]
+        read_later = ends < table.doc_end[unit]
         n = (ends - starts).astype(np.float64)
         work = alpha * ((starts + ends - 1).astype(np.float64) * n / 2) + beta * n
         # Windows (one row of ids, where a unit is a piece of one document): the layers' mix of windowed
@@ -182,28 +184,40 @@ class _Units:
                                                   for w, f in self.mix)).numpy()
         work = torch.from_numpy(work)  # summed by torch, as the search always has
         self.total = float(work.sum())
-        self.doc_start = []
-        self.start, self.end = [], []
-        self.alpha, self.beta, self.work, self.bundle, self.shared = [], [], [], [], []
+        work = work.numpy()
         cap = bundle or max(1, int(self.tokens // cp * BUNDLE_FRACTION))
-        for a, b, al, be, w, later, ds in zip(starts.tolist(), ends.tolist(), alpha.tolist(), beta.tolist(),
-                                              work.tolist(), read_later, doc_start.tolist()):
-            tiny = al > 0 and b - a <= cap and not later
-            if tiny and self.bundle and self.bundle[-1] and self.end[-1] == a and b - self.start[-1] <= cap:
-                self.end[-1] = b
-                self.work[-1] += w
-                continue
-            self.doc_start.append(ds)
-            self.start.append(a)
-            self.end.append(b)
-            self.alpha.append(al)
-            self.beta.append(be)
-            self.work.append(w)
-            self.bundle.append(tiny)
-            self.shared.append(later)
-        self.by_work = sorted(range(len(self.start)), key=lambda i: -self.work[i])
-        self.neg_len = [a - b for a, b in zip(self.start, self.end)]  # minus each unit's tokens: a sort key
-        self.length = [b - a for a, b in zip(self.start, self.end)]
+        # Bundles: a tiny piece joins the bundle before it if it follows a tiny piece that touches it
+        # and the bundle stays within cap. Only the cap is sequential: looped over the joinable pieces.
+        tiny = (alpha > 0) & (ends - starts <= cap) & ~read_later
+        joinable = np.flatnonzero(tiny[1:] & tiny[:-1] & (ends[:-1] == starts[1:])) + 1
+        head = np.ones(starts.size, dtype=bool)  # [pieces]: begins a unit
+        if joinable.size:
+            start_l, end_l = starts.tolist(), ends.tolist()
+            bundle_start = 0
+            for k in joinable.tolist():
+                if head[k - 1]:
+                    bundle_start = start_l[k - 1]
+                if end_l[k] - bundle_start <= cap:
+                    head[k] = False
+        first = np.flatnonzero(head)
+        last = np.empty_like(first)  # each unit's last piece
+        last[:-1] = first[1:] - 1
+        last[-1:] = starts.size - 1
+        self.doc_start, self.start, self.end = doc_start[first].tolist(), starts[first].tolist(), ends[last].tolist()
+        self.alpha, self.beta = alpha[first].tolist(), beta[first].tolist()
+        self.bundle, self.shared = tiny[first].tolist(), read_later[first].tolist()
+        self.work = work[first].tolist()
+        if first.size < starts.size:  # a bundle's work: its pieces' summed in order, as they join
+            pieces, first_l, last_l = work.tolist(), first.tolist(), last.tolist()
+            for u in np.flatnonzero(last > first).tolist():
+                w = pieces[first_l[u]]
+                for k in range(first_l[u] + 1, last_l[u] + 1):
+                    w += pieces[k]
+                self.work[u] = w
+        self.by_work = sorted(range(len(self.start)), key=[-w for w in self.work].__getitem__)
+        length = ends[last] - starts[first]
+        self.neg_len = (-length).tolist()  # minus each unit's tokens: a sort key
+        self.length = length.tolist()
         self.range = list(zip(self.start, self.end))  # each unit's (start, end): placed whole as is
         self._splittable = {}  # L -> (units ``light`` can reject, by work; those it rejects at any limit)
         self._halves = {}  # (unit, m) -> ``halves``
@@ -436,7 +450,7 @@ def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: floa
 
 
 def _range_work(table: _UnitTable) -> RangeWork:
-    return RangeWork(table.start.numpy(), table.alpha.numpy(), table.beta.numpy(), table.P)
+    return RangeWork(table.start, table.alpha, table.beta, table.P)
 
 
 def _summarize(labels: Sequence[str]) -> str:
@@ -788,7 +802,12 @@ def _pieces_np(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> Tuple[np.nda
     """Nonempty ranges [a, b) against a partition of [0, P) (its parts' starts, ascending): (range, part)
     of every piece, in range order (``intervals.clip``'s two binary searches, in numpy)."""
     first = np.searchsorted(starts, a, side="right") - 1
-    return _expand_np(first, np.searchsorted(starts, b - 1, side="right") - first)
+    count = np.searchsorted(starts, b - 1, side="right") - first
+    which = repeat_arange(count)
+    # Piece t of range i is part first[i] + t - (i's first piece): one gather and an add, where
+    # ``_expand_np``'s general ranges cost a few more passes (these counts are never zero).
+    end = np.cumsum(count)
+    return which, np.arange(end[-1] if end.size else 0) + (first + count - end)[which]
 
 
 def _holders(g: np.ndarray, doc: np.ndarray, pa: np.ndarray, pb: np.ndarray, n_docs: int, cp: int):
@@ -796,7 +815,19 @@ def _holders(g: np.ndarray, doc: np.ndarray, pa: np.ndarray, pb: np.ndarray, n_d
     (key, inverse, reach, own, doc, group) per (candidate, document, rank), sorted by key
     ((candidate * n_docs + document) * cp + rank), each piece's holder, the end of its last piece,
     the tokens it owns, its document and its g."""
-    key, inverse = np.unique(((g // cp) * n_docs + doc) * cp + g % cp, return_inverse=True)
+    cand, rank = np.divmod(g, cp)
+    full = (cand * n_docs + doc) * cp + rank
+    # ``np.unique(full, return_inverse=True)`` by a stable sort: the pieces come candidate-major and
+    # by rank, so ``full`` is a few ascending runs per candidate, which the merge sort takes whole
+    # (np.unique's quicksort does not; any order of equal keys gives the same holders).
+    perm = np.argsort(full, kind="stable")
+    ordered = full[perm]
+    first = np.empty(ordered.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    key = ordered[first]
+    inverse = np.empty(ordered.size, dtype=np.int64)
+    inverse[perm] = np.cumsum(first) - 1
     reach = np.zeros(key.size, dtype=np.int64)
     np.maximum.at(reach, inverse, pb)
     own = np.bincount(inverse, weights=pb - pa, minlength=key.size).astype(np.int64)
