@@ -955,14 +955,26 @@ def _split(units: _Units, cp: int, theta: float, style: str,
         def heavy_units():
             k = -1
             while (k := units.next_heavy(k + 1, theta * max(target - min(load), 0.0), L)) is not None:
-                yield order[k]
+                yield order[k], 0  # m: from the ranks' loads when it is reached
+        heavy = heavy_units()
+    else:
+        # zigzag: each heavy unit's m is fixed by theta, and the split is a function of the (unit, m)
+        # sequence: one seen before split as that call did (its ranges are in ``seen``), so it is
+        # not done again.
+        starts, ends, works, share = units.start, units.end, units.work, min(theta, 1.0) * target
+        heavy = [(i, min(cp, max(2, -((starts[i] - ends[i]) // L), math.ceil(works[i] / share - 1e-9))))
+                 for i in units.heavy(theta * target, L)]
+        if seen is not None:
+            sequence = ("zigzag", tuple(heavy))
+            if sequence in seen:
+                return None
+            seen.add(sequence)
     owned = ranks.owned
-    for i in (heavy_units() if style == "need" else units.heavy(theta * target, L)):
-        a, b, w = units.start[i], units.end[i], units.work[i]
-        n = b - a
+    for i, m in heavy:
         # Ranks picked by sorting (key, rank) tuples: a stable sort of range(cp) by key, without a
         # key function call per rank.
         if style == "need":
+            n, w = units.end[i] - units.start[i], units.work[i]
             needs = sorted([(load[r] - target, -room[r], r) for r in range(cp)])
             m, covered = 0, 0.0
             while m < cp and (m < 2 or covered < w or m * L < n):
@@ -970,21 +982,22 @@ def _split(units: _Units, cp: int, theta: float, style: str,
                 m += 1
             chosen = sorted([r for _, _, r in needs[:m]], key=load.__getitem__)
         else:
-            m = min(cp, max(2, -(-n // L), math.ceil(w / (min(theta, 1.0) * target) - 1e-9)))
             by_room = sorted([(-room[r], load[r], r) for r in range(cp)])
             chosen = sorted([r for _, _, r in by_room[:m]], key=load.__getitem__)
         halves = units.halves(i, m)
-        if any(room[r] < size for r, (size, *_) in zip(chosen, halves)):
-            continue  # no room to split it: it goes whole, and step 3 cuts it where it lands
-        split.add(i)
-        for r, (size, head, head_work, tail, tail_work) in zip(chosen, halves):
-            if head is not None:
-                owned[r].append(head)
-                load[r] += head_work
-            if tail is not None:
-                owned[r].append(tail)
-                load[r] += tail_work
-            room[r] -= size
+        for r, half in zip(chosen, halves):  # a loop, not any() over a generator: many short calls
+            if room[r] < half[0]:
+                break  # no room to split it: it goes whole, and step 3 cuts it where it lands
+        else:
+            split.add(i)
+            for r, (size, head, head_work, tail, tail_work) in zip(chosen, halves):
+                if head is not None:
+                    owned[r].append(head)
+                    load[r] += head_work
+                if tail is not None:
+                    owned[r].append(tail)
+                    load[r] += tail_work
+                room[r] -= size
     whole = [i for i in units.by_work if i not in split] if split else list(units.by_work)
 
     if seen is not None:
