@@ -92,3 +92,42 @@ def test_swaps_keep_every_node_and_lower_the_modeled_time(seed, monkeypatch):
         rows = slice(8 * node, 8 * node + 8)
         assert sorted(swapped.positions[rows].flatten().tolist()) == sorted(plain.positions[rows].flatten().tolist())
     assert _modeled(ids, cp, cm, swapped.runs) < _modeled(ids, cp, cm, plain.runs)
+
+
+def _two_node_score(ids, q_inter):
+    """Brute-force node-level count of two nodes: causal pairs + q_inter * max(keys in, keys out)."""
+    row = ids.tolist()
+    start = [0] * len(row)
+    for p in range(1, len(row)):
+        start[p] = start[p - 1] if row[p] == row[p - 1] else p
+
+    def score(cands, pairs, base):
+        out = []
+        for owned in cands:
+            mine = [{p for a, b in spans for p in range(a, b)} for spans in owned]
+            need = [{k for p in m for k in range(start[p], p + 1)} - m for m in mine]
+            work = [sum(p - start[p] + 1 for p in m) for m in mine]
+            out.append([work[n] + q_inter * max(len(need[n]), len(need[1 - n])) for n in range(2)])
+        return np.array(out, dtype=np.float64)
+    return score
+
+
+def test_scoring_every_swap_finds_one_the_work_estimate_drops():
+    """Documents of 11, 9, 6 and 6 tokens on two nodes of 16, keys 4x a pair: node-level contiguous
+    scores 81 + 4*5 = 101 and 72 + 4*5 = 92 (B's first 5 tokens cross). Giving node 0's [12, 16) for
+    node 1's [28, 32) (a part of each span: ``halvings``) moves 18 - 14 = 4 more pairs onto the busiest
+    node, so the work estimate drops it; scored, it cuts B after its first token and D after its
+    second: 85 + 4*2 = 93 and 68 + 4*2 = 76."""
+    ids = _doc_ids([11, 9, 6, 6])
+    starts, _, _ = document_runs(ids)
+    ones = np.ones(starts.numel())
+    work = RangeWork(starts.numpy(), ones, 1 - starts.double().numpy(), 32)
+    score = _two_node_score(ids, 4.0)
+    estimated = RangeSwaps([[(0, 16)], [(16, 32)]], score, work, halvings=True)
+    assert estimated.total.tolist() == [101, 92]
+    assert not estimated.step()  # every swap's estimate is above 101
+    scored = RangeSwaps([[(0, 16)], [(16, 32)]], score, work, halvings=True, score_all=512)
+    assert scored.step() and scored.owned == [[(0, 12), (28, 32)], [(12, 28)]]
+    assert scored.total.tolist() == [93, 76]
+    whole = RangeSwaps([[(0, 16)], [(16, 32)]], score, work, score_all=512)  # n = 16 only: the spans trade places
+    assert not whole.step()

@@ -38,8 +38,13 @@ searches): the per-node searches split a document over m ranks at equal work
 and pack the rest by a greedy key, which leaves a node's ranks 10-20% apart
 where a few documents carry most of the work. The node-level peers contiguous
 and zigzag nested in themselves are the flat contiguous and zigzag layouts. The
-finalists (the layout, swapped and not, and the flat contiguous and zigzag) are
-priced exactly with the full model (``hierarchy.layout_traffic``), which picks.
+node-level search never cuts a document light enough for one node, even where a
+few keys over IB would buy the balance: range swaps between nodes
+(``_swapped_node_layouts``, each node one rank of the node-level count) from the
+best node layouts add the two best node layouts they reach, each searched and
+swapped inside its nodes the same way. The finalists (every node layout's,
+swapped and not, and the flat contiguous and zigzag) are priced exactly with
+the full model (``hierarchy.layout_traffic``), which picks.
 
 Choice (one level): the least modeled time, except that a candidate within
 BALANCE_GOAL (work max/mean) wins if it costs at most BALANCE_PRICE more and is
@@ -101,6 +106,22 @@ SWAP_ROUND_POSITIONS = 32 * 131072
 # ... and not past SWAP_MAX_POSITIONS: at 1M positions 4 rounds and the exact pricing of one more
 # finalist cost ~25 ms of a 100 ms planning budget and gained <= 0.004x ideal (bench/SUMMARY.md).
 SWAP_MAX_POSITIONS = 1 << 19
+# Two levels: range swaps between nodes (``_swapped_node_layouts``; as many rounds as inside nodes,
+# off past NODE_SWAP_MAX_POSITIONS: at 512k / cp 32 they changed none of the 27 mixes' layouts and
+# cost ~28 ms a plan) start from the NODE_SWAP_STARTS best node layouts and node-level
+# contiguous; a round scores every swap off the busiest node when there are at most
+# NODE_SWAP_SCORE_ALL (else the work estimate shortlists) and gives up on two nodes holding more than
+# NODE_SWAP_PAIRS pairs of ranges (a many-range node layout: the swaps' scoring would cost more than
+# the whole search). The NODE_SWAP_KEEP best node layouts reached get the per-node searches and a
+# swap pass inside nodes of at most NODE_SWAP_ROUND_POSITIONS / P rounds (2 at 128k).
+# Chosen on the 27 scale and worst-case mixes at 128k / cp 16 (mean modeled / ideal 1.143 -> 1.136,
+# layout time ~1.8x) and on tiny inputs (none above the exhaustive optimum, tests/test_topology.py).
+NODE_SWAP_STARTS = 5
+NODE_SWAP_SCORE_ALL = 64
+NODE_SWAP_KEEP = 2
+NODE_SWAP_PAIRS = 16
+NODE_SWAP_ROUND_POSITIONS = 2 * 131072
+NODE_SWAP_MAX_POSITIONS = 1 << 18
 # Steps 2-3 run in lockstep (``_pack_lockstep``) when the packings' whole units are at least this many
 # times the longest packing's (its steps): one numpy step costs about what ~30 packings' Python steps
 # do (measured at 1M / cp 64: a group's 8 nodes at every threshold, 40-70 packings of ~100 units).
@@ -390,9 +411,11 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
                         bundle=max(1, int(P // cp * BUNDLE_FRACTION)), thresholds=NODE_LEVEL_THRESHOLDS)
         finalists = []
         q = cost_model.positions_per_pair
-        for c in nodes.order()[:NODE_FINALISTS]:
+        node_layouts = [(nodes.labels[c], nodes.owned(c)) for c in nodes.order()[:NODE_FINALISTS]]
+        if table.windows.full_only:
+            node_layouts += _swapped_node_layouts(table, nodes, cost_model.positions_per_pair_inter)
+        for k, (node_label, node_owned) in enumerate(node_layouts):
             per_node, labels = [], []
-            node_owned = nodes.owned(c)
             # Which rank of a node sends the rows other nodes read is the node's own choice: priced in
             # its search (the hierarchical exchange, full attention; the exact pricing judges the rest).
             exchange = _NodeExchange(table, node_owned, g, cost_model.positions_per_pair_inter) \
@@ -402,10 +425,12 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
                 best = inner.cheapest()
                 per_node.append(inner.owned(best))
                 labels.append(inner.labels[best])
-            label = f"{nodes.labels[c]} > {_summarize(labels)}"
+            label = f"{node_label} > {_summarize(labels)}"
             finalists.append((label, [spans for owned in per_node for spans in owned]))
             if table.windows.full_only:
-                swapped = _swapped_nodes(table, per_node, g, q, exchange)
+                # The node search's own layouts get the full pass; the swapped ones a shorter one.
+                positions = SWAP_ROUND_POSITIONS if k < NODE_FINALISTS else NODE_SWAP_ROUND_POSITIONS
+                swapped = _swapped_nodes(table, per_node, g, q, exchange, positions)
                 if swapped is not None:
                     finalists.append((f"{label} + swaps", swapped))
     L = P // cp
@@ -419,12 +444,13 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
 
 
 def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: float,
-                   exchange: Optional[_NodeExchange] = None) -> Optional[Owned]:
+                   exchange: Optional[_NodeExchange] = None, positions: int = SWAP_ROUND_POSITIONS
+                   ) -> Optional[Owned]:
     """The group's layout after range swaps (``swaps``) inside its nodes, each node scored like its
     search (work + q * max(in, out) over its g ranks, keys from other nodes received like the rest,
     plus ``exchange``'s IB time); None if no swap helped (or the sequence is too long for the pass:
     SWAP_MAX_POSITIONS)."""
-    rounds = min(NODE_SWAP_ROUNDS, SWAP_ROUND_POSITIONS // table.P) if table.P <= SWAP_MAX_POSITIONS else 0
+    rounds = min(NODE_SWAP_ROUNDS, positions // table.P) if table.P <= SWAP_MAX_POSITIONS else 0
     if rounds == 0:
         return None
 
@@ -447,6 +473,46 @@ def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: floa
         if not search.step():
             break
     return search.owned if search.swaps else None
+
+
+def _swapped_node_layouts(table: _UnitTable, nodes: "_Found", q_inter: float) -> List[Tuple[str, Owned]]:
+    """Node layouts after range swaps between nodes (``swaps``, any length halving the shorter range),
+    each node one rank of the node-level search's count (work + q_inter * max(in, out)), from the
+    NODE_SWAP_STARTS best node layouts and node-level contiguous: the NODE_SWAP_KEEP best by that
+    count (its busiest node) of those that no start already is.
+
+    The node-level search keeps a document that fits a node whole in one node and splits the rest at
+    equal work, so it never cuts a light document where few of its keys would cross: two nodes
+    trading a part of their spans each (one document's first token to one node, another's tail to the
+    other) can balance their work for a handful of keys over IB."""
+    cp = nodes.cp
+    rounds = min(NODE_SWAP_ROUNDS, SWAP_ROUND_POSITIONS // table.P) if table.P <= NODE_SWAP_MAX_POSITIONS else 0
+    if rounds == 0 or cp < 2:
+        return []
+
+    def score(cands: Sequence[Owned], pairs, base) -> np.ndarray:
+        flat = _flatten_np(list(cands), cp)
+        work, inn, out = _traffic_np(table, cp, *flat)
+        return work.astype(np.float64) + q_inter * np.maximum(inn, out).astype(np.float64)
+
+    starts = nodes.order()[:NODE_SWAP_STARTS]
+    starts += [0] if 0 not in starts else []  # 0: node-level contiguous (the search's first candidate)
+    seen = [_merged_layout(nodes.owned(c)) for c in starts]
+    out: List[Tuple[str, Owned]] = []
+    for c in starts:
+        search = RangeSwaps(nodes.owned(c), score, _range_work(table), halvings=True,
+                            score_all=NODE_SWAP_SCORE_ALL, max_pairs=NODE_SWAP_PAIRS)
+        for _ in range(rounds):
+            if not search.step():
+                break
+        if search.swaps and search.owned not in seen:
+            seen.append(search.owned)
+            out.append((float(search.total.max()), len(out), f"{nodes.labels[c]} + node swaps", search.owned))
+    return [(label, owned) for _, _, label, owned in sorted(out)[:NODE_SWAP_KEEP]]
+
+
+def _merged_layout(owned: Owned) -> Owned:
+    return [merged_spans(spans) for spans in owned]
 
 
 def _range_work(table: _UnitTable) -> RangeWork:

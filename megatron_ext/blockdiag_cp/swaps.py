@@ -7,22 +7,31 @@ between two ranks keeps that, and moves work (and keys) between them:
     rank B             ..[ b0 ]...[ y: n tokens ]......       B gives y to A
 
 x is a prefix or a suffix of one of A's ranges, y of one of B's, and n the
-shorter of the two ranges, so one of them moves whole; A and B share a group
-(a node: a swap never moves keys' owners across nodes). A round estimates every
-swap off A at once by the work it moves (``RangeWork``, closed form; the keys
-taken as they were), scores each peer's best estimate with the caller's scorer
-(keys included), and takes the best of those if it lowers the busiest rank (or
-keeps it and lowers the second busiest: ties move on). The search ends when
-none helps or the caller's rounds run out; A is always the busiest rank of the
-whole group, so the rank that sets the step's time is the one worked on.
+shorter of the two ranges, so one of them moves whole (``halvings``: also every
+power of two below it, so that two long ranges trade a part: a node layout of a
+few long spans); A and B share a group (a node: a swap never moves keys' owners
+across nodes). A round estimates every swap off A at once by the work it moves
+(``RangeWork``, closed form; the keys taken as they were), scores each peer's
+best estimate with the caller's scorer (keys included), and takes the best of
+those if it lowers the busiest rank (or keeps it and lowers the second busiest:
+ties move on). With at most ``score_all`` swaps off A, the scorer scores every
+one instead: a swap that moves more work onto A can still lower it, by cutting a
+document where fewer of its keys cross (the estimate would drop it). The search
+ends when none helps or the caller's rounds run out; A is always the busiest
+rank of the whole group, so the rank that sets the step's time is the one
+worked on.
 
 The balanced layout runs it on the two-level search's result, every node scored
-by the search's own count (work + keys; ``balanced._swapped_nodes``).
+by the search's own count (work + keys; ``balanced._swapped_nodes``), and over
+the nodes of its best node layouts, each node one rank of the node-level count
+(``balanced._swapped_node_layouts``).
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .intervals import _expand_np
 
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
 TOLERANCE = 1e-12  # relative: a swap must lower a score by more than rounding
@@ -72,10 +81,12 @@ def merged_spans(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
 class RangeSwaps:
     """One layout's search (see the module docstring); the scorer counts in ``range_work``'s units."""
 
-    def __init__(self, owned: Owned, score: Scorer, range_work: RangeWork, group: int = 0):
+    def __init__(self, owned: Owned, score: Scorer, range_work: RangeWork, group: int = 0,
+                 halvings: bool = False, score_all: int = 0, max_pairs: int = 0):
         self.owned = [merged_spans(o) for o in owned]
         self.score, self.range_work = score, range_work
         self.group = group or len(self.owned)  # swaps stay inside groups of this many ranks (nodes)
+        self.halvings, self.score_all, self.max_pairs = halvings, score_all, max_pairs
         self.total = score([self.owned], None, None)[0]  # [cp]
         self.done = len(self.owned) < 2
         self.swaps = 0
@@ -85,13 +96,17 @@ class RangeSwaps:
         mine = self.owned[A]
         lo = A // self.group * self.group
         others = [(r, k, a, b) for r in range(lo, lo + self.group) if r != A for k, (a, b) in enumerate(self.owned[r])]
-        if not mine or not others:
+        if not mine or not others or 0 < self.max_pairs < len(mine) * len(others):
             return None
         ma = np.array([a for a, _ in mine], dtype=np.int64)
         mb = np.array([b for _, b in mine], dtype=np.int64)
         ob = np.array(others, dtype=np.int64)  # [m, 4]: rank, index, a, b
         i, j = (x.ravel() for x in np.meshgrid(np.arange(ma.size), np.arange(ob.shape[0]), indexing="ij"))
         n = np.minimum(mb[i] - ma[i], ob[j, 3] - ob[j, 2])
+        if self.halvings:  # also 2^k < n (k >= 0) for every pair of ranges
+            top = np.floor(np.log2(np.maximum(n - 1, 1))).astype(np.int64) + (n > 1)  # 2^k < n: k < top
+            pair, k = _expand_np(np.zeros_like(top), top + 1)  # k = 0 .. top per pair; k = top: n itself
+            i, j, n = i[pair], j[pair], np.where(k == top[pair], n[pair], 1 << k)
         # x: A's prefix or suffix, y: B's prefix or suffix (one choice when a range moves whole).
         xs = np.concatenate([ma[i], mb[i] - n, ma[i], mb[i] - n])
         ys = np.concatenate([ob[j, 2], ob[j, 2], ob[j, 3] - n, ob[j, 3] - n])
@@ -122,12 +137,15 @@ class RangeSwaps:
             self.done = True
             return False
         B, ia, ib, x, y, n = options
-        moved = self.range_work.of(y, y + n) - self.range_work.of(x, x + n)  # what A gains
-        estimate = np.maximum(self.total[A] + moved, self.total[B] - moved)
-        ranked = np.argsort(estimate, kind="stable")
-        # Each peer's best swap (its first place in ``ranked``), the PEERS best of those.
-        order = ranked[np.sort(np.unique(B[ranked], return_index=True)[1])[:PEERS]]
-        order = order[estimate[order] < self.total[A]]
+        if B.size <= self.score_all:
+            order = np.arange(B.size)
+        else:
+            moved = self.range_work.of(y, y + n) - self.range_work.of(x, x + n)  # what A gains
+            estimate = np.maximum(self.total[A] + moved, self.total[B] - moved)
+            ranked = np.argsort(estimate, kind="stable")
+            # Each peer's best swap (its first place in ``ranked``), the PEERS best of those.
+            order = ranked[np.sort(np.unique(B[ranked], return_index=True)[1])[:PEERS]]
+            order = order[estimate[order] < self.total[A]]
         if order.size == 0:
             self.done = True
             return False
