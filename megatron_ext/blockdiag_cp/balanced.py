@@ -412,6 +412,7 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
         finalists = []
         q = cost_model.positions_per_pair
         node_layouts = [(nodes.labels[c], nodes.owned(c)) for c in nodes.order()[:NODE_FINALISTS]]
+        searched = len(node_layouts)  # the node search's own; after them, those the node swaps reached
         if table.windows.full_only:
             node_layouts += _swapped_node_layouts(table, nodes, cost_model.positions_per_pair_inter)
         for k, (node_label, node_owned) in enumerate(node_layouts):
@@ -429,7 +430,7 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
             finalists.append((label, [spans for owned in per_node for spans in owned]))
             if table.windows.full_only:
                 # The node search's own layouts get the full pass; the swapped ones a shorter one.
-                positions = SWAP_ROUND_POSITIONS if k < NODE_FINALISTS else NODE_SWAP_ROUND_POSITIONS
+                positions = SWAP_ROUND_POSITIONS if k < searched else NODE_SWAP_ROUND_POSITIONS
                 swapped = _swapped_nodes(table, per_node, g, q, exchange, positions)
                 if swapped is not None:
                     finalists.append((f"{label} + swaps", swapped))
@@ -450,7 +451,7 @@ def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: floa
     search (work + q * max(in, out) over its g ranks, keys from other nodes received like the rest,
     plus ``exchange``'s IB time); None if no swap helped (or the sequence is too long for the pass:
     SWAP_MAX_POSITIONS)."""
-    rounds = min(NODE_SWAP_ROUNDS, positions // table.P) if table.P <= SWAP_MAX_POSITIONS else 0
+    rounds = _swap_rounds(table.P, positions, SWAP_MAX_POSITIONS)
     if rounds == 0:
         return None
 
@@ -459,8 +460,7 @@ def _swapped_nodes(table: _UnitTable, per_node: Sequence[Owned], g: int, q: floa
         jobs = [(0, n) for n in range(len(cands[0]) // g)] if pairs is None else \
             [(k, A // g) for k, (A, _) in enumerate(pairs)]
         flat = _flatten_np([cands[k][n * g:(n + 1) * g] for k, n in jobs], g)
-        w, inn, out = _traffic_np(table, g, *flat)
-        node_scores = w.astype(np.float64) + q * np.maximum(inn, out).astype(np.float64)  # [jobs, g]
+        node_scores = _rank_counts(table, g, flat, q)  # [jobs, g]
         if exchange is not None:
             node_scores += exchange.pairs(np.array([n for _, n in jobs]), *flat)
         scores = np.zeros((len(cands), len(cands[0]))) if base is None else np.tile(base, (len(cands), 1))
@@ -486,14 +486,12 @@ def _swapped_node_layouts(table: _UnitTable, nodes: "_Found", q_inter: float) ->
     trading a part of their spans each (one document's first token to one node, another's tail to the
     other) can balance their work for a handful of keys over IB."""
     cp = nodes.cp
-    rounds = min(NODE_SWAP_ROUNDS, SWAP_ROUND_POSITIONS // table.P) if table.P <= NODE_SWAP_MAX_POSITIONS else 0
+    rounds = _swap_rounds(table.P, SWAP_ROUND_POSITIONS, NODE_SWAP_MAX_POSITIONS)
     if rounds == 0 or cp < 2:
         return []
 
     def score(cands: Sequence[Owned], pairs, base) -> np.ndarray:
-        flat = _flatten_np(list(cands), cp)
-        work, inn, out = _traffic_np(table, cp, *flat)
-        return work.astype(np.float64) + q_inter * np.maximum(inn, out).astype(np.float64)
+        return _rank_counts(table, cp, _flatten_np(list(cands), cp), q_inter)
 
     starts = nodes.order()[:NODE_SWAP_STARTS]
     starts += [0] if 0 not in starts else []  # 0: node-level contiguous (the search's first candidate)
@@ -509,6 +507,19 @@ def _swapped_node_layouts(table: _UnitTable, nodes: "_Found", q_inter: float) ->
             seen.append(search.owned)
             out.append((float(search.total.max()), len(out), f"{nodes.labels[c]} + node swaps", search.owned))
     return [(label, owned) for _, _, label, owned in sorted(out)[:NODE_SWAP_KEEP]]
+
+
+def _swap_rounds(P: int, positions: int, max_positions: int) -> int:
+    """Rounds of a swap pass over P positions: NODE_SWAP_ROUNDS, fewer past ``positions`` / P, none
+    past ``max_positions``."""
+    return min(NODE_SWAP_ROUNDS, positions // P) if P <= max_positions else 0
+
+
+def _rank_counts(table: _UnitTable, ranks: int, flat, q: float) -> np.ndarray:
+    """work + q * max(received, sent) [n_candidates, ranks], full attention, on ``_flatten_np``'s arrays:
+    the count the swap passes score (a rank, or a node as one rank)."""
+    work, inn, out = _traffic_np(table, ranks, *flat)
+    return work.astype(np.float64) + q * np.maximum(inn, out).astype(np.float64)
 
 
 def _merged_layout(owned: Owned) -> Owned:
