@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--comm-real-kernel", action="store_true",
                    help="run the real dense kernel in the comm suite too (slow at cp=8; bytes are equal)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--compare", action="append", default=[], metavar="ARCHIVE",
+                   help="SUMMARY.md: put an archived run (bench/archive/*.jsonl) beside this one; repeatable")
     p.add_argument("--dry-run", action="store_true",
                    help="gpu_check: CPU, fp32, tiny sizes, the flash test double in place of the CUDA kernel")
     p.add_argument("--budget-s", type=float, default=420.0, help="gpu_check: start no check after this")
@@ -217,7 +219,7 @@ def main(argv=None) -> int:
     import summary
 
     with open(os.path.join(args.out, "SUMMARY.md"), "w") as f:
-        f.write(summary.render(all_rows))
+        f.write(summary.render(all_rows, [summary.Archive(a) for a in args.compare]))
     _log(f"summary {os.path.join(args.out, 'SUMMARY.md')}")
     failed = [r for r in rows if r.get("passed") is False]
     if failed:

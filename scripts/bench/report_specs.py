@@ -1,0 +1,784 @@
+"""What each benchmark suite puts in bench/SUMMARY.md: its targets (the claim, the configurations it
+is judged on, the figures printed with it) and its tables (how a record is read from the rows of
+bench/results.jsonl, the columns, the columns an archived run can fill). summary.py renders them.
+"""
+
+import statistics
+from collections import defaultdict
+from typing import Dict
+
+from summary import Check, Column, Compare, Suite, Table, Target, mark, misses
+
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+EXCHANGES = ("allgather", "halo", "a2a")
+MIXES = ("short", "heavy_tail", "single")  # the mixes of the process suites, in table order
+MiB = 2**20
+
+
+def fmt(spec: str, suffix: str = "", scale: float = 1.0):
+    """A cell formatter: ``-`` for a missing value, else ``format(scale * v, spec) + suffix``."""
+    return lambda v: "-" if v is None else format(scale * v, spec) + suffix
+
+
+def suite(*names):
+    return lambda rows: [r for r in rows if r["suite"] in names]
+
+
+def _ratio(num: float, den: float) -> float:
+    return float("inf") if den == 0 else num / den
+
+
+def _config(r: Dict) -> str:
+    return f"{r['mix']}/S={r['S']}/cp={r['cp']}"
+
+
+# --- comm -------------------------------------------------------------------------------------
+
+
+def _comm_index(rows):
+    return {(r["mix"], r["S"], r["cp"], r["layout"], r["exchange"]): r for r in rows if r["suite"] == "comm"}
+
+
+def _a2a_exact(rows):
+    return [Check(f"{_config(r)}/{r['layout']}", r["recv_equals_lower_bound"]
+                  and sum(r["bytes_sent"]) == sum(r["lower_bound_per_rank"]))
+            for r in rows if r["suite"] == "comm" and r["exchange"] == "a2a"]
+
+
+def _halo_rows(rows):
+    return [r for r in rows if r["suite"] == "comm" and r["exchange"] == "halo"]
+
+
+def _halo_exact(rows):
+    return [Check(f"{_config(r)}/{r['layout']}", r["recv_equals_lower_bound"])
+            for r in _halo_rows(rows) if r["exchange_resolved"] == "halo"]
+
+
+def _halo_fallbacks(checks, rows):
+    halo = _halo_rows(rows)
+    fell = [r for r in halo if r["exchange_resolved"] != "halo"]
+    by_layout = ", ".join(f"{l} {sum(r['layout'] == l for r in fell)}/{sum(r['layout'] == l for r in halo)}"
+                          for l in LAYOUTS if any(r["layout"] == l for r in halo))
+    text = (f"it fell back to a2a on {len(fell)}/{len(halo)} (by layout: {by_layout}); fallbacks also move "
+            f"exactly the lower bound: {mark(all(r['recv_equals_lower_bound'] for r in halo))}")
+    return "; ".join(x for x in (misses(checks), text) if x)
+
+
+def _needed_only_vs_allgather(rows):
+    idx = _comm_index(rows)
+    got = [r for r in rows if r["suite"] == "comm" and r["mix"] == "short" and r["cp"] == 8
+           and r["exchange"] in ("halo", "a2a")]
+    got.sort(key=lambda r: (r["S"], r["layout"], r["exchange"]))
+    checks = []
+    for r in got:
+        x = _ratio(idx[("short", r["S"], 8, r["layout"], "allgather")]["bytes_max"], r["bytes_max"])
+        checks.append(Check(f"S={r['S']} {r['layout']}/{r['exchange']}", x >= 20, x))
+    return checks
+
+
+def _listed(spec: str, suffix: str = "×", word: str = "ratios"):
+    return lambda checks, rows: f"{word} " + ", ".join(f"{c.label} {c.value:{spec}}{suffix}" for c in checks)
+
+
+def _kib(n):
+    return "-" if n is None else f"{n / 1024:.1f}"
+
+
+def _comm_records(rows):
+    idx = _comm_index(rows)
+    comm = [r for r in rows if r["suite"] == "comm"]
+    out = []
+    for mix in sorted({r["mix"] for r in comm}, key=MIXES.index):
+        for S in sorted({r["S"] for r in comm}):
+            for cp in sorted({r["cp"] for r in comm}):
+                for layout in LAYOUTS:
+                    cells = {e: idx.get((mix, S, cp, layout, e)) for e in EXCHANGES}
+                    if all(cells.values()):
+                        out.append({"mix": mix, "S": S, "cp": cp, "layout": layout,
+                                    **{e: cells[e]["bytes_max"] for e in EXCHANGES},
+                                    "halo_fell_back": cells["halo"]["exchange_resolved"] != "halo",
+                                    "lb": cells["a2a"]["lower_bound_bytes"]})
+    return out
+
+
+def _comm_note(records):
+    return ("Largest per-rank K/V bytes sent or received by one `blockdiag_cp_attention` call, in KiB, at "
+            f"{records[0]['row_bytes']} bytes per K/V row (b=1, Hkv=1, D=8, fp32: scale by b·Hkv·D·dtype/32 "
+            "for a model); `lb` is that rank's lower bound (bytes of the positions its queries need and it "
+            "does not own). `halo*` = halo fell back to a2a (a document straddles more than one boundary). "
+            "The busiest rank can be a sender, so a needed-only cell can exceed `lb` while every rank still "
+            "receives exactly its own lower bound (see the targets above).")
+
+
+def _with_row_bytes(records_fn):
+    def records(rows):
+        comm = [r for r in rows if r["suite"] == "comm"]
+        return [{**rec, "row_bytes": comm[0].get("kv_row_bytes")} for rec in records_fn(rows)]
+    return records
+
+
+COMM = Suite(
+    "comm", suite("comm"),
+    targets=(
+        Target("a2a moves exactly the lower bound (every rank receives exactly its lower bound, total sent = "
+               "total needed)", _a2a_exact, unit="configurations"),
+        Target("halo equals the lower bound whenever every straddle comes from the previous shard",
+               _halo_exact, _halo_fallbacks, unit="configurations where halo applied"),
+        Target("short mix, cp=8: needed-only exchanges move >= 20× fewer bytes (bytes_max) than allgather",
+               _needed_only_vs_allgather, _listed(".1f")),
+    ),
+    tables=(
+        Table("Communication: K/V bytes per rank per layer (measured by the exchange)",
+              _with_row_bytes(_comm_records), note=_comm_note, split="mix", split_title="mix `{}`",
+              columns=(Column("S", "S"), Column("cp", "cp"), Column("layout", "layout", align="left"),
+                       Column("allgather", "allgather", _kib),
+                       Column("halo", lambda r: _kib(r["halo"]) + ("*" if r["halo_fell_back"] else ""), str),
+                       Column("a2a", "a2a", _kib), Column("lb", "lb", _kib),
+                       Column("allgather / a2a", lambda r: "∞" if r["a2a"] == 0 else
+                              f"{r['allgather'] / r['a2a']:.1f}×", str))),
+    ),
+)
+
+
+# --- balance ----------------------------------------------------------------------------------
+
+
+def _balanced_work(rows):
+    return [Check(_config(r), r["work_max_over_mean"] <= 1.05, r["work_max_over_mean"])
+            for r in rows if r["suite"] == "balance" and r["layout"] == "balanced"]
+
+
+def _balanced_bytes(rows):
+    comm = _comm_index(rows)
+    checks = []
+    for r in rows:
+        if r["suite"] != "balance" or r["layout"] != "balanced":
+            continue
+        b = comm.get((r["mix"], r["S"], r["cp"], "balanced", "a2a"))
+        c = comm.get((r["mix"], r["S"], r["cp"], "contiguous", "halo"))
+        if b and c:
+            x = 1.0 if b["bytes_max"] == c["bytes_max"] else _ratio(b["bytes_max"], c["bytes_max"])
+            checks.append(Check(_config(r), x <= 1.2, x))
+    return checks
+
+
+def _balance_records(rows):
+    bal = [r for r in rows if r["suite"] == "balance"]
+    idx = {(r["mix"], r["S"], r["cp"], r["layout"]): r["work_max_over_mean"] for r in bal}
+    out = []
+    for mix in MIXES:
+        for S in sorted({r["S"] for r in bal}):
+            for cp in sorted({r["cp"] for r in bal}):
+                vals = {l: idx.get((mix, S, cp, l)) for l in LAYOUTS}
+                if None not in vals.values():
+                    out.append({"mix": mix, "S": S, "cp": cp, **vals})
+    return out
+
+
+def _balance_spread(rows):
+    bal = [r for r in rows if r["suite"] == "balance"]
+    out = []
+    for layout in LAYOUTS:
+        vals = [r["work_max_over_mean"] for r in bal if r["layout"] == layout]
+        if vals:
+            out.append({"layout": f"`{layout}`", "min": min(vals), "median": statistics.median(vals),
+                        "max": max(vals), "points": len(vals)})
+    return out
+
+
+BALANCE = Suite(
+    "balance", suite("balance"),
+    targets=(
+        Target("`balanced` work max/mean <= 1.05 on every mix/S/cp", _balanced_work,
+               lambda checks, rows: misses(checks, ".3f")),
+        Target("`balanced` (needed-only exchange) bytes_max within 1.2× of contiguous+halo", _balanced_bytes,
+               lambda checks, rows: misses([Check(c.label, c.ok, f"{c.value:.2f}×") for c in checks])),
+    ),
+    tables=(
+        Table("Balance: max / mean causal work across ranks (ideal 1.0)", _balance_records,
+              columns=(Column("mix", "mix", align="left"), Column("S", "S"), Column("cp", "cp"))
+              + tuple(Column(l, l, ".3f") for l in LAYOUTS)),
+        Table("Balance per layout over every mix/S/cp point", _balance_spread, level=3,
+              columns=(Column("layout", "layout", align="left"), Column("min", "min", ".3f"),
+                       Column("median", "median", ".3f"), Column("max", "max", ".3f"),
+                       Column("points", "points"))),
+    ),
+)
+
+
+# --- speed and speed_memory -------------------------------------------------------------------
+
+
+def _speed_key(r):
+    return (r["mix"], r["S"], r["baseline"], r["layout"], r["exchange"])
+
+
+def _speed_groups(rows):
+    groups = defaultdict(dict)
+    for r in rows:
+        if r["suite"] == "speed":
+            groups[(r["mix"], r["S"])][(r["baseline"], r["layout"], r["exchange"])] = r["seconds"]
+    return groups
+
+
+def _dense_vs_ideal(rows):
+    checks = []
+    for (mix, S), g in sorted(_speed_groups(rows).items()):
+        one, ideal = g.get(("single_process", "-", "-")), g.get(("per_doc_ideal", "-", "-"))
+        if one and ideal:
+            checks.append(Check(f"{mix}/S={S}", one / ideal <= 1.3, one / ideal))
+    return checks
+
+
+FULL_MASK = ("allgather_full_mask", "contiguous", "allgather")
+
+
+def _ours_vs_full_mask(rows):
+    g = _speed_groups(rows).get(("short", 16384), {})
+    if FULL_MASK not in g:
+        return []
+    return [Check(f"{k[1]}/{k[2]}", g[FULL_MASK] / v >= 5, g[FULL_MASK] / v) for k, v in g.items() if k[0] == "ours"]
+
+
+def _speedups(checks, rows):
+    fm = _speed_groups(rows)[("short", 16384)][FULL_MASK]
+    vals = [c.value for c in checks]
+    text = f"speed-ups {min(vals):.1f}× to {max(vals):.1f}× (full mask {fm:.2f} s)"
+    bad = [c for c in checks if not c.ok]
+    return text + ("; misses: " + ", ".join(f"{c.label} {c.value:.1f}×" for c in bad) if bad else "")
+
+
+def _speed_records(rows):
+    mem = {_speed_key(r): r for r in rows if r["suite"] == "speed_memory"}
+    groups = defaultdict(list)
+    for r in rows:
+        if r["suite"] == "speed":
+            groups[(r["mix"], r["S"])].append(r)
+    out = []
+    for (mix, S), rs in sorted(groups.items(), key=lambda g: (g[0][1], MIXES.index(g[0][0]))):
+        ideal = next((r["seconds"] for r in rs if r["baseline"] == "per_doc_ideal"), None)
+        for r in sorted(rs, key=lambda r: r["seconds"]):
+            m = mem.get(_speed_key(r))
+            out.append({**r, "contender": r["baseline"] if r["baseline"] != "ours" else "ours (cp=2)",
+                        "vs_ideal": r["seconds"] / ideal if ideal else None,
+                        "peak": m["peak_bytes"] if m else None})
+    return out
+
+
+def _growth(rows):
+    """Short mix: peak bytes per (contender, layout, exchange) at the smallest and largest S."""
+    mem = [r for r in rows if r["suite"] == "speed_memory" and r["mix"] == "short"]
+    Ss = sorted({r["S"] for r in mem})
+    if len(Ss) < 2:
+        return None, None, []
+    lo, hi = Ss[0], Ss[-1]
+    by = defaultdict(dict)
+    for r in mem:
+        by[(r["baseline"], r["layout"], r["exchange"])][r["S"]] = r["peak_bytes"]
+    out = [{"contender": k[0], "config": f"{k[1]}/{k[2]}", "lo": v[lo], "hi": v[hi], "growth": v[hi] / v[lo]}
+           for k, v in sorted(by.items()) if lo in v and hi in v and v[lo] > 0]
+    return lo, hi, out
+
+
+def _no_s_term(rows):
+    lo, hi, got = _growth(rows)
+    return [Check(f"{g['contender']} {g['config']}", g["growth"] <= 1.5 * hi / lo, g["growth"])
+            for g in got if g["contender"] == "ours"]
+
+
+def _no_s_term_claim(rows):
+    lo, hi, _ = _growth(rows)
+    return (f"memory, short mix, no local_len × S term in ours: from S={lo} to S={hi} (S grows {hi / lo:.0f}×; a "
+            f"local_len × S term grows {(hi / lo) ** 2:.0f}×) every ours configuration's peak grows at most "
+            f"1.5 × {hi / lo:.0f}×")
+
+
+def _growth_columns(records):
+    lo, hi = records[0]["S_lo"], records[0]["S_hi"]
+    return (Column("contender", "contender", align="left"), Column("layout/exchange", "config", align="left"),
+            Column(f"peak MiB S={lo}", "lo", fmt(".0f", scale=1 / MiB)),
+            Column(f"peak MiB S={hi}", "hi", fmt(".0f", scale=1 / MiB)), Column("growth", "growth", fmt(".1f", "×")))
+
+
+def _growth_records(rows):
+    lo, hi, got = _growth(rows)
+    return [{**g, "S_lo": lo, "S_hi": hi} for g in got]
+
+
+SPEED = Suite(
+    "speed", suite("speed", "speed_memory"),
+    targets=(
+        Target("our dense kernel on one process within 1.3× of the per-document ideal", _dense_vs_ideal,
+               _listed(".2f")),
+        Target("ours >= 5× faster than allgather_full_mask on the short mix at S=16384 (cp=2)", _ours_vs_full_mask,
+               _speedups, unit="layout/exchange pairs"),
+        Target(_no_s_term_claim, _no_s_term, unit="configurations"),
+    ),
+    tables=(
+        Table("Speed and memory: one attention layer, forward + backward, CPU fp32", _speed_records,
+              note="b=1, 8 heads, head dim 64, fp32; cp=2 on gloo (2 processes × 1 thread); the single-process "
+                   "contenders run on one process × 1 thread. Median of interleaved repetitions, slowest rank; "
+                   "peak = most tensor memory held during build + fwd + bwd above the inputs, per rank (max over "
+                   "ranks).",
+              columns=(Column("mix", "mix", align="left"), Column("S", "S"),
+                       Column("contender", "contender", align="left"), Column("layout", "layout", align="left"),
+                       Column("exchange", "exchange", align="left"), Column("seconds", "seconds", ".3f"),
+                       Column("vs per_doc_ideal", "vs_ideal", fmt(".2f", "×")),
+                       Column("peak MiB", "peak", fmt(".0f", scale=1 / MiB)))),
+        Table("Peak memory as S grows, short mix", _growth_records, level=3, columns=_growth_columns),
+    ),
+)
+
+
+# --- memory (per rank as cp grows) ------------------------------------------------------------
+
+
+def _mem_rows(rows, kernel="stub", engine="current"):
+    return [r for r in rows if r["suite"] == "memory" and r["kernel"] == kernel and r.get("engine") == engine]
+
+
+def _refetch_rows(rows):
+    return [r for r in _mem_rows(rows) + _mem_rows(rows, "dense") if r["kv_backward"] == "refetch"]
+
+
+def _cp4_over_cp2(rows):
+    by = {(r["kernel"], r["mix"], r["S"], r["layout"], r["exchange"], r["cp"]): r for r in _refetch_rows(rows)}
+    checks = []
+    for k in by:
+        if k[5] == 2 and k[:5] + (4,) in by:
+            x = by[k[:5] + (4,)]["peak_bytes"] / by[k]["peak_bytes"]
+            checks.append(Check(f"{k[0]}/{k[1]}/S={k[2]}/{k[3]}/{k[4]}", x <= 0.6, x))
+    return checks
+
+
+def _range(spec: str, suffix: str = ""):
+    def figures(checks, rows):
+        vals = [c.value for c in checks]
+        return f"ratios {min(vals):{spec}}–{max(vals):{spec}}{suffix}" + (
+            "; " + misses(checks, spec) if not all(c.ok for c in checks) else "")
+    return figures
+
+
+def _held_over_local(rows):
+    return [Check(f"{r['kernel']}/{r['mix']}/S={r['S']}/{r['layout']}/{r['exchange']}/cp={r['cp']}",
+                  r["held_bytes"] / r["local_bytes"] <= 2, r["held_bytes"] / r["local_bytes"])
+            for r in _refetch_rows(rows)]
+
+
+def _cp_memory_records(rows):
+    groups = defaultdict(list)
+    for r in _mem_rows(rows) + _mem_rows(rows, "dense"):
+        groups[(r["kernel"], r["kv_backward"], r["mix"], r["S"])].append(r)
+    out = []
+    for (kernel, mode, mix, S), rs in sorted(groups.items()):
+        peak = {cp: max(r["peak_bytes"] for r in rs if r["cp"] == cp) for cp in sorted({r["cp"] for r in rs})}
+        out.append({"kernel": kernel, "kv_backward": mode, "mix": mix, "S": S,
+                    "peaks": " / ".join(f"{peak[cp] / MiB:.0f}" for cp in sorted(peak)),
+                    "cp4_cp2": peak[4] / peak[2] if 2 in peak and 4 in peak else None,
+                    "cp8_cp4": peak[8] / peak[4] if 4 in peak and 8 in peak else None,
+                    "held": max(r["held_bytes"] / r["local_bytes"] for r in rs)})
+    return out
+
+
+def _exposed_records(rows):
+    vals = defaultdict(list)
+    for r in _mem_rows(rows) + _mem_rows(rows, "dense"):
+        if r.get("exposed_comm_fraction_busiest") is not None and r["cp"] == 2:
+            vals[(r["mix"], r["kv_backward"])].append(r["exposed_comm_fraction_busiest"])
+    return [{"mix": m, "kv_backward": mode, "min": min(x), "median": sorted(x)[len(x) // 2], "max": max(x)}
+            for (m, mode), x in sorted(vals.items())]
+
+
+def _other_engine_records(rows):
+    now = {(r["mix"], r["S"], r["layout"], r["exchange"], r["cp"]): r for r in _mem_rows(rows, "dense")
+           if r["kv_backward"] == "refetch"}
+    other = [r for r in rows if r["suite"] == "memory" and r.get("engine", "current") != "current"]
+    out = []
+    for r in sorted(other, key=lambda r: (r["engine"], r["mix"], r["S"], r["layout"], r["exchange"], r["cp"])):
+        a = now.get((r["mix"], r["S"], r["layout"], r["exchange"], r["cp"]))
+        out.append({**r, "current": a["peak_bytes"] if a else None})
+    return out
+
+
+MEMORY = Suite(
+    "memory", suite("memory"),
+    targets=(
+        Target("memory, kv_backward=refetch: busiest rank's peak at cp=4 <= 0.6× its peak at cp=2", _cp4_over_cp2,
+               _range(".2f"), unit="(kernel, mix, S, layout, exchange)"),
+        Target("memory, kv_backward=refetch: held between forward and backward <= 2× local q/k/v/out",
+               _held_over_local,
+               lambda checks, rows: f"at most {max(c.value for c in checks):.2f}× local"
+               + ("; " + misses(checks, ".2f") if not all(c.ok for c in checks) else "")),
+    ),
+    tables=(
+        Table("Memory per rank as cp grows: one attention layer, forward + backward, CPU fp32", _cp_memory_records,
+              note="b=1, 8 heads, head dim 64; busiest rank's peak tensor memory above the inputs during forward + "
+                   "backward, and what forward leaves for backward (output included), against the rank's own "
+                   "q/k/v/out (`local`). `stub`: the engine's buffers with a kernel that returns zeros of the real "
+                   "shapes; `dense`: the real kernel. Worst over layouts x exchanges; `scripts/bench/memory.py`.",
+              columns=(Column("kernel", "kernel", align="left"), Column("kv_backward", "kv_backward", align="left"),
+                       Column("mix", "mix", align="left"), Column("S", "S"),
+                       Column("peak MiB cp=2 / 4 / 8", "peaks", align="left"),
+                       Column("cp4/cp2", "cp4_cp2", fmt(".2f")), Column("cp8/cp4", "cp8_cp4", fmt(".2f")),
+                       Column("held / local (max)", "held", ".2f"))),
+        Table("Exposed communication", _exposed_records, level=3,
+              note="Dense kernel, a timed iteration, cp = 2 (one rank per core): the share of a layer's forward + "
+                   "backward the busiest rank (most kernel time: it sets the layer's time) spent waiting for K/V "
+                   "that compute did not hide, over layouts x exchanges.",
+              columns=(Column("mix", "mix", align="left"), Column("kv_backward", "kv_backward", align="left"),
+                       Column("min", "min", ".0%"), Column("median", "median", ".0%"), Column("max", "max", ".0%"))),
+        Table("The same measurement on another engine", _other_engine_records, level=3,
+              note="Real dense kernel, busiest rank's peak MiB; the current engine with kv_backward=refetch.",
+              split="engine", split_title="engine `{}`",
+              columns=(Column("mix", "mix", align="left"), Column("S", "S"), Column("layout", "layout", align="left"),
+                       Column("exchange", "exchange", align="left"), Column("cp", "cp"),
+                       Column("that engine", "peak_bytes", fmt(".0f", scale=1 / MiB)),
+                       Column("current", "current", fmt(".0f", scale=1 / MiB)))),
+    ),
+)
+
+
+# --- layer_ab ---------------------------------------------------------------------------------
+
+
+def _layer_ab_checks(rows):
+    return [Check(f"{r['layout']}/{r['exchange']}", r["seconds_other"] / r["seconds"] >= 1.0,
+                  r["seconds_other"] / r["seconds"]) for r in rows if r["suite"] == "layer_ab"]
+
+
+def _layer_ab_claim(rows):
+    ab = [r for r in rows if r["suite"] == "layer_ab"]
+    return f"one layer at cp=2 ({ab[0]['mix']}, S={ab[0]['S']}) no slower than {ab[0]['other']}"
+
+
+def _layer_ab_figures(checks, rows):
+    ab = next(r for r in rows if r["suite"] == "layer_ab")
+    vals = [c.value for c in checks]
+    return f"{ab['other']} / {ab['engine']} {min(vals):.2f}–{max(vals):.2f}×"
+
+
+def _layer_ab_columns(records):
+    r0 = records[0]
+    return (Column("layout", "layout", align="left"), Column("exchange", "exchange", align="left"),
+            Column(f"{r0['engine']} s", "seconds", ".3f"), Column(f"{r0['other']} s", "seconds_other", ".3f"),
+            Column(f"{r0['other']} / {r0['engine']} per round", "ratio_other_over_this_per_round",
+                   lambda v: ", ".join(f"{x:.2f}" for x in v), align="left"))
+
+
+LAYER_AB = Suite(
+    "layer_ab", suite("layer_ab"),
+    targets=(Target(_layer_ab_claim, _layer_ab_checks, _layer_ab_figures, unit="layout x exchange pairs"),),
+    tables=(
+        Table("One layer against another engine (`scripts/bench/layer_ab.py`)", suite("layer_ab"),
+              note=lambda rs: f"Forward + backward of one attention layer at cp=2, mix `{rs[0]['mix']}`, "
+                              f"S={rs[0]['S']}, dense, fp32, 8 heads x 64; fresh processes per run, the two "
+                              "engines alternated; seconds are the median over rounds of each run's median "
+                              "(slowest rank).",
+              columns=_layer_ab_columns),
+    ),
+)
+
+
+# --- window -----------------------------------------------------------------------------------
+
+
+def _window_4k_records(rows):
+    head = {(r["S"], r["cp"], r["mix"], r["layout"], r["window"]): r for r in rows if r["suite"] == "window"}
+    out = []
+    for S, cp, mix in sorted({(S, cp, mix) for S, cp, mix, _, w in head if w == 4096 and mix in ("short", "long")}):
+        rec = {"S": S, "cp": cp, "mix": mix, "allgather": None, "ratio": None}
+        for layout in LAYOUTS:
+            a, b = head.get((S, cp, mix, layout, None)), head.get((S, cp, mix, layout, 4096))
+            rec[layout] = ("-" if a is None or b is None else
+                           f"{a['needed_bytes_max'] / MiB:.0f} -> {b['needed_bytes_max'] / MiB:.1f}")
+            if layout == "balanced" and b is not None:
+                rec["allgather"] = b["allgather_bytes"]
+                rec["ratio"] = b["needed_bytes_max"] / b["allgather_bytes"]
+        out.append(rec)
+    return out
+
+
+def _window_records(rows):
+    win = [r for r in rows if r["suite"] == "window"]
+    return [{**r, "ratio": r["needed_bytes_max"] / r["allgather_bytes"]}
+            for r in sorted(win, key=lambda r: (r["S"], r["cp"], r["mix"], r["layout"], r["window"] or 0))]
+
+
+WINDOW = Suite(
+    "window", suite("window"),
+    tables=(
+        Table("Sliding windows: K/V moved per layer and work, plan only", _window_4k_records,
+              note="Busiest rank's K/V received per layer by the needed-only exchanges (a2a = halo = the windowed "
+                   "lower bound: exactly the keys some query's window reaches on another rank) against the "
+                   "all-gather ring, in MiB at Llama-3-8B's K/V (4 KiB a row); work = attention pairs per rank, "
+                   "max / mean. `balanced` is laid out for the window it runs (the model's windows, "
+                   "`cost.WindowMix`). `scripts/bench/window.py`. A 4k window, short and long documents: busiest "
+                   "rank's K/V per layer, MiB (no window -> 4k window), against the all-gather ring:",
+              columns=(Column("S", "S"), Column("cp", "cp"), Column("mix", "mix", align="left"))
+              + tuple(Column(l, l, str) for l in LAYOUTS)
+              + (Column("all-gather", "allgather", fmt(".0f", scale=1 / MiB)),
+                 Column("balanced 4k / all-gather", "ratio", fmt(".3f")))),
+        Table("Every layout, mix and window", _window_records, level=3,
+              columns=(Column("S", "S"), Column("cp", "cp"), Column("mix", "mix", align="left"),
+                       Column("layout", "layout", align="left"),
+                       Column("window", "window", lambda w: str(w or "none")),
+                       Column("needed MiB", "needed_bytes_max", fmt(".1f", scale=1 / MiB)),
+                       Column("all-gather MiB", "allgather_bytes", fmt(".0f", scale=1 / MiB)),
+                       Column("needed / all-gather", "ratio", ".3f"),
+                       Column("work max/mean", "work_max_over_mean", ".3f"))),
+    ),
+)
+
+
+# --- model and gpu ----------------------------------------------------------------------------
+
+MODEL = Suite(
+    "model", suite("model"),
+    tables=(
+        Table("Model: scripts/pretrain_gpt.py on its embedded default data (2 processes)", suite("model"),
+              note="Tokens/s: median of the steady log intervals.",
+              columns=(Column("CP", "cp"), Column("DP", "dp"),
+                       Column("tokens/s", lambda r: f"skipped: {r['reason']}" if r.get("skipped")
+                              else f"{r['tokens_per_s']:.0f}", str),
+                       Column("seq", "S"), Column("backend", "backend", align="left"),
+                       Column("exchange", "exchange", align="left"), Column("layout", "layout", align="left"))),
+    ),
+)
+
+
+def _gpu_note(rows):
+    return "\n".join(f"- skipped ({r['backend']}): {r['reason']}" for r in rows if r.get("skipped"))
+
+
+GPU = Suite(
+    "gpu", suite("gpu"),
+    tables=(
+        Table("GPU", lambda rows: [r for r in rows if r["suite"] == "gpu" and r.get("skipped")],
+              note=lambda rs: _gpu_note(rs), columns=()),
+        Table("GPU: TFLOP/s per backend",
+              lambda rows: [r for r in rows if r["suite"] == "gpu" and not r.get("skipped")],
+              columns=(Column("backend", "backend", align="left"), Column("mix", "mix", align="left"),
+                       Column("S", "S"), Column("cp", "cp"), Column("layout", "layout", align="left"),
+                       Column("TFLOP/s (step)", "tflops_step", ".1f"),
+                       Column("of peak", "fraction_of_peak", fmt(".1f", "%", 100)))),
+    ),
+)
+
+
+# --- scale (plan only) ------------------------------------------------------------------------
+
+
+def _scale():
+    import scale  # torch and the engine: only where a scale table is rendered
+
+    return scale
+
+
+def _target_cell(r):
+    return f"{mark(r['held'])} (<= {r['limit']})"
+
+
+BALANCED_SCALE = {"suite": "scale", "layout": "balanced"}
+
+
+def _two_level_note(records):
+    s = _scale()
+    return ("8 GPUs per node, NVLink inside, IB between. Balanced's modeled attention time over the ideal (cost.py, "
+            "Hq 32, Hkv 8, D 128, bf16; sends and receives priced per link) at the target points, no overlap "
+            f"counted: target <= {s.TWO_LEVEL_LIMIT}x, <= {s.FITS_LIMIT}x where every document fits a node's share "
+            "(tokens and work). `uniform IB`: every pair over IB (one level). `overlap`: the streamed op "
+            "(`CostModel.overlapped`), backward refetching (and saving) the K/V; `exposed`: the busiest rank's "
+            "communication left after overlap.")
+
+
+def _latency_records(rows):
+    lat = [r for r in rows if r["suite"] == "scale_latency"]
+    out = []
+    for S, cp, mix in sorted({(r["S"], r["cp"], r["mix"]) for r in lat}):
+        got = {(r["latency_us"], r["latency_inter_us"]): r for r in lat if (r["S"], r["cp"], r["mix"]) == (S, cp, mix)}
+        out.append({"S": S, "cp": cp, "mix": mix, "by_latency": got})
+    return out
+
+
+def _latency_columns(records):
+    pairs = sorted({p for r in records for p in r["by_latency"]})
+    cell = lambda p: lambda r: (f"{r['by_latency'][p]['modeled_over_ideal']:.3f} / "  # noqa: E731
+                                f"{r['by_latency'][p]['overlap_over_ideal']:.3f}" if p in r["by_latency"] else "-")
+    return (Column("S", "S"), Column("cp", "cp"), Column("mix", "mix", align="left")) + tuple(
+        Column(f"{a:g} / {b:g} us", cell(p), str) for p in pairs for a, b in [p])
+
+
+def _worst_speed_records(rows):
+    s = _scale()
+    wc = [r for r in rows if r["suite"] == "scale_worst" and r["kind"] == "speed"]
+    out = []
+    for S, cp, link, limit in s.SPEED_POINTS:
+        for layout in s.LAYOUTS + ("te_thd",):
+            got = [r for r in wc if (r["S"], r["cp"], r["layout"]) == (S, cp, layout)]
+            if got:
+                w = max(got, key=lambda r: r["plan_seconds"])
+                lows = [r["plan_min_seconds"] for r in got if "plan_min_seconds" in r]
+                out.append({"S": S, "cp": cp, "link": link, "layout": layout, "plan_seconds": w["plan_seconds"],
+                            "mix": w["mix"], "worst_min": max(lows) if lows else None, "limit": limit,
+                            "target": f"{mark(1e3 * w['plan_seconds'] <= limit)} (<= {limit:.0f})"})
+    return out
+
+
+def _worst_note(records):
+    return (f"Over {records[0]['n_mixes']} random mixes (`megatron_ext.testing.mixes.worst_case_mix_params`: "
+            "lognormal sigma 0.5-1.5 around 256-8k tokens, uniform, heavy-tailed with one document of S/8-S/2, one "
+            "document). Plan: one rank's layout + plan (`prepare_plan`, last rank), CPU ms of the planning thread, "
+            "median of 5 after one warm-up, worst over the mixes (and which); `worst min`: the worst over the mixes "
+            "of each plan's minimum of those 5 (on a shared host the same plan's times spread). An archived run's "
+            "timings come from another run on that host: compare its columns with each other, not with this run's.")
+
+
+def _worst_records_mixes(rows):
+    recs = _worst_speed_records(rows)
+    mixes = {r["mix"] for r in rows if r["suite"] == "scale_worst"}
+    return [{**r, "n_mixes": len(mixes)} for r in recs]
+
+
+def _worst_modeled_records(rows):
+    s = _scale()
+    wc = [r for r in rows if r["suite"] == "scale_worst" and r["kind"] == "modeled"]
+    out = []
+    for S, cp in s.TWO_LEVEL_POINTS:
+        for link in ("2lvl", "ib"):
+            for layout in s.LAYOUTS:
+                got = [r for r in wc if (r["S"], r["cp"], r["link"], r["layout"]) == (S, cp, link, layout)]
+                if got:
+                    w = max(got, key=lambda r: r["modeled_over_ideal"])
+                    vals = sorted(r["modeled_over_ideal"] for r in got)
+                    fits = [r["modeled_over_ideal"] for r in got if r["fits_a_node"]]
+                    out.append({"S": S, "cp": cp, "link": link, "layout": layout, "worst": w["modeled_over_ideal"],
+                                "mix": w["mix"], "median": vals[len(vals) // 2], "fits": max(fits) if fits else None,
+                                "overlap": max(r["overlap_over_ideal"] for r in got)})
+    return out
+
+
+def _lognormal_ib_records(rows):
+    return sorted(({**r, "point": f"{r['S'] // 1024}k, {r['cp']}"} for r in rows
+                   if r["suite"] == "scale" and r["mix"] == "lognormal" and r["link"] == "ib"
+                   and r["layout"] in LAYOUTS), key=lambda r: (r["S"], r["cp"], r["layout"]))
+
+
+def _plan_ms_records(rows):
+    sc = [r for r in rows if r["suite"] == "scale"]
+    out = []
+    for S, cp in sorted({(r["S"], r["cp"]) for r in sc}):
+        rec = {"S": S, "cp": cp}
+        for l in ("contiguous", "zigzag", "balanced", "te_thd"):
+            v = [r["plan_seconds"] for r in sc if (r["S"], r["cp"], r["layout"]) == (S, cp, l)]
+            rec[l] = max(v) if v else None
+        out.append(rec)
+    return out
+
+
+def _plan_ms_columns(records):
+    layouts = [l for l in ("contiguous", "zigzag", "balanced", "te_thd") if any(r[l] is not None for r in records)]
+    return (Column("S", "S"), Column("cp", "cp")) + tuple(Column(l, l, fmt(".1f", scale=1e3)) for l in layouts)
+
+
+f3 = fmt(".3f")
+SCALE = Suite(
+    "scale", suite("scale", "scale_worst", "scale_latency"),
+    tables=(
+        Table("Scale (plan only): balanced on two levels, 8 GPUs per node",
+              lambda rows: _scale().two_level_targets(rows), note=_two_level_note,
+              columns=(Column("S", "S"), Column("cp", "cp"), Column("mix", "mix", align="left"),
+                       Column("fits a node", "fits_a_node", lambda v: "yes" if v else "no", align="left"),
+                       Column("max/mean", "work_max_over_mean", ".3f"), Column("2lvl", "modeled_over_ideal", ".3f"),
+                       Column("uniform IB", "uniform_ib", f3),
+                       Column("2lvl overlap (refetch / save)",
+                              lambda r: f"{r['overlap_over_ideal']:.3f} / {f3(r['overlap_save_over_ideal'])}", str),
+                       Column("exposed", "exposed_share", ".0%"),
+                       Column("uniform IB overlap", "uniform_ib_overlap", f3),
+                       Column("<= peers", "not_worse_than_peers", mark, align="left"),
+                       Column("candidate", lambda r: f"`{r['candidate'][:60]}`", str, align="left"),
+                       Column("target", _target_cell, str, align="left")),
+              compare=(Compare("2lvl", "2lvl", "modeled_over_ideal", ("S", "cp", "mix"),
+                               {**BALANCED_SCALE, "link": "2lvl"}, f3),
+                       Compare("uniform IB", "uniform IB", "modeled_over_ideal", ("S", "cp", "mix"),
+                               {**BALANCED_SCALE, "link": "ib"}, f3))),
+        Table("Per-message latency", _latency_records, level=3, columns=_latency_columns,
+              note="Balanced's modeled / ideal at the two-level points (no overlap; overlapped with refetch after the "
+                   "slash) when every transfer also pays a latency (intra-node / inter-node, microseconds), the "
+                   "layout searched under each model (`scripts/bench/scale.py::run_latency`)."),
+        Table("Planning time, worst case over random mixes", _worst_records_mixes, level=3, note=_worst_note,
+              columns=(Column("S", "S"), Column("cp", "cp"), Column("topology", "link", align="left"),
+                       Column("layout", "layout", align="left"),
+                       Column("worst plan ms", "plan_seconds", fmt(".1f", scale=1e3)),
+                       Column("mix", "mix", align="left"),
+                       Column("worst min ms", "worst_min", fmt(".1f", scale=1e3)),
+                       Column("target", "target", str, align="left")),
+              compare=(Compare("target", "worst plan ms", "plan_seconds", ("S", "cp", "layout"),
+                               {"suite": "scale_worst", "kind": "speed"}, fmt(".1f", scale=1e3)),)),
+        Table("Modeled / ideal, worst case over the same mixes", _worst_modeled_records, level=3,
+              note="No overlap; overlap with refetch; worst and median over the mixes, per layout; `fits` = worst over "
+                   "the mixes whose every document fits a node.",
+              columns=(Column("S", "S"), Column("cp", "cp"), Column("topology", "link", align="left"),
+                       Column("layout", "layout", align="left"), Column("worst", "worst", ".3f"),
+                       Column("mix", "mix", align="left"), Column("median", "median", ".3f"),
+                       Column("worst fits", "fits", f3), Column("worst overlap", "overlap", ".3f"))),
+        Table("One link for the whole group: balanced at the target points",
+              lambda rows: _scale().targets([r for r in rows if r.get("link") != "2lvl"]), level=3,
+              note="NVLink: work max/mean <= 1.05 and modeled <= 1.2x ideal; IB: modeled <= 1.6x ideal; never worse "
+                   "than contiguous or zigzag. `bound` is prepare.modeled_lower_bound over the ideal. `end keys / "
+                   "share`: the K/V positions the holder of the longest document's last token must receive (all its "
+                   "earlier ones), times the cost model's pairs per position, over a rank's work share. "
+                   "Every link is priced by the larger of what a rank receives and sends. `candidate`: the balanced "
+                   "search's choice.",
+              columns=(Column("S", "S"), Column("cp", "cp"), Column("link", "link", align="left"),
+                       Column("mix", "mix", align="left"), Column("max/mean", "work_max_over_mean", ".3f"),
+                       Column("modeled/ideal", "modeled_over_ideal", ".3f"),
+                       Column("bound/ideal", "bound_over_ideal", ".3f"),
+                       Column("modeled/bound", "modeled_over_bound", ".3f"),
+                       Column("end keys / share", "end_keys_over_share", ".2f"),
+                       Column("candidate", lambda r: f"`{r['candidate']}`", str, align="left"),
+                       Column("<= peers", "not_worse_than_peers", mark, align="left"),
+                       Column("target", _target_cell, str, align="left")),
+              compare=(Compare("modeled/ideal", "modeled/ideal", "modeled_over_ideal", ("S", "cp", "mix", "link"),
+                               BALANCED_SCALE, f3),)),
+        Table("Lognormal mix over IB, one rank's layout + plan", _lognormal_ib_records, level=3, compare_only=True,
+              note="Plan ms: CPU time of the planning thread, median of 3, for the current run; an archived run gives "
+                   "what its meta row says it measured.",
+              columns=(Column("S, cp", "point", align="left"), Column("layout", "layout", align="left"),
+                       Column("plan ms", "plan_seconds", fmt(".1f", scale=1e3)),
+                       Column("modeled/ideal", "modeled_over_ideal", ".2f")),
+              compare=(Compare("plan ms", "plan ms", "plan_seconds", ("S", "cp", "layout"),
+                               {"suite": "scale", "mix": "lognormal", "link": "ib"}, fmt(".0f", scale=1e3)),
+                       Compare("modeled/ideal", "modeled/ideal", "modeled_over_ideal", ("S", "cp", "layout"),
+                               {"suite": "scale", "mix": "lognormal", "link": "ib"}, fmt(".2f")))),
+        Table("Plan ms per layout", _plan_ms_records, level=3, columns=_plan_ms_columns,
+              note="Layout + plan, last rank, one core: CPU time of the planning thread, median of 3, worst over the "
+                   "three scale mixes and the topologies (nvlink, ib, 2lvl)."),
+    ),
+)
+
+
+# --- dropin -----------------------------------------------------------------------------------
+
+DROPIN_PER = {"mask_derive": "micro batch", "mask_state": "micro batch", "layer_fwd_bwd": "layer",
+              "qkv_agreement": "layer forward call"}
+
+
+def _dropin_title(rows):
+    r0 = next(r for r in rows if r["suite"] == "dropin")
+    return (f"Megatron's data paths: what the mask path and the q/k/v agreement cost (S={r0['S']}, cp={r0['cp']}, "
+            f"{r0['mix']} mix, {r0['backend']}, {r0['exchange']})")
+
+
+DROPIN = Suite(
+    "dropin", suite("dropin"),
+    tables=(
+        Table(_dropin_title, suite("dropin"),
+              columns=(Column("measure", "measure", align="left"),
+                       Column("median ms (slowest rank)", "median_seconds", fmt(".1f", scale=1e3)),
+                       Column("/ one layer fwd+bwd", "over_layer_fwd_bwd", ".3f"),
+                       Column("per", lambda r: DROPIN_PER.get(r["measure"], ""), str, align="left"))),
+    ),
+)
+
+# The order of SUMMARY.md: targets of every suite first, then each suite's tables.
+SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, WINDOW, MODEL, GPU, SCALE, DROPIN)
