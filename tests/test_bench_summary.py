@@ -99,6 +99,27 @@ def test_a_comparison_table_appears_only_with_an_archive_and_on_its_points(summa
 
 
 @pytest.mark.timeout(120)
+def test_every_compare_column_sits_beside_a_declared_column(summary, tmp_path):
+    import report_specs
+
+    declared = [(t, c) for s in report_specs.SUITES for t in s.tables for c in t.compare]
+    assert declared, "no table declares a column an archive can fill"
+    for table, cmp in declared:
+        assert not callable(table.columns) and cmp.before in [c.header for c in table.columns], (table.title, cmp)
+    # and a spec that names no column is refused with the columns it has
+    rows = [{"suite": "x", "S": 1, "v": 2.0}]
+    archive = summary.Archive(_write(tmp_path / "a.jsonl", [{"suite": "x", "S": 1, "v": 3.0}]))
+    bad = summary.Table("t", lambda rows: rows, (summary.Column("value", "v"),),
+                        compare=(summary.Compare("valu", "value", "v", ("S",), {"suite": "x"}),))
+    with pytest.raises(ValueError, match=r"Compare.before='valu' names no column; its columns are \['value'\]"):
+        summary.render_table(bad, rows, [archive])
+    good = summary.Table("t", lambda rows: rows, (summary.Column("value", "v", ".1f"),),
+                         compare=(summary.Compare("value", "value", "v", ("S",), {"suite": "x"}, ".1f"),))
+    assert _table("\n".join(summary.render_table(good, rows, [archive])), "value a") == [{"value a": "3.0",
+                                                                                         "value": "2.0"}]
+
+
+@pytest.mark.timeout(120)
 def test_a_bad_archive_is_refused_with_its_file_and_line(summary, tmp_path):
     with pytest.raises(SystemExit, match=r"no results file .*missing\.jsonl.*bench/archive"):
         summary.Archive(str(tmp_path / "missing.jsonl"))

@@ -680,9 +680,46 @@ def _plan_ms_columns(records):
     return (Column("S", "S"), Column("cp", "cp")) + tuple(Column(l, l, fmt(".1f", scale=1e3)) for l in layouts)
 
 
+def _two_level_checks(rows):
+    return [Check(f"S={t['S']}/cp={t['cp']}/{t['mix']}", t["held"], t["modeled_over_ideal"])
+            for t in _scale().two_level_targets(rows)]
+
+
+def _one_link_targets(rows):
+    return _scale().targets([r for r in rows if r.get("link") != "2lvl"])
+
+
+def _one_link_checks(rows):
+    return [Check(f"{t['link']} S={t['S']}/cp={t['cp']}/{t['mix']}", t["held"], t["modeled_over_ideal"])
+            for t in _one_link_targets(rows)]
+
+
+def _peer_checks(rows):
+    return [Check(f"{t.get('link', '2lvl')} S={t['S']}/cp={t['cp']}/{t['mix']}", t["not_worse_than_peers"])
+            for t in _scale().two_level_targets(rows) + _one_link_targets(rows)]
+
+
+def _plan_time_checks(rows):
+    return [Check(f"S={r['S']}/cp={r['cp']}/{r['layout']}", 1e3 * r["plan_seconds"] <= r["limit"],
+                  1e3 * r["plan_seconds"]) for r in _worst_speed_records(rows)]
+
+
 f3 = fmt(".3f")
 SCALE = Suite(
     "scale", suite("scale", "scale_worst", "scale_latency"),
+    targets=(
+        Target(lambda rows: f"two levels (8-GPU nodes): balanced modeled / ideal <= {_scale().TWO_LEVEL_LIMIT}, "
+                            f"<= {_scale().FITS_LIMIT} where every document fits a node",
+               _two_level_checks, lambda checks, rows: misses(checks, ".3f"), unit="points"),
+        Target("one link for the whole group: balanced work max/mean <= 1.05 and modeled / ideal <= 1.2 on NVLink, "
+               "modeled / ideal <= 1.6 on IB", _one_link_checks, lambda checks, rows: misses(checks, ".3f"),
+               unit="points"),
+        Target("balanced's modeled time never worse than contiguous's or zigzag's at the target points", _peer_checks,
+               unit="points"),
+        Target(lambda rows: "plan time, worst over the random mixes: " + ", ".join(
+                   f"<= {limit:g} ms at {S // 1024}k / cp {cp}" for S, cp, _, limit in _scale().SPEED_POINTS),
+               _plan_time_checks, lambda checks, rows: misses(checks, ".1f"), unit="layouts x points"),
+    ),
     tables=(
         Table("Scale (plan only): balanced on two levels, 8 GPUs per node",
               lambda rows: _scale().two_level_targets(rows), note=_two_level_note,
@@ -722,7 +759,7 @@ SCALE = Suite(
                        Column("mix", "mix", align="left"), Column("median", "median", ".3f"),
                        Column("worst fits", "fits", f3), Column("worst overlap", "overlap", ".3f"))),
         Table("One link for the whole group: balanced at the target points",
-              lambda rows: _scale().targets([r for r in rows if r.get("link") != "2lvl"]), level=3,
+              _one_link_targets, level=3,
               note="NVLink: work max/mean <= 1.05 and modeled <= 1.2x ideal; IB: modeled <= 1.6x ideal; never worse "
                    "than contiguous or zigzag. `bound` is prepare.modeled_lower_bound over the ideal. `end keys / "
                    "share`: the K/V positions the holder of the longest document's last token must receive (all its "

@@ -188,7 +188,10 @@ def misses(checks: Sequence[Check], fmt: str = "") -> str:
 def _columns(table: Table, records: List[Row], archives: Sequence[Archive]) -> List[Column]:
     cols = list(table.columns(records) if callable(table.columns) else table.columns)
     for cmp in table.compare:
-        at = next(i for i, c in enumerate(cols) if c.header == cmp.before)
+        at = next((i for i, c in enumerate(cols) if c.header == cmp.before), None)
+        if at is None:
+            raise ValueError(f"table {table.title!r}: Compare.before={cmp.before!r} names no column; "
+                             f"its columns are {[c.header for c in cols]}")
         for a in archives:
             if not any(cmp.value(r, a) is not None for r in records):
                 continue  # this archive has nothing for the column: leave it out
