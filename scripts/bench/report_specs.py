@@ -7,7 +7,7 @@ import statistics
 from collections import defaultdict
 from typing import Dict
 
-from summary import Check, Column, Compare, Suite, Table, Target, mark, misses
+from summary import Check, Column, Compare, Suite, Table, Target, Text, mark, misses
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 EXCHANGES = ("allgather", "halo", "a2a")
@@ -130,7 +130,7 @@ COMM = Suite(
     tables=(
         Table("Communication: K/V bytes per rank per layer (measured by the exchange)",
               _with_row_bytes(_comm_records), note=_comm_note, split="mix", split_title="mix `{}`",
-              columns=(Column("S", "S"), Column("cp", "cp"), Column("layout", "layout", align="left"),
+              columns=(Column("S", "S"), Column("cp", "cp"), Text("layout", "layout"),
                        Column("allgather", "allgather", _kib),
                        Column("halo", lambda r: _kib(r["halo"]) + ("*" if r["halo_fell_back"] else ""), str),
                        Column("a2a", "a2a", _kib), Column("lb", "lb", _kib),
@@ -196,10 +196,10 @@ BALANCE = Suite(
     ),
     tables=(
         Table("Balance: max / mean causal work across ranks (ideal 1.0)", _balance_records,
-              columns=(Column("mix", "mix", align="left"), Column("S", "S"), Column("cp", "cp"))
+              columns=(Text("mix", "mix"), Column("S", "S"), Column("cp", "cp"))
               + tuple(Column(l, l, ".3f") for l in LAYOUTS)),
         Table("Balance per layout over every mix/S/cp point", _balance_spread, level=3,
-              columns=(Column("layout", "layout", align="left"), Column("min", "min", ".3f"),
+              columns=(Text("layout", "layout"), Column("min", "min", ".3f"),
                        Column("median", "median", ".3f"), Column("max", "max", ".3f"),
                        Column("points", "points"))),
     ),
@@ -295,7 +295,7 @@ def _no_s_term_claim(rows):
 
 def _growth_columns(records):
     lo, hi = records[0]["S_lo"], records[0]["S_hi"]
-    return (Column("contender", "contender", align="left"), Column("layout/exchange", "config", align="left"),
+    return (Text("contender", "contender"), Text("layout/exchange", "config"),
             Column(f"peak MiB S={lo}", "lo", fmt(".0f", scale=1 / MiB)),
             Column(f"peak MiB S={hi}", "hi", fmt(".0f", scale=1 / MiB)), Column("growth", "growth", fmt(".1f", "×")))
 
@@ -320,9 +320,9 @@ SPEED = Suite(
                    "contenders run on one process × 1 thread. Median of interleaved repetitions, slowest rank; "
                    "peak = most tensor memory held during build + fwd + bwd above the inputs, per rank (max over "
                    "ranks).",
-              columns=(Column("mix", "mix", align="left"), Column("S", "S"),
-                       Column("contender", "contender", align="left"), Column("layout", "layout", align="left"),
-                       Column("exchange", "exchange", align="left"), Column("seconds", "seconds", ".3f"),
+              columns=(Text("mix", "mix"), Column("S", "S"),
+                       Text("contender", "contender"), Text("layout", "layout"),
+                       Text("exchange", "exchange"), Column("seconds", "seconds", ".3f"),
                        Column("vs per_doc_ideal", "vs_ideal", fmt(".2f", "×")),
                        Column("peak MiB", "peak", fmt(".0f", scale=1 / MiB)))),
         Table("Peak memory as S grows, short mix", _growth_records, level=3, columns=_growth_columns),
@@ -416,22 +416,22 @@ MEMORY = Suite(
                    "backward, and what forward leaves for backward (output included), against the rank's own "
                    "q/k/v/out (`local`). `stub`: the engine's buffers with a kernel that returns zeros of the real "
                    "shapes; `dense`: the real kernel. Worst over layouts x exchanges; `scripts/bench/memory.py`.",
-              columns=(Column("kernel", "kernel", align="left"), Column("kv_backward", "kv_backward", align="left"),
-                       Column("mix", "mix", align="left"), Column("S", "S"),
-                       Column("peak MiB cp=2 / 4 / 8", "peaks", align="left"),
+              columns=(Text("kernel", "kernel"), Text("kv_backward", "kv_backward"),
+                       Text("mix", "mix"), Column("S", "S"),
+                       Text("peak MiB cp=2 / 4 / 8", "peaks"),
                        Column("cp4/cp2", "cp4_cp2", fmt(".2f")), Column("cp8/cp4", "cp8_cp4", fmt(".2f")),
                        Column("held / local (max)", "held", ".2f"))),
         Table("Exposed communication", _exposed_records, level=3,
               note="Dense kernel, a timed iteration, cp = 2 (one rank per core): the share of a layer's forward + "
                    "backward the busiest rank (most kernel time: it sets the layer's time) spent waiting for K/V "
                    "that compute did not hide, over layouts x exchanges.",
-              columns=(Column("mix", "mix", align="left"), Column("kv_backward", "kv_backward", align="left"),
+              columns=(Text("mix", "mix"), Text("kv_backward", "kv_backward"),
                        Column("min", "min", ".0%"), Column("median", "median", ".0%"), Column("max", "max", ".0%"))),
         Table("The same measurement on another engine", _other_engine_records, level=3,
               note="Real dense kernel, busiest rank's peak MiB; the current engine with kv_backward=refetch.",
               split="engine", split_title="engine `{}`",
-              columns=(Column("mix", "mix", align="left"), Column("S", "S"), Column("layout", "layout", align="left"),
-                       Column("exchange", "exchange", align="left"), Column("cp", "cp"),
+              columns=(Text("mix", "mix"), Column("S", "S"), Text("layout", "layout"),
+                       Text("exchange", "exchange"), Column("cp", "cp"),
                        Column("that engine", "peak_bytes", fmt(".0f", scale=1 / MiB)),
                        Column("current", "current", fmt(".0f", scale=1 / MiB)))),
     ),
@@ -459,10 +459,10 @@ def _layer_ab_figures(checks, rows):
 
 def _layer_ab_columns(records):
     r0 = records[0]
-    return (Column("layout", "layout", align="left"), Column("exchange", "exchange", align="left"),
+    return (Text("layout", "layout"), Text("exchange", "exchange"),
             Column(f"{r0['engine']} s", "seconds", ".3f"), Column(f"{r0['other']} s", "seconds_other", ".3f"),
-            Column(f"{r0['other']} / {r0['engine']} per round", "ratio_other_over_this_per_round",
-                   lambda v: ", ".join(f"{x:.2f}" for x in v), align="left"))
+            Text(f"{r0['other']} / {r0['engine']} per round", "ratio_other_over_this_per_round",
+                   lambda v: ", ".join(f"{x:.2f}" for x in v)))
 
 
 LAYER_AB = Suite(
@@ -514,13 +514,13 @@ WINDOW = Suite(
                    "max / mean. `balanced` is laid out for the window it runs (the model's windows, "
                    "`cost.WindowMix`). `scripts/bench/window.py`. A 4k window, short and long documents: busiest "
                    "rank's K/V per layer, MiB (no window -> 4k window), against the all-gather ring:",
-              columns=(Column("S", "S"), Column("cp", "cp"), Column("mix", "mix", align="left"))
+              columns=(Column("S", "S"), Column("cp", "cp"), Text("mix", "mix"))
               + tuple(Column(l, l, str) for l in LAYOUTS)
               + (Column("all-gather", "allgather", fmt(".0f", scale=1 / MiB)),
                  Column("balanced 4k / all-gather", "ratio", fmt(".3f")))),
         Table("Every layout, mix and window", _window_records, level=3,
-              columns=(Column("S", "S"), Column("cp", "cp"), Column("mix", "mix", align="left"),
-                       Column("layout", "layout", align="left"),
+              columns=(Column("S", "S"), Column("cp", "cp"), Text("mix", "mix"),
+                       Text("layout", "layout"),
                        Column("window", "window", lambda w: str(w or "none")),
                        Column("needed MiB", "needed_bytes_max", fmt(".1f", scale=1 / MiB)),
                        Column("all-gather MiB", "allgather_bytes", fmt(".0f", scale=1 / MiB)),
@@ -540,8 +540,8 @@ MODEL = Suite(
               columns=(Column("CP", "cp"), Column("DP", "dp"),
                        Column("tokens/s", lambda r: f"skipped: {r['reason']}" if r.get("skipped")
                               else f"{r['tokens_per_s']:.0f}", str),
-                       Column("seq", "S"), Column("backend", "backend", align="left"),
-                       Column("exchange", "exchange", align="left"), Column("layout", "layout", align="left"))),
+                       Column("seq", "S"), Text("backend", "backend"),
+                       Text("exchange", "exchange"), Text("layout", "layout"))),
     ),
 )
 
@@ -557,8 +557,8 @@ GPU = Suite(
               note=lambda rs: _gpu_note(rs), columns=()),
         Table("GPU: TFLOP/s per backend",
               lambda rows: [r for r in rows if r["suite"] == "gpu" and not r.get("skipped")],
-              columns=(Column("backend", "backend", align="left"), Column("mix", "mix", align="left"),
-                       Column("S", "S"), Column("cp", "cp"), Column("layout", "layout", align="left"),
+              columns=(Text("backend", "backend"), Text("mix", "mix"),
+                       Column("S", "S"), Column("cp", "cp"), Text("layout", "layout"),
                        Column("TFLOP/s (step)", "tflops_step", ".1f"),
                        Column("of peak", "fraction_of_peak", fmt(".1f", "%", 100)))),
     ),
@@ -604,7 +604,7 @@ def _latency_columns(records):
     pairs = sorted({p for r in records for p in r["by_latency"]})
     cell = lambda p: lambda r: (f"{r['by_latency'][p]['modeled_over_ideal']:.3f} / "  # noqa: E731
                                 f"{r['by_latency'][p]['overlap_over_ideal']:.3f}" if p in r["by_latency"] else "-")
-    return (Column("S", "S"), Column("cp", "cp"), Column("mix", "mix", align="left")) + tuple(
+    return (Column("S", "S"), Column("cp", "cp"), Text("mix", "mix")) + tuple(
         Column(f"{a:g} / {b:g} us", cell(p), str) for p in pairs for a, b in [p])
 
 
@@ -723,17 +723,17 @@ SCALE = Suite(
     tables=(
         Table("Scale (plan only): balanced on two levels, 8 GPUs per node",
               lambda rows: _scale().two_level_targets(rows), note=_two_level_note,
-              columns=(Column("S", "S"), Column("cp", "cp"), Column("mix", "mix", align="left"),
-                       Column("fits a node", "fits_a_node", lambda v: "yes" if v else "no", align="left"),
+              columns=(Column("S", "S"), Column("cp", "cp"), Text("mix", "mix"),
+                       Text("fits a node", "fits_a_node", lambda v: "yes" if v else "no"),
                        Column("max/mean", "work_max_over_mean", ".3f"), Column("2lvl", "modeled_over_ideal", ".3f"),
                        Column("uniform IB", "uniform_ib", f3),
                        Column("2lvl overlap (refetch / save)",
                               lambda r: f"{r['overlap_over_ideal']:.3f} / {f3(r['overlap_save_over_ideal'])}", str),
                        Column("exposed", "exposed_share", ".0%"),
                        Column("uniform IB overlap", "uniform_ib_overlap", f3),
-                       Column("<= peers", "not_worse_than_peers", mark, align="left"),
-                       Column("candidate", lambda r: f"`{r['candidate'][:60]}`", str, align="left"),
-                       Column("target", _target_cell, str, align="left")),
+                       Text("<= peers", "not_worse_than_peers", mark),
+                       Text("candidate", lambda r: f"`{r['candidate'][:60]}`", str),
+                       Text("target", _target_cell, str)),
               compare=(Compare("2lvl", "2lvl", "modeled_over_ideal", ("S", "cp", "mix"),
                                {**BALANCED_SCALE, "link": "2lvl"}, f3),
                        Compare("uniform IB", "uniform IB", "modeled_over_ideal", ("S", "cp", "mix"),
@@ -743,20 +743,20 @@ SCALE = Suite(
                    "slash) when every transfer also pays a latency (intra-node / inter-node, microseconds), the "
                    "layout searched under each model (`scripts/bench/scale.py::run_latency`)."),
         Table("Planning time, worst case over random mixes", _worst_records_mixes, level=3, note=_worst_note,
-              columns=(Column("S", "S"), Column("cp", "cp"), Column("topology", "link", align="left"),
-                       Column("layout", "layout", align="left"),
+              columns=(Column("S", "S"), Column("cp", "cp"), Text("topology", "link"),
+                       Text("layout", "layout"),
                        Column("worst plan ms", "plan_seconds", fmt(".1f", scale=1e3)),
-                       Column("mix", "mix", align="left"),
+                       Text("mix", "mix"),
                        Column("worst min ms", "worst_min", fmt(".1f", scale=1e3)),
-                       Column("target", "target", str, align="left")),
+                       Text("target", "target", str)),
               compare=(Compare("target", "worst plan ms", "plan_seconds", ("S", "cp", "layout"),
                                {"suite": "scale_worst", "kind": "speed"}, fmt(".1f", scale=1e3)),)),
         Table("Modeled / ideal, worst case over the same mixes", _worst_modeled_records, level=3,
               note="No overlap; overlap with refetch; worst and median over the mixes, per layout; `fits` = worst over "
                    "the mixes whose every document fits a node.",
-              columns=(Column("S", "S"), Column("cp", "cp"), Column("topology", "link", align="left"),
-                       Column("layout", "layout", align="left"), Column("worst", "worst", ".3f"),
-                       Column("mix", "mix", align="left"), Column("median", "median", ".3f"),
+              columns=(Column("S", "S"), Column("cp", "cp"), Text("topology", "link"),
+                       Text("layout", "layout"), Column("worst", "worst", ".3f"),
+                       Text("mix", "mix"), Column("median", "median", ".3f"),
                        Column("worst fits", "fits", f3), Column("worst overlap", "overlap", ".3f"))),
         Table("One link for the whole group: balanced at the target points",
               _one_link_targets, level=3,
@@ -766,21 +766,21 @@ SCALE = Suite(
                    "earlier ones), times the cost model's pairs per position, over a rank's work share. "
                    "Every link is priced by the larger of what a rank receives and sends. `candidate`: the balanced "
                    "search's choice.",
-              columns=(Column("S", "S"), Column("cp", "cp"), Column("link", "link", align="left"),
-                       Column("mix", "mix", align="left"), Column("max/mean", "work_max_over_mean", ".3f"),
+              columns=(Column("S", "S"), Column("cp", "cp"), Text("link", "link"),
+                       Text("mix", "mix"), Column("max/mean", "work_max_over_mean", ".3f"),
                        Column("modeled/ideal", "modeled_over_ideal", ".3f"),
                        Column("bound/ideal", "bound_over_ideal", ".3f"),
                        Column("modeled/bound", "modeled_over_bound", ".3f"),
                        Column("end keys / share", "end_keys_over_share", ".2f"),
-                       Column("candidate", lambda r: f"`{r['candidate']}`", str, align="left"),
-                       Column("<= peers", "not_worse_than_peers", mark, align="left"),
-                       Column("target", _target_cell, str, align="left")),
+                       Text("candidate", lambda r: f"`{r['candidate']}`", str),
+                       Text("<= peers", "not_worse_than_peers", mark),
+                       Text("target", _target_cell, str)),
               compare=(Compare("modeled/ideal", "modeled/ideal", "modeled_over_ideal", ("S", "cp", "mix", "link"),
                                BALANCED_SCALE, f3),)),
         Table("Lognormal mix over IB, one rank's layout + plan", _lognormal_ib_records, level=3, compare_only=True,
               note="Plan ms: CPU time of the planning thread, median of 3, for the current run; an archived run gives "
                    "what its meta row says it measured.",
-              columns=(Column("S, cp", "point", align="left"), Column("layout", "layout", align="left"),
+              columns=(Text("S, cp", "point"), Text("layout", "layout"),
                        Column("plan ms", "plan_seconds", fmt(".1f", scale=1e3)),
                        Column("modeled/ideal", "modeled_over_ideal", ".2f")),
               compare=(Compare("plan ms", "plan ms", "plan_seconds", ("S", "cp", "layout"),
@@ -810,10 +810,10 @@ DROPIN = Suite(
     "dropin", suite("dropin"),
     tables=(
         Table(_dropin_title, suite("dropin"),
-              columns=(Column("measure", "measure", align="left"),
+              columns=(Text("measure", "measure"),
                        Column("median ms (slowest rank)", "median_seconds", fmt(".1f", scale=1e3)),
                        Column("/ one layer fwd+bwd", "over_layer_fwd_bwd", ".3f"),
-                       Column("per", lambda r: DROPIN_PER.get(r["measure"], ""), str, align="left"))),
+                       Text("per", lambda r: DROPIN_PER.get(r["measure"], ""), str))),
     ),
 )
 

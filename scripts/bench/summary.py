@@ -46,6 +46,12 @@ class Column:
         return "-" if v is None else format(v, self.fmt)
 
 
+def Text(header: str, value: Union[str, Callable[[Row], object]],
+         fmt: Union[str, Callable[[object], str]] = "") -> Column:
+    """A left-aligned column (names, labels)."""
+    return Column(header, value, fmt, align="left")
+
+
 @dataclass(frozen=True)
 class Compare:
     """A column filled from each ``--compare`` archive, put right before the column ``before``:
