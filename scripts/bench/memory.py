@@ -224,7 +224,7 @@ def exposed_grid() -> List[Dict]:
 
 
 def before_after_grid() -> List[Dict]:
-    """What the issue measured before: one document and the short mix, S = 16k, real kernel."""
+    """The grid to measure on another engine too: one document and the short mix, S = 16k, real kernel."""
     return list(configs(("single", "short"), (16384,), (2, 4, 8), "dense", ("refetch",)))
 
 

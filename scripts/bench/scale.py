@@ -11,7 +11,7 @@ Topologies (``link``): ``nvlink`` and ``ib`` (one link for the whole group) and
 ``2lvl`` (8 GPUs per node: NVLink inside, IB between, the hierarchical exchange),
 the last only where the group spans nodes (cp > 8).
 
-``run_worst_case`` adds the issue-19 table: 24 random mixes (mixes.worst_case_mix_params:
+``run_worst_case`` adds the worst-case table: 24 random mixes (mixes.worst_case_mix_params:
 lognormal sigma 0.5-1.5 around 256-8k tokens, uniform, heavy-tailed with one
 document of S/8-S/2, one document), plan CPU ms of every layout at 128k / cp 8
 (one node) and 1M / cp 64 (8 nodes), and balanced's modeled / ideal at the
@@ -44,13 +44,13 @@ PLAN_REPEATS = 3
 # The worst-case table's plans: the median and the minimum of this many (the same plan's CPU time runs
 # 1.5-2x apart on this shared host; the minimum is what the code costs, the median what a run saw).
 WORST_CASE_REPEATS = 5
-# Issue 10's target points: (S, cp, link).
+# One link for the whole group: the target points (S, cp, link).
 TARGET_POINTS = ((32768, 8, "nvlink"), (131072, 8, "nvlink"), (131072, 16, "ib"),
                  (524288, 32, "ib"), (1048576, 64, "ib"))
-# Issue 19's: two levels at 8 GPUs per node; <= 1.25x ideal, <= 1.1x where every document fits a node.
+# Two levels at 8 GPUs per node: the target points; <= 1.25x ideal, <= 1.1x where every document fits a node.
 TWO_LEVEL_POINTS = ((131072, 16), (524288, 32), (1048576, 64))
 TWO_LEVEL_LIMIT, FITS_LIMIT = 1.25, 1.1
-# Issue 19's planning-speed points (S, cp, link) and limits (CPU ms, one rank's layout + plan).
+# Planning-speed points (S, cp, link) and limits (CPU ms, one rank's layout + plan).
 SPEED_POINTS = ((131072, 8, "nvlink", 10.0), (1048576, 64, "2lvl", 100.0))
 
 
@@ -178,7 +178,7 @@ def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
 
 
 def targets(rows: List[Dict]) -> List[Dict]:
-    """The issue's targets for balanced at each target point and mix: held or missed, with numbers."""
+    """Balanced at each one-link target point and mix: held or missed, with numbers."""
     from megatron_ext.blockdiag_cp.cost import CostModel
     from scale_mixes import scale_doc_lengths
 
@@ -213,7 +213,7 @@ def targets(rows: List[Dict]) -> List[Dict]:
 
 
 def two_level_targets(rows: List[Dict]) -> List[Dict]:
-    """Issue 19: balanced at the two-level points on the scale mixes, against 1.25x (1.1x where every
+    """Balanced at the two-level points on the scale mixes, against 1.25x (1.1x where every
     document fits a node), with the uniform-IB figure of the same layout search beside it."""
     scale = [r for r in rows if r["suite"] == "scale"]
     out = []
@@ -239,7 +239,7 @@ def two_level_targets(rows: List[Dict]) -> List[Dict]:
 
 def run_worst_case(n_mixes: int = 24, speed_points=SPEED_POINTS, model_points=TWO_LEVEL_POINTS,
                    log=print) -> List[Dict]:
-    """Issue 19's worst-case table (see the module docstring): suite "scale_worst" rows, kind
+    """The worst-case table (see the module docstring): suite "scale_worst" rows, kind
     "speed" (plan CPU ms per layout) or "modeled" (modeled / ideal per layout and topology)."""
     from megatron_ext.blockdiag_cp import balanced, plan_summary
     from megatron_ext.testing.mixes import mix_name, worst_case_doc_ids, worst_case_doc_lengths, \

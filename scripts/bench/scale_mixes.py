@@ -1,4 +1,4 @@
-"""Document-length mixes of the scale suite (issue 10): deterministic doc ids [S], 1-based.
+"""Document-length mixes of the scale suite: deterministic doc ids [S], 1-based.
 
 - ``lognormal``: lengths exp(N(log 2048, 1.2)), at least 1 token;
 - ``short``: lengths uniform in [32, 2048];
