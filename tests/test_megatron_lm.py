@@ -14,7 +14,7 @@ compiled dataset helpers) -- this interpreter under ``make test-compat``, ``.ven
 ``make test``, or ``MEGATRON_LM_PYTHON``. The checkout is copied (never written to).
 
 ``MEGATRON_LM_RESULTS=FILE`` keeps the driver's JSON (per scenario: loss and gradient errors
-against the reference, per route; the knobs and step reports): docs/megatron_lm.md's numbers
+against the reference, per route; the knobs and step reports): docs/user_guide/megatron_lm.md's numbers
 are read from it.
 """
 
