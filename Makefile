@@ -1,5 +1,5 @@
 # One venv, pinned torch for this machine (a CPU build lies on disk; an unpinned
-# torch would pull a multi-GB CUDA build). GPU users: see README "On GPUs".
+# torch would pull a multi-GB CUDA build). GPU users: see docs/user_guide/pretraining.md, "On GPUs".
 PYTHON   ?= python3
 VENV     ?= .venv
 TORCH    ?= torch==2.13.0
