@@ -26,7 +26,8 @@ KNOB_TABLES = {
     "layout": (state.LAYOUT_SYNONYMS, state.LAYOUT_DEFAULT),
     "thd_partition": (state.THD_PARTITION_SYNONYMS, state.THD_PARTITION_DEFAULT),
 }
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+# A flag as written on a command line; argparse also takes underscores (--override-opt_param-scheduler).
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_]*(?:-[a-z0-9_]+)*")
 
 
 def sections(text: str):
@@ -151,5 +152,5 @@ def test_testing_notes_name_every_test_file():
     notes = (REPO / "docs" / "testing.md").read_text(encoding="utf-8")
     named = set(re.findall(r"`(test_\w+\.py)`", notes))
     present = {path.name for path in (REPO / "tests").rglob("test_*.py")}
-    assert present - named == set()
-    assert named - present == set()
+    assert present - named == set(), "give each new test file its row in docs/testing.md's table"
+    assert named - present == set(), "docs/testing.md names test files that do not exist"
