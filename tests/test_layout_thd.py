@@ -6,6 +6,7 @@ import torch
 import megatron_ext.blockdiag_cp as bdcp
 from megatron_ext.blockdiag_cp.layout import build_layout, thd_padded_cu_seqlens
 from megatron_ext.blockdiag_cp.state import normalize_layout
+from megatron_ext.testing.cases import THD_EMPTY_DOCUMENT_CASES, thd_case
 
 
 def _brute_force(extents, cp, rank):
@@ -160,3 +161,107 @@ def test_closed_form_owned_and_sent_ranges_equal_the_searches(cp):
             got = thd_send_ranges(extents, cp, rank, a[other], b[other], doc[other])
             want = flat_ranges(runs, a[other], b[other], rank)
             assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got, want))
+
+
+# ---------------------------------------------------------------------------
+# Padded extents as a THD batch gives them: empty documents, empty trailing padding
+# ---------------------------------------------------------------------------
+
+def _thd_params(cu, cu_padded):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+
+
+def _source_layout(cu, cu_padded, cp):
+    """The layout a THD state at cp gets: ThdSource's documents and extents, build_layout as the state calls it."""
+    from megatron_ext.blockdiag_cp.resolve import ThdSource
+
+    T = int(cu_padded[-1])
+    source = ThdSource(_thd_params(cu, cu_padded), T // cp, cp, "auto")
+    code, detail = source._thd_check()
+    assert code == 0, detail
+    return source, build_layout(source.layout, source.raw.unsqueeze(0), cp,
+                                cu_seqlens_padded=source.cu_seqlens_padded)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("name", list(THD_EMPTY_DOCUMENT_CASES))
+def test_empty_documents_keep_their_extents_as_te_partitions_them(name, cp):
+    """Every rank's positions equal TE's partition of the padded extents (its index kernel's
+    definition, chunk by chunk, and thd_partitioned_indices, what megatron's
+    get_thd_batch_on_this_cp_rank hands the rank), empty extents included."""
+    cu, cu_padded, ids = thd_case(name, cp)
+    extents = cu_padded.diff().tolist()
+    source, lay = _source_layout(cu, cu_padded, cp)
+    assert torch.equal(source.raw, ids)
+    T = int(cu_padded[-1])
+    for rank in range(cp):
+        want = _brute_force(extents, cp, rank)
+        assert bdcp.thd_partitioned_indices(cu_padded, T, cp, rank).tolist() == want
+        assert lay.positions[rank].tolist() == want, (name, cp, rank)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_issue_cases_rank0_positions(cp):
+    """Issue 32's figures at cp = 2: rank 0 holds [0, 1, 6, 7, 8, 11, 12, 13, 18, 19] (TE's), not the
+    previous document's padding run on into the empty extent."""
+    cu, cu_padded, _ = thd_case("empty_middle", cp)
+    _, lay = _source_layout(cu, cu_padded, cp)
+    if cp == 2:
+        assert cu.tolist() == [0, 5, 5, 11] and cu_padded.tolist() == [0, 8, 12, 20]
+        assert lay.positions[0].tolist() == [0, 1, 6, 7, 8, 11, 12, 13, 18, 19]
+    cu, cu_padded, _ = thd_case("empty_trailing", cp)
+    _, lay = _source_layout(cu, cu_padded, cp)
+    if cp == 2:
+        assert cu.tolist() == [0, 5, 11, 11] and cu_padded.tolist() == [0, 8, 16, 20]
+        assert lay.positions[0].tolist() == [0, 1, 6, 7, 8, 9, 14, 15, 16, 19]
+    assert lay.positions.reshape(-1).sort().values.tolist() == list(range(int(cu_padded[-1])))
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("name", list(THD_EMPTY_DOCUMENT_CASES))
+def test_plan_closed_forms_with_empty_extents_equal_the_generic_count(name, cp):
+    """The THD plan's closed forms, read off the layout's extents, equal the generic interval
+    arithmetic over the layout's runs (counts, work, every rank's send and receive ranges)."""
+    from megatron_ext.blockdiag_cp.intervals import (document_runs, flat_ranges, overlap_counts, owned_ranges,
+                                                     work_intervals_and_docs)
+    from megatron_ext.blockdiag_cp.layout import (thd_exchange_counts, thd_extents, thd_owned_ranges,
+                                                  thd_send_ranges, thd_work_and_intervals)
+
+    cu, cu_padded, ids = thd_case(name, cp)
+    _, lay = _source_layout(cu, cu_padded, cp)
+    runs = lay.runs
+    extents = thd_extents(ids, cp, cu_seqlens_padded=lay.cu_seqlens_padded)
+    want = work_intervals_and_docs(runs, [document_runs(ids)])
+    got = thd_work_and_intervals(extents, cp)
+    assert all(torch.equal(x, y) for x, y in zip(got[:4], want[:4])), name
+    _, dst, a, b, doc = got
+    assert torch.equal(thd_exchange_counts(ids, cp, extents=extents), overlap_counts(runs, dst, a, b))
+    for rank in range(cp):
+        mine, other = dst == rank, dst != rank
+        got_owned = thd_owned_ranges(extents, cp, a[mine], b[mine], rank)
+        assert all(torch.equal(x, y) for x, y in zip(got_owned, owned_ranges(runs, a[mine], b[mine], rank)))
+        got_sent = thd_send_ranges(extents, cp, rank, a[other], b[other], doc[other])
+        assert all(torch.equal(x, y) for x, y in zip(got_sent, flat_ranges(runs, a[other], b[other], rank)))
+
+
+def test_cu_seqlens_padded_errors_name_the_value():
+    from megatron_ext.blockdiag_cp.resolve import ThdSource
+
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    # An empty document's extent of 4 at cp = 3: not TE's partition (its kernel asserts multiples of 2cp).
+    code, detail = ThdSource(_thd_params(i32(0, 5, 5, 11), i32(0, 6, 10, 18)), 6, 3, "auto")._thd_check()
+    assert code == 13 and "document 1 has padded extent 4, not a multiple of 2 * cp = 6" in detail, detail
+    ids = torch.tensor([1] * 5 + [0] * 3 + [0] * 4 + [2] * 6 + [0] * 2).unsqueeze(0)
+    with pytest.raises(ValueError, match=r"padding-only extent \(positions 6\.\.9\) has padded extent 4, "
+                                         r"not a multiple of 2\*cp = 6"):
+        build_layout("thd", torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1), 3,
+                     cu_seqlens_padded=[0, 6, 10, 24])
+    with pytest.raises(ValueError, match=r"must start at 0, not decrease and end at the padded length 20"):
+        build_layout("thd", ids, 2, cu_seqlens_padded=[0, 8, 16])
+    with pytest.raises(ValueError, match=r"document at positions 12\.\.17 does not start a padded extent"):
+        build_layout("thd", ids, 2, cu_seqlens_padded=[0, 8, 16, 20])
+    with pytest.raises(ValueError, match="cuts the 'thd' layout only"):
+        build_layout("zigzag", ids, 2, cu_seqlens_padded=[0, 8, 12, 20])

@@ -308,6 +308,89 @@ def test_thd_sft_form_cu_seqlens_q_equal_to_padded(pool2):
             assert loss_err < TOL and grad_err < TOL, (exchange, loss_err, grad_err)
 
 
+def thd_attention_errors(cp, cu, cu_padded, doc_ids, params=None, seed=0, exchange="a2a"):
+    """Megatron's THD core-attention call on this rank's share vs the fp64 reference on the whole pack:
+    (positions the state holds == TE's partition, output error, largest q/k/v gradient error), each
+    relative to the reference's largest value.
+
+    The share is cut by megatron's ``get_thd_batch_on_this_cp_rank`` (TE's index kernel replaced by
+    ``thd_partitioned_indices``); ``params``: the PackedSeqParams to pass (default: the ones megatron
+    made for this batch); the layer is built once per process and CP size.
+    """
+    import megatron.core.utils as mcore_utils
+    import torch.distributed as dist
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.layers import BlockDiagCPAttention
+    from megatron_ext.testing import reference_attention
+
+    group = H.ensure_mpu(tp=1, cp=cp).get_context_parallel_group()
+    layer = _THD_LAYERS.get(cp)
+    if layer is None:
+        layer = _THD_LAYERS[cp] = BlockDiagCPAttention(H.config(cp=cp), 1, AttnMaskType.causal, "self")
+    T = int(cu_padded[-1])
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(T, 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    grad_out = torch.randn(T, 1, 4, 8, generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*full, doc_ids)  # [T, 1, 4, 8]
+    ref.backward(grad_out)
+    batch = {"tokens": torch.zeros(1, T, dtype=torch.long), "positions": torch.arange(T).view(1, T),
+             "q": q.transpose(0, 1), "k": k.transpose(0, 1), "v": v.transpose(0, 1),
+             "grad": grad_out.transpose(0, 1)}  # [1, T, h, d]: megatron slices dim 1
+    te_double = type("tex", (), {"thd_get_partitioned_indices": staticmethod(bdcp.thd_partitioned_indices)})
+    saved = (getattr(mcore_utils, "tex", None), mcore_utils.is_te_min_version)
+    mcore_utils.tex, mcore_utils.is_te_min_version = te_double, (lambda *a, **k: True)
+    try:
+        local, megatron_params = megatron_thd_slice(batch, cu, cu_padded, cp, dist.get_rank(group), group)
+    finally:
+        mcore_utils.tex, mcore_utils.is_te_min_version = saved
+    params = megatron_params if params is None else params
+    mine = local["positions"][0]  # [t] the global positions TE's partition gave this rank
+    ours = [local[name][0].clone().requires_grad_() for name in ("q", "k", "v")]  # [t, h, d] as megatron squeezes
+    bdcp.configure_cp_varlen("dense", exchange)
+    try:
+        out = layer(*ours, None, packed_seq_params=params)  # [t, h * d]
+    finally:
+        bdcp.configure_cp_varlen()
+    out.backward(local["grad"][0].reshape(out.shape))
+    state = params._blockdiag_cp_state[1]
+
+    def err(got, want):  # relative to the whole pack's largest value: a rank may hold only rows whose
+        # exact gradient is 0 (a document's first query sees one key), where a per-rank scale is noise
+        return float((got - want[mine, 0].reshape(got.shape)).abs().max() / want.abs().max())
+
+    return (torch.equal(state.local_positions, mine), err(out.detach(), ref.detach()),
+            max(err(ours[i].grad, full[i].grad) for i in range(3)))
+
+
+_THD_LAYERS = {}
+
+
+def thd_empty_documents(cp, names, exchange):
+    from megatron_ext.testing.cases import thd_case
+
+    return {name: thd_attention_errors(cp, *thd_case(name, cp), seed=i, exchange=exchange)
+            for i, name in enumerate(names)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pool_name", ["pool2", "pool3"])
+def test_thd_empty_documents_match_te_partition_and_reference(request, pool_name):
+    """Issue 32's packs with an empty document (a padded extent of its own) or an empty trailing
+    padding sequence, and more: the state holds TE's partition, attention matches the reference."""
+    from megatron_ext.testing.cases import THD_EMPTY_DOCUMENT_CASES
+
+    cp = int(pool_name[-1])
+    pool = request.getfixturevalue(pool_name)
+    for exchange in ("allgather", "a2a"):
+        for per_rank in pool.run(thd_empty_documents, cp, list(THD_EMPTY_DOCUMENT_CASES), exchange):
+            for name, (same_positions, out_err, grad_err) in per_rank.items():
+                assert same_positions, (cp, exchange, name)
+                assert out_err < 1e-12 and grad_err < 1e-12, (cp, exchange, name, out_err, grad_err)
+
+
 # ---------------------------------------------------------------------------
 # A pipeline-style schedule: backward later, outside any step context
 # ---------------------------------------------------------------------------
@@ -522,6 +605,10 @@ def thd_bad_inputs():
                             cu_seqlens_q_padded=i32(0, 4, 8), cu_seqlens_kv_padded=i32(0, 8, 8)), 4,
             group)),
     }
+    # The same doc ids on both ranks, other padded extents (rank 1: the empty document's padding
+    # given to the first one): the layouts would differ.
+    padded = i32(0, 8, 12, 20) if dist.get_rank() == 0 else i32(0, 12, 12, 20)
+    out["extents_differ"] = catch(lambda: state_from_thd(params(i32(0, 5, 5, 11), padded), 10, group))
     # The same values in other tensors are fine (TE's callers often pass copies).
     same = state_from_thd(PackedSeqParams(qkv_format="thd", cu_seqlens_q=i32(0, 4, 8),
                                           cu_seqlens_kv=i32(0, 4, 8)), 4, group)
@@ -548,7 +635,8 @@ def test_bad_thd_input_raises_on_every_rank(pool2):
                "not_multiple": "configure_cp_thd_partition('per_sequence')",
                "knob_not_multiple": "not a multiple of 2 * cp = 4",
                "kv_differs": "cu_seqlens_kv = [0, 2, 8] differs from cu_seqlens_q = [0, 4, 8]",
-               "kv_padded_differs": "cu_seqlens_kv_padded = [0, 8, 8] differs from cu_seqlens_q_padded"}
+               "kv_padded_differs": "cu_seqlens_kv_padded = [0, 8, 8] differs from cu_seqlens_q_padded",
+               "extents_differ": "cu_seqlens_q_padded differs across the CP ranks"}
     for out in pool2.run(thd_bad_inputs):
         for case, needle in needles.items():
             assert out[case] is not None and out[case][0] == "BlockDiagCPError", (case, out[case])

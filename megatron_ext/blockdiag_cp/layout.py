@@ -6,15 +6,16 @@ order). Sorting keeps every document's local queries adjacent in local order,
 which is what the plan's varlen segments rely on.
 
 ``build_layout(name, doc_ids, cp)`` picks the strategy by (normalized) name;
-every strategy is a pure function of the padded doc ids, so every rank computes
-the same layout without communication. A strategy draws ranges, not positions:
-the layout keeps them as runs (``intervals.RankRuns``: a handful per rank for
-contiguous, zigzag and balanced, two per document for thd) and builds the
-[cp, P / cp] positions only when asked (``Layout.positions``; one rank's:
-``Layout.rank_positions``).
+every strategy is a pure function of the padded doc ids (``thd``: or of the
+padded document boundaries a THD batch was cut by, ``cu_seqlens_padded``), so
+every rank computes the same layout without communication. A strategy draws
+ranges, not positions: the layout keeps them as runs (``intervals.RankRuns``: a
+handful per rank for contiguous, zigzag and balanced, two per document for thd)
+and builds the [cp, P / cp] positions only when asked (``Layout.positions``; one
+rank's: ``Layout.rank_positions``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Dict, Optional, Tuple
 
@@ -45,6 +46,9 @@ class Layout:
     cp: int
     padded_len: int
     runs: RankRuns
+    # thd at cp > 1: the padded document boundaries its chunks cut, [n + 1] int64 ascending (empty
+    # extents dropped); the THD plan's closed forms read them (None for the other layouts).
+    cu_seqlens_padded: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     @property
     def local_len(self) -> int:
@@ -75,27 +79,39 @@ class Layout:
 
 
 def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
-                 cost_model: Optional[CostModel] = None, windows=None, doc_runs=None) -> Layout:
+                 cost_model: Optional[CostModel] = None, windows=None, doc_runs=None,
+                 cu_seqlens_padded=None) -> Layout:
     """doc_ids: [b, P] int64 already padded to the layout's granularity.
 
     ``cost_model`` and ``windows`` (the model's sliding windows, ``cost.resolve_windows``: None,
     a window, a ``WindowMix`` or per-layer windows) only steer ``balanced`` (default cost model:
     ``cost.default_cost_model()``). ``doc_runs``: ``intervals.document_runs`` of every row, when the
-    caller has them (a cost-aware layout reads them).
+    caller has them (a cost-aware layout reads them). ``cu_seqlens_padded`` (``thd`` only): the
+    padded document boundaries [n + 1] the batch was cut by (a THD batch's ``cu_seqlens_q_padded``);
+    the chunks follow them, empty documents' padding included. None: boundaries from the doc ids
+    (``thd_padded_cu_seqlens``).
     """
     windows = resolve_windows(windows)
     name = normalize_layout(name)
     strategy = LAYOUT_STRATEGIES[name]
     ids = doc_ids.reshape(-1, doc_ids.shape[-1])
     padded = ids.shape[-1]
+    if cu_seqlens_padded is not None and name != "thd":
+        raise ValueError(f"cu_seqlens_padded cuts the 'thd' layout only, not {name!r}; drop it or use "
+                         f"layout 'thd'")
     if padded % strategy.granularity(cp) != 0:
         raise ValueError(f"layout {name!r} at cp={cp} needs a padded length that is a multiple of "
                          f"{strategy.granularity(cp)}, got {padded}; pad with padded_length()")
+    cu = None
     if cp == 1:
         rank, start, length = [0], [0], [padded]
+    elif name == "thd":
+        cu = thd_boundaries(ids, cp, doc_runs, cu_seqlens_padded)
+        rank, start, length = strategy.chunk_runs(cu.numpy(), cp)
     else:
         rank, start, length = strategy.runs(ids, cp, cost_model, windows, doc_runs=doc_runs)
-    return Layout(name=name, cp=cp, padded_len=padded, runs=RankRuns.build(cp, padded, rank, start, length))
+    return Layout(name=name, cp=cp, padded_len=padded, runs=RankRuns.build(cp, padded, rank, start, length),
+                  cu_seqlens_padded=cu)
 
 
 class LayoutStrategy:
@@ -162,8 +178,10 @@ class THDLayout(LayoutStrategy):
         A: | 0 0 | 1 1 | 1 1 | 0 0 |   B: | 0 0 | 1 1 | 1 1 | 0 0 |
         rank 0: A0 A1 A6 A7 B0 B1 B6 B7   (= thd_partitioned_indices([0, 8, 16], 16, 2, 0))
 
-    A document's padded extent runs from its first token to the next document's
-    first token: THD pads every document at its end. One row of doc ids only.
+    The padded extents are the batch's own (``cu_seqlens_padded``, what TE's
+    partition cut: an empty document's padding is an extent of its own) or, from
+    doc ids alone, run from a document's first token to the next document's first
+    token: THD pads every document at its end. One row of doc ids only.
     """
 
     name = "thd"
@@ -173,11 +191,11 @@ class THDLayout(LayoutStrategy):
         return 2 * cp if cp > 1 else cp
 
     def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
-        if doc_ids.shape[0] != 1:
-            raise ValueError(f"layout 'thd' takes one row of doc ids (THD packs the batch into one "
-                             f"sequence), got {doc_ids.shape[0]} rows; pass doc_ids of shape [S] or "
-                             f"use another layout for per-row documents")
-        cu = thd_padded_cu_seqlens(doc_ids[0], cp, None if doc_runs is None else doc_runs[0]).numpy()
+        return self.chunk_runs(thd_boundaries(doc_ids, cp, doc_runs).numpy(), cp)
+
+    @staticmethod
+    def chunk_runs(cu: np.ndarray, cp: int) -> RunSpec:
+        """(rank, start, length) of the chunks of the padded documents [cu[i], cu[i + 1]), none empty."""
         # In numpy: 2 * cp runs per document, at a half to a third of torch's op costs on one core.
         # Runs that touch come merged, as RankRuns.build would merge them (its merge made three more
         # arrays of every run, ~5 ms of a 1M / cp 64 plan): rank cp - 1's two chunks of a document,
@@ -204,6 +222,48 @@ class THDLayout(LayoutStrategy):
         return torch.from_numpy(np.repeat(np.arange(cp), count)), torch.from_numpy(start), torch.from_numpy(length)
 
 
+def thd_boundaries(doc_ids: torch.Tensor, cp: int, doc_runs=None, cu_seqlens_padded=None) -> torch.Tensor:
+    """[n + 1] int64 padded document boundaries of the ``thd`` layout, checked at cp, empty extents dropped.
+
+    doc_ids: [1, P]; ``doc_runs``: its rows' ``intervals.document_runs`` (or None);
+    ``cu_seqlens_padded``: the batch's own boundaries (None: ``thd_padded_cu_seqlens`` of the ids).
+    """
+    if doc_ids.shape[0] != 1:
+        raise ValueError(f"layout 'thd' takes one row of doc ids (THD packs the batch into one "
+                         f"sequence), got {doc_ids.shape[0]} rows; pass doc_ids of shape [S] or "
+                         f"use another layout for per-row documents")
+    row_runs = None if doc_runs is None else doc_runs[0]
+    if cu_seqlens_padded is None:
+        return thd_padded_cu_seqlens(doc_ids[0], cp, row_runs)
+    cu = torch.as_tensor(cu_seqlens_padded).reshape(-1).to("cpu", torch.int64).numpy()
+    P = doc_ids.shape[-1]
+    if cu.size < 2 or cu[0] != 0 or cu[-1] != P or (np.diff(cu) < 0).any():
+        raise ValueError(f"layout 'thd': cu_seqlens_padded {_short_list(cu)} must start at 0, not "
+                         f"decrease and end at the padded length {P}")
+    # An extent of 0 holds no token: TE's partition skips it, and so do the chunks.
+    keep = np.ones(cu.size, dtype=bool)
+    keep[1:] = cu[1:] != cu[:-1]
+    cu = _checked_thd_cu(cu[keep], doc_ids[0], cp)
+    d_start, d_end, d_id = (x.numpy() for x in (document_runs(doc_ids[0]) if row_runs is None else row_runs))
+    real = d_id > 0
+    # The closed forms read every document as its extent's head: it starts at a boundary and ends
+    # inside that extent.
+    at = np.searchsorted(cu, d_start[real], side="right") - 1
+    bad = np.flatnonzero((cu[at] != d_start[real]) | (d_end[real] > cu[at + 1]))
+    if bad.size:
+        i = int(bad[0])
+        a, b = int(d_start[real][i]), int(d_end[real][i])
+        raise ValueError(f"layout 'thd': the document at positions {a}..{b - 1} does not start a padded "
+                         f"extent of cu_seqlens_padded {_short_list(cu)} or crosses its end; every "
+                         f"document must start its extent, padding after it")
+    return torch.from_numpy(cu)
+
+
+def _short_list(values: np.ndarray) -> str:
+    v = [int(x) for x in values]
+    return str(v) if len(v) <= 8 else f"[{v[0]}, {v[1]}, ..., {v[-1]}] ({len(v)})"
+
+
 def thd_padded_cu_seqlens(doc_ids: torch.Tensor, cp: int, doc_runs: Optional[DocRuns] = None) -> torch.Tensor:
     """[n + 1] padded document boundaries from one row of doc ids, checked for THD at cp.
 
@@ -226,8 +286,9 @@ def _checked_thd_cu(cu: np.ndarray, doc_ids: torch.Tensor, cp: int) -> np.ndarra
     if bad.size:
         i = int(bad[0])
         doc = int(doc_ids[int(cu[i])])
+        what = f"document {doc}" if doc else "a padding-only extent"
         raise ValueError(
-            f"layout 'thd' at cp={cp}: document {doc} (positions {int(cu[i])}..{int(cu[i + 1]) - 1}) "
+            f"layout 'thd' at cp={cp}: {what} (positions {int(cu[i])}..{int(cu[i + 1]) - 1}) "
             f"has padded extent {int(extent[i])}, not a multiple of 2*cp = {2 * cp}; pad every "
             f"document at its end to a multiple of {2 * cp} (THD's cu_seqlens_padded), or use "
             f"another layout")
@@ -261,17 +322,22 @@ def thd_partitioned_indices(cu_seqlens_padded, total_tokens: int, cp: int, rank:
     return index + local[seq] * cp + half * (chunk - (index >= half).long())
 
 
-def thd_extents(doc_ids: torch.Tensor, cp: int, doc_runs=None) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def thd_extents(doc_ids: torch.Tensor, cp: int, doc_runs=None, cu_seqlens_padded=None
+                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(cu [n + 1], c [n], run [n], real [n]) of one THD row: the padded documents' bounds, their chunk
-    length, the document run each starts with (its index in ``doc_runs``, the row's
+    length, the document run holding each one's start (its index in ``doc_runs``, the row's
     ``intervals.document_runs``) and its real tokens (a document starts its extent; 0 for a
-    padding-only extent). What the closed forms below read, made once per plan."""
+    padding-only extent). ``cu_seqlens_padded``: the layout's bounds (``Layout.cu_seqlens_padded``;
+    None: ``thd_padded_cu_seqlens`` of the ids). What the closed forms below read, made once per plan."""
     row = doc_ids.reshape(-1)
     doc_runs = document_runs(row) if doc_runs is None else doc_runs
-    cu = thd_padded_cu_seqlens(row, cp, doc_runs).numpy()
+    cu = (thd_padded_cu_seqlens(row, cp, doc_runs) if cu_seqlens_padded is None
+          else torch.as_tensor(cu_seqlens_padded)).numpy()
     c = np.diff(cu) // (2 * cp)  # [n]
     d_start, d_end, d_id = (x.numpy() for x in doc_runs)
-    which = np.searchsorted(d_start, cu[:-1])  # the run starting each extent
+    # The run holding each extent's start: a document's own run, or the padding an empty document's
+    # extent lies in.
+    which = np.searchsorted(d_start, cu[:-1], side="right") - 1
     real = np.where(d_id[which] > 0, np.minimum(d_end[which], cu[1:]) - cu[:-1], 0)
     return cu, c, which, real
 
@@ -347,8 +413,8 @@ def thd_send_ranges(extents, cp: int, src: int, a: torch.Tensor, b: torch.Tensor
     search per range.
     """
     cu, c, which, _ = extents
-    chunk = np.zeros(int(which[-1]) + 1, dtype=np.int64)  # by document run: the runs starting extents
-    chunk[which] = c
+    chunk = np.zeros(int(which[-1]) + 1, dtype=np.int64)  # by document run: the runs holding extents' starts
+    chunk[which] = c  # padding runs holding several empty extents' starts: no range reads them
     c = chunk[doc.numpy()]  # [n] the chunk length of each range's document
     qa = a.numpy()
     y = b.numpy() - qa  # [n] the range's length
@@ -479,6 +545,6 @@ LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
 
 __all__ = ["Layout", "LayoutStrategy", "ContiguousLayout", "ZigzagLayout", "BalancedLayout", "THDLayout",
            "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
-           "position_work", "thd_partitioned_indices", "thd_padded_cu_seqlens",
+           "position_work", "thd_partitioned_indices", "thd_padded_cu_seqlens", "thd_boundaries",
            "BALANCE_GOAL", "thd_exchange_counts", "thd_extents", "thd_work_and_intervals",
            "thd_owned_ranges", "thd_send_ranges"]

@@ -110,7 +110,7 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     runs = layout.runs
     rows = [document_runs(doc_ids[row]) for row in range(R)] if doc_runs is None else list(doc_runs)
     thd = layout.name == "thd" and R == 1 and cp > 1 and window is None  # closed forms of its tables
-    extents = thd_extents(doc_ids[0], cp, rows[0]) if thd else None
+    extents = thd_extents(doc_ids[0], cp, rows[0], layout.cu_seqlens_padded) if thd else None
     if known is None:
         work_per_rank, dst, a, b, doc = thd_work_and_intervals(extents, cp) if thd else \
             work_intervals_and_docs(runs, rows, window)

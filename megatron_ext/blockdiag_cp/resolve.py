@@ -26,7 +26,8 @@ reach a THD layer with CP:
 - per document (TransformerEngine's ``thd_get_partitioned_indices``; SFT,
   Megatron-Bridge, megatron-core's per-document balancing): every padded extent
   a multiple of 2cp, cut in 2cp chunks, rank r holds chunks r and 2cp-1-r of
-  every document -> layout ``thd``;
+  every document -> layout ``thd``, cut along the padded extents themselves (an
+  empty document's padding is an extent of its own, as TE's partition has it);
 - per sequence (megatron-core 0.19 inter-document masking,
   ``use_per_sequence_balancing=True``): the whole pack cut zigzag -> layout
   ``zigzag``.
@@ -55,7 +56,7 @@ import torch.distributed as dist
 
 from .. import parallel_state as ps
 from . import state as knobs
-from .agreement import BlockDiagCPError, group_ranks
+from .agreement import BlockDiagCPError, doc_ids_fingerprint, group_ranks
 from .step import BlockDiagCPState, DocumentSource, ReplicatedDocIds
 
 
@@ -222,6 +223,9 @@ class ThdSource(ReplicatedDocIds):
     must_agree["same_thd_partition"] = ("THD batches were partitioned differently across the CP ranks "
                                         "(per-document vs per-sequence); set configure_cp_thd_partition "
                                         "alike on every rank")
+    must_agree["same_thd_extents"] = ("THD cu_seqlens_q_padded differs across the CP ranks (the same "
+                                      "documents, other padded extents); every CP rank must get the same "
+                                      "packed micro batch and its cu_seqlens")
 
     def __init__(self, packed_seq_params, local_tokens: int, cp: int, partition: str):
         super().__init__(None)
@@ -233,9 +237,12 @@ class ThdSource(ReplicatedDocIds):
         code, detail = self._thd_check()
         if code:
             return {"input_error": code, "same_rows": 0, "same_seq_len": 0, "same_doc_hash": 0,
-                    "same_thd_partition": 0}, detail
+                    "same_thd_partition": 0, "same_thd_extents": 0}, detail
         facts, detail = super().local_facts()
         facts["same_thd_partition"] = 1 if self.partition == "per_document" else 2
+        # The layout cuts these extents, which the doc ids alone do not give (an empty document's).
+        facts["same_thd_extents"] = (0 if self.cu_seqlens_padded is None
+                                     else doc_ids_fingerprint(self.cu_seqlens_padded.unsqueeze(0)))
         return facts, detail
 
     def _thd_check(self):
@@ -295,6 +302,9 @@ class ThdSource(ReplicatedDocIds):
                             f"of 2 * cp = {2 * cp}")
             self.partition = "per_sequence"
         self.layout = "thd" if self.partition == "per_document" and cp > 1 else "zigzag"
+        # TE's partition cut the padded extents as given: the layout takes them, not the doc ids
+        # (an empty document's padding is an extent of its own, not the previous one's padding).
+        self.cu_seqlens_padded = padded if self.layout == "thd" else None
         lengths = q.diff()
         ids = torch.zeros(total, dtype=torch.int64)
         doc = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)

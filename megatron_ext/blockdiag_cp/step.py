@@ -58,10 +58,13 @@ class DocumentSource:
     ``input_error`` (0 = fine; otherwise a code of ``errors``) and the facts all
     ranks must share (shapes, fingerprints). After the agreement, ``doc_ids``
     returns the [R, S] int64 full-sequence ids (it may run one collective of its
-    own, identical on every rank). ``layout`` forces a layout (None: the knob's).
+    own, identical on every rank). ``layout`` forces a layout (None: the knob's);
+    ``cu_seqlens_padded`` the padded document boundaries a ``thd`` batch was cut by
+    (None: the layout finds them in the doc ids).
     """
 
     layout: Optional[str] = None
+    cu_seqlens_padded: Optional[torch.Tensor] = None
     errors: Dict[int, str] = {}
     must_agree: Dict[str, str] = {}  # fact -> the error when CP ranks disagree on it
     description = "the document source"
@@ -337,7 +340,8 @@ class BlockDiagCPState:
                                           "group size, rank or layout; planning in line")
             padded = padded_length(seq_len, layout_name, cp)
             ids = torch.nn.functional.pad(ids, (0, padded - seq_len))
-            lay = build_layout(layout_name, ids, cp, cost_model=cost_model, windows=mix)
+            lay = build_layout(layout_name, ids, cp, cost_model=cost_model, windows=mix,
+                               cu_seqlens_padded=source.cu_seqlens_padded)
             # Only the exchange in use is planned now; the other kind is built if ever read.
             plan = build_plan(ids, lay, rank,
                               kinds=(chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed",))

@@ -43,3 +43,28 @@ def make_doc_ids(case: str, S: int, cp: int) -> torch.Tensor:
 
 CASES = ["short", "single", "pad_tail", "len1_boundaries", "pad_middle", "same_id_twice",
          "uneven", "b2"]
+
+
+# (real lengths, padded extents in units of 2cp): a document of length 0 keeps its padded
+# extent (packers emit these), or has none (extent 0). At cp = 2 the first two are issue 32's
+# cu_seqlens [0, 5, 5, 11] / [0, 8, 12, 20] and [0, 5, 11, 11] / [0, 8, 16, 20].
+THD_EMPTY_DOCUMENT_CASES = {
+    "empty_middle": ((5, 0, 6), (2, 1, 2)),
+    "empty_trailing": ((5, 6, 0), (2, 2, 1)),
+    "empty_first": ((0, 5, 6), (1, 2, 2)),
+    "several_empty": ((0, 3, 0, 0, 7, 0), (1, 1, 2, 1, 2, 1)),
+    "zero_extent": ((5, 0, 6), (2, 0, 2)),
+    "full_then_empty": ((4, 0, 3, 0), (1, 1, 1, 2)),
+}
+
+
+def thd_case(name, cp):
+    """(cu_seqlens [n + 1], cu_seqlens_padded [n + 1], doc ids [T]) of a case at cp, built from its
+    definition: document i + 1's tokens at the start of its padded extent, padding (0) after them."""
+    lengths, units = THD_EMPTY_DOCUMENT_CASES[name]
+    extents = [u * 2 * cp for u in units]
+    cu = torch.tensor((0,) + lengths).cumsum(0).to(torch.int32)
+    cu_padded = torch.tensor([0] + extents).cumsum(0).to(torch.int32)
+    ids = torch.cat([torch.cat([torch.full((n,), i + 1), torch.zeros(e - n, dtype=torch.long)])
+                     for i, (n, e) in enumerate(zip(lengths, extents))])
+    return cu, cu_padded, ids
