@@ -391,6 +391,64 @@ def test_thd_empty_documents_match_te_partition_and_reference(request, pool_name
                 assert out_err < 1e-12 and grad_err < 1e-12, (cp, exchange, name, out_err, grad_err)
 
 
+def thd_reused_params():
+    """One PackedSeqParams object carried over micro batches, as static-buffer loaders do: new cu_seqlens
+    written in place (copy_, and .data, which the version counter does not see), then new tensors
+    assigned to its fields. Per micro batch: (errors as thd_attention_errors, states built so far)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_ext.blockdiag_cp import resolve
+    from megatron_ext.testing.cases import thd_doc_ids
+
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    first = (i32(0, 5, 7, 13), i32(0, 8, 12, 20))  # cp = 2, 20 tokens, three documents
+    second = (i32(0, 3, 7, 14), i32(0, 4, 12, 20))  # the same shapes: written in place
+    third = (i32(0, 9, 10), i32(0, 12, 20))  # two documents: new tensors
+    fourth = (i32(0, 3, 12), i32(0, 4, 20))
+    cu, padded = (t.clone() for t in first)
+    # As megatron's get_thd_batch_on_this_cp_rank builds it: q and kv share the tensors.
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                             cu_seqlens_kv_padded=padded, max_seqlen_q=12, max_seqlen_kv=12)
+    builds = []
+
+    class CountingSource(resolve.ThdSource):
+        def __init__(self, *args, **kwargs):
+            builds.append(1)
+            super().__init__(*args, **kwargs)
+
+    def step(batch, seed):
+        return thd_attention_errors(2, *batch, thd_doc_ids(*batch), params=params, seed=seed), len(builds)
+
+    real_source, resolve.ThdSource = resolve.ThdSource, CountingSource
+    try:
+        out = {"first": step(first, 0), "first_again": step(first, 1)}
+        params.cu_seqlens_q.copy_(second[0])
+        params.cu_seqlens_q_padded.copy_(second[1])
+        out["copy_"] = step(second, 2)
+        out["copy_again"] = step(second, 3)
+        params.cu_seqlens_q = params.cu_seqlens_kv = third[0].clone()
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = third[1].clone()
+        out["assigned"] = step(third, 4)
+        params.cu_seqlens_q.data.copy_(fourth[0])
+        params.cu_seqlens_q_padded.data.copy_(fourth[1])
+        out["data_write"] = step(fourth, 5)
+    finally:
+        resolve.ThdSource = real_source
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_reused_thd_params_rebuild_when_their_cu_seqlens_change(pool2):
+    """A params object whose cu_seqlens change (in place or reassigned) gets a new state; an unchanged
+    one keeps its state (no new build)."""
+    want_builds = {"first": 1, "first_again": 1, "copy_": 2, "copy_again": 2, "assigned": 3, "data_write": 4}
+    for out in pool2.run(thd_reused_params):
+        for case, ((same_positions, out_err, grad_err), builds) in out.items():
+            assert same_positions, case
+            assert out_err < 1e-12 and grad_err < 1e-12, (case, out_err, grad_err)
+            assert builds == want_builds[case], (case, builds)
+
+
 # ---------------------------------------------------------------------------
 # A pipeline-style schedule: backward later, outside any step context
 # ---------------------------------------------------------------------------

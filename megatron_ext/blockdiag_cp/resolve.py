@@ -379,17 +379,58 @@ def state_from_mask(attention_mask: torch.Tensor, group, batch: Optional[int] = 
     return state
 
 
+# The cu_seqlens fields a THD state is built from (ThdSource._thd_check reads all four).
+_THD_CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded")
+
+
+def _thd_inputs(packed_seq_params) -> tuple:
+    """What a THD state is built from: per cu_seqlens field (value, version, data pointer, shape, host copy).
+
+    The cache entry holds the field's object itself and compares it with ``is``: a reassigned field
+    misses, and a freed tensor's reused id cannot fake a hit. ``copy_`` and every other torch write
+    bump the version counter. A host tensor's values are kept and compared as well (cheap), which
+    also catches writes the counter does not see (``.data``, numpy views); a device tensor's are
+    not read, as that would synchronize with the device on every layer's call.
+    """
+    inputs = []
+    for name in _THD_CU_FIELDS:
+        value = getattr(packed_seq_params, name, None)
+        if isinstance(value, torch.Tensor):
+            host = value.detach().clone() if value.device.type == "cpu" else None
+            inputs.append((value, value._version, value.data_ptr(), tuple(value.shape), host))
+        else:
+            inputs.append((value, None, None, None, None))
+    return tuple(inputs)
+
+
+def _thd_inputs_unchanged(built: tuple, packed_seq_params) -> bool:
+    """Whether ``packed_seq_params`` still holds the cu_seqlens ``built`` (``_thd_inputs``) recorded."""
+    for name, (value, version, pointer, shape, host) in zip(_THD_CU_FIELDS, built):
+        now = getattr(packed_seq_params, name, None)
+        if now is not value:
+            return False
+        if isinstance(now, torch.Tensor):
+            if (now._version, now.data_ptr(), tuple(now.shape)) != (version, pointer, shape):
+                return False
+            if host is not None and not torch.equal(host, now):
+                return False
+    return True
+
+
 def state_from_thd(packed_seq_params, local_tokens: int, group, device=None, windows=None) -> BlockDiagCPState:
-    """The step state of a THD micro batch (cached on its packed_seq_params)."""
+    """The step state of a THD micro batch, cached on its packed_seq_params while its cu_seqlens are
+    the ones it was built from (``_thd_inputs``): new values written in place or new tensors assigned
+    to the same params object build a new state."""
     group = getattr(packed_seq_params, "cp_group", None) or group
     key = (_knob_key(group), local_tokens, windows)
     cached = getattr(packed_seq_params, "_blockdiag_cp_state", None)
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == key and _thd_inputs_unchanged(cached[2], packed_seq_params):
         return cached[1]
+    inputs = _thd_inputs(packed_seq_params)  # before the build reads them
     source = ThdSource(packed_seq_params, local_tokens, ps.group_size(group), knobs._CP_THD_PARTITION)
     state = BlockDiagCPState.from_source(source, cp_group=group, device=device, strict=knobs._CP_STRICT,
                                          windows=windows)
-    packed_seq_params._blockdiag_cp_state = (key, state)
+    packed_seq_params._blockdiag_cp_state = (key, state, inputs)
     return state
 
 

@@ -62,9 +62,13 @@ def thd_case(name, cp):
     """(cu_seqlens [n + 1], cu_seqlens_padded [n + 1], doc ids [T]) of a case at cp, built from its
     definition: document i + 1's tokens at the start of its padded extent, padding (0) after them."""
     lengths, units = THD_EMPTY_DOCUMENT_CASES[name]
-    extents = [u * 2 * cp for u in units]
     cu = torch.tensor((0,) + lengths).cumsum(0).to(torch.int32)
-    cu_padded = torch.tensor([0] + extents).cumsum(0).to(torch.int32)
-    ids = torch.cat([torch.cat([torch.full((n,), i + 1), torch.zeros(e - n, dtype=torch.long)])
-                     for i, (n, e) in enumerate(zip(lengths, extents))])
-    return cu, cu_padded, ids
+    cu_padded = torch.tensor([0] + [u * 2 * cp for u in units]).cumsum(0).to(torch.int32)
+    return cu, cu_padded, thd_doc_ids(cu, cu_padded)
+
+
+def thd_doc_ids(cu_seqlens, cu_seqlens_padded) -> torch.Tensor:
+    """[T] doc ids of a THD pack: document i + 1's tokens at the start of its padded extent, 0 after."""
+    lengths, extents = cu_seqlens.diff().tolist(), cu_seqlens_padded.diff().tolist()
+    return torch.cat([torch.cat([torch.full((n,), i + 1), torch.zeros(e - n, dtype=torch.long)])
+                      for i, (n, e) in enumerate(zip(lengths, extents))])
