@@ -265,3 +265,18 @@ def test_cu_seqlens_padded_errors_name_the_value():
         build_layout("thd", ids, 2, cu_seqlens_padded=[0, 8, 16, 20])
     with pytest.raises(ValueError, match="cuts the 'thd' layout only"):
         build_layout("zigzag", ids, 2, cu_seqlens_padded=[0, 8, 12, 20])
+
+
+def test_from_doc_ids_the_layout_pads_the_end_only():
+    """As docs/design.md's layout table says: padded_length pads the sequence's end (the last
+    document's extent) to 2cp; every other document must come padded, else the error names it."""
+    from megatron_ext.blockdiag_cp.layout import padded_length
+
+    last_short = torch.tensor([1] * 8 + [2] * 3)  # document 2 unpadded at the end: the layout pads it
+    P = padded_length(last_short.numel(), "thd", 2)
+    lay = build_layout("thd", torch.nn.functional.pad(last_short, (0, P - last_short.numel())).unsqueeze(0), 2)
+    assert P == 12 and lay.positions.tolist() == [_brute_force([8, 4], 2, r) for r in range(2)]
+    first_short = torch.tensor([1] * 5 + [2] * 3)  # document 1 unpadded before document 2: refused
+    with pytest.raises(ValueError, match=r"document 1 \(positions 0\.\.4\) has padded extent 5.*pad every "
+                                         r"document at its end to a multiple of 4"):
+        build_layout("thd", first_short.unsqueeze(0), 2)
