@@ -253,7 +253,8 @@ def test_cu_seqlens_padded_errors_name_the_value():
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     # An empty document's extent of 4 at cp = 3: not TE's partition (its kernel asserts multiples of 2cp).
     code, detail = ThdSource(_thd_params(i32(0, 5, 5, 11), i32(0, 6, 10, 18)), 6, 3, "auto")._thd_check()
-    assert code == 13 and "document 1 has padded extent 4, not a multiple of 2 * cp = 6" in detail, detail
+    assert code == 13 and ("document 1 (0-based; 0 tokens, padded positions 6..9) has padded extent 4, not a "
+                           "multiple of 2 * cp = 6") in detail, detail
     ids = torch.tensor([1] * 5 + [0] * 3 + [0] * 4 + [2] * 6 + [0] * 2).unsqueeze(0)
     with pytest.raises(ValueError, match=r"padding-only extent \(positions 6\.\.9\) has padded extent 4, "
                                          r"not a multiple of 2\*cp = 6"):

@@ -292,9 +292,11 @@ class ThdSource(ReplicatedDocIds):
                         "; if the batch was cut zigzag over the whole pack (megatron-core inter-document "
                         "masking, use_per_sequence_balancing=True), set "
                         "configure_cp_thd_partition('per_sequence')")
-                return 13, (f"document {bad} has padded extent {int(extents[bad])}, not a multiple of "
-                            f"2 * cp = {2 * cp}: TransformerEngine's per-document partition needs every "
-                            f"document padded to a multiple of 2 * cp{hint}")
+                return 13, (f"document {bad} (0-based; {int(q[bad + 1] - q[bad])} tokens, padded positions "
+                            f"{int(padded[bad])}..{int(padded[bad + 1]) - 1}) has padded extent "
+                            f"{int(extents[bad])}, not a multiple of 2 * cp = {2 * cp}: TransformerEngine's "
+                            f"per-document partition needs every document padded to a multiple of 2 * cp, an "
+                            f"empty one too (or to 0){hint}")
             self.partition = "per_document"
         else:
             if total % (2 * cp):
