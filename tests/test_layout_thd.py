@@ -168,9 +168,10 @@ def test_closed_form_owned_and_sent_ranges_equal_the_searches(cp):
 # ---------------------------------------------------------------------------
 
 def _thd_params(cu, cu_padded):
-    from megatron.core.packed_seq_params import PackedSeqParams
+    """The fields of megatron's THD PackedSeqParams that ThdSource reads (no megatron import here)."""
+    from types import SimpleNamespace
 
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+    return SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
 
 
