@@ -315,7 +315,7 @@ def thd_attention_errors(cp, cu, cu_padded, doc_ids, params=None, seed=0, exchan
 
     The share is cut by megatron's ``get_thd_batch_on_this_cp_rank`` (TE's index kernel replaced by
     ``thd_partitioned_indices``); ``params``: the PackedSeqParams to pass (default: the ones megatron
-    made for this batch); the layer is built once per process and CP size.
+    made for this batch).
     """
     import megatron.core.utils as mcore_utils
     import torch.distributed as dist
@@ -326,9 +326,7 @@ def thd_attention_errors(cp, cu, cu_padded, doc_ids, params=None, seed=0, exchan
     from megatron_ext.testing import reference_attention
 
     group = H.ensure_mpu(tp=1, cp=cp).get_context_parallel_group()
-    layer = _THD_LAYERS.get(cp)
-    if layer is None:
-        layer = _THD_LAYERS[cp] = BlockDiagCPAttention(H.config(cp=cp), 1, AttnMaskType.causal, "self")
+    layer = BlockDiagCPAttention(H.config(cp=cp), 1, AttnMaskType.causal, "self")
     T = int(cu_padded[-1])
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(T, 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
@@ -363,9 +361,6 @@ def thd_attention_errors(cp, cu, cu_padded, doc_ids, params=None, seed=0, exchan
 
     return (torch.equal(state.local_positions, mine), err(out.detach(), ref.detach()),
             max(err(ours[i].grad, full[i].grad) for i in range(3)))
-
-
-_THD_LAYERS = {}
 
 
 def thd_empty_documents(cp, names, exchange):
