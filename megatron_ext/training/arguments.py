@@ -106,10 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight decay at --train-iters with --weight-decay-incr-style linear/cosine")
     g.add_argument("--weight-decay-incr-style", default="constant",
                    choices=["constant", "linear", "cosine"])
-    g.add_argument("--override-opt-param-scheduler", action="store_true",
-                   help="on --load, take the schedule from these flags, not the checkpoint")
-    g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
-                   help="on --load, take the schedule from the checkpoint, ignoring these flags")
+    # Both spellings, as Megatron-LM's: the underscore one is what its scripts pass.
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on --load, take the schedule from these flags, not the checkpoint (the "
+                        "learning rate moves to the new curve at the resumed iteration)")
+    g.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on --load, take the schedule from the checkpoint, ignoring these flags; "
+                        "neither flag: a schedule that differs from the checkpoint's is refused")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
