@@ -6,7 +6,8 @@
 (b) a missing or corrupt --data-path fails cleanly on every rank, no hang;
 (c) a run SIGKILLed after a checkpoint and resumed with --load gives the same losses,
     iteration for iteration, as an uninterrupted run, and the learning rate follows
-    Megatron's schedule (an independent formula) across the resume;
+    Megatron's schedule (an independent formula) across the resume; with one rank file
+    taken from an older checkpoint, every rank refuses the resume;
 (d) --load never unpickles code: a crafted checkpoint is refused with the reason.
 """
 
@@ -286,6 +287,24 @@ def test_sigkill_and_resume_reproduces_losses(tmp_path, tiny_data):
     half.mkdir(exist_ok=True)
     (half / "rank_00000.pt").write_bytes(b"half-written")
 
+    # B': rank 1's file of the latest checkpoint replaced by its file of the one before (issue
+    # 32): every rank refuses, naming it, instead of rank 1 resuming from the older iteration
+    rank1 = b / f"iter_{pointer:07d}" / "rank_00001.pt"
+    rank1.rename(tmp_path / "rank_00001.pt")
+    rank1.write_bytes((b / f"iter_{pointer - SAVE_EVERY:07d}" / "rank_00001.pt").read_bytes())
+    res = subprocess.run([*common, "--save", str(b), "--load", str(b)], env=_env(),
+                         capture_output=True, text=True, timeout=200)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-3000:]
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: error: cannot resume from {re.escape(str(b))}, every rank stops: "
+                         rf"rank 1: {re.escape(str(rank1))} does not belong to this checkpoint: it holds "
+                         rf"iteration {pointer - SAVE_EVERY}, meta.json and the pointer say {pointer}", out), \
+            out[-3000:]
+    assert "resumed from" not in out and "pretrain_gpt.py\", line" not in out, out[-3000:]  # no traceback of ours
+    assert "lm loss" not in res.stdout  # no rank trained
+    (tmp_path / "rank_00001.pt").replace(rank1)
+
     # C: resume B from its latest checkpoint
     res = subprocess.run([*common, "--save", str(b), "--load", str(b)], env=_env(),
                          capture_output=True, text=True, timeout=200)
@@ -402,3 +421,4 @@ def test_plan_ahead_gives_the_losses_of_planning_in_line(tmp_path, tiny_data, mo
     assert "ms ahead" in runs["ahead"][1] and "% hidden" in runs["ahead"][1], runs["ahead"][1][-2000:]
     assert "plan in line" in runs["inline"][1]
     assert "prepared plan was made for other" not in runs["ahead"][1] + runs["inline"][1]
+
