@@ -2,17 +2,23 @@
 
     python -m megatron_ext.plan --data-path PREFIX --seq-length S --cp N
         [--nodes M | --gpus-per-node G] [--link nvlink|ib] [--flat]
-        [--heads 32 --kv-heads 8 --head-dim 128] [--samples 8] [--png plan.png]
+        [--heads 32 --kv-heads 8 --head-dim 128] [--samples 8] [--plot plan.png]
 
 Samples ``--samples`` sequences of ``--seq-length`` tokens from a megatron indexed
-dataset (``PREFIX.bin`` / ``PREFIX.idx``), documents split at the EOD token as
+dataset (``PREFIX.bin`` / ``PREFIX.idx``; several prefixes, or the pretrain script's
+blend ``W1 PREFIX1 W2 PREFIX2 ...``, each sample's dataset drawn by weight, or by
+token count without weights), documents split at the EOD token as
 training packs them (megatron_ext.training.data's byte tokenizer: EOD = 256, or
 ``--eod``), runs ``plan_summary`` for every layout (the exact layout + plan code
 of one rank) and prints per layout x exchange the K/V bytes the busiest rank
 receives per layer (and of them, across nodes), work max/mean, the modeled
 attention time over the ideal and the lower bound, the same with the exchange
 streamed behind compute (``CostModel.overlapped``, refetch in backward) and its
-exposed share, and the host plan time; writes a PNG of modeled / ideal.
+exposed share, and the host plan time; with ``--plot PATH``, a PNG of modeled / ideal.
+
+Refused before any work: a ``--cp`` above ``--seq-length`` (a rank would own no
+token), and a ``--cp`` whose plan tables (``[cp, cp]``, up to about 768 bytes per pair
+of ranks at the peak) would not fit in the memory this machine has available.
 
 Topology: the CP group spans ``--nodes`` nodes of ``--gpus-per-node`` CP ranks
 (give either; the other follows from ``--cp``): more than one node prices
@@ -25,13 +31,39 @@ import argparse
 import os
 import sys
 
+from megatron_ext.training import data
+from megatron_ext.training.arguments import add_data_path_argument
+
 LAYOUTS = ("contiguous", "zigzag", "balanced")
+# Peak bytes of one plan_summary per pair of CP ranks: its [cp, cp] tables dominate once cp is in
+# the hundreds (measured: the peak resident set grew 300-580 bytes per pair at cp 512 / 1024 / 2048,
+# every layout, 552 at cp 1024 of a 65536-token sequence; rounded up with a margin).
+PLAN_BYTES_PER_RANK_PAIR = 768
+
+
+def available_memory_bytes():
+    """MemAvailable from /proc/meminfo (Linux), else physical memory; None when neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**40:.1f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m megatron_ext.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-path", required=True, help="indexed dataset prefix (PREFIX.bin, PREFIX.idx)")
+    add_data_path_argument(p, required=True)  # the pretrain script's flag, blends included
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--cp", type=int, required=True)
     p.add_argument("--nodes", type=int, default=None, help="nodes the CP group spans (two levels when > 1)")
@@ -48,11 +80,21 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--eod", type=int, default=256, help="end-of-document token id (default: 256)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--png", default="plan.png")
+    p.add_argument("--plot", "--png", dest="plot", default=None, metavar="PATH",
+                   help="also write a PNG of modeled / ideal per layout and exchange to PATH")
     args = p.parse_args(argv)
     for name in ("seq_length", "cp", "samples", "nodes", "gpus_per_node"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.cp > args.seq_length:
+        p.error(f"--cp {args.cp} exceeds --seq-length {args.seq_length}: every CP rank must own at least "
+                f"one token of the sequence; plan a --cp of at most {args.seq_length}, or a longer --seq-length")
+    need, have = PLAN_BYTES_PER_RANK_PAIR * args.cp ** 2, available_memory_bytes()
+    if have is not None and need > have:
+        fits = int((have / PLAN_BYTES_PER_RANK_PAIR) ** 0.5)
+        p.error(f"--cp {args.cp}: planning would need about {_gib(need)} (the plan's [cp, cp] tables, "
+                f"~{PLAN_BYTES_PER_RANK_PAIR} bytes per pair of ranks), more than the {_gib(have)} this machine "
+                f"has available; plan a --cp of at most about {fits}")
     if args.nodes is not None and args.gpus_per_node is not None and args.nodes * args.gpus_per_node != args.cp:
         p.error(f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} != --cp {args.cp}; give one of "
                 "them or make them multiply to --cp")
@@ -62,30 +104,45 @@ def parse_args(argv=None):
         args.gpus_per_node = args.cp // args.nodes
     if args.gpus_per_node is not None and args.gpus_per_node < args.cp and args.cp % args.gpus_per_node:
         p.error(f"--cp {args.cp} does not split into nodes of --gpus-per-node {args.gpus_per_node}")
-    for ext in (".bin", ".idx"):
-        if not os.path.exists(args.data_path + ext):
-            p.error(f"--data-path {args.data_path!r}: {args.data_path + ext} does not exist "
-                    "(pass the prefix without .bin/.idx)")
+    try:  # the pretrain script's reading of --data-path and its check of each dataset on disk
+        prefixes, args.data_weights = data.parse_data_path(args.data_path)
+        args.data_prefixes = [data.strip_prefix(prefix) for prefix in prefixes]
+        for prefix in args.data_prefixes:
+            data.validate_indexed_dataset(prefix)
+    except data.DataPathError as exc:
+        p.error(str(exc))
     return args
 
 
-def sample_sequences(prefix: str, seq_length: int, samples: int, seed: int):
-    """``samples`` windows of ``seq_length`` tokens from the concatenated token stream."""
+def sample_sequences(prefixes, seq_length: int, samples: int, seed: int, weights=None):
+    """``samples`` windows of ``seq_length`` tokens, each from one dataset's concatenated token stream.
+
+    ``prefixes``: one prefix or a list; several are blended like megatron's BlendedDataset mixes
+    samples: each sample's dataset drawn by ``weights`` (None: by token count).
+    """
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    ds = IndexedDataset(prefix)
-    sizes = np.asarray(ds.sequence_lengths, dtype=np.int64)
-    total = int(sizes.sum())
-    if total < seq_length:
-        raise SystemExit(f"the dataset has {total} tokens, fewer than --seq-length {seq_length}")
+    prefixes = [prefixes] if isinstance(prefixes, str) else list(prefixes)
+    datasets = [IndexedDataset(prefix) for prefix in prefixes]
+    sizes = [np.asarray(ds.sequence_lengths, dtype=np.int64) for ds in datasets]
+    totals = [int(s.sum()) for s in sizes]
+    for prefix, total in zip(prefixes, totals):
+        if total < seq_length:
+            raise SystemExit(f"the dataset {prefix} has {total} tokens, fewer than --seq-length {seq_length}")
+    share = np.asarray(weights if weights else totals, dtype=np.float64)
     rng = np.random.default_rng(seed)
-    cum = np.concatenate([[0], np.cumsum(sizes)])
-    for start in rng.integers(0, total - seq_length + 1, size=samples):
+    which = rng.choice(len(datasets), size=samples, p=share / share.sum()) if len(datasets) > 1 \
+        else np.zeros(samples, dtype=np.int64)
+    for d in which:
+        ds, sizes_d, total = datasets[d], sizes[d], totals[d]
+        cum = np.concatenate([[0], np.cumsum(sizes_d)])
+        start = rng.integers(0, total - seq_length + 1)
         doc = int(np.searchsorted(cum, start, side="right") - 1)
         out, need, offset = [], seq_length, int(start - cum[doc])
         while need > 0:
-            piece = ds.get(doc % len(sizes), offset=offset, length=min(need, int(sizes[doc % len(sizes)]) - offset))
+            piece = ds.get(doc % len(sizes_d), offset=offset,
+                           length=min(need, int(sizes_d[doc % len(sizes_d)]) - offset))
             out.append(np.asarray(piece, dtype=np.int64))
             need -= len(piece)
             doc, offset = doc + 1, 0
@@ -115,7 +172,8 @@ def main(argv=None) -> int:
     row_bytes = 2 * args.kv_heads * args.head_dim * args.dtype_bytes  # K and V of one position
     results = {(l, x): [] for l in LAYOUTS for x in (needed, "allgather")}
     warm = True  # the first plan of a process pays one-time costs (lazy inits): plan once untimed
-    for tokens in tqdm(sample_sequences(args.data_path, args.seq_length, args.samples, args.seed),
+    for tokens in tqdm(sample_sequences(args.data_prefixes, args.seq_length, args.samples, args.seed,
+                                        args.data_weights),
                        total=args.samples, desc="planning", disable=args.samples < 4, file=sys.stderr):
         ids = doc_ids_from_eod(torch.from_numpy(tokens).unsqueeze(0), args.eod)[0]
         if warm:
@@ -139,7 +197,7 @@ def main(argv=None) -> int:
     topology = (f"{cost.nodes(args.cp)} nodes x {cost.ranks_per_node} (NVLink inside, IB between"
                 f"{', hierarchical' if cost.hierarchical else ', flat'})" if two_level else f"link={args.link}")
     print(f"S={args.seq_length} cp={args.cp} {topology} heads={args.heads}/{args.kv_heads} "
-          f"head_dim={args.head_dim}; {args.samples} samples from {args.data_path}; means over samples, "
+          f"head_dim={args.head_dim}; {args.samples} samples from {' '.join(args.data_path)}; means over samples, "
           "per attention layer; K/V received in forward (IB: of it, across nodes)")
     print(f"{'layout':<11} {'exchange':<10} {'K/V MiB max':>11} {'IB MiB max':>10} {'work max/mean':>13} "
           f"{'modeled ms':>10} {'/ideal':>7} {'/bound':>7} {'overlap/ideal':>13} {'exposed':>8} {'plan ms':>8}")
@@ -149,7 +207,13 @@ def main(argv=None) -> int:
               f"{mean(rs, 'balance'):>13.3f} {1e3 * mean(rs, 'modeled'):>10.3f} {mean(rs, 'over_ideal'):>7.2f} "
               f"{mean(rs, 'over_bound'):>7.2f} {mean(rs, 'overlap_over_ideal'):>13.2f} "
               f"{100 * mean(rs, 'exposed'):>7.0f}% {mean(rs, 'plan_ms'):>8.1f}")
+    if args.plot:
+        write_plot(args.plot, results, args, cost)
+    return 0
 
+
+def write_plot(path, results, args, cost) -> None:
+    """A bar per layout x exchange: the mean over the samples of modeled / ideal."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,15 +221,14 @@ def main(argv=None) -> int:
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     labels = [f"{l}\n{x}" for l, x in results]
-    ax.bar(range(len(labels)), [mean(rs, "over_ideal") for rs in results.values()])
+    ax.bar(range(len(labels)), [sum(r["over_ideal"] for r in rs) / len(rs) for rs in results.values()])
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("modeled / ideal")
     ax.set_title(f"S={args.seq_length}, cp={args.cp}, {cost.name.split(':')[0]}")
     fig.tight_layout()
-    fig.savefig(args.png, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    print(f"wrote {args.png}")
-    return 0
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,14 @@ def set_args(args) -> None:
     _GLOBAL_ARGS = args
 
 
+def add_data_path_argument(group, default_help: str = None, required: bool = False) -> None:
+    """Megatron's --data-path (``PREFIX [PREFIX ...]`` or ``W1 P1 W2 P2 ...``); ``data.parse_data_path``
+    reads it. Shared with the planner CLI, which samples what the pretrain script trains on."""
+    group.add_argument("--data-path", nargs="+", default=None, required=required,
+                       help="indexed dataset PREFIX (PREFIX.bin/.idx), several prefixes, or "
+                            "'W1 P1 W2 P2 ...' to blend" + (f"; {default_help}" if default_help else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Pretrain a megatron-core GPTModel with block-diagonal context-parallel "
@@ -132,9 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "ahead (the plan is the same; only the agreement all-reduce stays in line)")
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=None,
-                   help="indexed dataset PREFIX (PREFIX.bin/.idx), several prefixes, or "
-                        "'W1 P1 W2 P2 ...' to blend; default: the embedded stdlib dataset")
+    add_data_path_argument(g, default_help="default: the embedded stdlib dataset")
     g.add_argument("--data-cache-path", default=None,
                    help="where megatron's sample-index cache goes (default <data cache>/index_cache)")
 
