@@ -200,10 +200,10 @@ def load_rank_file(path: str) -> dict:
                                   f"({reason.group(1) if reason else _first_line(exc)}).") from None
         raise CheckpointError(
             f"refusing to load {path}: it needs {found.group(1)}, which is not plain data. "
-            "megatron-ext checkpoints hold only tensors, numbers, strings and dicts/lists/tuples, and are read with "
-            "torch.load(weights_only=True) because unpickling other objects can run arbitrary "
-            "code on every rank. Use a checkpoint written by this script, from a source you "
-            "trust.") from None
+            "megatron-ext checkpoints hold only tensors, numbers, strings and dicts/lists/tuples, "
+            "and are read with torch.load(weights_only=True) because unpickling other objects can "
+            "run arbitrary code on every rank. Use a checkpoint written by this script, from a "
+            "source you trust.") from None
     except Exception as exc:  # noqa: BLE001 - torch's reader fails on damage in many ways (EOF, zip, keys)
         raise CheckpointError(f"{damaged}: torch.load failed ({_first_line(exc)}).") from None
     missing = [key for key in RANK_FILE_KEYS if not isinstance(state, dict) or key not in state]
