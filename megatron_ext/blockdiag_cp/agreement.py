@@ -17,6 +17,14 @@ Each fact x rides as the pair (x, ~x) in one int64 MAX all-reduce: the maximum o
 ~x is ~min(x), so every rank learns max and min (and so whether all ranks agree)
 from a single collective.
 
+Every agreement is the same vector: ``AGREEMENT_WORDS`` int64, whatever its kind.
+Its header says which agreement point this rank is at (``KINDS``) and whether it
+joins as invalid (``INVALID_REASONS``: its step raised, it has no step state, its
+attention arguments are bad). Two ranks that meet at different points (one
+leaving a failed step, its peer agreeing on q/k/v) so still exchange one message
+size, and both raise the same ``BlockDiagCPError`` from the header instead of
+the collective aborting on a size mismatch or one rank waiting alone.
+
 Kernel failures a rank records outside any step context (a pipeline schedule's
 backward, an explicit ``state=``) wait in this process's pending list until the
 next agreement point raises them on every rank.
@@ -31,7 +39,39 @@ import torch.distributed as dist
 
 
 class BlockDiagCPError(RuntimeError):
-    """Raised identically on every CP rank."""
+    """The engine's error; nearly always raised identically on every CP rank (``on_every_rank``)."""
+
+    # True when every CP rank raises this error at the same point (an agreement's outcome), so a step
+    # that exits with it has nothing left to tell its peers. False for a refusal the rank takes alone
+    # before any collective (a second thread, a nested step): its step's exit tells the peers.
+    on_every_rank = False
+
+
+def raised_on_every_rank(error: BlockDiagCPError) -> BlockDiagCPError:
+    """Mark ``error`` as raised by every CP rank at the same point (see ``on_every_rank``)."""
+    error.on_every_rank = True
+    return error
+
+
+# Agreement points, the header's kind (any order; the names appear in the errors).
+KIND_BUILD, KIND_QKV, KIND_STEP_END = 1, 2, 3
+KINDS = {KIND_BUILD: "building a step state (BlockDiagCPState.build)",
+         KIND_QKV: "the q/k/v agreement of an attention call",
+         KIND_STEP_END: "the end of a blockdiag_cp_step"}
+
+# Why a rank joins an agreement as invalid; the lowest invalid rank's reason is named on every rank.
+INVALID_STEP_RAISED, INVALID_NO_STATE, INVALID_ARGUMENTS = 1, 2, 3
+INVALID_REASONS = {INVALID_STEP_RAISED: "left its blockdiag_cp_step with an exception",
+                   INVALID_NO_STATE: "ran block-diagonal CP attention with CP > 1 but no step state",
+                   INVALID_ARGUMENTS: "passed invalid attention arguments (q/k/v, window_size or softmax_offset)"}
+
+# Facts an agreement may carry besides its header; unused slots ride as zeros.
+FACT_SLOTS = 32
+_HEADER = ("_kind", "_invalid_at")
+AGREEMENT_WORDS = 2 * (len(_HEADER) + FACT_SLOTS)
+# _invalid_at of a valid rank (above every rank * _REASON_BASE + reason); the MIN names the lowest invalid rank.
+_VALID = 1 << 62
+_REASON_BASE = 16
 
 
 class AgreedFacts:
@@ -54,24 +94,53 @@ class AgreedFacts:
         return [name for name in names if not self.agreed(name)]
 
 
-def agree(facts: Dict[str, int], group, cp: int, device=None) -> AgreedFacts:
+def agree(facts: Dict[str, int], group, cp: int, device=None, *, kind: int, invalid: int = 0,
+          detail: str = "") -> AgreedFacts:
     """One int64 MAX all-reduce of (x, ~x) for every fact; a plain copy when cp == 1.
 
-    NCCL reduces on ``device`` (the caller's tensors' device; default the current
-    CUDA device); other backends on the CPU.
+    ``kind``: the agreement point (``KINDS``). ``invalid``: 0, or why this rank cannot go
+    on (``INVALID_REASONS``), with ``detail`` its own account of the value. When any rank
+    joins invalid, or the ranks are at different points, every rank raises the same
+    ``BlockDiagCPError`` here. NCCL reduces on ``device`` (the caller's tensors' device;
+    default the current CUDA device); other backends on the CPU.
     """
     names = list(facts)
+    if len(names) > FACT_SLOTS:
+        raise ValueError(f"an agreement carries at most {FACT_SLOTS} facts, got {len(names)}: raise FACT_SLOTS")
+    rank = dist.get_rank(group) if cp > 1 else 0
+    header = [kind, rank * _REASON_BASE + invalid if invalid else _VALID]
     local = []
-    for name in names:
-        value = int(facts[name])
+    for value in header + [int(facts[name]) for name in names] + [0] * (FACT_SLOTS - len(names)):
         local += [value, ~value]
-    if cp == 1:
-        return AgreedFacts(names, local)
-    vec = torch.tensor(local, dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        vec = vec.to(device) if device is not None and torch.device(device).type == "cuda" else vec.cuda()
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    return AgreedFacts(names, vec.cpu().tolist())
+    if cp > 1:
+        vec = torch.tensor(local, dtype=torch.int64)  # [AGREEMENT_WORDS], the same on every kind
+        if dist.get_backend(group) == "nccl":
+            vec = vec.to(device) if device is not None and torch.device(device).type == "cuda" else vec.cuda()
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+        local = vec.cpu().tolist()
+    reduced = AgreedFacts(list(_HEADER) + names, local)
+    first_invalid = reduced.min("_invalid_at")
+    if first_invalid != _VALID:
+        raise raised_on_every_rank(_invalid_error(first_invalid // _REASON_BASE, first_invalid % _REASON_BASE,
+                                                  rank, invalid, detail, kind))
+    if not reduced.agreed("_kind"):
+        raise raised_on_every_rank(BlockDiagCPError(
+            f"the CP ranks reached different agreement points ({KINDS.get(reduced.min('_kind'), '?')} on some, "
+            f"{KINDS.get(reduced.max('_kind'), '?')} on others; this rank: {KINDS[kind]}): their programs "
+            "diverged (a rank skipped or repeated a step, a build or an attention call, e.g. after catching "
+            "an error its peers did not catch); every CP rank must run the same steps and layers"))
+    return reduced
+
+
+def _invalid_error(first: int, reason: int, rank: int, my_reason: int, detail: str, kind: int) -> BlockDiagCPError:
+    if my_reason:  # this rank's own account, which has the value
+        text = f"CP rank {rank} {INVALID_REASONS[my_reason]}: {detail}"
+        if first != rank:
+            text += f" (CP rank {first} {INVALID_REASONS[reason]} too)"
+    else:
+        text = (f"CP rank {first} {INVALID_REASONS[reason]} (this rank, CP rank {rank}, was at {KINDS[kind]}; "
+                f"CP rank {first}'s own error gives the value)")
+    return BlockDiagCPError(text + "; raised on every CP rank, so none is left waiting in a collective")
 
 
 # ---------------------------------------------------------------------------
@@ -155,9 +224,25 @@ def agree_on_kernel_failures(group, cp: int) -> None:
     recorded outside a step since the last agreement point.
     """
     mine = PENDING_KERNEL_FAILURES.take()
-    facts = agree({"failed": 1 if mine else 0}, group, cp)
+    facts = agree({"failed": 1 if mine else 0}, group, cp, kind=KIND_STEP_END)
     if facts.max("failed"):
-        raise kernel_failure_error(mine, "during this step")
+        raise raised_on_every_rank(kernel_failure_error(mine, "during this step"))
+
+
+def agree_on_step_abort(group, cp: int, failure: Exception) -> None:
+    """A step that exits with ``failure`` joins its peers' pending agreement as invalid.
+
+    Whatever agreement the peers are at (an attention call's q/k/v, the end of their
+    step, the next build), they and this rank raise the same ``BlockDiagCPError``, this
+    rank's chained to ``failure``. Kernel failures pending here are dropped with it:
+    the step's gradients are not valid anyway.
+    """
+    PENDING_KERNEL_FAILURES.take()
+    try:
+        agree({}, group, cp, kind=KIND_STEP_END, invalid=INVALID_STEP_RAISED,
+              detail=f"{type(failure).__name__}: {failure}")
+    except Exception as error:  # ours, or the collective's own (its timeout): both name the cause
+        raise error from failure
 
 
 # ---------------------------------------------------------------------------

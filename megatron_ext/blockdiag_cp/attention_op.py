@@ -11,8 +11,9 @@ again (``kv_backward="refetch"``, memory O(S / cp)) or reads the ones forward ke
 final output and log-sum-exp, and sends each chunk's K/V gradient home.
 
 The first call of a step's state, and every new q/k/v shape after it, runs one
-small agreement all-reduce of the q/k/v signature, so a rank whose tensors are
-off raises with its peers instead of leaving them waiting in the exchange; the
+small agreement all-reduce of the q/k/v signature (with the window and the
+sink), so a rank whose tensors or arguments are off raises with its peers
+instead of leaving them waiting in the exchange; the
 calls after that run no collective besides the K/V transfers and no host sync
 (``MEGATRON_EXT_CP_CHECK_EVERY_CALL=1`` agrees on every call, for debugging). A
 kernel that fails never stops a rank half-way (its peers would wait in the
@@ -23,13 +24,21 @@ still runs, and every rank raises it at the next agreement point.
 import logging
 import os
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from .. import parallel_state as ps
 from . import kernels
-from .agreement import PENDING_KERNEL_FAILURES, BlockDiagCPError, agree
+from .agreement import (
+    INVALID_ARGUMENTS,
+    INVALID_NO_STATE,
+    KIND_QKV,
+    PENDING_KERNEL_FAILURES,
+    BlockDiagCPError,
+    agree,
+    raised_on_every_rank,
+)
 from .backend import call_backend
 from .chunks import chunk_kind
 from .exchange import HierarchicalTransport, NeededTransport, RingTransport
@@ -317,8 +326,8 @@ def record_kernel_failure(state, backend: str, phase: str, exc: Exception) -> No
     logger.error("blockdiag-cp: %s", message)
 
 
-def _local_qkv_error(state, q, k, v) -> str:
-    """What is wrong with this rank's q/k/v for this state ('' when nothing)."""
+def _local_qkv_error(state, q, k, v, softmax_offset=None) -> str:
+    """What is wrong with this rank's q/k/v (and sink logits) for this state ('' when nothing)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return (f"q, k, v must be [s, b, h, d] (Megatron sbhd); got {tuple(q.shape)}, {tuple(k.shape)}, "
                 f"{tuple(v.shape)}")
@@ -340,6 +349,9 @@ def _local_qkv_error(state, q, k, v) -> str:
                 "doc_ids of shape [S] or [b, S]")
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
+    if softmax_offset is not None and tuple(softmax_offset.shape) != (q.shape[2],):
+        return (f"softmax_offset has shape {tuple(softmax_offset.shape)}; expected [{q.shape[2]}] (one sink "
+                "logit per query head of this rank)")
     return ""
 
 
@@ -347,22 +359,26 @@ _SIGNATURE = ("q_len", "k_len", "batch", "q_heads", "kv_heads", "head_dim", "v_h
               "sink")
 
 
-def agree_on_qkv(state, q, k, v, cp_group, window: Optional[int] = None, sink: bool = False) -> None:
-    """Raise on every CP rank when any rank's q/k/v is invalid or differs from its peers'.
+def agree_on_qkv(state, q, k, v, cp_group, window: Optional[int] = None, sink: bool = False,
+                 error: str = "", softmax_offset=None) -> None:
+    """Raise on every CP rank when any rank's q/k/v or arguments are invalid or differ from its peers'.
 
-    One all-reduce of 22 int64 on q's device, the first time a state sees a q/k/v
-    signature (CP > 1): a model's layers share a few signatures, so a step pays it
-    once or a few times, not per layer. Nothing at CP = 1. Every call agrees when
-    ``MEGATRON_EXT_CP_CHECK_EVERY_CALL`` is set (a per-rank shape bug that appears
-    only in a later layer then still raises instead of hanging).
+    One all-reduce of ``AGREEMENT_WORDS`` int64 on q's device, the first time a state sees
+    a signature (CP > 1): a model's layers share a few signatures, so a step pays it once
+    or a few times, not per layer. Nothing at CP = 1. Every call agrees when
+    ``MEGATRON_EXT_CP_CHECK_EVERY_CALL`` is set (a per-rank shape bug that appears only
+    in a later layer then still raises instead of hanging). ``error``: what the caller
+    already found wrong on this rank (a bad window_size); agreed like the rest, so this
+    rank raises it with its peers, not before them.
     """
     if cp_group is not None and ps.group_size(cp_group) != state.cp:
         # A layer/state pairing error, the same on every rank of a real model: raised before agreeing,
-        # since the caller's group is not the state's and the state's peers may never come.
-        raise BlockDiagCPError(
+        # since the caller's group is not the state's and the state's peers may never come; so a step
+        # that exits with it has no peer to tell either.
+        raise raised_on_every_rank(BlockDiagCPError(
             f"the CP group passed to attention has size {ps.group_size(cp_group)} but the state was "
-            f"built for cp={state.cp}; build the state with cp_group=<this layer's group>")
-    error = _local_qkv_error(state, q, k, v)
+            f"built for cp={state.cp}; build the state with cp_group=<this layer's group>"))
+    error = error or _local_qkv_error(state, q, k, v, softmax_offset)
     if state.cp == 1:
         if error:
             raise BlockDiagCPError(error)
@@ -374,35 +390,35 @@ def agree_on_qkv(state, q, k, v, cp_group, window: Optional[int] = None, sink: b
     values = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[-1],
               v.shape[-1] if v.dim() == 4 else -1, _DTYPE_CODES.get(q.dtype, 99),
               -1 if window is None else window, int(sink)) if q.dim() == 4 and k.dim() == 4 else (-1,) * 10
-    facts = dict(zip(_SIGNATURE, values), invalid=1 if error else 0)
-    agreed = agree(facts, state.group, state.cp, device=q.device)
-    if agreed.max("invalid"):
-        raise BlockDiagCPError(error or "invalid q/k/v on another CP rank (see its error); every CP "
-                                        "rank raises it")
+    facts = dict(zip(_SIGNATURE, values))
+    agreed = agree(facts, state.group, state.cp, device=q.device, kind=KIND_QKV,
+                   invalid=INVALID_ARGUMENTS if error else 0, detail=error)
     differ = agreed.disagreeing(_SIGNATURE)
     if differ:
         detail = ", ".join(f"{name} {agreed.min(name)} vs {agreed.max(name)}" for name in differ)
         if "dtype" in differ:
             detail += " (dtype codes: " + ", ".join(f"{c}={str(t).replace('torch.', '')}"
                                                     for t, c in _DTYPE_CODES.items()) + ")"
-        raise BlockDiagCPError(f"q/k/v differ across the CP ranks: {detail}; every CP rank must run "
-                               f"the same model config (heads, head dim, dtype, micro batch)")
+        raise raised_on_every_rank(BlockDiagCPError(
+            f"q/k/v differ across the CP ranks: {detail}; every CP rank must run the same model config "
+            "(heads, head dim, dtype, micro batch)"))
     state.agreed_signatures.add(signature)
 
 
-def _window_from(window_size) -> Optional[int]:
-    """Megatron's window_size (left, right) -> the left reach, None for unbounded; causal only."""
+def _window_from(window_size) -> Tuple[Optional[int], str]:
+    """Megatron's window_size (left, right) -> (the left reach, None for unbounded; the error, '' when
+    valid); causal only. The error is returned, not raised: the caller agrees on it first."""
     if window_size is None:
-        return None
+        return None, ""
     try:
         left, right = (int(x) for x in window_size)
     except (TypeError, ValueError):
-        raise BlockDiagCPError(f"window_size must be a (left, right) pair, got {window_size!r}") from None
+        return None, f"window_size must be a (left, right) pair, got {window_size!r}"
     if right != 0 or left < -1:
-        raise BlockDiagCPError(
-            f"window_size={tuple(window_size)} is not a causal sliding window: block-diagonal CP attention "
-            "is causal within each document, so right must be 0 and left >= 0 (or -1: no window)")
-    return None if left == -1 else left
+        return None, (f"window_size={tuple(window_size)} is not a causal sliding window: block-diagonal CP "
+                      "attention is causal within each document, so right must be 0 and left >= 0 (or -1: "
+                      "no window)")
+    return (None if left == -1 else left), ""
 
 
 def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=None, cp_group=None,
@@ -421,25 +437,28 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
     _count_cp_attn_fire()
     state = resolve_step_state() if state is None else state
     scale = kernels.default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-    window = _window_from(window_size)
+    # Checked here, raised only after the agreement: a rank alone with a bad value must not leave
+    # its peers waiting in theirs.
+    window, window_error = _window_from(window_size)
     if state is None:
         group = ps.get_cp_group() if cp_group is None else cp_group
-        if ps.group_size(group) > 1:
-            raise BlockDiagCPError(
-                "block-diagonal CP attention ran with CP > 1 but no step state: pass Megatron's "
-                "attention mask or THD packed_seq_params, or wrap forward and backward in "
+        cp = ps.group_size(group)
+        if cp > 1:
+            # Joins the agreement its peers are at, as invalid: they raise with it instead of waiting.
+            agree({}, group, cp, device=q.device, kind=KIND_QKV, invalid=INVALID_NO_STATE, detail=(
+                "pass Megatron's attention mask or THD packed_seq_params, or wrap forward and backward in "
                 "`with blockdiag_cp_step(state):` (state from shard_batch or BlockDiagCPState.build); "
-                "refusing to attend to local keys only")
+                "refusing to attend to local keys only"))
+        if window_error:
+            raise BlockDiagCPError(window_error)
         if window is None and softmax_offset is None:
             return _single_document_causal(q, k, v, scale, dropout_p)
         # The whole local sequence is one document; windows and sinks take the engine's path.
         from .step import BlockDiagCPState
 
         state = BlockDiagCPState.build(torch.ones(q.shape[0], dtype=torch.long), cp_group=group, device=q.device)
-    if softmax_offset is not None and tuple(softmax_offset.shape) != (q.shape[2],):
-        raise BlockDiagCPError(f"softmax_offset has shape {tuple(softmax_offset.shape)}; expected [{q.shape[2]}] "
-                               "(one sink logit per query head of this rank)")
-    agree_on_qkv(state, q, k, v, cp_group, window, softmax_offset is not None)
+    agree_on_qkv(state, q, k, v, cp_group, window, softmax_offset is not None, error=window_error,
+                 softmax_offset=softmax_offset)
     backend = call_backend(state, q, dropout_p, kv_heads=k.shape[2], window=window)
     state.kv_row_bytes = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
     return _StreamedAttention.apply(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)

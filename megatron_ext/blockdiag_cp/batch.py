@@ -6,7 +6,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .agreement import BlockDiagCPError, agree_on_kernel_failures
+from .agreement import BlockDiagCPError, agree_on_kernel_failures, agree_on_step_abort
 from .state import _CP_BLOCKDIAG_STATE
 from .step import BlockDiagCPState
 
@@ -87,9 +87,12 @@ def blockdiag_cp_step(state: BlockDiagCPState):
     Forward and backward run inside (a backward that runs later, outside, is fine
     too when the model got ``packed_seq_params_for(state)``). On a clean exit the
     ranks agree on kernel failures (one tiny all-reduce) and raise together if any
-    rank failed. One step at a time per process: the published state is
-    process-wide, so a step entered from a second thread while another thread's
-    step is open is refused.
+    rank failed. A step that exits with an exception its peers did not raise with it
+    (one rank's own error, in forward, in backward or between them) joins the
+    agreement its peers are at as invalid, so every CP rank raises the same
+    ``BlockDiagCPError``, this rank's chained to the exception. One step at a time
+    per process: the published state is process-wide, so a step entered from a
+    second thread while another thread's step is open is refused.
     """
     me = threading.get_ident()
     current = _CP_BLOCKDIAG_STATE.get()
@@ -102,9 +105,16 @@ def blockdiag_cp_step(state: BlockDiagCPState):
     previous_owner = getattr(state, "_published_by", None)
     state._published_by = me
     token = _CP_BLOCKDIAG_STATE.set(state)
+    failure = None
     try:
         yield state
+    except Exception as exc:  # noqa: BLE001 - told to the peers below, then raised
+        failure = exc
     finally:
         _CP_BLOCKDIAG_STATE.reset(token)
         state._published_by = previous_owner
+    if failure is not None:
+        if state.cp == 1 or getattr(failure, "on_every_rank", False):
+            raise failure  # no peers, or every peer raised it at the same agreement: nothing to tell
+        agree_on_step_abort(state.group, state.cp, failure)
     agree_on_kernel_failures(state.group, state.cp)

@@ -10,6 +10,7 @@ step on the host, and never enters a K/V collective its peers skip.
 """
 
 import logging
+import zlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -19,12 +20,14 @@ from . import kernels
 from . import state as knobs
 from .agreement import (
     BUILD_GUARD,
+    KIND_BUILD,
     PENDING_KERNEL_FAILURES,
     BlockDiagCPError,
     agree,
     doc_ids_fingerprint,
     group_ranks,
     kernel_failure_error,
+    raised_on_every_rank,
 )
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
@@ -226,6 +229,10 @@ class BlockDiagCPState:
         try:
             return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
                               cost_model, prepared, kv_backward, windows)
+        except BlockDiagCPError as error:
+            # Every error of _build follows its agreement and comes from the agreed vector or the
+            # replicated inputs, so every rank raises it here alike.
+            raise raised_on_every_rank(error)
         finally:
             BUILD_GUARD.exit(ranks)
 
@@ -234,7 +241,10 @@ class BlockDiagCPState:
                cost_model, prepared, kv_backward, windows):
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        facts, detail = source.local_facts()  # first: it may fix the layout (THD's partition)
+        source_facts, detail = source.local_facts()  # first: it may fix the layout (THD's partition)
+        # The source's kind first: the sources carry different facts, so the slots after it mean the
+        # same thing on every rank only when this agrees.
+        facts = {"source": zlib.crc32(type(source).__name__.encode()), **source_facts}
         # Knob errors are local facts too: a bad knob on one rank must not leave the others waiting.
         requested, knob_error = {}, ""
         for knob, raw, normalize in (
@@ -289,8 +299,13 @@ class BlockDiagCPState:
         # The hierarchical exchange routes by node: every rank must see the same nodes.
         ranks_per_node = ps.cp_ranks_per_node(group) if requested.get("kv_exchange") == "hierarchical" and cp > 1 else 0
         facts["ranks_per_node"] = ranks_per_node
-        agreed = agree(facts, group, cp)
+        agreed = agree(facts, group, cp, kind=KIND_BUILD)
 
+        if not agreed.agreed("source"):
+            raise BlockDiagCPError(
+                f"the CP ranks build this step's state from different document sources (this rank: "
+                f"{source.description}); every CP rank must take the same data path (the same batch kind: "
+                "doc ids, Megatron's attention mask, or THD packed_seq_params)")
         if agreed.max("pending_failures") > 0:
             raise kernel_failure_error(PENDING_KERNEL_FAILURES.take(),
                                        "in an earlier forward/backward (raised at this step's build)")

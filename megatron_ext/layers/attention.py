@@ -130,11 +130,10 @@ def _check_window_config(window) -> None:
     """A sliding window must be causal (right reach 0): refused at construction, not at the first step."""
     from ..blockdiag_cp.attention_op import _window_from
 
-    try:
-        _window_from(window)
-    except BlockDiagCPError as exc:
-        raise BlockDiagCPError(f"{config_field('window_size', window)}: {exc}; give --window-size L 0 "
-                               "(window_size=(L, 0))") from None
+    _, error = _window_from(window)
+    if error:
+        raise BlockDiagCPError(f"{config_field('window_size', window)}: {error}; give --window-size L 0 "
+                               "(window_size=(L, 0))")
 
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
