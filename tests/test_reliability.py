@@ -263,9 +263,36 @@ def test_a_step_from_a_second_thread_while_one_is_open_is_refused():
         t = threading.Thread(target=other_thread)
         t.start()
         t.join()
-        with bdcp.blockdiag_cp_step(state_b):  # nesting on the same thread is fine
-            pass
     assert box.get("ok")
+
+
+def test_a_step_nested_in_another_steps_context_is_refused():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    outer = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
+    inner = bdcp.BlockDiagCPState.build(torch.ones(GOOD.numel(), dtype=torch.long), attn_backend="dense")
+    with pytest.raises(bdcp.BlockDiagCPError, match="inside another step's context"):
+        with bdcp.blockdiag_cp_step(outer):
+            with bdcp.blockdiag_cp_step(inner):  # would silently attend over inner's documents
+                pass
+    with bdcp.blockdiag_cp_step(outer):  # the refused nesting left nothing published
+        assert bdcp.state.current_blockdiag_state() is outer
+    assert bdcp.state.current_blockdiag_state() is None
+
+
+def test_a_build_from_a_second_thread_while_a_step_is_open_is_refused():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
+    box = {}
+    with bdcp.blockdiag_cp_step(state):
+        t = threading.Thread(target=lambda: box.setdefault(
+            "err", catch(lambda: bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense"))))
+        t.start()
+        t.join()
+        assert bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense").cp == 1  # the step's own thread may
+    assert box["err"] is not None and box["err"][0] == "BlockDiagCPError", box
+    assert "second thread" in box["err"][1] and "step is open" in box["err"][1], box
 
 
 # ---------------------------------------------------------------------------
@@ -630,4 +657,34 @@ def test_ranks_at_different_agreement_points_raise_instead_of_aborting(pool2):
         assert "reached different agreement points" in err[1], (rank, err)
         assert "q/k/v agreement" in err[1] and "building a step state" in err[1], (rank, err)
         assert next_step < 1e-12, (rank, next_step)
+
+
+def attention_arguments_per_rank(kwargs_per_rank):
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    state = bdcp.BlockDiagCPState.build(GOOD, attn_backend="dense")
+    q, k, v = (_local(state, t) for t in _qkv(GOOD.numel(), seed=23))
+    kwargs = kwargs_per_rank[dist.get_rank()]
+    err = catch(lambda: _run_in_step_kw(bdcp, state, q, k, v, kwargs))
+    dist.barrier()
+    return err
+
+
+def _run_in_step_kw(bdcp, state, q, k, v, kwargs):
+    with bdcp.blockdiag_cp_step(state):
+        bdcp.blockdiag_cp_attention(q, k, v, **kwargs).sum().backward()
+
+
+@pytest.mark.timeout(2 * HANG_S)
+@pytest.mark.parametrize("name,values,shown", [
+    ("softmax_scale", (0.125, 0.25), ("0.125", "0.25")),
+    ("dropout_p", (0.0, 0.1), ("0.0", "0.1")),
+])
+def test_softmax_scale_and_dropout_that_differ_across_ranks_are_refused(pool2, name, values, shown):
+    errs = pool2.run(attention_arguments_per_rank, [{name: x} for x in values], timeout=HANG_S)
+    for rank, err in enumerate(errs):
+        assert err is not None and err[0] == "BlockDiagCPError", (rank, err)
+        assert f"{name} {shown[0]} vs {shown[1]} (this rank: {shown[rank]})" in err[1], (rank, err)
 

@@ -8,9 +8,10 @@ reduced vector that every rank holds identically:
 - once per step, ``BlockDiagCPState.build`` reduces the input verdict, the
   document-id fingerprint, the sequence shape, the requested knobs, the kernels
   each rank can run, and the kernel failures not yet raised;
-- once per attention forward call (CP > 1), the q/k/v shape and dtype signature,
-  so a rank whose tensors are off raises together with the others instead of
-  leaving them waiting in the K/V exchange;
+- once per attention forward call (CP > 1), the q/k/v shape and dtype signature
+  with the softmax scale and dropout, so a rank whose tensors or arguments are
+  off raises together with the others instead of leaving them waiting in the
+  K/V exchange;
 - at the end of a ``blockdiag_cp_step``, the kernel failures of that step.
 
 Each fact x rides as the pair (x, ~x) in one int64 MAX all-reduce: the maximum of

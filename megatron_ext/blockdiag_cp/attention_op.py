@@ -11,9 +11,9 @@ again (``kv_backward="refetch"``, memory O(S / cp)) or reads the ones forward ke
 final output and log-sum-exp, and sends each chunk's K/V gradient home.
 
 The first call of a step's state, and every new q/k/v shape after it, runs one
-small agreement all-reduce of the q/k/v signature (with the window and the
-sink), so a rank whose tensors or arguments are off raises with its peers
-instead of leaving them waiting in the exchange; the
+small agreement all-reduce of the q/k/v signature (with the softmax scale, the
+dropout, the window and the sink), so a rank whose tensors or arguments are off
+raises with its peers instead of leaving them waiting in the exchange; the
 calls after that run no collective besides the K/V transfers and no host sync
 (``MEGATRON_EXT_CP_CHECK_EVERY_CALL=1`` agrees on every call, for debugging). A
 kernel that fails never stops a rank half-way (its peers would wait in the
@@ -23,6 +23,7 @@ still runs, and every rank raises it at the next agreement point.
 
 import logging
 import os
+import struct
 import time
 from typing import List, Optional, Tuple
 
@@ -356,11 +357,20 @@ def _local_qkv_error(state, q, k, v, softmax_offset=None) -> str:
 
 
 _SIGNATURE = ("q_len", "k_len", "batch", "q_heads", "kv_heads", "head_dim", "v_head_dim", "dtype", "window",
-              "sink")
+              "sink", "softmax_scale", "dropout_p")
+_FLOAT_FACTS = ("softmax_scale", "dropout_p")  # ride as their float64 bits; shown as floats
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def agree_on_qkv(state, q, k, v, cp_group, window: Optional[int] = None, sink: bool = False,
-                 error: str = "", softmax_offset=None) -> None:
+                 scale: float = 1.0, dropout_p: float = 0.0, error: str = "", softmax_offset=None) -> None:
     """Raise on every CP rank when any rank's q/k/v or arguments are invalid or differ from its peers'.
 
     One all-reduce of ``AGREEMENT_WORDS`` int64 on q's device, the first time a state sees
@@ -384,24 +394,26 @@ def agree_on_qkv(state, q, k, v, cp_group, window: Optional[int] = None, sink: b
             raise BlockDiagCPError(error)
         return
     signature = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device, window,
-                 sink)
+                 sink, float(scale), float(dropout_p))
     if not error and signature in state.agreed_signatures and not check_every_call():
         return
     values = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[-1],
               v.shape[-1] if v.dim() == 4 else -1, _DTYPE_CODES.get(q.dtype, 99),
               -1 if window is None else window, int(sink)) if q.dim() == 4 and k.dim() == 4 else (-1,) * 10
-    facts = dict(zip(_SIGNATURE, values))
+    facts = dict(zip(_SIGNATURE, values + (_float_bits(scale), _float_bits(dropout_p))))
     agreed = agree(facts, state.group, state.cp, device=q.device, kind=KIND_QKV,
                    invalid=INVALID_ARGUMENTS if error else 0, detail=error)
     differ = agreed.disagreeing(_SIGNATURE)
     if differ:
-        detail = ", ".join(f"{name} {agreed.min(name)} vs {agreed.max(name)}" for name in differ)
+        shown = {name: (str if name not in _FLOAT_FACTS else lambda b: repr(_bits_float(b))) for name in differ}
+        detail = ", ".join(f"{name} {shown[name](agreed.min(name))} vs {shown[name](agreed.max(name))} (this rank: "
+                           f"{shown[name](facts[name])})" for name in differ)
         if "dtype" in differ:
             detail += " (dtype codes: " + ", ".join(f"{c}={str(t).replace('torch.', '')}"
                                                     for t, c in _DTYPE_CODES.items()) + ")"
         raise raised_on_every_rank(BlockDiagCPError(
             f"q/k/v differ across the CP ranks: {detail}; every CP rank must run the same model config "
-            "(heads, head dim, dtype, micro batch)"))
+            "(heads, head dim, dtype, micro batch, softmax scale, attention dropout)"))
     state.agreed_signatures.add(signature)
 
 
@@ -457,8 +469,8 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
         from .step import BlockDiagCPState
 
         state = BlockDiagCPState.build(torch.ones(q.shape[0], dtype=torch.long), cp_group=group, device=q.device)
-    agree_on_qkv(state, q, k, v, cp_group, window, softmax_offset is not None, error=window_error,
-                 softmax_offset=softmax_offset)
+    agree_on_qkv(state, q, k, v, cp_group, window, softmax_offset is not None, scale=scale, dropout_p=dropout_p,
+                 error=window_error, softmax_offset=softmax_offset)
     backend = call_backend(state, q, dropout_p, kv_heads=k.shape[2], window=window)
     state.kv_row_bytes = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
     return _StreamedAttention.apply(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)

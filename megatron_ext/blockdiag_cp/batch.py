@@ -91,17 +91,21 @@ def blockdiag_cp_step(state: BlockDiagCPState):
     (one rank's own error, in forward, in backward or between them) joins the
     agreement its peers are at as invalid, so every CP rank raises the same
     ``BlockDiagCPError``, this rank's chained to the exception. One step at a time
-    per process: the published state is process-wide, so a step entered from a
-    second thread while another thread's step is open is refused.
+    per process: the published state is process-wide, so a step entered while
+    another is open (nested, or from a second thread) is refused.
     """
     me = threading.get_ident()
     current = _CP_BLOCKDIAG_STATE.get()
-    owner = getattr(current, "_published_by", None)
-    if current is not None and owner not in (None, me):
+    if current is not None:
+        if getattr(current, "_published_by", None) not in (None, me):
+            raise BlockDiagCPError(
+                "blockdiag_cp_step entered from a second thread while another thread's step is open; the "
+                "published step state is process-wide (autograd's recompute thread must read it), so "
+                "block-diagonal CP runs one step at a time per process")
         raise BlockDiagCPError(
-            "blockdiag_cp_step entered from a second thread while another thread's step is open; the "
-            "published step state is process-wide (autograd's recompute thread must read it), so "
-            "block-diagonal CP runs one step at a time per process")
+            "blockdiag_cp_step entered inside another step's context: the attention layers would read the "
+            "inner state, the outer step's documents silently lost; close the open step first (one "
+            "`with blockdiag_cp_step(state):` around each step's forward and backward)")
     previous_owner = getattr(state, "_published_by", None)
     state._published_by = me
     token = _CP_BLOCKDIAG_STATE.set(state)

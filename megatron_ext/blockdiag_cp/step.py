@@ -10,6 +10,7 @@ step on the host, and never enters a K/V collective its peers skip.
 """
 
 import logging
+import threading
 import zlib
 from typing import Dict, List, Optional, Tuple
 
@@ -153,6 +154,23 @@ def resolve_kv_backward(requested: str, kv_exchange: str, plan: StepPlan) -> Tup
                        f"of {budget:g} ({KV_SAVE_BUDGET_LOCAL_MULTIPLE:g} x local {plan.local_len})")
 
 
+def _refuse_build_during_another_threads_step() -> None:
+    """A build from one thread while another thread's step is open would pair its all-reduce with
+    that step's collectives on the peers; refused locally, before any collective. Autograd's
+    worker threads (recompute in backward) run inside the open step, so they may build."""
+    current = knobs.current_blockdiag_state()
+    owner = getattr(current, "_published_by", None)
+    if current is None or owner in (None, threading.get_ident()):
+        return
+    # Inside a backward pass (autograd's engine): -1 outside one.
+    if getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1:
+        return
+    raise BlockDiagCPError(
+        "BlockDiagCPState.build called from a second thread while another thread's blockdiag_cp_step is "
+        "open; block-diagonal CP runs one step at a time per process (the step state is process-wide): "
+        "build the next step after the open one exits, or give each thread its own process")
+
+
 class BlockDiagCPState:
     """Immutable per-step state: group, layout, doc ids, plan and the resolved knobs."""
 
@@ -224,6 +242,7 @@ class BlockDiagCPState:
         """``build`` for any ``DocumentSource`` (Megatron's mask, THD cu_seqlens, replicated ids)."""
         group = ps.get_cp_group() if cp_group is None else cp_group
         cp, rank = ps.group_size(group), ps.group_rank(group)
+        _refuse_build_during_another_threads_step()
         ranks = group_ranks(group)
         BUILD_GUARD.enter(ranks)
         try:
