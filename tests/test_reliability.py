@@ -153,7 +153,7 @@ def test_balanced_cost_models_that_differ_raise_on_every_rank(pool2, models):
 @pytest.mark.timeout(120)
 def test_a_bad_knob_on_one_rank_raises_on_every_rank(pool2):
     errs = pool2.run(build_per_rank, [{"kv_exchange": "ring"}, {"kv_exchange": "a2a"}])
-    assert "'ring'" in errs[0][1] and "another CP rank" in errs[1][1], errs
+    assert "'ring'" in errs[0][1] and "another CP rank (CP rank 0)" in errs[1][1], errs
 
 
 @pytest.mark.timeout(120)
@@ -688,3 +688,40 @@ def test_softmax_scale_and_dropout_that_differ_across_ranks_are_refused(pool2, n
         assert err is not None and err[0] == "BlockDiagCPError", (rank, err)
         assert f"{name} {shown[0]} vs {shown[1]} (this rank: {shown[rank]})" in err[1], (rank, err)
 
+
+def one_rank_input_and_launch_errors(case):
+    import os
+
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    rank = dist.get_rank()
+    if case == "float_ids":
+        err = catch(lambda: bdcp.BlockDiagCPState.build(GOOD.float() if rank == 0 else GOOD))
+    else:  # rank 0 launched as one process per node, rank 1 as two
+        before = os.environ["LOCAL_WORLD_SIZE"]
+        os.environ["LOCAL_WORLD_SIZE"] = str(rank + 1)
+        try:
+            err = catch(lambda: bdcp.BlockDiagCPState.build(GOOD, layout="balanced", attn_backend="dense"))
+        finally:
+            os.environ["LOCAL_WORLD_SIZE"] = before
+    dist.barrier()
+    return err
+
+
+@pytest.mark.timeout(2 * HANG_S)
+def test_a_bad_input_on_one_rank_names_the_value_or_the_rank_that_had_it(pool2):
+    own, peer = pool2.run(one_rank_input_and_launch_errors, "float_ids", timeout=HANG_S)
+    assert own[0] == peer[0] == "BlockDiagCPError", (own, peer)
+    assert "doc_ids must be an integer tensor (got torch.float32)" in own[1], own
+    assert "another CP rank (CP rank 0; that rank's own error gives the value)" in peer[1], peer
+    assert "doc_ids must be an integer tensor;" in peer[1] and "got" not in peer[1], peer
+
+
+@pytest.mark.timeout(2 * HANG_S)
+def test_a_local_world_size_that_differs_per_rank_is_named(pool2):
+    for rank, err in enumerate(pool2.run(one_rank_input_and_launch_errors, "local_world_size", timeout=HANG_S)):
+        assert err is not None and err[0] == "BlockDiagCPError", (rank, err)
+        assert f"LOCAL_WORLD_SIZE (processes per node) differs across the CP ranks (1 vs 2; this rank: " \
+               f"{rank + 1})" in err[1], (rank, err)

@@ -10,6 +10,7 @@ step on the host, and never enters a K/V collective its peers skip.
 """
 
 import logging
+import re
 import threading
 import zlib
 from typing import Dict, List, Optional, Tuple
@@ -152,6 +153,16 @@ def resolve_kv_backward(requested: str, kv_exchange: str, plan: StepPlan) -> Tup
                         f"of {budget:g} ({KV_SAVE_BUDGET_LOCAL_MULTIPLE:g} x local {plan.local_len})")
     return "refetch", (f"auto: the busiest rank receives {received} K/V rows, over the save budget "
                        f"of {budget:g} ({KV_SAVE_BUDGET_LOCAL_MULTIPLE:g} x local {plan.local_len})")
+
+
+# input_error_at: the error code above these bits, the complement of the rank in them.
+_RANK_BITS = 24
+_RANK_MASK = (1 << _RANK_BITS) - 1
+
+
+def _without_detail(template: str) -> str:
+    """An input error's text without its ``{detail}`` (the value only the rank that had it knows)."""
+    return re.sub(r"\s*\((?:got )?\{detail\}\)|;? (?:got|found) \{detail\}|: \{detail\}", "", template)
 
 
 def _refuse_build_during_another_threads_step() -> None:
@@ -318,6 +329,13 @@ class BlockDiagCPState:
         # The hierarchical exchange routes by node: every rank must see the same nodes.
         ranks_per_node = ps.cp_ranks_per_node(group) if requested.get("kv_exchange") == "hierarchical" and cp > 1 else 0
         facts["ranks_per_node"] = ranks_per_node
+        # Which rank to name in another rank's error: the lowest with a bad knob, the lowest with the
+        # worst input error (its code above, the complement of its rank below), 0 when none.
+        facts["knob_error_rank"] = rank if knob_error else cp
+        code = facts["input_error"]
+        facts["input_error_at"] = (code << _RANK_BITS) | (_RANK_MASK - rank) if code else 0
+        # Processes per node place the ranks on nodes for the default cost model: named when it differs.
+        facts["local_world_size"] = ps.local_world_size()
         agreed = agree(facts, group, cp, kind=KIND_BUILD)
 
         if not agreed.agreed("source"):
@@ -329,12 +347,17 @@ class BlockDiagCPState:
             raise kernel_failure_error(PENDING_KERNEL_FAILURES.take(),
                                        "in an earlier forward/backward (raised at this step's build)")
         if agreed.max("knob_error"):
-            raise BlockDiagCPError(knob_error or "an invalid CP knob on another CP rank (see its error)")
-        worst = agreed.max("input_error")
-        if worst > 0:
-            mine = facts["input_error"] == worst
-            message = source.errors[worst].format(detail=detail if mine else "see that rank's error")
-            raise BlockDiagCPError(message if mine else "invalid input on another CP rank: " + message)
+            raise BlockDiagCPError(knob_error or (
+                f"an invalid CP knob on another CP rank (CP rank {agreed.min('knob_error_rank')}); that "
+                "rank's own error names the value and the accepted ones"))
+        worst_at = agreed.max("input_error_at")
+        if worst_at:
+            worst, first = worst_at >> _RANK_BITS, _RANK_MASK - (worst_at & _RANK_MASK)
+            if facts["input_error"] == worst:
+                raise BlockDiagCPError(source.errors[worst].format(detail=detail))
+            raise BlockDiagCPError(
+                f"invalid input on another CP rank (CP rank {first}; that rank's own error gives the value): "
+                + _without_detail(source.errors[worst]))
         differ = agreed.disagreeing(knob for knob, _ in _KNOBS)
         if differ:
             described = ", ".join(
@@ -345,6 +368,14 @@ class BlockDiagCPState:
                 "(the same --cp-* flags / configure_cp_varlen / configure_cp_layout / "
                 "configure_cp_kv_backward / shard_batch arguments)")
         if not agreed.agreed("cost_model"):
+            if not agreed.agreed("local_world_size"):
+                raise BlockDiagCPError(
+                    f"LOCAL_WORLD_SIZE (processes per node) differs across the CP ranks "
+                    f"({agreed.min('local_world_size')} vs {agreed.max('local_world_size')}; this rank: "
+                    f"{facts['local_world_size']}), so the ranks place each other on different nodes and "
+                    "price the balanced layout with different cost models; launch every rank with the same "
+                    "processes per node (torchrun --nproc-per-node, srun --ntasks-per-node) or pass one "
+                    "cost_model (--cp-cost-model) on every rank")
             raise BlockDiagCPError(
                 "the balanced layout's cost model differs across the CP ranks; pass the same "
                 "cost_model (or --cp-cost-model) on every rank")
