@@ -515,7 +515,7 @@ def w_library_gates(libraries_kind):
         "flash_attn_2_5_with_torch": {"flash_attn": fd.fake_flash_attn("2.5.9")[0],
                                       "torch.ops.aten.flash": fd.fake_torch_flash_ops(),
                                       "torch.nn.attention.varlen": object()},
-        "te_1_8": fd.fake_te(version="1.8.0"),
+        "te_1_13": fd.fake_te(version="1.13.0"),
     }[libraries_kind]
     with override_libraries(libs):
         return {b: kernels.installed(b) for b in ("flash", "te")}
@@ -526,8 +526,8 @@ def test_library_versions_are_gated():
     assert flash_old[0] is False and "2.0.4" in flash_old[1] and "top-left" in flash_old[1], flash_old
     # flash-attn 2.5 lacks the calls used here: torch's own flash ops take over.
     assert w_library_gates("flash_attn_2_5_with_torch")["flash"] == (True, "torch_varlen_attn importable")
-    te_old = w_library_gates("te_1_8")["te"]
-    assert te_old[0] is False and "1.8.0" in te_old[1] and "1.9" in te_old[1], te_old
+    te_old = w_library_gates("te_1_13")["te"]
+    assert te_old[0] is False and "1.13.0" in te_old[1] and "transformer-engine[pytorch]>=2.1" in te_old[1], te_old
 
 
 def test_te_needs_cudnn_9_6_for_grouped_kv_heads():

@@ -25,6 +25,10 @@ kernel's RNG state). Hq % Hkv == 0 (GQA), never repeated into Hq heads on CUDA.
 with fp16/bf16 inputs; each availability check returns (ok, reason) and never
 raises. Their library versions are gated (below) because their older releases
 compute something else (top-left causal alignment) or lack the calls used here.
+Every library call passes its arguments by name, the names read from the callable
+(a custom op's from its schema), so a release that renames or drops one fails with
+its name instead of binding a value to the wrong parameter; the releases tested,
+and how, are in docs/backends.md.
 
 The kernel table, the availability answers and the library lookups have test
 hooks (the ``_*_OVERRIDES`` tables at the end). They are not part of the public
@@ -227,21 +231,41 @@ def _library(name: str):
         return None
 
 
+def _schema_of(fn):
+    """The dispatcher schema behind ``fn``: a ``torch.library.custom_op`` (its ``_opoverload``), a
+    ``torch.ops`` packet (``.default``) or overload; None for a plain function."""
+    for owner in (getattr(fn, "_opoverload", None), getattr(fn, "default", None), fn):
+        schema = getattr(owner, "_schema", None)
+        if schema is not None:
+            return schema
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _parameters(fn) -> Tuple[str, ...]:
-    """A callable's parameter names (a torch op's from its schema), looked up once per callable."""
-    schema = getattr(getattr(fn, "default", None), "_schema", None)
+    """A callable's parameter names, from its schema where it has one, looked up once per callable.
+
+    A custom op's ``inspect.signature`` is ``(*args, **kwargs)``: its names live in the schema only.
+    """
+    schema = _schema_of(fn)
     if schema is not None:
         return tuple(arg.name for arg in schema.arguments)
     try:
-        return tuple(inspect.signature(fn).parameters)
+        return tuple(name for name, p in inspect.signature(fn).parameters.items()
+                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
     except (TypeError, ValueError):
         return ()
 
 
-def _known_kwargs(fn, **kwargs):
+def _by_name(fn, library: str, required: Dict, optional: Dict = None) -> Dict:
+    """Keyword arguments for ``fn``: every ``required`` one (an error naming what this release lacks,
+    never a silently dropped argument), and the ``optional`` ones it takes."""
     names = _parameters(fn)
-    return {key: value for key, value in kwargs.items() if key in names}
+    lacking = [key for key in required if key not in names]
+    if lacking:
+        raise RuntimeError(f"{library}'s {getattr(fn, '__name__', fn)} takes no {', '.join(lacking)} "
+                           f"(its parameters: {', '.join(names) or 'unknown'}): this release is not supported")
+    return {**required, **{key: value for key, value in (optional or {}).items() if key in names}}
 
 
 def _version_tuple(text) -> Tuple[int, ...]:
@@ -256,14 +280,24 @@ def _version_tuple(text) -> Tuple[int, ...]:
 # flash: flash-attn's varlen forward/backward (>= 2.6), else torch's own flash ops
 # ---------------------------------------------------------------------------
 
-FLASH_ATTN_MIN = (2, 6)  # the private varlen forward/backward spelled with window_size_left/right
+FLASH_ATTN_MIN = (2, 6)  # the oldest release tested (tests/test_real_libraries.py): varlen calls with softcap
+# flash-attn 2.7 made the private varlen calls torch.library custom ops, split window_size into
+# window_size_left/right and cut the forward's 8 results (out, q, k, v, out_padded, lse, S_dmask,
+# rng_state) to 4 (out, lse, S_dmask, rng_state).
+FLASH_ATTN_FOUR_RESULTS = (2, 7)
+FLASH_HEAD_DIM_MULTIPLE = 8  # flash's C++ (and torch's copy) takes head dims that are multiples of 8
 TORCH_FLASH_OPS = "torch.ops.aten.flash"  # test-hook name of torch's _flash_attention_forward/backward
+
+
+def _flash_attn_version() -> Tuple[int, ...]:
+    lib = _library("flash_attn")
+    return _version_tuple(getattr(lib, "__version__", "0")) if lib is not None else (0,)
 
 
 def _flash_attn_interface():
     """flash-attn's interface module when its version has the calls used here, else None."""
     lib = _library("flash_attn")
-    if lib is None or _version_tuple(getattr(lib, "__version__", "0")) < FLASH_ATTN_MIN:
+    if lib is None or _flash_attn_version() < FLASH_ATTN_MIN:
         return None
     iface = _library("flash_attn.flash_attn_interface")
     if iface is None or not hasattr(iface, "_flash_attn_varlen_forward"):
@@ -301,49 +335,75 @@ def _flash_window(seg: Segments) -> Tuple[int, int]:
     return (-1 if seg.window is None else seg.window), (0 if seg.causal else -1)
 
 
+def _flash_window_args(fn, seg: Segments) -> Dict:
+    """flash-attn's window arguments: window_size_left/right from 2.7, one window_size pair before."""
+    left, right = _flash_window(seg)
+    if "window_size" in _parameters(fn):
+        return {"window_size": (left, right)}
+    return {"window_size_left": left, "window_size_right": right}
+
+
+def _flash_width(q, v) -> int:
+    # flash takes one head dim for q, k and v, a multiple of 8: a narrower V (MLA) or an odd head dim
+    # is zero-padded (exact: zero columns add nothing to q.k, and the cut output columns are zero).
+    return _round_up(max(q.shape[-1], v.shape[-1]), FLASH_HEAD_DIM_MULTIPLE)
+
+
 def _flash_padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    # flash takes one head dim for q, k and v: a narrower V (MLA) is zero-padded, its output cut back.
     return _pad_last(t, width).contiguous()
 
 
 def flash_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
-    width, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+    width, dv = _flash_width(q, v), v.shape[-1]
     q, k, v = (_flash_padded(t, width) for t in (q, k, v))
-    args = (q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k)
-    left, right = _flash_window(seg)
     iface = _flash_attn_interface()
     if iface is not None:
         fn = iface._flash_attn_varlen_forward
-        res = fn(*args, dropout_p, scale, seg.causal,
-                 **_known_kwargs(fn, window_size_left=left, window_size_right=right,
-                                 softcap=0.0, alibi_slopes=None, return_softmax=False))
-        out, lse, aux = res[0], res[1], ("flash_attn", res[-1])
+        res = fn(**_by_name(
+            fn, "flash-attn",
+            dict(q=q, k=k, v=v, cu_seqlens_q=seg.cu_seqlens_q, cu_seqlens_k=seg.cu_seqlens_k,
+                 max_seqlen_q=seg.max_seqlen_q, max_seqlen_k=seg.max_seqlen_k, dropout_p=dropout_p,
+                 softmax_scale=scale, causal=seg.causal, **_flash_window_args(fn, seg)),
+            dict(softcap=0.0, alibi_slopes=None, return_softmax=False)))
+        lse_at = 1 if _flash_attn_version() >= FLASH_ATTN_FOUR_RESULTS else 5
+        out, lse, aux = res[0], res[lse_at], ("flash_attn", res[-1])
     else:
         fn = _torch_flash_ops()._flash_attention_forward
-        window = {} if seg.window is None else dict(window_size_left=left, window_size_right=right)
-        out, lse, rng_state, unused, _ = fn(*args, dropout_p, seg.causal, False, scale=scale, **window)
+        window = {} if seg.window is None else dict(zip(("window_size_left", "window_size_right"),
+                                                         _flash_window(seg)))
+        out, lse, rng_state, unused, _ = fn(
+            query=q, key=k, value=v, cum_seq_q=seg.cu_seqlens_q, cum_seq_k=seg.cu_seqlens_k,
+            max_q=seg.max_seqlen_q, max_k=seg.max_seqlen_k, dropout_p=dropout_p, is_causal=seg.causal,
+            return_debug_mask=False, scale=scale, **window)
         aux = ("torch", (rng_state, unused))
     return out[..., :dv], _flash_lse_rows(lse, q.shape[0]), aux
 
 
 def flash_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dropout_p: float = 0.0):
     impl, state = aux
-    width, dk, dv = max(q.shape[-1], v.shape[-1]), k.shape[-1], v.shape[-1]
+    width, dk, dv = _flash_width(q, v), k.shape[-1], v.shape[-1]
     q, k, v, dout, out = (_flash_padded(t, width) for t in (q, k, v, dout, out))
     lse_hq = lse.t().contiguous().float()  # back to the kernel's [H, total_q]
-    cu = (seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k)
-    left, right = _flash_window(seg)
+    cu = dict(cu_seqlens_q=seg.cu_seqlens_q, cu_seqlens_k=seg.cu_seqlens_k, max_seqlen_q=seg.max_seqlen_q,
+              max_seqlen_k=seg.max_seqlen_k)
     if impl == "flash_attn":
         fn = _flash_attn_interface()._flash_attn_varlen_backward
         dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        fn(dout, q, k, v, out, lse_hq, dq, dk_, dv_, *cu, dropout_p, scale, seg.causal,
-           **_known_kwargs(fn, window_size_left=left, window_size_right=right,
-                           softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=state))
+        # Every argument by name: from 2.7 window_size_left/right, softcap, alibi_slopes and
+        # deterministic have no defaults in the custom op's schema.
+        fn(**_by_name(
+            fn, "flash-attn",
+            dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse_hq, dq=dq, dk=dk_, dv=dv_, **cu,
+                 dropout_p=dropout_p, softmax_scale=scale, causal=seg.causal, **_flash_window_args(fn, seg),
+                 softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=state)))
     else:
         rng_state, unused = state
-        window = {} if seg.window is None else dict(window_size_left=left, window_size_right=right)
+        window = {} if seg.window is None else dict(zip(("window_size_left", "window_size_right"),
+                                                         _flash_window(seg)))
         dq, dk_, dv_ = _torch_flash_ops()._flash_attention_backward(
-            dout, q, k, v, out, lse_hq, *cu, dropout_p, seg.causal, rng_state, unused, scale=scale, **window)
+            grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse_hq, cum_seq_q=seg.cu_seqlens_q,
+            cum_seq_k=seg.cu_seqlens_k, max_q=seg.max_seqlen_q, max_k=seg.max_seqlen_k, dropout_p=dropout_p,
+            is_causal=seg.causal, rng_state=rng_state, unused=unused, scale=scale, **window)
     return dq[..., :dk], dk_[..., :dk], dv_[..., :dv]
 
 
@@ -359,8 +419,9 @@ def flash_supports_window() -> bool:
 # te: TransformerEngine's fused attention (cuDNN), thd, with its softmax stats
 # ---------------------------------------------------------------------------
 
-TE_MIN = (1, 9)
+TE_MIN = (2, 1)  # 1.x: fused_attn_fwd/bwd take a tex.DType qkv_dtype and FP8 scale tensors (2.0 never shipped)
 TE_FUSED_ATTN = "transformer_engine.pytorch.cpp_extensions.fused_attn"
+TE_CONSTANTS = "transformer_engine.pytorch.constants"
 CUDNN_THD_GQA_MIN = 90600  # cuDNN 9.6: THD with fewer K/V heads than query heads
 
 
@@ -430,28 +491,45 @@ def te_supports_window() -> bool:
     return "window_size" in names and "bottom_right_diagonal" in names
 
 
+def _te_dtype(dtype: torch.dtype):
+    """TE's ``tex.DType`` of a torch dtype (what fused_attn_bwd's dqkv_dtype takes up to TE 2.14)."""
+    constants = _library(TE_CONSTANTS)
+    table = getattr(constants, "TE_DType", None)
+    if table is None or dtype not in table:
+        raise RuntimeError(f"TransformerEngine {'.'.join(map(str, _te_version()))} has no "
+                           f"{TE_CONSTANTS}.TE_DType entry for {dtype}")
+    return table[dtype]
+
+
+def _te_call(fn, seg: Segments, q, k, v, scale: float, dropout_p: float) -> Dict:
+    """The arguments fused_attn_fwd and fused_attn_bwd share, by name."""
+    (max_q, max_k, cu_q, cu_k), mask = _te_call_args(seg)
+    return dict(max_seqlen_q=max_q, max_seqlen_kv=max_k, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, q=q, k=k, v=v,
+                fake_dtype=q.dtype, fused_attention_backend=_te_backend(_library(TE_FUSED_ATTN)),
+                attn_scale=scale, dropout=dropout_p, qkv_layout="thd_thd_thd", attn_mask_type=mask,
+                **_te_window(fn, seg))
+
+
 def te_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
-    fa = _library(TE_FUSED_ATTN)
-    lens, mask = _te_call_args(seg)
-    fn = fa.fused_attn_fwd
+    fn = _library(TE_FUSED_ATTN).fused_attn_fwd
     q, k, v = (t.contiguous() for t in (q, k, v))
-    out, aux = fn(True, *lens, q, k, v, q.dtype, _te_backend(fa), attn_scale=scale, dropout=dropout_p,
-                  qkv_layout="thd_thd_thd", attn_mask_type=mask, **_known_kwargs(fn, o_format="thd"),
-                  **_te_window(fn, seg))[:2]
+    out, aux = fn(**_by_name(fn, "TransformerEngine", dict(is_training=True, **_te_call(fn, seg, q, k, v, scale,
+                                                                                         dropout_p)),
+                             dict(o_format="thd")))[:2]
     out = out.view(q.shape[0], q.shape[1], v.shape[-1])
     return out, _te_stats_rows(aux[0], seg).to(lse_dtype(q.dtype)), list(aux)
 
 
 def te_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dropout_p: float = 0.0):
-    fa = _library(TE_FUSED_ATTN)
-    lens, mask = _te_call_args(seg)
-    fn = fa.fused_attn_bwd
+    fn = _library(TE_FUSED_ATTN).fused_attn_bwd
     aux = [_te_stats_like(lse, aux[0], seg)] + list(aux[1:])
     q, k, v = (t.contiguous() for t in (q, k, v))
-    grads = fn(*lens, q, k, v, out.contiguous(), dout.contiguous(), q.dtype, aux, _te_backend(fa),
-               attn_scale=scale, dropout=dropout_p, qkv_layout="thd_thd_thd", attn_mask_type=mask,
-               **_known_kwargs(fn, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd"),
-               **_te_window(fn, seg))
+    required = dict(o=out.contiguous(), d_o=dout.contiguous(), aux_ctx_tensors=aux,
+                    **_te_call(fn, seg, q, k, v, scale, dropout_p))
+    if "dqkv_dtype" in _parameters(fn):  # TE 2.1-2.14: a required tex.DType (2.15 dropped it)
+        required["dqkv_dtype"] = _te_dtype(q.dtype)
+    grads = fn(**_by_name(fn, "TransformerEngine", required,
+                          dict(o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd")))
     return grads[0], grads[1], grads[2]
 
 
@@ -473,7 +551,8 @@ def installed(backend: str) -> Tuple[bool, str]:
         version = _te_version()
         if version < TE_MIN:
             return False, (f"TransformerEngine {'.'.join(map(str, version))} is older than "
-                           f"{'.'.join(map(str, TE_MIN))} (no bottom-right causal mask); upgrade it")
+                           f"{'.'.join(map(str, TE_MIN))} (its fused_attn_fwd/bwd take a tex.DType qkv_dtype); "
+                           f"upgrade it: pip install 'transformer-engine[pytorch]>={'.'.join(map(str, TE_MIN))}'")
         if _library(TE_FUSED_ATTN) is None:
             return False, "TransformerEngine has no cpp_extensions.fused_attn (fused_attn_fwd/bwd)"
         return True, "TransformerEngine importable"
@@ -485,7 +564,8 @@ def installed(backend: str) -> Tuple[bool, str]:
         return False, (f"flash-attn {getattr(lib, '__version__', '?')} is older than "
                        f"{'.'.join(map(str, FLASH_ATTN_MIN))} (before 2.1 its causal mask is top-left "
                        "aligned; before 2.6 its varlen forward/backward differ) and torch has no "
-                       "flash ops; upgrade flash-attn")
+                       "flash ops; upgrade flash-attn: pip install 'flash-attn>="
+                       f"{'.'.join(map(str, FLASH_ATTN_MIN))}' --no-build-isolation")
     return False, "neither flash-attn nor torch.nn.attention.varlen is available"
 
 

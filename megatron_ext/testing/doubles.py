@@ -10,7 +10,10 @@ merging partial outputs). They run on CPU in fp32/fp64.
 What they do NOT test: the real CUDA kernels (flash-attn, torch's flash ops,
 TransformerEngine's fused attention), their numerics in bf16, or whether a given
 GPU/driver/library version accepts the call. The GPU check
-(``scripts/gpu_check.sh``) does that on a GPU machine.
+(``scripts/gpu_check.sh``) does that on a GPU machine. The library doubles spell one
+release each (flash-attn >= 2.7's private varlen calls, TE >= 2.15's fused_attn);
+every release the kernels support runs its own Python code in
+tests/test_real_libraries.py (emulated C++ extensions only).
 
 Every double computes, per segment i, softmax(q_i k_i^T * scale) v_i over
 q[cu_q[i]:cu_q[i+1]] and k/v[cu_k[i]:cu_k[i+1]], causal (square, on the diagonal)
@@ -225,7 +228,8 @@ def _torch_flash_ops_with_window():
 
 
 def fake_flash_attn(version: str = "2.8.3"):
-    """(flash_attn, flash_attn.flash_attn_interface) stand-ins with flash-attn 2.6+'s private varlen calls."""
+    """(flash_attn, flash_attn.flash_attn_interface) stand-ins with flash-attn 2.7+'s private varlen calls
+    (as plain functions; the real ones are custom ops: tests/test_real_libraries.py)."""
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                    softmax_scale, causal, window_size_left=-1, window_size_right=-1,
@@ -241,8 +245,8 @@ def fake_flash_attn(version: str = "2.8.3"):
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                                    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, rng_state=None, zero_tensors=False):
+                                    window_size_left, window_size_right, softcap, alibi_slopes,
+                                    deterministic, rng_state=None, zero_tensors=False):  # 2.7+: no defaults
         _check(softmax_lse.shape == (q.shape[1], q.shape[0]), f"lse must be [H, T], got {softmax_lse.shape}")
         cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                        same_head_dim=True)
@@ -258,7 +262,8 @@ def fake_flash_attn(version: str = "2.8.3"):
 
 
 class FakeFusedAttn(types.SimpleNamespace):
-    """Stands in for ``transformer_engine.pytorch.cpp_extensions.fused_attn`` (TE 2.x spelling).
+    """Stands in for ``transformer_engine.pytorch.cpp_extensions.fused_attn`` (TE 2.15+ spelling: no
+    dqkv_dtype in backward; o_format / do_format / dqkv_layout).
 
     ``stats_layout``: "thd" gives the softmax stats as [T, H, 1] (newer cuDNN), "padded"
     as [segments, H, max_seqlen_q, 1] (older cuDNN); the engine must take either back.
@@ -331,8 +336,12 @@ class FakeFusedAttn(types.SimpleNamespace):
         return [dq, dk, dv, None, None]
 
 
-def fake_te(version: str = "2.8.0", stats_layout: str = "thd", cudnn: int = 90800):
-    """Libraries to override for a stand-in TransformerEngine: {module name: module}."""
+def fake_te(version: str = "2.15.0", stats_layout: str = "thd", cudnn: int = 90800):
+    """Libraries to override for a stand-in TransformerEngine: {module name: module}.
+
+    ``version`` is what the package reports (for the version gates); the calls are spelled as
+    TE 2.15+ spells them, whatever the version.
+    """
     fused = FakeFusedAttn(stats_layout)
     return {
         "transformer_engine": types.SimpleNamespace(__version__=version),

@@ -16,7 +16,7 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 GL=.gl
 WHL=.whl
 FLASH_VERSIONS=(2.6.3 2.7.4.post1 2.8.3)
-TE_VERSIONS=(1.13.0 2.8.0 2.14.0 2.15.0 2.20.2)
+TE_VERSIONS=(1.13.0 2.1.0 2.8.0 2.14.0 2.15.0 2.20.2)
 start=$(date +%s)
 failed=()
 note() { echo "gpu_libs: $*" >&2; }
@@ -53,6 +53,16 @@ for v in "${FLASH_VERSIONS[@]}"; do
         failed+=("flash-attn==$v")
     fi
 done
+
+# TE's common/recipe imports pydantic (a dependency of every TE 2.x); its own folder, appended to sys.path.
+if [ ! -f "$GL/te-deps/.installed" ]; then
+    rm -rf "$GL/te-deps"
+    if "$PYTHON" -m pip install -q --disable-pip-version-check --target "$GL/te-deps" pydantic; then
+        touch "$GL/te-deps/.installed"
+    else
+        note "could not install pydantic (TE 2.x imports it); TE 2.x tests skip"
+    fi
+fi
 
 for v in "${TE_VERSIONS[@]}"; do
     dest="$GL/te-$v"

@@ -1,0 +1,333 @@
+"""The flash and TE kernels against flash-attn's and TransformerEngine's own Python code, per version.
+
+Each library version of the matrix (tests/real_libraries.py: flash-attn 2.6.3 / 2.7.4.post1 / 2.8.3,
+TE 1.13 / 2.1 / 2.8 / 2.14 / 2.15 / 2.20.2) gets its own pair of gloo workers that import that
+version's shipped Python (``.gl/``, put there by scripts/ci/gpu_libs.sh) over an emulated C++
+extension. So our calls go through the library's real signatures, custom ops, argument plumbing
+and enums, and land where the release's C++ would take them:
+
+- the kernel pair (kernels.flash_forward/backward, te_forward/backward) on its own: out, lse, dq,
+  dk, dv against explicit fp64 math (megatron_ext.testing.doubles.varlen_math*) for causal and
+  full segments, a sliding window, GQA and MLA head dims;
+- the streamed op through the engine at cp 1 and 2: out, dq, dk, dv against
+  ``reference_attention`` (fp64, one process), causal documents, a window, GQA, MLA;
+- a release the kernels cannot drive is refused at backend resolution, naming the version and the
+  fix, and the engine falls back with that reason (strict: raises on every rank).
+
+torch's own flash ops (``aten::_flash_attention_forward/backward``) get the same treatment with the
+schemas this torch registers: a CPU kernel is registered under the real ops, so the dispatcher binds
+our arguments by the real schema.
+
+A version missing from .gl/ skips with the reason (never passes silently).
+"""
+
+import pytest
+import torch
+
+from megatron_ext.testing import WorkerPool, reference_attention
+from megatron_ext.testing.cases import make_doc_ids
+from real_libraries import FLASH_VERSIONS, TE_VERSIONS, missing_reason
+
+TOL = 1e-5  # the libraries hand the lse over in fp32 (and TE runs fp32: _dtype)
+MATRIX = [("flash-attn", v) for v in FLASH_VERSIONS] + [("te", v) for v in TE_VERSIONS]
+# Releases the kernels refuse (kernels.FLASH_ATTN_MIN / TE_MIN), and those without a bottom-right
+# sliding window (no bottom_right_diagonal before TE 2.14: such calls fall back).
+REFUSED = {("te", "1.13.0")}
+NO_WINDOW = {("te", "2.1.0"), ("te", "2.8.0")}
+
+# ---------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------
+
+_WORKER = {}  # this worker process's library and its cp-1 group
+
+
+def w_load(kind, version):
+    import torch.distributed as dist
+
+    import real_libraries as rl
+
+    if kind == "flash-attn":
+        rl.load_flash_attn(version)
+    elif kind == "te":
+        rl.load_te(version, stats_layout="padded" if version == "2.8.0" else "thd")
+    elif kind != "torch":
+        raise KeyError(kind)
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
+    _WORKER.update(kind=kind, version=version, solo=groups[dist.get_rank()])
+    return True
+
+
+def _backend(kind):
+    return "te" if kind == "te" else "flash"
+
+
+def _hooks(kind):
+    """The real install check (it must find the library), any device, and any dtype per call."""
+    import contextlib
+
+    from megatron_ext.testing import override_availability, override_library
+
+    stack = contextlib.ExitStack()
+    if kind == "torch":  # flash-attn absent: torch's own flash ops
+        stack.enter_context(override_library("flash_attn", None))
+    stack.enter_context(override_availability(_backend(kind), None, any_device=True, any_call=True))
+    return stack
+
+
+def _segments(q_lens, k_lens, causal, window=None):
+    from megatron_ext.blockdiag_cp import kernels
+
+    cu = lambda lens: torch.tensor((0,) + tuple(lens)).cumsum(0).to(torch.int32)  # noqa: E731
+    return kernels.Segments(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), tuple(q_lens), tuple(k_lens),
+                            causal, window)
+
+
+def _dtype(kind):
+    # TE's fused_attn_bwd up to 2.14 maps the dtype through TE_DType, which has no float64: TE runs fp32.
+    return torch.float32 if kind == "te" else torch.float64
+
+
+def _rel(a, b):
+    return float((a.detach().double() - b.detach().double()).abs().max() / b.abs().max().clamp_min(1e-3))
+
+
+def w_kernel_pair():
+    """kernels.<backend>_forward/backward alone, per case: max rel. error of out, lse, dq, dk, dv or the error."""
+    import real_libraries as rl
+    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing.doubles import varlen_math, varlen_math_backward
+
+    kind = _WORKER["kind"]
+    kernel = kernels.kernel_for(_backend(kind))
+    dtype = _dtype(kind)
+    cases = {  # name: q_lens, k_lens, causal, window, (hq, hkv, dqk, dv)
+        "causal_gqa": ((5, 9), (5, 9), True, None, (4, 2, 8, 8)),
+        "full_mha": ((4, 6), (7, 3), False, None, (2, 2, 16, 16)),
+        "causal_window_mla": ((9, 12), (9, 12), True, 3, (4, 2, 12, 8)),
+        "full_window_gqa": ((6, 5), (8, 9), False, 4, (4, 1, 8, 8)),
+    }
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    with _hooks(kind):
+        for name, (q_lens, k_lens, causal, window, (hq, hkv, dqk, dv)) in cases.items():
+            seg = _segments(q_lens, k_lens, causal, window)
+            q, k, v, dout = (torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).double() for shape in (
+                (sum(q_lens), hq, dqk), (sum(k_lens), hkv, dqk), (sum(k_lens), hkv, dv), (sum(q_lens), hq, dv)))
+            cq, ck = seg.cu_seqlens_q.tolist(), seg.cu_seqlens_k.tolist()
+            ref_o, ref_l = varlen_math(q, k, v, cq, ck, 0.3, causal, window)
+            ref_g = varlen_math_backward(dout, q, k, v, ref_o, ref_l, cq, ck, 0.3, causal, window)
+            rl.CALLS.clear()
+            try:
+                q_, k_, v_, dout_ = (t.to(dtype) for t in (q, k, v, dout))
+                o, lse, aux = kernel.forward(q_, k_, v_, seg, 0.3)
+                grads = kernel.backward(dout_, q_, k_, v_, o, lse, aux, seg, 0.3)
+            except Exception as exc:  # noqa: BLE001 - returned to the parent for its assertion
+                out[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            windows = {c["window"][0] for c in rl.CALLS}
+            out[name] = {"errors": [_rel(o, ref_o), _rel(lse, ref_l)] + [_rel(a, b) for a, b in zip(grads, ref_g)],
+                         "shapes_ok": o.shape == ref_o.shape and lse.shape == ref_l.shape
+                         and all(a.shape == b.shape for a, b in zip(grads, ref_g)),
+                         "window_reached": window is None or windows == {window},
+                         "calls": len(rl.CALLS)}
+    return out
+
+
+def w_installed():
+    from megatron_ext.blockdiag_cp import kernels
+
+    return kernels.installed(_backend(_WORKER["kind"]))
+
+
+def w_engine(cp, case, window, heads, strict=False):
+    """One step per layout x exchange through the engine; per key: errors, backend, reason (or the error)."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    import real_libraries as rl
+
+    kind = _WORKER["kind"]
+    group = _WORKER["solo"] if cp == 1 else dist.group.WORLD
+    hq, hkv, dk, dv = heads
+    doc_ids = make_doc_ids(case, 64, cp)
+    S = doc_ids.shape[-1]
+    g = torch.Generator().manual_seed(11)
+    dtype = _dtype(kind)
+    q, k, v, w = (torch.randn(S, 1, h, d, generator=g, dtype=torch.float64).to(dtype).double()
+                  for h, d in ((hq, dk), (hkv, dk), (hkv, dv), (hq, dv)))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*ref_in, doc_ids, window=window)
+    (ref * w).sum().backward()
+    combos = [("contiguous", "allgather")] if cp == 1 else [("zigzag", "a2a"), ("balanced", "allgather")]
+    results = {}
+    rl.CALLS.clear()
+    with _hooks(kind):
+        for layout, exchange in combos:
+            try:
+                state = bdcp.BlockDiagCPState.build(doc_ids, cp_group=group, layout=layout, kv_exchange=exchange,
+                                                    attn_backend=_backend(kind), strict=strict)
+                local = [state.shard(t).to(dtype).detach().requires_grad_() for t in (q, k, v)]
+                with bdcp.blockdiag_cp_step(state):
+                    o = bdcp.blockdiag_cp_attention(*local, softmax_scale=None,
+                                                    window_size=None if window is None else (window, 0))
+                    (o * state.shard(w).to(dtype)).sum().backward()
+            except bdcp.BlockDiagCPError as exc:
+                results[(layout, exchange)] = str(exc)
+                continue
+            report = state.report()
+            errs = [_rel(o, state.shard(ref))] + [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
+            results[(layout, exchange)] = (errs, report["attn_backend"], report["attn_backend_reason"])
+    return results, sorted({c["kind"] for c in rl.CALLS}), sorted({c["window"] for c in rl.CALLS})
+
+
+# ---------------------------------------------------------------------------
+# the matrix: one worker pair per library version
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=MATRIX, ids=[f"{k}-{v}" for k, v in MATRIX])
+def library(request):
+    kind, version = request.param
+    reason = missing_reason(kind, version)
+    if reason is not None:
+        pytest.skip(reason)
+    pool = WorkerPool(2)
+    try:
+        pool.run(w_load, kind, version, timeout=120)
+        yield kind, version, pool
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(180)
+def test_kernel_pair_against_fp64_math(library):
+    kind, version, pool = library
+    if (kind, version) in REFUSED:
+        pytest.skip(f"{kind} {version} is refused at backend resolution (test_old_releases_are_refused...)")
+    for per_rank in pool.run(w_kernel_pair):
+        for name, r in per_rank.items():
+            if (kind, version) in NO_WINDOW and "window" in name:
+                continue  # the engine never sends these a window (test_engine_...: falls back)
+            assert isinstance(r, dict), (kind, version, name, r)
+            assert r["shapes_ok"] and r["window_reached"] and r["calls"] >= 1, (kind, version, name, r)
+            assert max(r["errors"]) < TOL, (kind, version, name, r["errors"])
+
+
+ENGINE_CASES = [  # case, window, (hq, hkv, dqk, dv)
+    ("short", None, (4, 2, 8, 8)),  # many causal documents, grouped K/V heads
+    ("single", 20, (4, 2, 12, 8)),  # one 64-token document, a window cut at chunk edges, MLA head dims
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("case,window,heads", ENGINE_CASES, ids=["causal_gqa", "window_mla"])
+def test_engine_streamed_op_against_the_reference(library, cp, case, window, heads):
+    kind, version, pool = library
+    backend = _backend(kind)
+    for results, kinds, windows in pool.run(w_engine, cp, case, window, heads):
+        falls_back = (kind, version) in REFUSED or (window is not None and (kind, version) in NO_WINDOW)
+        for key, r in results.items():
+            assert isinstance(r, tuple), (kind, version, key, r)
+            errs, got, reason = r
+            assert max(errs) < TOL, (kind, version, key, errs)
+            if falls_back:
+                assert got != backend and reason.startswith("fell back"), (kind, version, key, got, reason)
+            else:
+                assert got == backend and "fell back" not in reason, (kind, version, key, got, reason)
+        if falls_back:
+            assert kinds == [], kinds  # the library was never called
+        else:
+            assert kinds == [{"te": "te"}.get(kind, "flash_attn")], kinds
+            if window is not None:  # the engine narrows the window per call; some calls must get one
+                assert any(left >= 0 for left, _ in windows), windows
+
+
+@pytest.mark.timeout(120)
+def test_old_releases_are_refused_with_the_version_and_the_fix(library):
+    kind, version, pool = library
+    for ok, reason in pool.run(w_installed):
+        if (kind, version) in REFUSED:
+            assert not ok and version in reason and "upgrade" in reason, reason
+        else:
+            assert ok, reason
+    if (kind, version) not in REFUSED:
+        return
+    for results, kinds, _ in pool.run(w_engine, 2, "short", None, (4, 2, 8, 8), True):
+        assert kinds == []
+        for key, r in results.items():
+            assert isinstance(r, str) and "strict mode" in r and version in r, (key, r)
+
+
+@pytest.mark.timeout(120)
+def test_window_fallback_names_the_missing_te_feature(library):
+    kind, version, pool = library
+    if (kind, version) not in NO_WINDOW:
+        pytest.skip("this release takes bottom-right sliding windows")
+    for results, _, _ in pool.run(w_engine, 2, "single", 20, (4, 2, 8, 8)):
+        for key, (_, got, reason) in results.items():
+            assert got == "dense" and "bottom_right_diagonal" in reason, (key, got, reason)
+
+
+# ---------------------------------------------------------------------------
+# torch's own flash ops, as this torch registers them
+# ---------------------------------------------------------------------------
+
+
+def w_register_aten_flash():
+    """CPU kernels under aten::_flash_attention_forward/backward (this CPU build has none)."""
+    import real_libraries as rl
+
+    _WORKER["aten_library"] = rl.register_aten_flash_cpu()
+    return True
+
+
+@pytest.fixture(scope="module")
+def torch_flash():
+    pool = WorkerPool(2)
+    try:
+        pool.run(w_load, "torch", torch.__version__, timeout=120)
+        pool.run(w_register_aten_flash)
+        yield pool
+    finally:
+        pool.close()
+
+
+def test_our_torch_flash_calls_match_the_registered_schemas():
+    from megatron_ext.blockdiag_cp import kernels
+
+    fwd = torch.ops.aten._flash_attention_forward.default._schema
+    bwd = torch.ops.aten._flash_attention_backward.default._schema
+    names = {arg.name: arg.kwarg_only for arg in fwd.arguments}
+    # What kernels.flash_forward / flash_backward pass by name must be keyword arguments of the schema.
+    for name in ("scale", "window_size_left", "window_size_right"):
+        assert names.get(name) is True, (name, fwd)
+        assert {a.name: a.kwarg_only for a in bwd.arguments}.get(name) is True, (name, bwd)
+    assert kernels._parameters(torch.ops.aten._flash_attention_forward)[:10] == (
+        "query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
+        "return_debug_mask")
+    assert len(fwd.returns) == 5 and fwd.returns[1].name == "softmax_logsumexp"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("case,window,heads", ENGINE_CASES, ids=["causal_gqa", "window_mla"])
+def test_engine_over_torch_flash_ops(torch_flash, cp, case, window, heads):
+    for results, kinds, windows in torch_flash.run(w_engine, cp, case, window, heads):
+        for key, r in results.items():
+            assert isinstance(r, tuple), (key, r)
+            errs, got, reason = r
+            assert got == "flash" and reason == "torch_varlen_attn importable", (key, got, reason)
+            assert max(errs) < TOL, (key, errs)
+        assert kinds == ["torch_flash"], kinds
+        if window is not None:
+            assert any(left >= 0 for left, _ in windows), windows
+
+
+@pytest.mark.timeout(120)
+def test_kernel_pair_over_torch_flash_ops(torch_flash):
+    for per_rank in torch_flash.run(w_kernel_pair):
+        for name, r in per_rank.items():
+            assert isinstance(r, dict), (name, r)
+            assert r["shapes_ok"] and r["window_reached"] and max(r["errors"]) < TOL, (name, r)
