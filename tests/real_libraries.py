@@ -38,6 +38,19 @@ FLASH_VERSIONS = ("2.6.3", "2.7.4.post1", "2.8.3")
 TE_VERSIONS = ("1.13.0", "2.1.0", "2.8.0", "2.14.0", "2.15.0", "2.20.2")
 
 
+LIBRARY_MODULES = ("flash_attn", "flash_attn_2_cuda", "transformer_engine", "transformer_engine_torch")
+
+
+def unload():
+    """Drop the loaded library's modules and folders, so another release can be imported.
+
+    flash-attn >= 2.7's custom ops stay registered in the process: load one such release per process.
+    """
+    for name in [n for n in sys.modules if n.split(".")[0] in LIBRARY_MODULES]:
+        del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if not p.startswith(GL + os.sep) or p.endswith("te-deps")]
+
+
 def folder(kind: str, version: str) -> str:
     return os.path.join(GL, f"{kind}-{version}")
 
