@@ -60,10 +60,15 @@ def missing_reason(kind: str, version: str):
     needs = [folder(kind, version)] + ([os.path.join(GL, "te-deps")] if kind == "te" and version >= "2" else [])
     if all(os.path.isfile(os.path.join(path, ".installed")) for path in needs):
         return None
-    failed = os.path.join(GL, "FAILED")
-    why = (f"scripts/ci/gpu_libs.sh could not fetch it ({open(failed).read().split()})"
-           if os.path.isfile(failed) else "run scripts/ci/gpu_libs.sh (.ci/run does, before make test)")
-    return f"{kind} {version} is not in .gl/: {why}"
+    failed_file = os.path.join(GL, "FAILED")
+    failed = open(failed_file).read().split() if os.path.isfile(failed_file) else []
+    package = {"te": "transformer-engine"}.get(kind, kind)
+    wanted = [f"{package}=={version}"] + (["pydantic"] if len(needs) > 1 else [])
+    ours = [name for name in failed if name in wanted]
+    if ours:
+        return (f"{kind} {version} is not in .gl/: scripts/ci/gpu_libs.sh could not install {', '.join(ours)} "
+                "(registry unreachable?); rerun it")
+    return f"{kind} {version} is not in .gl/: run scripts/ci/gpu_libs.sh (.ci/run does, before make test)"
 
 
 def _vt(version: str):

@@ -60,6 +60,7 @@ if [ ! -f "$GL/te-deps/.installed" ]; then
     if "$PYTHON" -m pip install -q --disable-pip-version-check --target "$GL/te-deps" pydantic; then
         touch "$GL/te-deps/.installed"
     else
+        failed+=("pydantic")
         note "could not install pydantic (TE 2.x imports it); TE 2.x tests skip"
     fi
 fi
@@ -88,5 +89,5 @@ if [ ${#failed[@]} -gt 0 ]; then
 else
     rm -f "$GL/FAILED"
 fi
-note "done in $(( $(date +%s) - start )) s: $(ls -d "$GL"/flash-attn-* "$GL"/te-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+note "done in $(( $(date +%s) - start )) s: $(ls -d "$GL"/flash-attn-* "$GL"/te-* 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')"
 exit 0
