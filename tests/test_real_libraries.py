@@ -154,6 +154,27 @@ def w_kernel_pair():
     return out
 
 
+def w_meta_pair():
+    """kernels.flash_forward/backward on meta tensors: the shapes the library's own fake kernels give."""
+    from megatron_ext.blockdiag_cp import kernels
+
+    return _meta_pair(kernels)
+
+
+def _meta_pair(kernels):
+    cu = lambda lens: torch.tensor((0,) + lens).cumsum(0).to(torch.int32).to("meta")  # noqa: E731
+    seg = kernels.Segments(cu((5, 9)), cu((5, 9)), 9, 9, (5, 9), (5, 9), True, 3)
+    q = torch.empty(14, 4, 12, device="meta", dtype=torch.bfloat16)  # MLA: q/k 12, v 8; GQA 4 over 2
+    k = torch.empty(14, 2, 12, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(14, 2, 8, device="meta", dtype=torch.bfloat16)
+    o, lse, aux = kernels.flash_forward(q, k, v, seg, 0.3)
+    grads = kernels.flash_backward(torch.empty_like(o), q, k, v, o, lse, aux, seg, 0.3)
+    return [tuple(o.shape), tuple(lse.shape), lse.dtype] + [tuple(t.shape) for t in grads]
+
+
+META_SHAPES = [(14, 4, 8), (14, 4), torch.float32, (14, 4, 12), (14, 2, 12), (14, 2, 8)]
+
+
 def w_installed():
     from megatron_ext.blockdiag_cp import kernels
 
@@ -268,6 +289,15 @@ ENGINE_CASES = [  # case, window, (hq, hkv, dqk, dv)
 ]
 
 
+@pytest.mark.timeout(120)
+def test_flash_custom_ops_fake_kernels_give_the_shapes_we_read(library):
+    # flash-attn >= 2.7 registers fake (meta) kernels for its custom ops: its own shape functions.
+    kind, version, pool = library
+    if kind != "flash-attn" or version < "2.7":
+        pytest.skip("no custom ops with fake kernels in this release")
+    assert pool.run(w_meta_pair) == [META_SHAPES] * 2
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cp", [1, 2])
 @pytest.mark.parametrize("case,window,heads", ENGINE_CASES, ids=["causal_gqa", "window_mla"])
@@ -344,6 +374,16 @@ def test_our_torch_flash_calls_match_the_registered_schemas():
         "query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
         "return_debug_mask")
     assert len(fwd.returns) == 5 and fwd.returns[1].name == "softmax_logsumexp"
+
+
+def test_our_torch_flash_calls_run_through_torch_meta_kernels():
+    # torch's own shape functions for aten::_flash_attention_forward/backward (torch/_meta_registrations):
+    # the lse comes back [H, total_q] float32, and the gradients in q/k/v's shapes.
+    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import override_library
+
+    with override_library("flash_attn", None):
+        assert _meta_pair(kernels) == META_SHAPES
 
 
 @pytest.mark.timeout(300)
