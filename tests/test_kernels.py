@@ -93,3 +93,77 @@ def test_dense_dropout_replays_its_masks_from_the_seed():
     clean = kernels.dense_forward(q, k, v, seg, 0.5)
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
     assert torch.allclose(a[1], clean[1], atol=1e-12)  # the lse is the undropped softmax's normalizer
+
+
+# ---------------------------------------------------------------------------
+# flash-attn >= 2.7's varlen calls are torch.library custom ops: their names live in the schema only
+# ---------------------------------------------------------------------------
+
+
+def _custom_op_flash_attn():
+    """flash-attn 2.7+'s private varlen pair as custom ops of the same signatures (CPU math inside)."""
+    import types
+    from typing import Optional, Tuple
+
+    from megatron_ext.testing.doubles import varlen_math, varlen_math_backward
+
+    ns = "megatron_ext_test_kernels"
+    if hasattr(torch.ops, ns) and hasattr(getattr(torch.ops, ns), "varlen_fwd"):
+        return _custom_op_flash_attn.made
+
+    def window(left, right, causal):
+        assert right == (0 if causal else -1), (left, right, causal)
+        return None if left < 0 else left
+
+    @torch.library.custom_op(f"{ns}::varlen_fwd", mutates_args=(), device_types="cpu")
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+            softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
+            softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
+            block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
+            seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False,
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, lse = varlen_math(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), softmax_scale, causal,
+                               window(window_size_left, window_size_right, causal))
+        return out, lse.t().contiguous().float(), torch.empty(0), torch.zeros(2, dtype=torch.int64)
+
+    @torch.library.custom_op(f"{ns}::varlen_bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu")
+    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+            dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+            max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+            window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+            rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:
+        grads = varlen_math_backward(dout, q, k, v, out, softmax_lse.t().to(q.dtype), cu_seqlens_q.tolist(),
+                                     cu_seqlens_k.tolist(), softmax_scale, causal,
+                                     window(window_size_left, window_size_right, causal))
+        for dst, src in zip((dq, dk, dv), grads):
+            dst.copy_(src)
+        return torch.zeros(q.shape[1], q.shape[0])
+
+    iface = types.SimpleNamespace(_flash_attn_varlen_forward=fwd, _flash_attn_varlen_backward=bwd)
+    _custom_op_flash_attn.made = {"flash_attn": types.SimpleNamespace(__version__="2.8.3", flash_attn_interface=iface),
+                                  "flash_attn.flash_attn_interface": iface}
+    return _custom_op_flash_attn.made
+
+
+def test_flash_attn_custom_ops_get_every_argument_by_its_schema_name():
+    # inspect.signature of a CustomOpDef is (*args, **kwargs): the names must come from its schema, or
+    # the window is silently dropped in forward and the backward misses its required arguments.
+    from megatron_ext.testing import override_libraries
+    from megatron_ext.testing.doubles import varlen_math_backward
+
+    libraries = _custom_op_flash_attn()
+    fwd = libraries["flash_attn.flash_attn_interface"]._flash_attn_varlen_forward
+    assert "window_size_left" in kernels._parameters(fwd)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(16, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    seg = kernels.Segments(*(torch.tensor([0, 7, 16], dtype=torch.int32),) * 2, 9, 9, (7, 9), (7, 9), True, 3)
+    with override_libraries(libraries):
+        out, lse, aux = kernels.flash_forward(q, k, v, seg, 0.4)
+        grads = kernels.flash_backward(dout, q, k, v, out, lse, aux, seg, 0.4)
+    ref_out, ref_lse = varlen_math(q, k, v, [0, 7, 16], [0, 7, 16], 0.4, True, 3)
+    ref_grads = varlen_math_backward(dout, q, k, v, ref_out, ref_lse, [0, 7, 16], [0, 7, 16], 0.4, True, 3)
+    assert torch.allclose(out, ref_out, atol=1e-12) and torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got, want, atol=1e-5)
