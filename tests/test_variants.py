@@ -159,7 +159,7 @@ def _libraries(setup):
     if setup in ("torch_flash", "torch_flash_no_window"):
         return "flash", {"flash_attn": None, "torch.nn.attention.varlen": object(),
                          "torch.ops.aten.flash": fd.fake_torch_flash_ops(window=setup == "torch_flash")}
-    return "te", fd.fake_te()
+    return "te", fd.fake_te("2.14.0" if setup == "te_2_14" else "2.15.0")
 
 
 def check_through_double(setup, window, sink_kind, heads, strict=False):
@@ -209,14 +209,14 @@ def pool2():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("setup", ["flash_attn", "torch_flash", "te"])
+@pytest.mark.parametrize("setup", ["flash_attn", "torch_flash", "te", "te_2_14"])
 def test_windows_sinks_and_mla_through_the_library_doubles(pool2, setup):
     # window 20 over one 96-token document at cp = 2: bands cut at chunk edges, windowed diagonals.
     for out, windows, kinds in pool2.run(check_through_double, setup, 20, "learnable", (4, 2, 12, 8)):
-        assert kinds == [{"flash_attn": "flash_attn", "torch_flash": "torch_flash", "te": "te"}[setup]], kinds
+        assert kinds == [{"flash_attn": "flash_attn", "torch_flash": "torch_flash"}.get(setup, "te")], kinds
         assert any(w not in (None,) for w in windows), windows  # windows reached the library
         for key, (errs, backend, _) in out.items():
-            assert backend == ("te" if setup == "te" else "flash"), (key, backend)
+            assert backend == ("te" if setup.startswith("te") else "flash"), (key, backend)
             assert max(errs) < 1e-5, (key, errs)  # the libraries hand the lse back in fp32
 
 

@@ -10,8 +10,8 @@ merging partial outputs). They run on CPU in fp32/fp64.
 What they do NOT test: the real CUDA kernels (flash-attn, torch's flash ops,
 TransformerEngine's fused attention), their numerics in bf16, or whether a given
 GPU/driver/library version accepts the call. The GPU check
-(``scripts/gpu_check.sh``) does that on a GPU machine. The library doubles spell one
-release each (flash-attn >= 2.7's private varlen calls, TE >= 2.15's fused_attn);
+(``scripts/gpu_check.sh``) does that on a GPU machine. The library doubles spell
+flash-attn >= 2.7's private varlen calls and TE's fused_attn as 2.8-2.14 or 2.15+ spell it;
 every release the kernels support runs its own Python code in
 tests/test_real_libraries.py (emulated C++ extensions only).
 
@@ -336,16 +336,56 @@ class FakeFusedAttn(types.SimpleNamespace):
         return [dq, dk, dv, None, None]
 
 
+FAKE_TE_DTYPE = {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16", torch.float32: "kFloat32",
+                 torch.float64: "kFloat64"}  # stands in for TE's constants.TE_DType (fp64: the CPU doubles)
+
+
+def _te_2_14_spelling(fused: FakeFusedAttn):
+    """fused_attn_fwd / fused_attn_bwd as TE 2.8-2.14 spell them: no o_format / do_format / dqkv_layout
+    (the layout says thd), and a required tex.DType dqkv_dtype in backward."""
+    fwd, bwd = fused.fused_attn_fwd, fused.fused_attn_bwd
+
+    def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
+                       fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                       page_table_k=None, page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
+                       dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
+                       attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
+                       bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False,
+                       cuda_graph=False):
+        return fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
+                   fused_attention_backend, attn_scale=attn_scale, dropout=dropout, qkv_layout=qkv_layout,
+                   o_format="thd", attn_mask_type=attn_mask_type, softmax_type=softmax_type,
+                   window_size=window_size, bottom_right_diagonal=bottom_right_diagonal)
+
+    def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
+                       dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None,
+                       cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None,
+                       attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d",
+                       attn_bias_type="no_bias", attn_mask_type="padding", softmax_type="vanilla",
+                       window_size=(-1, -1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False):
+        _check(dqkv_dtype == FAKE_TE_DTYPE[q.dtype], f"dqkv_dtype {dqkv_dtype!r}, expected TE_DType[{q.dtype}]")
+        return bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
+                   aux_ctx_tensors, fused_attention_backend, attn_scale=attn_scale, dropout=dropout,
+                   qkv_layout=qkv_layout, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd",
+                   attn_mask_type=attn_mask_type, softmax_type=softmax_type, window_size=window_size,
+                   bottom_right_diagonal=bottom_right_diagonal)
+
+    fused.fused_attn_fwd, fused.fused_attn_bwd = fused_attn_fwd, fused_attn_bwd
+
+
 def fake_te(version: str = "2.15.0", stats_layout: str = "thd", cudnn: int = 90800):
     """Libraries to override for a stand-in TransformerEngine: {module name: module}.
 
-    ``version`` is what the package reports (for the version gates); the calls are spelled as
-    TE 2.15+ spells them, whatever the version.
+    ``version`` is what the package reports (for the version gates) and picks the spelling:
+    before 2.15, fused_attn as TE 2.14 spells it (``_te_2_14_spelling``), else as 2.15+ does.
     """
     fused = FakeFusedAttn(stats_layout)
+    if tuple(int(p) for p in version.split(".")[:2]) < (2, 15):
+        _te_2_14_spelling(fused)
     return {
         "transformer_engine": types.SimpleNamespace(__version__=version),
         "transformer_engine.pytorch": types.SimpleNamespace(),
         "transformer_engine.pytorch.cpp_extensions.fused_attn": fused,
+        "transformer_engine.pytorch.constants": types.SimpleNamespace(TE_DType=FAKE_TE_DTYPE),
         "transformer_engine_torch": types.SimpleNamespace(get_cudnn_version=lambda: cudnn),
     }
