@@ -48,7 +48,11 @@ def unload():
     """
     for name in [n for n in sys.modules if n.split(".")[0] in LIBRARY_MODULES]:
         del sys.modules[name]
-    sys.path[:] = [p for p in sys.path if not p.startswith(GL + os.sep) or p.endswith("te-deps")]
+    sys.path[:] = [p for p in sys.path if not p.startswith(GL + os.sep) or p == TE_DEPS]
+
+
+# pydantic (TE 2.x imports it) has a compiled core: one folder per Python (make test, make test-compat).
+TE_DEPS = os.path.join(GL, f"te-deps-py{sys.version_info[0]}{sys.version_info[1]}")
 
 
 def folder(kind: str, version: str) -> str:
@@ -57,7 +61,7 @@ def folder(kind: str, version: str) -> str:
 
 def missing_reason(kind: str, version: str):
     """None when the version is installed under .gl/, else why its tests skip."""
-    needs = [folder(kind, version)] + ([os.path.join(GL, "te-deps")] if kind == "te" and version >= "2" else [])
+    needs = [folder(kind, version)] + ([TE_DEPS] if kind == "te" and version >= "2" else [])
     if all(os.path.isfile(os.path.join(path, ".installed")) for path in needs):
         return None
     failed_file = os.path.join(GL, "FAILED")
@@ -488,9 +492,8 @@ def load_te(version: str, stats_layout: str = "thd"):
     import importlib.metadata
 
     base = folder("te", version)
-    deps = os.path.join(GL, "te-deps")  # pydantic: appended, so the venv's own packages come first
-    if deps not in sys.path:
-        sys.path.append(deps)
+    if TE_DEPS not in sys.path:  # appended, so the venv's own packages come first
+        sys.path.append(TE_DEPS)
     sys.modules["transformer_engine_torch"] = te_torch_module(version, stats_layout)
     for name in _TE_PACKAGES:  # empty packages over the shipped folders: their __init__ loads C++ libraries
         package = types.ModuleType(name)

@@ -55,10 +55,12 @@ for v in "${FLASH_VERSIONS[@]}"; do
 done
 
 # TE's common/recipe imports pydantic (a dependency of every TE 2.x); its own folder, appended to sys.path.
-if [ ! -f "$GL/te-deps/.installed" ]; then
-    rm -rf "$GL/te-deps"
-    if "$PYTHON" -m pip install -q --disable-pip-version-check --target "$GL/te-deps" pydantic; then
-        touch "$GL/te-deps/.installed"
+# pydantic's core is compiled: one folder per Python (tests/real_libraries.py's TE_DEPS).
+deps="$GL/te-deps-py$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"
+if [ ! -f "$deps/.installed" ]; then
+    rm -rf "$deps"
+    if "$PYTHON" -m pip install -q --disable-pip-version-check --target "$deps" pydantic; then
+        touch "$deps/.installed"
     else
         failed+=("pydantic")
         note "could not install pydantic (TE 2.x imports it); TE 2.x tests skip"
