@@ -26,7 +26,8 @@ from typing import Dict, Iterator, List, Tuple
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench"))
+_SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_SCRIPTS), os.path.join(_SCRIPTS, "bench")]  # this checkout's package first
 
 from megatron_ext.blockdiag_cp import CostModel, WindowMix, prepare_plan  # noqa: E402
 from megatron_ext.testing.mixes import (make_doc_ids, mix_name, packed_mix, worst_case_doc_ids,  # noqa: E402
@@ -35,6 +36,7 @@ from scale_mixes import SCALE_MIXES, scale_doc_ids  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag", "balanced", "thd")
 TIMINGS = {"layout_seconds", "plan_seconds"}  # host clock readings: not part of the plan
+SEPARATE = {"layout_choice"}  # balanced's choice label: its own entry (``|choice``), whichever way it is read
 GPUS_PER_NODE = 8
 
 
@@ -79,7 +81,7 @@ def _update(h, obj, seen: set) -> None:
             fields = sorted((k, v) for k, v in vars(obj).items() if not callable(v) or hasattr(v, "__dict__"))
         h.update(f"{type(obj).__name__}(".encode())
         for name, value in fields:
-            if name in TIMINGS or callable(value) and not dataclasses.is_dataclass(value) \
+            if name in TIMINGS or name in SEPARATE or callable(value) and not dataclasses.is_dataclass(value) \
                     and not isinstance(value, Mapping):
                 continue
             h.update(f"{name}=".encode())
@@ -98,8 +100,10 @@ def _choice_label(prep) -> str:
     label = getattr(prep, "layout_choice", None)
     if label is not None:
         return label
-    from megatron_ext.blockdiag_cp import balanced  # the module-global hand-off of older code
-
+    try:  # the module-global hand-off of older code, in its two places
+        from megatron_ext.blockdiag_cp.layouts import balanced
+    except ImportError:
+        from megatron_ext.blockdiag_cp import balanced
     return balanced.LAST_CHOICE[0] if prep.layout.name == "balanced" and prep.cp > 1 else prep.layout.name
 
 
