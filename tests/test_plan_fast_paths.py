@@ -5,7 +5,9 @@ and the tables prepare_plan shares between the layout search, the plan and the r
 import pytest
 import torch
 
-from megatron_ext.blockdiag_cp import balanced, chunks, intervals, prepare_plan
+from megatron_ext.blockdiag_cp import chunks, intervals, prepare_plan
+from megatron_ext.blockdiag_cp.layouts import balanced
+from megatron_ext.blockdiag_cp.layouts.balanced.units import Units, UnitTable
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route
 from megatron_ext.blockdiag_cp.intervals import clip, document_runs, map_ranges
@@ -124,9 +126,9 @@ def test_heavy_units_are_what_light_rejects():
     lengths = torch.randint(1, 3000, (300,), generator=g).tolist() + [20_000, 9_000]
     ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[:2 ** 16]
     ids = torch.nn.functional.pad(ids, (0, 2 ** 16 - ids.numel()))
-    table = balanced._UnitTable([document_runs(ids)], ids.numel())
+    table = UnitTable([document_runs(ids)], ids.numel())
     for cp in (4, 8):
-        units = balanced._Units(table, [(0, ids.numel())], cp)
+        units = Units(table, [(0, ids.numel())], cp)
         L, target = units.tokens // cp, units.total / cp
         for theta in balanced.SPLIT_THRESHOLDS + (0.05, 0.0):
             limit = theta * target

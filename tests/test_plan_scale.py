@@ -252,16 +252,18 @@ def _heavy_ids(g, S, heavy):
 
 def test_balanced_candidates_count_like_the_plan():
     """The batched candidate scorer equals a position-by-position count, for every candidate kind."""
-    import megatron_ext.blockdiag_cp.balanced as bal
+    from megatron_ext.blockdiag_cp.layouts.balanced.packing import split_and_pack
+    from megatron_ext.blockdiag_cp.layouts.balanced.traffic import candidate_traffic, flatten
+    from megatron_ext.blockdiag_cp.layouts.balanced.units import Units, UnitTable
 
     g = torch.Generator().manual_seed(17)
     cp, S = 4, 640
     ids = _heavy_ids(g, S, 300).unsqueeze(0)
-    units = bal._Units(bal._UnitTable([document_runs(ids[0])], S), [(0, S)], cp)
+    units = Units(UnitTable([document_runs(ids[0])], S), [(0, S)], cp)
     owned = [o for theta in (1.0, 0.5, 0.25) for style in ("zigzag", "need")
-             for o in bal._split_and_pack(units, cp, theta, style)]
-    n, group, a, b = bal._flatten(owned, cp)
-    work, need, sent = bal._candidate_traffic(units, cp, n, group, a, b)
+             for o in split_and_pack(units, cp, theta, style)]
+    n, group, a, b = flatten(owned, cp)
+    work, need, sent = candidate_traffic(units, cp, n, group, a, b)
     for c, o in enumerate(owned):
         positions = torch.stack([torch.cat([torch.arange(x, y) for x, y in sorted(spans)]) for spans in o])
         assert sorted(positions.flatten().tolist()) == list(range(S))  # equal tokens, a partition
@@ -274,26 +276,28 @@ def test_balanced_candidates_count_like_the_plan():
 def test_balanced_lockstep_packing_equals_one_packing_at_a_time(seed):
     """Steps 2-3 of many packings in lockstep (numpy) hold exactly the ranges, in the same order, that
     the one-at-a-time Python packing does, for span sets of different sizes at every threshold."""
-    import megatron_ext.blockdiag_cp.balanced as bal
+    from megatron_ext.blockdiag_cp.layouts.balanced.packing import pack, pack_lockstep, split_heavy
+    from megatron_ext.blockdiag_cp.layouts.balanced.tuning import NODE_THRESHOLDS
+    from megatron_ext.blockdiag_cp.layouts.balanced.units import Units, UnitTable
 
     g = torch.Generator().manual_seed(seed)
     cp, S = 4, 4096
     ids = _heavy_ids(g, S, 900).unsqueeze(0)
-    table = bal._UnitTable([document_runs(ids[0])], S)
+    table = UnitTable([document_runs(ids[0])], S)
     cuts = [0, 640, 1024, 2048, 2560, S]  # node-like span sets with different unit counts
     jobs = []
     for a, b in zip(cuts[:-1], cuts[1:]):
-        units = bal._Units(table, [(a, b)], cp)
+        units = Units(table, [(a, b)], cp)
         seen = set()
-        for style, thetas in (("zigzag", bal.NODE_THRESHOLDS), ("need", (0.5, 0.25))):
+        for style, thetas in (("zigzag", NODE_THRESHOLDS), ("need", (0.5, 0.25))):
             for theta in thetas:
-                split = bal._split(units, cp, theta, style, seen)
+                split = split_heavy(units, cp, theta, style, seen)
                 if split is not None:
                     jobs.append((units, *split))
     assert len({len(whole) for *_, whole in jobs}) > 1  # packings of different lengths step together
-    packed = bal._pack_lockstep(jobs, cp)
+    packed = pack_lockstep(jobs, cp)
     for (units, ranks, whole), flats in zip(jobs, packed):
-        for flat, owned in zip(flats, bal._pack(units, ranks.copy(), whole)):
+        for flat, owned in zip(flats, pack(units, ranks.copy(), whole)):
             got = [[] for _ in range(cp)]
             for r, a, b in zip(*(x.tolist() for x in flat)):
                 got[r].append((a, b))

@@ -4,12 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.blockdiag_cp import balanced
+from megatron_ext.blockdiag_cp.layouts import balanced
+from megatron_ext.blockdiag_cp.layouts.balanced import nodes
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import layout_traffic
 from megatron_ext.blockdiag_cp.intervals import document_runs, work_and_intervals
 from megatron_ext.blockdiag_cp.layout import build_layout
-from megatron_ext.blockdiag_cp.swaps import RangeSwaps, RangeWork
+from megatron_ext.blockdiag_cp.layouts.balanced.swaps import RangeSwaps, RangeWork
 
 
 def _doc_ids(lengths, pad=0):
@@ -83,7 +84,7 @@ def test_swaps_keep_every_node_and_lower_the_modeled_time(seed, monkeypatch):
     cp, cm = 16, CostModel.two_level(8)
     swapped = build_layout("balanced", ids, cp, cm)
     label = balanced.LAST_CHOICE[0]
-    monkeypatch.setattr(balanced, "NODE_SWAP_ROUNDS", 0)
+    monkeypatch.setattr(nodes, "NODE_SWAP_ROUNDS", 0)
     plain = build_layout("balanced", ids, cp, cm)
     assert label.endswith(" + swaps"), label  # these mixes are ones the swaps help
     assert balanced.LAST_CHOICE[0] == label[:-len(" + swaps")]  # the same search, not swapped

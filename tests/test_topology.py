@@ -202,9 +202,10 @@ def _brute_price(ids_row, positions, cm):
 
 @pytest.mark.parametrize("cp,g", [(4, 2), (8, 2), (8, 4)])
 def test_node_exchange_ib_loads_equal_the_hierarchical_brute_force(cp, g):
-    """What the per-node searches price on IB (``balanced._NodeExchange``): each rank's fetch window
+    """What the per-node searches price on IB (``traffic.NodeExchange``): each rank's fetch window
     and the rows it sends to other nodes, against the position-by-position hierarchical count."""
-    from megatron_ext.blockdiag_cp.balanced import _NodeExchange, _UnitTable, _flatten
+    from megatron_ext.blockdiag_cp.layouts.balanced.traffic import NodeExchange, flatten
+    from megatron_ext.blockdiag_cp.layouts.balanced.units import UnitTable
 
     S, chunk = 48, 3
     gen = torch.Generator().manual_seed(cp * 10 + g)
@@ -216,9 +217,9 @@ def test_node_exchange_ib_loads_equal_the_hierarchical_brute_force(cp, g):
         owned = [[(c * chunk, (c + 1) * chunk) for c in sorted(mine)] for mine in chunks]
         want = _brute_traffic(row, positions, g, hierarchical=True)
         nodes = [[r for rank in owned[n * g:(n + 1) * g] for r in rank] for n in range(cp // g)]
-        exchange = _NodeExchange(_UnitTable([document_runs(x[0])], S), nodes, g, q_inter=1.0)
+        exchange = NodeExchange(UnitTable([document_runs(x[0])], S), nodes, g, q_inter=1.0)
         assert exchange.fetch.reshape(-1).tolist() == want["inter_in"], trial
-        _, group, a, b = _flatten([owned], cp)
+        _, group, a, b = flatten([owned], cp)
         sent = exchange.sent_below(b.numpy()) - exchange.sent_below(a.numpy())
         got_out = torch.zeros(cp, dtype=torch.long).index_add_(0, group, torch.from_numpy(sent)).tolist()
         assert got_out == want["inter_out"], (trial, got_out, want["inter_out"])
@@ -238,7 +239,7 @@ def test_node_aware_balanced_equals_a_brute_force_optimum_on_tiny_cases(S, chunk
     S / 2 tokens (each within a node's share): balanced's modeled time (counted position by position)
     is the least of every layout in ``chunk``-token chunks (2520 layouts: exhaustive at S = 8, where
     chunks are tokens; at S = 32 and 64 balanced cuts at any token, so it can also beat them, and
-    does in most cases). Before the swaps between nodes (``balanced._swapped_node_layouts``), 8 of the
+    does in most cases). Before the swaps between nodes (``layouts/balanced/nodes.py``), 8 of the
     first 120 cases at S = 32 came out above the optimum, up to 1.158x ([11, 9, 6, 6])."""
     cm = CostModel(**TINY_COST)
     layouts = list(_chunk_layouts(S, 4, chunk))
@@ -421,16 +422,18 @@ def test_a_cp4_build_on_two_nodes_uses_the_two_level_model_and_trains_like_the_r
 def test_a_node_search_counts_keys_from_other_nodes_and_sends_inside_the_node():
     """The per-node search's scorer: a rank receives every key of its documents it does not own
     (another node's too), and sends only to the search's own ranks."""
-    import megatron_ext.blockdiag_cp.balanced as bal
+    from megatron_ext.blockdiag_cp.layouts.balanced.packing import split_and_pack
+    from megatron_ext.blockdiag_cp.layouts.balanced.traffic import candidate_traffic, flatten
+    from megatron_ext.blockdiag_cp.layouts.balanced.units import Units, UnitTable
 
     S, cp = 256, 2
     ids = _ids(S, 4, top=90)
-    table = bal._UnitTable([document_runs(ids[0])], S)
+    table = UnitTable([document_runs(ids[0])], S)
     spans = [(0, 40), (96, 160), (200, 224)]  # one node's share (128 tokens) of a larger group
-    units = bal._Units(table, spans, cp)
-    owned = [o for theta in (1.0, 0.25) for o in bal._split_and_pack(units, cp, theta, "zigzag")]
-    n, group, a, b = bal._flatten(owned, cp)
-    work, need, sent = bal._candidate_traffic(units, cp, n, group, a, b)
+    units = Units(table, spans, cp)
+    owned = [o for theta in (1.0, 0.25) for o in split_and_pack(units, cp, theta, "zigzag")]
+    n, group, a, b = flatten(owned, cp)
+    work, need, sent = candidate_traffic(units, cp, n, group, a, b)
     row = ids[0].tolist()
     start = [0] * S
     for p in range(1, S):

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import megatron_ext.blockdiag_cp as bdcp
-from megatron_ext.blockdiag_cp import balanced
 from megatron_ext.blockdiag_cp.cost import CostModel, WindowMix, resolve_windows
 from megatron_ext.blockdiag_cp.intervals import document_runs, pair_work
 from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts.balanced.traffic import candidate_traffic, flatten
+from megatron_ext.blockdiag_cp.layouts.balanced.units import UnitTable
 from megatron_ext.blockdiag_cp.prepare import layout_cost
 from megatron_ext.testing import pool_fixture
 
@@ -74,10 +75,10 @@ def test_windowed_work_and_keys_of_every_candidate_equal_a_brute_force(seed):
         rows = [document_runs(ids[0])]
         layouts = [build_layout(name, ids, cp, windows=w) for name in ("contiguous", "zigzag", "balanced")
                    for w in (None, 3)]
-        flat = balanced._flatten(_owned(layouts, cp), cp)
-        table = balanced._UnitTable(rows, P)
+        flat = flatten(_owned(layouts, cp), cp)
+        table = UnitTable(rows, P)
         for window in (None, 0, 1, 4, 11, 200):
-            work, inn, out = balanced._candidate_traffic(table, cp, *flat, window=window)
+            work, inn, out = candidate_traffic(table, cp, *flat, window=window)
             for c, lay in enumerate(layouts):
                 want_work, want_in, want_out, want_pairs = _brute_force(ids[0].tolist(), lay.owner().tolist(),
                                                                          cp, window)

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from .balanced import BALANCE_GOAL, RunSpec, balanced_runs
+from .layouts.balanced import BALANCE_GOAL, RunSpec, balanced_runs
 from .cost import CostModel, WindowMix, resolve_cost_model, resolve_windows
 from .intervals import DocRuns, RankRuns, document_runs
 from .state import normalize_layout

@@ -22,7 +22,7 @@ from .hierarchy import HierarchicalRoute, build_hierarchical_route, layout_traff
 from .intervals import document_runs, overlap_counts, pair_work, work_and_intervals
 from .layout import Layout, build_layout, padded_length
 from .plan import CHUNK_KINDS, StepPlan, plan_with_tables
-from . import balanced
+from .layouts import balanced
 from . import state as knobs
 from .state import normalize_kv_exchange, normalize_layout
 

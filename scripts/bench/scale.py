@@ -137,7 +137,8 @@ def _save_and_fits(ids, cp, layout, cost, mix, S) -> Dict:
 
 
 def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
-    from megatron_ext.blockdiag_cp import balanced, plan_summary
+    from megatron_ext.blockdiag_cp import plan_summary
+    from megatron_ext.blockdiag_cp.layouts import balanced
     from scale_mixes import SCALE_MIXES, scale_doc_ids
 
     threads = torch.get_num_threads()
@@ -241,7 +242,8 @@ def run_worst_case(n_mixes: int = 24, speed_points=SPEED_POINTS, model_points=TW
                    log=print) -> List[Dict]:
     """The worst-case table (see the module docstring): suite "scale_worst" rows, kind
     "speed" (plan CPU ms per layout) or "modeled" (modeled / ideal per layout and topology)."""
-    from megatron_ext.blockdiag_cp import balanced, plan_summary
+    from megatron_ext.blockdiag_cp import plan_summary
+    from megatron_ext.blockdiag_cp.layouts import balanced
     from megatron_ext.testing.mixes import mix_name, worst_case_doc_ids, worst_case_doc_lengths, \
         worst_case_mix_params
 
@@ -298,7 +300,8 @@ def run_latency(points=TWO_LEVEL_POINTS, latencies=LATENCIES, mixes=None, log=pr
     """Suite "scale_latency": balanced's modeled / ideal at the two-level points with a per-message
     latency added to every transfer (``CostModel.two_level(latency=, latency_inter=)``); the layout is
     searched under each priced model, so the figure is what the planner achieves, not a re-pricing."""
-    from megatron_ext.blockdiag_cp import balanced, plan_summary
+    from megatron_ext.blockdiag_cp import plan_summary
+    from megatron_ext.blockdiag_cp.layouts import balanced
     from megatron_ext.blockdiag_cp.cost import CostModel
     from scale_mixes import SCALE_MIXES, scale_doc_ids
 

@@ -21,17 +21,16 @@ ends when none helps or the caller's rounds run out; A is always the busiest
 rank of the whole group, so the rank that sets the step's time is the one
 worked on.
 
-The balanced layout runs it on the two-level search's result, every node scored
-by the search's own count (work + keys; ``balanced._swapped_nodes``), and over
-the nodes of its best node layouts, each node one rank of the node-level count
-(``balanced._swapped_node_layouts``).
+The balanced search runs it (``nodes``) on the two-level search's result, every
+node scored by the search's own count (work + keys), and over the nodes of its
+best node layouts, each node one rank of the node-level count.
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .intervals import _expand_np
+from ...intervals import _expand_np
 
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
 TOLERANCE = 1e-12  # relative: a swap must lower a score by more than rounding
@@ -45,7 +44,7 @@ class RangeWork:
     """Causal work of any range of positions, from document runs (one row, full attention).
 
     ``starts``, ``alpha``, ``beta``: per run on which no row changes document; positions p of a run
-    weigh alpha * p + beta (``balanced._UnitTable``), so a run's prefix has a closed form.
+    weigh alpha * p + beta (``units.UnitTable``), so a run's prefix has a closed form.
     """
 
     def __init__(self, starts: np.ndarray, alpha: np.ndarray, beta: np.ndarray, P: int):

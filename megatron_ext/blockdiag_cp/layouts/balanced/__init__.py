@@ -1,0 +1,17 @@
+"""The cost-aware balanced layout's search, one job per file.
+
+- ``search``: the entry (``balanced_runs``) and the exact pricing that picks;
+- ``candidates``: one search's candidates over a set of spans, and the choice rules;
+- ``units``: what the candidates place (units of document runs) and their work;
+- ``packing``: split-and-pack (heavy units split over a few ranks, the rest packed whole);
+- ``traffic``: scoring (work, K/V received and sent, a node's IB time under the hierarchical exchange);
+- ``nodes``: two levels (the node-level and per-node searches, range swaps inside and between nodes);
+- ``swaps``: equal-length range swaps, the local search that unloads the busiest rank;
+- ``tuning``: the constants that steer the search.
+"""
+
+from .search import LAST_CHOICE, balanced_runs, take_chosen_tables
+from .tuning import BALANCE_GOAL, SPLIT_THRESHOLDS
+from .units import RunSpec
+
+__all__ = ["balanced_runs", "take_chosen_tables", "LAST_CHOICE", "BALANCE_GOAL", "SPLIT_THRESHOLDS", "RunSpec"]

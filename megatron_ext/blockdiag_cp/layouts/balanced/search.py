@@ -1,0 +1,137 @@
+"""The balanced search's entry: equal tokens per rank, the least modeled time it finds.
+
+``balanced_runs(ids, cp, cost_model)`` lays the padded sequence out in three steps:
+
+1. Candidates, scored on document runs alone (``candidates``): contiguous and
+   zigzag themselves, and split-and-pack layouts (``packing``: documents heavier
+   than a threshold of a rank's work share split over a few ranks, the rest
+   packed whole and cut at multiples of the local length), each scored by its
+   busiest rank's work plus ``q`` times the larger of the K/V positions it
+   receives and sends (``traffic``).
+2. Two levels (a cost model whose group spans nodes, ``nodes``): the same search
+   over nodes first, then inside every node over its ranks, plus equal-length
+   range swaps inside and between nodes (``swaps``).
+3. The finalists and the flat contiguous and zigzag layouts priced exactly with
+   the full model (``hierarchy.needed_traffic``), which picks; one level without
+   per-message latency takes the search's own choice (``candidates.choose``).
+
+The constants that steer it are in ``tuning``; the design and its reasons are in
+docs/design/balanced_search.md.
+"""
+
+import math
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ...cost import CostModel, WindowMix
+from ...intervals import DocRuns, RankRuns, document_runs, overlap_counts, work_and_intervals
+from .candidates import choose, find_candidates
+from .nodes import node_finalists
+from .traffic import candidate_traffic, flatten, runs_of
+from .tuning import NODE_FINALISTS, TIE
+from .units import Owned, RunSpec, Spans, UnitTable
+
+LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
+# What the exact pricing computed for the candidate it chose, which the plan of that layout computes
+# again (full attention only): (runs, work, (dst, a, b), counts, two-level routes or None, ranks per node).
+# ``prepare.prepare_plan`` takes it right after its layout, on the same thread (``take_chosen_tables``):
+# per thread, so a plan built ahead on a planning thread and one built in the step never trade tables.
+_CHOSEN = threading.local()
+
+
+def take_chosen_tables() -> Optional[tuple]:
+    """What this thread's last exact pricing kept for its choice, once (None if nothing is kept)."""
+    chosen = getattr(_CHOSEN, "tables", None)
+    _CHOSEN.tables = None
+    return chosen
+
+
+def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None,
+                  doc_runs: Optional[Sequence[DocRuns]] = None) -> RunSpec:
+    """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring).
+
+    ``windows``: the model's sliding windows (``cost.WindowMix``; None: full attention): every
+    candidate is priced as the layers' mix of windowed work and windowed needed keys.
+    ``doc_runs``: ``intervals.document_runs`` of every row, when the caller has them.
+    """
+    cost_model.check_group(cp)
+    R, P = ids.shape
+    table = UnitTable([document_runs(row) for row in ids] if doc_runs is None else list(doc_runs), P, windows)
+    whole: Spans = [(0, P)]
+    exact_needed = R > 1 or cost_model.seconds_per_message > 0
+    if not cost_model.spans_nodes(cp) or R > 1:
+        # One level (or several rows of ids: one search, priced exactly at the end).
+        found = find_candidates(table, whole, cp, cost_model.positions_per_pair)
+        if not exact_needed and not cost_model.spans_nodes(cp):
+            best = found.choose()
+            LAST_CHOICE[:] = [found.labels[best]]
+            return found.runs(best)
+        finalists = [(found.labels[c], found.owned(c)) for c in found.order()[:NODE_FINALISTS + 2]]
+    else:
+        finalists = node_finalists(table, cp, cost_model)
+    L = P // cp
+    peers: List[Tuple[str, Owned]] = [("contiguous", [[(r * L, (r + 1) * L)] for r in range(cp)])]
+    if P % (2 * cp) == 0:
+        half = L // 2
+        peers.append(("zigzag", [[(r * half, (r + 1) * half), ((2 * cp - 1 - r) * half, (2 * cp - r) * half)]
+                                 for r in range(cp)]))
+    return _choose_exact(table, cp, cost_model, peers + finalists, n_peers=len(peers),
+                         prefer_balance=not cost_model.spans_nodes(cp))
+
+
+def _choose_exact(table: UnitTable, cp: int, cost_model: CostModel, candidates: Sequence[Tuple[str, Owned]],
+                  n_peers: int, prefer_balance: bool = True) -> RunSpec:
+    """Price every candidate with the full model (``hierarchy.needed_traffic``) and pick by ``choose``
+    (``prefer_balance``) or the least modeled time (near-ties: the best balance)."""
+    from ...hierarchy import needed_traffic
+
+    P = table.P
+    n_cand, group, a, b = flatten([owned for _, owned in candidates], cp)
+    modeled, imbalance = [math.inf] * n_cand, [math.inf] * n_cand
+    tables = {}  # candidate -> what take_chosen_tables hands the plan (full attention only)
+
+    def price(c: int) -> None:
+        runs = RankRuns.build(cp, P, *runs_of(c, cp, group, a, b))
+        total, mixed = 0.0, torch.zeros(cp, dtype=torch.float64)
+        for window, share in table.windows.shares:  # each share of layers with its own needed keys
+            work, dst, ia, ib = work_and_intervals(runs, table.rows, window)
+            counts = overlap_counts(runs, dst, ia, ib)
+            traffic, routes = needed_traffic(runs, (dst, ia, ib), counts, cost_model)  # routes: for the plan
+            total += share * cost_model.modeled_seconds(work, traffic)
+            mixed += share * work.double()
+            if window is None and share == 1.0:
+                tables[c] = (runs, work, (dst, ia, ib), counts, routes, cost_model.ranks_per_node)
+        modeled[c] = total
+        imbalance[c] = float(mixed.max()) / max(float(mixed.mean()), 1e-9)
+
+    if prefer_balance or len(table.rows) > 1:
+        for c in range(n_cand):
+            price(c)
+    else:
+        # The finalists first; a peer is priced only if a lower bound of its time (its work plus every
+        # key it needs at the intra-node price: each arrives over NVLink or the dearer IB) comes near.
+        for c in range(n_peers, n_cand):
+            price(c)
+        best = min(modeled[n_peers:])
+        k = int(torch.searchsorted(group, torch.tensor(n_peers * cp)))  # the peers lead the flat ranges
+        peer_flat = (n_peers, group[:k], a[:k], b[:k])
+        bound = torch.zeros(n_peers, dtype=torch.float64)
+        for window, share in table.windows.shares:
+            work, need, _ = candidate_traffic(table, cp, *peer_flat, window=window)
+            bound += share * (work.double() * cost_model.seconds_per_pair
+                              + need.double() * cost_model.seconds_per_position).max(1).values
+        for c in range(n_peers):
+            if float(bound[c]) <= best * (1 + TIE):
+                price(c)
+    modeled_t, imbalance_t = np.array(modeled, dtype=np.float64), np.array(imbalance, dtype=np.float64)
+    if prefer_balance:
+        best = choose(modeled_t, imbalance_t, n_peers)
+    else:  # near-ties broken by balance, never worse than a peer
+        near = (modeled_t <= modeled_t.min() * (1 + TIE)) & (modeled_t <= modeled_t[:n_peers].min())
+        best = int(np.argmin(np.where(near, imbalance_t, math.inf)))
+    LAST_CHOICE[:] = [candidates[best][0]]
+    _CHOSEN.tables = tables.get(best)
+    return runs_of(best, cp, group, a, b)
