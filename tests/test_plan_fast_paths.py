@@ -7,6 +7,7 @@ import torch
 
 from megatron_ext.blockdiag_cp import chunks, intervals, prepare_plan
 from megatron_ext.blockdiag_cp.layouts import balanced
+from megatron_ext.blockdiag_cp.layouts.balanced.tuning import DEFAULT_TUNING
 from megatron_ext.blockdiag_cp.layouts.balanced.units import Units, UnitTable
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route
@@ -130,7 +131,7 @@ def test_heavy_units_are_what_light_rejects():
     for cp in (4, 8):
         units = Units(table, [(0, ids.numel())], cp)
         L, target = units.tokens // cp, units.total / cp
-        for theta in balanced.SPLIT_THRESHOLDS + (0.05, 0.0):
+        for theta in DEFAULT_TUNING.split_thresholds + (0.05, 0.0):
             limit = theta * target
             assert units.heavy(limit, L) == [i for i in units.by_work if not units.light(i, limit, L)]
             # From every position of the splittable order: the next unit light rejects there.

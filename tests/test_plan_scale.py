@@ -277,7 +277,7 @@ def test_balanced_lockstep_packing_equals_one_packing_at_a_time(seed):
     """Steps 2-3 of many packings in lockstep (numpy) hold exactly the ranges, in the same order, that
     the one-at-a-time Python packing does, for span sets of different sizes at every threshold."""
     from megatron_ext.blockdiag_cp.layouts.balanced.packing import pack, pack_lockstep, split_heavy
-    from megatron_ext.blockdiag_cp.layouts.balanced.tuning import NODE_THRESHOLDS
+    from megatron_ext.blockdiag_cp.layouts.balanced.tuning import DEFAULT_TUNING
     from megatron_ext.blockdiag_cp.layouts.balanced.units import Units, UnitTable
 
     g = torch.Generator().manual_seed(seed)
@@ -289,7 +289,7 @@ def test_balanced_lockstep_packing_equals_one_packing_at_a_time(seed):
     for a, b in zip(cuts[:-1], cuts[1:]):
         units = Units(table, [(a, b)], cp)
         seen = set()
-        for style, thetas in (("zigzag", NODE_THRESHOLDS), ("need", (0.5, 0.25))):
+        for style, thetas in (("zigzag", DEFAULT_TUNING.node_thresholds), ("need", (0.5, 0.25))):
             for theta in thetas:
                 split = split_heavy(units, cp, theta, style, seen)
                 if split is not None:

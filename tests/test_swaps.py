@@ -1,14 +1,16 @@
 """Equal-length range swaps (swaps.py) and their use inside the nodes of a two-level balanced layout."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from megatron_ext.blockdiag_cp.layouts import balanced
-from megatron_ext.blockdiag_cp.layouts.balanced import nodes
+from megatron_ext.blockdiag_cp.layouts.balanced import DEFAULT_TUNING, balanced_runs
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import layout_traffic
-from megatron_ext.blockdiag_cp.intervals import document_runs, work_and_intervals
+from megatron_ext.blockdiag_cp.intervals import RankRuns, document_runs, work_and_intervals
 from megatron_ext.blockdiag_cp.layout import build_layout
 from megatron_ext.blockdiag_cp.layouts.balanced.swaps import RangeSwaps, RangeWork
 
@@ -74,7 +76,7 @@ def _modeled(ids, cp, cm, runs):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_swaps_keep_every_node_and_lower_the_modeled_time(seed, monkeypatch):
+def test_swaps_keep_every_node_and_lower_the_modeled_time(seed):
     """cp 16 = 2 nodes x 8 at 16k tokens (lognormal, median 512): the swapped layout owns the same
     positions per node as the search's (a swap never crosses a node), equal tokens per rank, and is
     chosen only when the full model prices it below every other candidate."""
@@ -84,15 +86,15 @@ def test_swaps_keep_every_node_and_lower_the_modeled_time(seed, monkeypatch):
     cp, cm = 16, CostModel.two_level(8)
     swapped = build_layout("balanced", ids, cp, cm)
     label = balanced.LAST_CHOICE[0]
-    monkeypatch.setattr(nodes, "NODE_SWAP_ROUNDS", 0)
-    plain = build_layout("balanced", ids, cp, cm)
+    no_swaps = replace(DEFAULT_TUNING, node_swap_rounds=0)
+    plain = RankRuns.build(cp, ids.shape[1], *balanced_runs(ids, cp, cm, tuning=no_swaps))
     assert label.endswith(" + swaps"), label  # these mixes are ones the swaps help
     assert balanced.LAST_CHOICE[0] == label[:-len(" + swaps")]  # the same search, not swapped
-    assert swapped.positions.shape == plain.positions.shape == (cp, 16384 // cp)
+    assert swapped.positions.shape == plain.positions().shape == (cp, 16384 // cp)
     for node in range(2):
         rows = slice(8 * node, 8 * node + 8)
-        assert sorted(swapped.positions[rows].flatten().tolist()) == sorted(plain.positions[rows].flatten().tolist())
-    assert _modeled(ids, cp, cm, swapped.runs) < _modeled(ids, cp, cm, plain.runs)
+        assert sorted(swapped.positions[rows].flatten().tolist()) == sorted(plain.positions()[rows].flatten().tolist())
+    assert _modeled(ids, cp, cm, swapped.runs) < _modeled(ids, cp, cm, plain)
 
 
 def _two_node_score(ids, q_inter):

@@ -7,11 +7,16 @@
 - ``traffic``: scoring (work, K/V received and sent, a node's IB time under the hierarchical exchange);
 - ``nodes``: two levels (the node-level and per-node searches, range swaps inside and between nodes);
 - ``swaps``: equal-length range swaps, the local search that unloads the busiest rank;
-- ``tuning``: the constants that steer the search.
+- ``tuning``: the constants that steer the search (``BalancedTuning``, ``DEFAULT_TUNING``).
 """
 
 from .search import LAST_CHOICE, balanced_runs, take_chosen_tables
-from .tuning import BALANCE_GOAL, SPLIT_THRESHOLDS
+from .tuning import DEFAULT_TUNING, BalancedTuning
 from .units import RunSpec
 
-__all__ = ["balanced_runs", "take_chosen_tables", "LAST_CHOICE", "BALANCE_GOAL", "SPLIT_THRESHOLDS", "RunSpec"]
+# The default tuning's, by their old names (``layout`` re-exports BALANCE_GOAL).
+BALANCE_GOAL = DEFAULT_TUNING.balance_goal
+SPLIT_THRESHOLDS = DEFAULT_TUNING.split_thresholds
+
+__all__ = ["balanced_runs", "take_chosen_tables", "LAST_CHOICE", "BalancedTuning", "DEFAULT_TUNING",
+           "BALANCE_GOAL", "SPLIT_THRESHOLDS", "RunSpec"]

@@ -9,7 +9,7 @@ import torch
 
 from .packing import pack, pack_lockstep, split_heavy
 from .traffic import NodeExchange, score_many
-from .tuning import BALANCE_GOAL, BALANCE_PRICE, LOCKSTEP_WIDTH, NEED_THRESHOLDS, SPLIT_THRESHOLDS, TIE
+from .tuning import BalancedTuning
 from .units import Owned, RunSpec, Spans, Units, UnitTable
 
 
@@ -17,16 +17,16 @@ class Candidates:
     """A search's candidates, flattened (``flatten_np``), with their modeled cost and work balance
     (numpy: a handful of small reductions, where torch's dispatch per op cost more)."""
 
-    def __init__(self, labels, n_cand, group, a, b, cp, modeled, imbalance, n_peers):
+    def __init__(self, labels, n_cand, group, a, b, cp, modeled, imbalance, n_peers, tuning: BalancedTuning):
         self.labels, self.n_cand, self.group, self.a, self.b, self.cp = labels, n_cand, group, a, b, cp
-        self.modeled, self.imbalance, self.n_peers = modeled, imbalance, n_peers
+        self.modeled, self.imbalance, self.n_peers, self.tuning = modeled, imbalance, n_peers, tuning
 
     def choose(self) -> int:
-        return choose(self.modeled, self.imbalance, self.n_peers)
+        return choose(self.modeled, self.imbalance, self.n_peers, self.tuning)
 
     def cheapest(self) -> int:
-        """The least modeled cost, near-ties (TIE) broken by work balance."""
-        near = self.modeled <= self.modeled.min() * (1 + TIE)
+        """The least modeled cost, near-ties (``tuning.tie``) broken by work balance."""
+        near = self.modeled <= self.modeled.min() * (1 + self.tuning.tie)
         return int(np.argmin(np.where(near, self.imbalance, math.inf)))
 
     def order(self) -> List[int]:
@@ -50,36 +50,38 @@ class Candidates:
         return out
 
 
-def choose(modeled: np.ndarray, imbalance: np.ndarray, n_peers: int) -> int:
-    """The least modeled time among candidates within BALANCE_GOAL whose modeled time is at most
-    BALANCE_PRICE above the best and no worse than the peers (the first ``n_peers``: contiguous and
+def choose(modeled: np.ndarray, imbalance: np.ndarray, n_peers: int, tuning: BalancedTuning) -> int:
+    """The least modeled time among candidates within ``tuning.balance_goal`` whose modeled time is at
+    most ``tuning.balance_price`` above the best and no worse than the peers (the first ``n_peers``: contiguous and
     zigzag); if none, the least modeled time (near-ties no worse than the peers: the best balance)."""
     peers = float(modeled[:n_peers].min())
-    limit = min(float(modeled.min()) * (1 + BALANCE_PRICE), peers)
-    goal = (imbalance <= BALANCE_GOAL + 1e-12) & (modeled <= limit)
+    limit = min(float(modeled.min()) * (1 + tuning.balance_price), peers)
+    goal = (imbalance <= tuning.balance_goal + 1e-12) & (modeled <= limit)
     if goal.any():
         return int(np.argmin(np.where(goal, modeled, math.inf)))
     # Near-ties, but never worse than a peer: a better balance does not buy modeled time.
-    near = (modeled <= modeled.min() * (1 + TIE)) & (modeled <= peers)
+    near = (modeled <= modeled.min() * (1 + tuning.tie)) & (modeled <= peers)
     return int(np.argmin(np.where(near, imbalance, math.inf)))
 
 
-def find_candidates(table: UnitTable, spans: Spans, cp: int, q: float, bundle: int = 0,
-            thresholds: Sequence[float] = SPLIT_THRESHOLDS) -> Candidates:
+def find_candidates(table: UnitTable, spans: Spans, cp: int, q: float, tuning: BalancedTuning, bundle: int = 0,
+                    thresholds: Optional[Sequence[float]] = None) -> Candidates:
     """Every candidate laying ``spans`` out over ``cp`` ranks, scored by work + q * max(in, out).
 
-    ``bundle``: the most tokens a bundle of tiny documents holds (default: BUNDLE_FRACTION of a rank's share).
+    ``bundle``: the most tokens a bundle of tiny documents holds (default: ``tuning.bundle_fraction``
+    of a rank's share); ``thresholds``: the zigzag splits' (default: ``tuning.split_thresholds``).
     """
-    return find_candidates_many(table, [spans], cp, q, bundle, thresholds)[0]
+    return find_candidates_many(table, [spans], cp, q, tuning, bundle, thresholds)[0]
 
 
-def find_candidates_many(table: UnitTable, many: Sequence[Spans], cp: int, q: float, bundle: int = 0,
-                 thresholds: Sequence[float] = SPLIT_THRESHOLDS,
-                 exchange: Optional[NodeExchange] = None) -> List[Candidates]:
-    """``find_candidates`` for several independent span sets (a group's nodes), each over its own ``cp`` ranks;
-    all candidates are scored together (one batched count instead of one per span set).
+def find_candidates_many(table: UnitTable, many: Sequence[Spans], cp: int, q: float, tuning: BalancedTuning,
+                         bundle: int = 0, thresholds: Optional[Sequence[float]] = None,
+                         exchange: Optional[NodeExchange] = None) -> List[Candidates]:
+    """``find_candidates`` for several independent span sets (a group's nodes), each over its own ``cp``
+    ranks; all candidates are scored together (one batched count instead of one per span set).
     ``exchange``: span set n is node n of that node layout, its ranks' IB time is scored too."""
-    units = [Units(table, spans, cp, bundle) for spans in many]
+    thresholds = tuning.split_thresholds if thresholds is None else thresholds
+    units = [Units(table, spans, cp, bundle, tuning.bundle_fraction) for spans in many]
     cands, n_peers = [], []
     jobs = []  # (search, label, units, ranks after step 1, units left whole) per packing
     for spans, u in zip(many, units):
@@ -99,20 +101,20 @@ def find_candidates_many(table: UnitTable, many: Sequence[Spans], cp: int, q: fl
         if u.heavy(min(thresholds) * target, L):
             seen = set()  # step-1 splits already packed
             splits = [(f"{style}@{theta}", split_heavy(u, cp, theta, style, seen))
-                      for style, ts in (("zigzag", thresholds), ("need", NEED_THRESHOLDS)) for theta in ts]
+                      for style, ts in (("zigzag", thresholds), ("need", tuning.need_thresholds)) for theta in ts]
             jobs += [(k, label, u, *split) for label, split in splits if split is not None]
         else:  # nothing worth splitting: one packing
             jobs.append((k, "pack", u, *split_heavy(u, cp, math.inf, "zigzag")))
         cands.append(c)
     # Steps 2-3 of every packing: in lockstep when there are many (a group's nodes at every threshold).
-    if sum(len(whole) for *_, whole in jobs) >= LOCKSTEP_WIDTH * max(len(whole) for *_, whole in jobs):
+    if sum(len(whole) for *_, whole in jobs) >= tuning.lockstep_width * max(len(whole) for *_, whole in jobs):
         packed = pack_lockstep([(u, ranks, whole) for _, _, u, ranks, whole in jobs], cp)
     else:
         packed = [pack(u, ranks, whole) for _, _, u, ranks, whole in jobs]
     for (k, label, *_), (stream, strict) in zip(jobs, packed):
         cands[k] += [(label, stream), (f"{label}/strict", strict)]
     costs = score_many(units[0], cp, q, cands, exchange)
-    return [Candidates([label for label, _ in c], *cost[2], cp, cost[0], cost[1], n)
+    return [Candidates([label for label, _ in c], *cost[2], cp, cost[0], cost[1], n, tuning)
             for c, cost, n in zip(cands, costs, n_peers)]
 
 

@@ -31,7 +31,7 @@ from ...intervals import DocRuns, RankRuns, document_runs, overlap_counts, work_
 from .candidates import choose, find_candidates
 from .nodes import node_finalists
 from .traffic import candidate_traffic, flatten, runs_of
-from .tuning import NODE_FINALISTS, TIE
+from .tuning import DEFAULT_TUNING, BalancedTuning
 from .units import Owned, RunSpec, Spans, UnitTable
 
 LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
@@ -50,12 +50,13 @@ def take_chosen_tables() -> Optional[tuple]:
 
 
 def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None,
-                  doc_runs: Optional[Sequence[DocRuns]] = None) -> RunSpec:
+                  doc_runs: Optional[Sequence[DocRuns]] = None, tuning: BalancedTuning = DEFAULT_TUNING) -> RunSpec:
     """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring).
 
     ``windows``: the model's sliding windows (``cost.WindowMix``; None: full attention): every
     candidate is priced as the layers' mix of windowed work and windowed needed keys.
     ``doc_runs``: ``intervals.document_runs`` of every row, when the caller has them.
+    ``tuning``: the constants that steer the search (``tuning.DEFAULT_TUNING``).
     """
     cost_model.check_group(cp)
     R, P = ids.shape
@@ -64,26 +65,26 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
     exact_needed = R > 1 or cost_model.seconds_per_message > 0
     if not cost_model.spans_nodes(cp) or R > 1:
         # One level (or several rows of ids: one search, priced exactly at the end).
-        found = find_candidates(table, whole, cp, cost_model.positions_per_pair)
+        found = find_candidates(table, whole, cp, cost_model.positions_per_pair, tuning)
         if not exact_needed and not cost_model.spans_nodes(cp):
             best = found.choose()
             LAST_CHOICE[:] = [found.labels[best]]
             return found.runs(best)
-        finalists = [(found.labels[c], found.owned(c)) for c in found.order()[:NODE_FINALISTS + 2]]
+        finalists = [(found.labels[c], found.owned(c)) for c in found.order()[:tuning.node_finalists + 2]]
     else:
-        finalists = node_finalists(table, cp, cost_model)
+        finalists = node_finalists(table, cp, cost_model, tuning)
     L = P // cp
     peers: List[Tuple[str, Owned]] = [("contiguous", [[(r * L, (r + 1) * L)] for r in range(cp)])]
     if P % (2 * cp) == 0:
         half = L // 2
         peers.append(("zigzag", [[(r * half, (r + 1) * half), ((2 * cp - 1 - r) * half, (2 * cp - r) * half)]
                                  for r in range(cp)]))
-    return _choose_exact(table, cp, cost_model, peers + finalists, n_peers=len(peers),
+    return _choose_exact(table, cp, cost_model, peers + finalists, tuning, n_peers=len(peers),
                          prefer_balance=not cost_model.spans_nodes(cp))
 
 
 def _choose_exact(table: UnitTable, cp: int, cost_model: CostModel, candidates: Sequence[Tuple[str, Owned]],
-                  n_peers: int, prefer_balance: bool = True) -> RunSpec:
+                  tuning: BalancedTuning, n_peers: int, prefer_balance: bool = True) -> RunSpec:
     """Price every candidate with the full model (``hierarchy.needed_traffic``) and pick by ``choose``
     (``prefer_balance``) or the least modeled time (near-ties: the best balance)."""
     from ...hierarchy import needed_traffic
@@ -124,13 +125,13 @@ def _choose_exact(table: UnitTable, cp: int, cost_model: CostModel, candidates: 
             bound += share * (work.double() * cost_model.seconds_per_pair
                               + need.double() * cost_model.seconds_per_position).max(1).values
         for c in range(n_peers):
-            if float(bound[c]) <= best * (1 + TIE):
+            if float(bound[c]) <= best * (1 + tuning.tie):
                 price(c)
     modeled_t, imbalance_t = np.array(modeled, dtype=np.float64), np.array(imbalance, dtype=np.float64)
     if prefer_balance:
-        best = choose(modeled_t, imbalance_t, n_peers)
+        best = choose(modeled_t, imbalance_t, n_peers, tuning)
     else:  # near-ties broken by balance, never worse than a peer
-        near = (modeled_t <= modeled_t.min() * (1 + TIE)) & (modeled_t <= modeled_t[:n_peers].min())
+        near = (modeled_t <= modeled_t.min() * (1 + tuning.tie)) & (modeled_t <= modeled_t[:n_peers].min())
         best = int(np.argmin(np.where(near, imbalance_t, math.inf)))
     LAST_CHOICE[:] = [candidates[best][0]]
     _CHOSEN.tables = tables.get(best)

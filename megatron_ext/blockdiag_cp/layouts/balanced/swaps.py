@@ -31,13 +31,13 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ...intervals import _expand_np
+from .tuning import DEFAULT_TUNING
 
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
 TOLERANCE = 1e-12  # relative: a swap must lower a score by more than rounding
 # (candidates, the two ranks each one changed, the scores before them) -> [n, cp] per-rank scores in
 # work units; (the start, None, None): score every rank. A scorer may score only what changed.
 Scorer = Callable[[Sequence[Owned], Optional[Sequence[Tuple[int, int]]], Optional[np.ndarray]], np.ndarray]
-PEERS = 16  # at most this many peers a round scores (the best swap with each), best estimates first
 
 
 class RangeWork:
@@ -78,14 +78,19 @@ def merged_spans(spans: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
 
 
 class RangeSwaps:
-    """One layout's search (see the module docstring); the scorer counts in ``range_work``'s units."""
+    """One layout's search (see the module docstring); the scorer counts in ``range_work``'s units.
+
+    ``peers``: at most this many peers of the busiest rank a round scores (the best swap with each),
+    best estimates first.
+    """
 
     def __init__(self, owned: Owned, score: Scorer, range_work: RangeWork, group: int = 0,
-                 halvings: bool = False, score_all: int = 0, max_pairs: int = 0):
+                 halvings: bool = False, score_all: int = 0, max_pairs: int = 0,
+                 peers: int = DEFAULT_TUNING.swap_peers):
         self.owned = [merged_spans(o) for o in owned]
         self.score, self.range_work = score, range_work
         self.group = group or len(self.owned)  # swaps stay inside groups of this many ranks (nodes)
-        self.halvings, self.score_all, self.max_pairs = halvings, score_all, max_pairs
+        self.halvings, self.score_all, self.max_pairs, self.peers = halvings, score_all, max_pairs, peers
         self.total = score([self.owned], None, None)[0]  # [cp]
         self.done = len(self.owned) < 2
         self.swaps = 0
@@ -142,8 +147,8 @@ class RangeSwaps:
             moved = self.range_work.of(y, y + n) - self.range_work.of(x, x + n)  # what A gains
             estimate = np.maximum(self.total[A] + moved, self.total[B] - moved)
             ranked = np.argsort(estimate, kind="stable")
-            # Each peer's best swap (its first place in ``ranked``), the PEERS best of those.
-            order = ranked[np.sort(np.unique(B[ranked], return_index=True)[1])[:PEERS]]
+            # Each peer's best swap (its first place in ``ranked``), the ``peers`` best of those.
+            order = ranked[np.sort(np.unique(B[ranked], return_index=True)[1])[:self.peers]]
             order = order[estimate[order] < self.total[A]]
         if order.size == 0:
             self.done = True

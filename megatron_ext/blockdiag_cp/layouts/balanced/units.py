@@ -8,7 +8,7 @@ import torch
 
 from ...cost import WindowMix
 from ...intervals import DocRuns, repeat_arange, window_pairs
-from .tuning import BUNDLE_FRACTION
+from .tuning import DEFAULT_TUNING
 
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
@@ -51,10 +51,11 @@ class UnitTable:
 class Units:
     """What the candidates of one search place: the units of ``spans`` (Python lists, global
     positions) with their work coefficients; runs of consecutive tiny documents are bundled into
-    one unit of at most BUNDLE_FRACTION of a rank's share (never split, so the search loops over
+    one unit of at most ``bundle_fraction`` of a rank's share (never split, so the search loops over
     fewer units)."""
 
-    def __init__(self, table: UnitTable, spans: Spans, cp: int, bundle: int = 0):
+    def __init__(self, table: UnitTable, spans: Spans, cp: int, bundle: int = 0,
+                 bundle_fraction: float = DEFAULT_TUNING.bundle_fraction):
         self.rows, self.P, self.spans, self.windows = table.rows, table.P, spans, table.windows
         self.tokens = sum(b - a for a, b in spans)
         # The table's units cut at the spans (``intervals.clip`` of a few spans), in numpy: a handful
@@ -80,7 +81,7 @@ class Units:
         work = torch.from_numpy(work)  # summed by torch, as the search always has
         self.total = float(work.sum())
         work = work.numpy()
-        cap = bundle or max(1, int(self.tokens // cp * BUNDLE_FRACTION))
+        cap = bundle or max(1, int(self.tokens // cp * bundle_fraction))
         # Bundles: a tiny piece joins the bundle before it if it follows a tiny piece that touches it
         # and the bundle stays within cap. Only the cap is sequential: looped over the joinable pieces.
         tiny = (alpha > 0) & (ends - starts <= cap) & ~read_later
