@@ -2,11 +2,13 @@
 instead of binary searches, the numpy chunk split, the heavy-unit shortcut of the balanced search,
 and the tables prepare_plan shares between the layout search, the plan and the route."""
 
+import threading
+
 import pytest
 import torch
 
 from megatron_ext.blockdiag_cp import chunks, intervals, prepare_plan
-from megatron_ext.blockdiag_cp.layouts import balanced
+from megatron_ext.blockdiag_cp.layouts.balanced import balanced_search, search
 from megatron_ext.blockdiag_cp.layouts.balanced.tuning import DEFAULT_TUNING
 from megatron_ext.blockdiag_cp.layouts.balanced.units import Units, UnitTable
 from megatron_ext.blockdiag_cp.cost import CostModel
@@ -151,8 +153,11 @@ def test_prepare_plan_shares_tables_without_changing_them():
     cost = CostModel.two_level(8)
     prep = prepare_plan(ids, cp, cp - 1, layout="balanced", cost_model=cost, kinds=("needed",),
                         kv_exchange="hierarchical", ranks_per_node=8)
-    assert balanced.take_chosen_tables() is None  # taken: nothing outlives the call
+    # The search returns its tables with its choice: nothing of the call stays in the search's module.
+    assert not [k for k, v in vars(search).items()
+                if not k.startswith("__") and isinstance(v, (list, dict, set, threading.local))]
     padded = torch.nn.functional.pad(ids.unsqueeze(0), (0, padded_length(S, "balanced", cp) - S))
+    assert prep.layout_choice == balanced_search(padded, cp, cost).label
     lay = build_layout("balanced", padded, cp, cost_model=cost)
     assert all(torch.equal(getattr(lay.runs, f), getattr(prep.layout.runs, f))
                for f in ("rank", "start", "length", "local"))
@@ -199,23 +204,28 @@ def test_halo_check_equals_the_sort_by_position(layout):
 
 
 def test_the_search_hands_its_tables_only_to_its_own_thread():
-    """A plan built ahead on a planning thread must never take the tables of a search on another."""
-    import threading
-
+    """A plan built ahead on a planning thread must never take the tables of a search on another:
+    searches running on two threads at once each return the tables of their own layout."""
     g = torch.Generator().manual_seed(1)
-    lengths = [int(x) for x in torch.randint(16, 900, (200,), generator=g)] + [6000]
-    S, cp = 2 ** 15, 16
-    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[:S]
-    padded = torch.nn.functional.pad(ids.unsqueeze(0), (0, padded_length(S, "balanced", cp) - S))
-    lay = build_layout("balanced", padded, cp, cost_model=CostModel.two_level(8))
+    S, cp, cost = 2 ** 15, 16, CostModel.two_level(8)
+
+    def padded_ids(lengths):
+        ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[:S]
+        return torch.nn.functional.pad(ids.unsqueeze(0), (0, padded_length(S, "balanced", cp) - ids.numel()))
+    padded = padded_ids([int(x) for x in torch.randint(16, 900, (200,), generator=g)] + [6000])
+    other_padded = padded_ids([int(x) for x in torch.randint(16, 300, (400,), generator=g)] + [9000])
     seen = []
-    other = threading.Thread(target=lambda: seen.append(balanced.take_chosen_tables()))
+    other = threading.Thread(target=lambda: seen.append(balanced_search(other_padded, cp, cost)))
     other.start()
+    kept = balanced_search(padded, cp, cost)
     other.join()
-    assert seen == [None]
-    kept = balanced.take_chosen_tables()
-    assert kept is not None and torch.equal(kept[0].start, lay.runs.start)
-    assert balanced.take_chosen_tables() is None  # taken once
+    lay = build_layout("balanced", padded, cp, cost_model=cost)
+    other_lay = build_layout("balanced", other_padded, cp, cost_model=cost)
+    assert not torch.equal(lay.runs.start, other_lay.runs.start[:lay.runs.start.numel()])  # two layouts
+    assert len(seen) == 1 and torch.equal(seen[0].tables.runs.start, other_lay.runs.start)
+    assert kept.tables is not None and torch.equal(kept.tables.runs.start, lay.runs.start)
+    # A later search on this thread gets its own tables, not those kept above.
+    assert torch.equal(balanced_search(other_padded, cp, cost).tables.runs.start, other_lay.runs.start)
 
 
 @pytest.mark.parametrize("seed", range(6))

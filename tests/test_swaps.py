@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.blockdiag_cp.layouts import balanced
-from megatron_ext.blockdiag_cp.layouts.balanced import DEFAULT_TUNING, balanced_runs
+from megatron_ext.blockdiag_cp.layouts.balanced import DEFAULT_TUNING, balanced_search
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import layout_traffic
 from megatron_ext.blockdiag_cp.intervals import RankRuns, document_runs, work_and_intervals
@@ -85,11 +84,13 @@ def test_swaps_keep_every_node_and_lower_the_modeled_time(seed):
     ids = _doc_ids(lengths.tolist())[:16384].unsqueeze(0)
     cp, cm = 16, CostModel.two_level(8)
     swapped = build_layout("balanced", ids, cp, cm)
-    label = balanced.LAST_CHOICE[0]
-    no_swaps = replace(DEFAULT_TUNING, node_swap_rounds=0)
-    plain = RankRuns.build(cp, ids.shape[1], *balanced_runs(ids, cp, cm, tuning=no_swaps))
+    choice = balanced_search(ids, cp, cm)
+    label = choice.label
+    assert torch.equal(RankRuns.build(cp, ids.shape[1], *choice.runs).start, swapped.runs.start)
+    unswapped = balanced_search(ids, cp, cm, tuning=replace(DEFAULT_TUNING, node_swap_rounds=0))
+    plain = RankRuns.build(cp, ids.shape[1], *unswapped.runs)
     assert label.endswith(" + swaps"), label  # these mixes are ones the swaps help
-    assert balanced.LAST_CHOICE[0] == label[:-len(" + swaps")]  # the same search, not swapped
+    assert unswapped.label == label[:-len(" + swaps")]  # the same search, not swapped
     assert swapped.positions.shape == plain.positions().shape == (cp, 16384 // cp)
     for node in range(2):
         rows = slice(8 * node, 8 * node + 8)

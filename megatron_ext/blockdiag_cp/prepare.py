@@ -13,16 +13,16 @@ modeled / ideal / lower-bound time, without and with overlap (``layout_cost``).
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from .cost import CostModel, WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .hierarchy import HierarchicalRoute, build_hierarchical_route, layout_traffic
-from .intervals import document_runs, overlap_counts, pair_work, work_and_intervals
+from .intervals import RankRuns, document_runs, overlap_counts, pair_work, work_and_intervals
 from .layout import Layout, build_layout, padded_length
 from .plan import CHUNK_KINDS, StepPlan, plan_with_tables
-from .layouts import balanced
+from .layouts.balanced import BalancedChoice, balanced_search
 from . import state as knobs
 from .state import normalize_kv_exchange, normalize_layout
 
@@ -48,6 +48,9 @@ class PreparedPlan:
     windows: WindowMix = WindowMix()
     window_plans: Optional[Dict[int, StepPlan]] = None
     window_routes: Optional[Dict[int, HierarchicalRoute]] = None  # the windowed layers' routes
+    # Which candidate the layout is: balanced's chosen label (``BalancedChoice.label``), else the
+    # layout's name.
+    layout_choice: str = ""
 
     def matches(self, doc_ids: torch.Tensor, cp: int, rank: int, layout_name: str,
                 cost_model: Optional[CostModel] = None, windows: Optional[WindowMix] = None) -> bool:
@@ -114,20 +117,20 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
     padded = torch.nn.functional.pad(ids, (0, padded_length(S, name, cp) - S))
     # The rows' document runs, once for the layout, every plan and every route.
     rows = [document_runs(padded[r]) for r in range(padded.shape[0])]
-    balanced.take_chosen_tables()  # nothing left by an earlier search on this thread
-    lay = build_layout(name, padded, cp, cost_model=cost, windows=mix, doc_runs=rows)
-    chosen = _chosen_tables(lay) if window is None else None
+    lay, choice = _lay_out(name, padded, cp, cost, mix, rows)
+    # What the search's exact pricing computed for this layout, which the plan and route reuse.
+    chosen = choice.tables if choice is not None and window is None else None
     t1 = time.perf_counter()
     tables = {}  # window -> (needed intervals, their overlap counts): the plan's, reused by its route
     plan, *tables[window] = plan_with_tables(padded, lay, rank, kinds, window, rows,
-                                             known=chosen[1:4] if chosen else None)
+                                             known=(chosen.work, chosen.intervals, chosen.counts) if chosen else None)
     window_plans = {}
     for w in mix.windows:
         if w != window:
             window_plans[w], *tables[w] = plan_with_tables(padded, lay, rank, kinds, w, rows)
     # As the build decides: routes only where the group is several whole nodes of several ranks.
     routed = hierarchical and 1 < g < cp and cp % g == 0
-    routes = chosen[4] if chosen and chosen[5] == g else None  # the search's routes of this layout
+    routes = chosen.routes if chosen and chosen.ranks_per_node == g else None  # the search's, of this layout
     route = build_hierarchical_route(lay, padded, rank, g, routes=routes, window=window,
                                      intervals=tables[window][0], counts=tables[window][1]) if routed else None
     window_routes = {w: build_hierarchical_route(lay, padded, rank, g, window=w, intervals=tables[w][0],
@@ -135,17 +138,21 @@ def prepare_plan(doc_ids, cp: int, rank: int, layout: Optional[str] = None,
         if routed else None
     t2 = time.perf_counter()
     return PreparedPlan(padded, S, cp, rank, lay, plan, cost, t1 - t0, t2 - t0, route, g, mix, window_plans,
-                        window_routes)
+                        window_routes, choice.label if choice is not None else lay.name)
 
 
-def _chosen_tables(lay: Layout) -> Optional[tuple]:
-    """What the balanced search priced for this call's layout (taken: it never serves another call)."""
-    chosen = balanced.take_chosen_tables()
-    if chosen is None or lay.name != "balanced":
-        return None
-    runs = chosen[0]
-    same = all(torch.equal(getattr(runs, f), getattr(lay.runs, f)) for f in ("rank", "start", "length", "local"))
-    return chosen if same and runs.cp == lay.cp and runs.padded_len == lay.padded_len else None
+def _lay_out(name: str, padded: torch.Tensor, cp: int, cost: CostModel, mix: WindowMix, rows
+             ) -> Tuple[Layout, Optional[BalancedChoice]]:
+    """``build_layout``, and for balanced the search's choice with it (its tables: the plan's to reuse).
+
+    Balanced's layout is built here from the search's result, as ``build_layout`` builds it from
+    ``balanced_runs``: ``layout.BalancedLayout`` hands back the runs alone.
+    """
+    if name != "balanced" or cp == 1:
+        return build_layout(name, padded, cp, cost_model=cost, windows=mix, doc_runs=rows), None
+    P = padded.shape[-1]  # padded_length's: a multiple of the layout's granularity
+    choice = balanced_search(padded, cp, cost, mix, rows)
+    return Layout(name=name, cp=cp, padded_len=P, runs=RankRuns.build(cp, P, *choice.runs)), choice
 
 
 def modeled_lower_bound(doc_ids: torch.Tensor, cp: int, local_len: int, cost_model: CostModel) -> float:
@@ -257,7 +264,7 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
     bound = (modeled_lower_bound(prep.doc_ids, cp, lay.local_len, cost)
              if prep.doc_ids.shape[0] == 1 and mix.full_only else ideal)
     return {
-        "layout": lay.name, "cp": cp, "rank": rank, "seq_len": prep.seq_len, "window": window,
+        "layout": lay.name, "layout_choice": prep.layout_choice, "cp": cp, "rank": rank, "seq_len": prep.seq_len, "window": window,
         "windows": mix.describe(),
         "padded_len": lay.padded_len, "local_len": lay.local_len,
         "positions": lay.positions,  # [cp, local_len] global padded positions per rank

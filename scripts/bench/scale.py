@@ -138,7 +138,6 @@ def _save_and_fits(ids, cp, layout, cost, mix, S) -> Dict:
 
 def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
     from megatron_ext.blockdiag_cp import plan_summary
-    from megatron_ext.blockdiag_cp.layouts import balanced
     from scale_mixes import SCALE_MIXES, scale_doc_ids
 
     threads = torch.get_num_threads()
@@ -159,10 +158,9 @@ def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
                         exchange = "hier" if link == "2lvl" else "a2a"
                         for layout in LAYOUTS:
                             summ = plan_summary(ids, cp, layout=layout, cost_model=cost)
-                            choice = balanced.LAST_CHOICE[0] if layout == "balanced" else layout
                             summ["plan_cpu_seconds"] = _plan_cpu_seconds(ids, cp, layout, cost, link == "2lvl")
                             rows.append(_row(mix, S, cp, layout, link, exchange, summ, cost))
-                            rows[-1]["candidate"] = choice
+                            rows[-1]["candidate"] = summ["layout_choice"]
                             if layout == "balanced" and link == "2lvl" and (S, cp) in TWO_LEVEL_POINTS:
                                 rows[-1].update(_save_and_fits(ids, cp, layout, cost, mix, S))
                             if layout == "zigzag":
@@ -243,7 +241,6 @@ def run_worst_case(n_mixes: int = 24, speed_points=SPEED_POINTS, model_points=TW
     """The worst-case table (see the module docstring): suite "scale_worst" rows, kind
     "speed" (plan CPU ms per layout) or "modeled" (modeled / ideal per layout and topology)."""
     from megatron_ext.blockdiag_cp import plan_summary
-    from megatron_ext.blockdiag_cp.layouts import balanced
     from megatron_ext.testing.mixes import mix_name, worst_case_doc_ids, worst_case_doc_lengths, \
         worst_case_mix_params
 
@@ -285,7 +282,7 @@ def run_worst_case(n_mixes: int = 24, speed_points=SPEED_POINTS, model_points=TW
                                      "modeled_over_ideal": summ["modeled_seconds"] / ideal,
                                      "overlap_over_ideal": summ["overlap_seconds"] / ideal,
                                      "exposed_share": summ["exposed_share"],
-                                     "candidate": balanced.LAST_CHOICE[0] if layout == "balanced" else layout})
+                                     "candidate": summ["layout_choice"]})
             log(f"  scale_worst modeled S={S} cp={cp}: {time.perf_counter() - t0:.1f}s")
     finally:
         torch.set_num_threads(threads)
@@ -301,7 +298,6 @@ def run_latency(points=TWO_LEVEL_POINTS, latencies=LATENCIES, mixes=None, log=pr
     latency added to every transfer (``CostModel.two_level(latency=, latency_inter=)``); the layout is
     searched under each priced model, so the figure is what the planner achieves, not a re-pricing."""
     from megatron_ext.blockdiag_cp import plan_summary
-    from megatron_ext.blockdiag_cp.layouts import balanced
     from megatron_ext.blockdiag_cp.cost import CostModel
     from scale_mixes import SCALE_MIXES, scale_doc_ids
 
@@ -322,7 +318,7 @@ def run_latency(points=TWO_LEVEL_POINTS, latencies=LATENCIES, mixes=None, log=pr
                                  "latency_us": 1e6 * lat, "latency_inter_us": 1e6 * lat_inter,
                                  "modeled_over_ideal": summ["modeled_seconds"] / ideal,
                                  "overlap_over_ideal": summ["overlap_seconds"] / ideal,
-                                 "candidate": balanced.LAST_CHOICE[0]})
+                                 "candidate": summ["layout_choice"]})
             log(f"  scale_latency S={S} cp={cp}: {time.perf_counter() - t0:.1f}s")
     finally:
         torch.set_num_threads(threads)

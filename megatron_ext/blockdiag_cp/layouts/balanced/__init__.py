@@ -1,6 +1,7 @@
 """The cost-aware balanced layout's search, one job per file.
 
-- ``search``: the entry (``balanced_runs``) and the exact pricing that picks;
+- ``search``: the entry (``balanced_search``, its result ``BalancedChoice``; ``balanced_runs``) and the
+  exact pricing that picks;
 - ``candidates``: one search's candidates over a set of spans, and the choice rules;
 - ``units``: what the candidates place (units of document runs) and their work;
 - ``packing``: split-and-pack (heavy units split over a few ranks, the rest packed whole);
@@ -10,7 +11,7 @@
 - ``tuning``: the constants that steer the search (``BalancedTuning``, ``DEFAULT_TUNING``).
 """
 
-from .search import LAST_CHOICE, balanced_runs, take_chosen_tables
+from .search import BalancedChoice, ChosenTables, balanced_runs, balanced_search
 from .tuning import DEFAULT_TUNING, BalancedTuning
 from .units import RunSpec
 
@@ -18,5 +19,5 @@ from .units import RunSpec
 BALANCE_GOAL = DEFAULT_TUNING.balance_goal
 SPLIT_THRESHOLDS = DEFAULT_TUNING.split_thresholds
 
-__all__ = ["balanced_runs", "take_chosen_tables", "LAST_CHOICE", "BalancedTuning", "DEFAULT_TUNING",
+__all__ = ["balanced_search", "balanced_runs", "BalancedChoice", "ChosenTables", "BalancedTuning", "DEFAULT_TUNING",
            "BALANCE_GOAL", "SPLIT_THRESHOLDS", "RunSpec"]

@@ -1,6 +1,8 @@
 """The balanced search's entry: equal tokens per rank, the least modeled time it finds.
 
-``balanced_runs(ids, cp, cost_model)`` lays the padded sequence out in three steps:
+``balanced_search(ids, cp, cost_model)`` lays the padded sequence out in three steps and returns
+its choice (``BalancedChoice``: the runs, the chosen candidate's label and what the exact pricing
+computed for it, which the plan reuses); ``balanced_runs`` is its runs alone.
 
 1. Candidates, scored on document runs alone (``candidates``): contiguous and
    zigzag themselves, and split-and-pack layouts (``packing``: documents heavier
@@ -20,8 +22,8 @@ docs/design/balanced_search.md.
 """
 
 import math
-import threading
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,24 +36,43 @@ from .traffic import candidate_traffic, flatten, runs_of
 from .tuning import DEFAULT_TUNING, BalancedTuning
 from .units import Owned, RunSpec, Spans, UnitTable
 
-LAST_CHOICE: List[str] = []  # the label of the last candidate chosen (benchmarks and tests read it)
-# What the exact pricing computed for the candidate it chose, which the plan of that layout computes
-# again (full attention only): (runs, work, (dst, a, b), counts, two-level routes or None, ranks per node).
-# ``prepare.prepare_plan`` takes it right after its layout, on the same thread (``take_chosen_tables``):
-# per thread, so a plan built ahead on a planning thread and one built in the step never trade tables.
-_CHOSEN = threading.local()
+if TYPE_CHECKING:  # imported at run time by the exact pricing only
+    from ...hierarchy import NodeRoutes
 
 
-def take_chosen_tables() -> Optional[tuple]:
-    """What this thread's last exact pricing kept for its choice, once (None if nothing is kept)."""
-    chosen = getattr(_CHOSEN, "tables", None)
-    _CHOSEN.tables = None
-    return chosen
+class ChosenTables(NamedTuple):
+    """What the exact pricing computed for the layout it chose (full attention), which that layout's
+    plan and two-level routes would compute again."""
+
+    runs: RankRuns
+    work: torch.Tensor  # [cp] query-key pairs per rank
+    intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (dst, a, b): the needed K/V ranges
+    counts: torch.Tensor  # [cp, cp] needed positions, source by destination (``intervals.overlap_counts``)
+    routes: Optional["NodeRoutes"]  # ``hierarchy.needed_traffic``'s (None: not a two-level hierarchical model)
+    ranks_per_node: int  # the cost model's, which the routes are for
+
+
+@dataclass(frozen=True)
+class BalancedChoice:
+    """The balanced search's result."""
+
+    runs: RunSpec  # (rank, start, length) of the ranges each rank owns
+    label: str  # the chosen candidate, e.g. "zigzag@0.5/strict" or "zigzag@1.0 > pack x2 + swaps"
+    # None where the search chose without the exact pricing (one level, one row, no per-message
+    # latency) or priced a mix with sliding windows: the plan counts its own tables then.
+    tables: Optional[ChosenTables] = None
 
 
 def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None,
                   doc_runs: Optional[Sequence[DocRuns]] = None, tuning: BalancedTuning = DEFAULT_TUNING) -> RunSpec:
-    """ids: [R, P] padded doc ids. The best candidate's runs (see the module docstring).
+    """ids: [R, P] padded doc ids. The chosen layout's runs (``balanced_search``)."""
+    return balanced_search(ids, cp, cost_model, windows, doc_runs, tuning).runs
+
+
+def balanced_search(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Optional[WindowMix] = None,
+                    doc_runs: Optional[Sequence[DocRuns]] = None,
+                    tuning: BalancedTuning = DEFAULT_TUNING) -> BalancedChoice:
+    """ids: [R, P] padded doc ids. The best candidate (see the module docstring).
 
     ``windows``: the model's sliding windows (``cost.WindowMix``; None: full attention): every
     candidate is priced as the layers' mix of windowed work and windowed needed keys.
@@ -68,8 +89,7 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
         found = find_candidates(table, whole, cp, cost_model.positions_per_pair, tuning)
         if not exact_needed and not cost_model.spans_nodes(cp):
             best = found.choose()
-            LAST_CHOICE[:] = [found.labels[best]]
-            return found.runs(best)
+            return BalancedChoice(found.runs(best), found.labels[best])
         finalists = [(found.labels[c], found.owned(c)) for c in found.order()[:tuning.node_finalists + 2]]
     else:
         finalists = node_finalists(table, cp, cost_model, tuning)
@@ -84,7 +104,7 @@ def balanced_runs(ids: torch.Tensor, cp: int, cost_model: CostModel, windows: Op
 
 
 def _choose_exact(table: UnitTable, cp: int, cost_model: CostModel, candidates: Sequence[Tuple[str, Owned]],
-                  tuning: BalancedTuning, n_peers: int, prefer_balance: bool = True) -> RunSpec:
+                  tuning: BalancedTuning, n_peers: int, prefer_balance: bool = True) -> BalancedChoice:
     """Price every candidate with the full model (``hierarchy.needed_traffic``) and pick by ``choose``
     (``prefer_balance``) or the least modeled time (near-ties: the best balance)."""
     from ...hierarchy import needed_traffic
@@ -92,7 +112,7 @@ def _choose_exact(table: UnitTable, cp: int, cost_model: CostModel, candidates: 
     P = table.P
     n_cand, group, a, b = flatten([owned for _, owned in candidates], cp)
     modeled, imbalance = [math.inf] * n_cand, [math.inf] * n_cand
-    tables = {}  # candidate -> what take_chosen_tables hands the plan (full attention only)
+    tables = {}  # candidate -> its ChosenTables (full attention only)
 
     def price(c: int) -> None:
         runs = RankRuns.build(cp, P, *runs_of(c, cp, group, a, b))
@@ -104,7 +124,7 @@ def _choose_exact(table: UnitTable, cp: int, cost_model: CostModel, candidates: 
             total += share * cost_model.modeled_seconds(work, traffic)
             mixed += share * work.double()
             if window is None and share == 1.0:
-                tables[c] = (runs, work, (dst, ia, ib), counts, routes, cost_model.ranks_per_node)
+                tables[c] = ChosenTables(runs, work, (dst, ia, ib), counts, routes, cost_model.ranks_per_node)
         modeled[c] = total
         imbalance[c] = float(mixed.max()) / max(float(mixed.mean()), 1e-9)
 
@@ -133,6 +153,4 @@ def _choose_exact(table: UnitTable, cp: int, cost_model: CostModel, candidates: 
     else:  # near-ties broken by balance, never worse than a peer
         near = (modeled_t <= modeled_t.min() * (1 + tuning.tie)) & (modeled_t <= modeled_t[:n_peers].min())
         best = int(np.argmin(np.where(near, imbalance_t, math.inf)))
-    LAST_CHOICE[:] = [candidates[best][0]]
-    _CHOSEN.tables = tables.get(best)
-    return runs_of(best, cp, group, a, b)
+    return BalancedChoice(runs_of(best, cp, group, a, b), candidates[best][0], tables.get(best))
