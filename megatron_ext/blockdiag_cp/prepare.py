@@ -264,7 +264,8 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
     bound = (modeled_lower_bound(prep.doc_ids, cp, lay.local_len, cost)
              if prep.doc_ids.shape[0] == 1 and mix.full_only else ideal)
     return {
-        "layout": lay.name, "layout_choice": prep.layout_choice, "cp": cp, "rank": rank, "seq_len": prep.seq_len, "window": window,
+        "layout": lay.name, "cp": cp, "rank": rank, "seq_len": prep.seq_len, "window": window,
+        "layout_choice": prep.layout_choice,  # balanced's chosen candidate, else the layout's name
         "windows": mix.describe(),
         "padded_len": lay.padded_len, "local_len": lay.local_len,
         "positions": lay.positions,  # [cp, local_len] global padded positions per rank

@@ -55,7 +55,7 @@ class _Ranks:
 
 
 def split_and_pack(units: Units, cp: int, theta: float, style: str,
-                    seen: Optional[set] = None) -> Optional[Tuple[Owned, Owned]]:
+                   seen: Optional[set] = None) -> Optional[Tuple[Owned, Owned]]:
     """Split heavy documents by ``style``, pack the rest whole, cut at multiples of L.
 
     1. A unit whose tokens exceed a rank's share, or whose work exceeds ``theta``
@@ -75,7 +75,7 @@ def split_and_pack(units: Units, cp: int, theta: float, style: str,
 
 
 def split_heavy(units: Units, cp: int, theta: float, style: str,
-           seen: Optional[set] = None) -> Optional[Tuple["_Ranks", List[int]]]:
+                seen: Optional[set] = None) -> Optional[Tuple["_Ranks", List[int]]]:
     """Step 1 of ``split_and_pack``: the ranks after it and the units left whole (by_work order);
     None when it split exactly as a call with the same ``seen`` set did."""
     L = units.tokens // cp

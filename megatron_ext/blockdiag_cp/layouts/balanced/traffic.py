@@ -12,7 +12,7 @@ from .units import Owned, RunSpec, Units, UnitTable, pieces_np
 
 
 def score_many(units: "Units", cp: int, q: float, cands: Sequence[Sequence[Tuple[str, Owned]]],
-                exchange: Optional["NodeExchange"] = None):
+               exchange: Optional["NodeExchange"] = None):
     """The scores of several searches' candidates in one batch; per search (modeled, imbalance, flat).
 
     A search's imbalance is its work max over its own mean (its spans' share)."""
@@ -100,7 +100,7 @@ def _mixed_scores(units, cp: int, flat, q: float, extra: Optional[np.ndarray] = 
 
 
 def candidate_traffic(units, cp: int, n_cand: int, group: torch.Tensor, a: torch.Tensor,
-                       b: torch.Tensor, window: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      b: torch.Tensor, window: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(work, received, sent) [n_candidates, cp] of every candidate at once (``units``: a ``Units``
     or the ``UnitTable``: only its rows of document runs and P are read); ``window``: of a layer
     with that sliding window (``_windowed_traffic``).
@@ -166,7 +166,7 @@ def _traffic_np(units, cp: int, n_cand: int, group: np.ndarray, a: np.ndarray, b
 
 
 def real_pieces_np(a: np.ndarray, b: np.ndarray, d_start: np.ndarray, d_end: np.ndarray, d_id: np.ndarray
-                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``intervals._real_pieces`` of ``clip(a, b, d_start, d_end)`` in numpy only (range index, document,
     pa, pb; in range order): the search's ranges are a few thousand, where converting to and from
     torch cost as much as the two binary searches."""
