@@ -32,6 +32,7 @@ sys.path[:0] = [os.path.dirname(_SCRIPTS), os.path.join(_SCRIPTS, "bench")]  # t
 from megatron_ext.blockdiag_cp import CostModel, WindowMix, prepare_plan  # noqa: E402
 from megatron_ext.testing.mixes import (make_doc_ids, mix_name, packed_mix, worst_case_doc_ids,  # noqa: E402
                                         worst_case_mix_params)
+from scale import thd_padded  # noqa: E402
 from scale_mixes import SCALE_MIXES, scale_doc_ids  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag", "balanced", "thd")
@@ -107,18 +108,6 @@ def _choice_label(prep) -> str:
     return balanced.LAST_CHOICE[0] if prep.layout.name == "balanced" and prep.cp > 1 else prep.layout.name
 
 
-def _thd_padded(ids: torch.Tensor, cp: int) -> torch.Tensor:
-    """Every document padded at its end to a multiple of 2*cp (THD's cu_seqlens_padded)."""
-    change = torch.ones(ids.numel(), dtype=torch.bool)
-    change[1:] = ids[1:] != ids[:-1]
-    starts = torch.nonzero(change).flatten()
-    lengths = torch.cat([starts[1:], torch.tensor([ids.numel()])]) - starts
-    ext = (lengths + 2 * cp - 1) // (2 * cp) * (2 * cp)
-    doc = torch.repeat_interleave(ids[starts], ext)
-    within = torch.arange(int(ext.sum())) - torch.repeat_interleave(ext.cumsum(0) - ext, ext)
-    return torch.where(within < torch.repeat_interleave(lengths, ext), doc, torch.zeros_like(doc))
-
-
 def ranks_for(cp: int, S: int) -> List[int]:
     """Every rank of small plans; the first, second, middle and last of large ones (a plan is per rank,
     the layout the same for all)."""
@@ -158,7 +147,7 @@ def points(quick: bool) -> Iterator[Tuple[str, torch.Tensor, int, str, dict]]:
                 for layout in LAYOUTS:
                     if layout == "thd" and ids.dim() == 2:
                         continue  # thd takes one row of ids
-                    x = _thd_padded(ids, cp) if layout == "thd" else ids
+                    x = thd_padded(ids, cp) if layout == "thd" else ids
                     yield f"{name}|{layout}|cp{cp}|{topo}", x, cp, layout, kw
         if name in ("heavy_tail@16384", "scale:lognormal@32768") and ids.dim() == 1:
             # Windowed pricing (a mix of sliding-window and full layers) and one sliding window.

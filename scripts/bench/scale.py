@@ -67,7 +67,7 @@ def fits_a_node(lengths, S: int, cp: int) -> bool:
     return max(lengths) <= S // nodes and max(work) <= sum(work) / nodes
 
 
-def _thd_padded(ids: torch.Tensor, cp: int) -> torch.Tensor:
+def thd_padded(ids: torch.Tensor, cp: int) -> torch.Tensor:
     """Every document padded at its end to a multiple of 2*cp (THD's cu_seqlens_padded)."""
     change = torch.ones(ids.numel(), dtype=torch.bool)
     change[1:] = ids[1:] != ids[:-1]
@@ -165,7 +165,7 @@ def run(seq_lens=SEQ_LENS, cps=CPS, mixes=None, log=print) -> List[Dict]:
                                 rows[-1].update(_save_and_fits(ids, cp, layout, cost, mix, S))
                             if layout == "zigzag":
                                 rows.append(_row(mix, S, cp, "allgather", link, "allgather", summ, cost, True))
-                        thd_ids = _thd_padded(ids, cp)
+                        thd_ids = thd_padded(ids, cp)
                         summ = plan_summary(thd_ids, cp, layout="thd", cost_model=cost)
                         summ["plan_cpu_seconds"] = _plan_cpu_seconds(thd_ids, cp, "thd", cost)
                         # TE's p2p ring moves every rank's K/V: priced as the all-gather (a ring).
@@ -255,7 +255,7 @@ def run_worst_case(n_mixes: int = 24, speed_points=SPEED_POINTS, model_points=TW
             for p in params:
                 ids = worst_case_doc_ids(p, S)
                 for layout in LAYOUTS + ("te_thd",):
-                    x, name = (_thd_padded(ids, cp), "thd") if layout == "te_thd" else (ids, layout)
+                    x, name = (thd_padded(ids, cp), "thd") if layout == "te_thd" else (ids, layout)
                     # Our layouts on two levels run the hierarchical exchange: its route is planned too.
                     # TE's THD rows model TE's p2p ring, which has none.
                     hier = link == "2lvl" and layout != "te_thd"
