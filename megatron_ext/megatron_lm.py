@@ -46,7 +46,7 @@ MEGATRON_KNOB_FLAGS = ("--attention-backend", "--cp-comm-type")
 # The Megatron-LM command-line flag of each TransformerConfig field our refusals name (None: the
 # field has no flag, a config-only setting), read off Megatron-LM's parser (main branch,
 # megatron-core 0.20: most flags are generated from TransformerConfig's fields, dashes for
-# underscores). tests/test_megatron_lm.py checks every entry against that parser: the flag exists
+# underscores). tests/megatron_lm/test_megatron_lm.py checks every entry against that parser: the flag exists
 # and stores into MEGATRON_LM_ARG (or the field's own name), and a None field has no flag.
 MEGATRON_LM_FLAGS = {
     "qk_clip": "--qk-clip",

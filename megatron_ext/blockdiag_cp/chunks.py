@@ -607,7 +607,7 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
     returns. Query indices are slices of one tensor of this rank's rows (a copy only where a
     call's rows do not touch), key indices slices of one tensor of every segment's chunk rows:
     a long document's pieces see every chunk before them, and materializing each call's rows
-    cost cp * L per rank (the builder before, tests/stream_reference.py, which this one equals).
+    cost cp * L per rank (the builder before, tests/engine/stream_reference.py, which this one equals).
     Calls share those tensors: they are read, never written.
     """
     if kind not in CHUNK_KINDS:

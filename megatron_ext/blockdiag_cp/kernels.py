@@ -280,7 +280,7 @@ def _version_tuple(text) -> Tuple[int, ...]:
 # flash: flash-attn's varlen forward/backward (>= 2.6), else torch's own flash ops
 # ---------------------------------------------------------------------------
 
-FLASH_ATTN_MIN = (2, 6)  # the oldest release tested (tests/test_real_libraries.py): varlen calls with softcap
+FLASH_ATTN_MIN = (2, 6)  # the oldest release tested (tests/engine/test_real_libraries.py): varlen calls with softcap
 # flash-attn 2.7 made the private varlen calls torch.library custom ops, split window_size into
 # window_size_left/right and cut the forward's 8 results (out, q, k, v, out_padded, lse, S_dmask,
 # rng_state) to 4 (out, lse, S_dmask, rng_state).

@@ -52,7 +52,7 @@ def _refused_unless(*allowed, why: str) -> ConfigRule:
 
 
 # Every TransformerConfig field megatron-core's DotProductAttention and TEDotProductAttention read
-# (tests/test_layer_config.py walks their source and fails on a field missing here), and the
+# (tests/layers/test_layer_config.py walks their source and fails on a field missing here), and the
 # Megatron attention fields the layer maps to its knobs. To lift a refusal, make it honoured.
 CORE_ATTENTION_CONFIG: Dict[str, ConfigRule] = {
     "num_attention_heads": _honoured("query heads, split over the TP group"),
@@ -348,7 +348,7 @@ class BlockDiagCPAttention(MegatronModule):
         hands TE ``sequence_parallel=config.sequence_parallel`` and the tracker when initialized,
         and TE's DotProductAttention forks around dropout unless ``sequence_parallel`` or no
         tracker. Under sequence parallelism the default generator, which megatron seeds alike on
-        every TP rank, draws the mask (tests/test_layer_config.py runs megatron's own layer beside).
+        every TP rank, draws the mask (tests/layers/test_layer_config.py runs megatron's own layer beside).
         """
         if dropout_p == 0.0 or self.config.sequence_parallel or not rng_tracker_applies(device):
             return contextlib.nullcontext()

@@ -13,7 +13,7 @@ GPU/driver/library version accepts the call. The GPU check
 (``scripts/gpu_check.sh``) does that on a GPU machine. The library doubles spell
 flash-attn >= 2.7's private varlen calls and TE's fused_attn as 2.8-2.14 or 2.15+ spell it;
 every release the kernels support runs its own Python code in
-tests/test_real_libraries.py (emulated C++ extensions only).
+tests/engine/test_real_libraries.py (emulated C++ extensions only).
 
 Every double computes, per segment i, softmax(q_i k_i^T * scale) v_i over
 q[cu_q[i]:cu_q[i+1]] and k/v[cu_k[i]:cu_k[i+1]], causal (square, on the diagonal)
@@ -229,7 +229,7 @@ def _torch_flash_ops_with_window():
 
 def fake_flash_attn(version: str = "2.8.3"):
     """(flash_attn, flash_attn.flash_attn_interface) stand-ins with flash-attn 2.7+'s private varlen calls
-    (as plain functions; the real ones are custom ops: tests/test_real_libraries.py)."""
+    (as plain functions; the real ones are custom ops: tests/engine/test_real_libraries.py)."""
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                    softmax_scale, causal, window_size_left=-1, window_size_right=-1,

@@ -2,7 +2,7 @@
 
 Run as ``python -m megatron_ext.testing.megatron_lm --checkout DIR --out FILE [--scenarios ...]``
 with ``DIR`` (a writable copy of a Megatron-LM checkout) first on ``PYTHONPATH`` and the current
-directory set to it; ``tests/test_megatron_lm.py`` does that. The parent process imports
+directory set to it; ``tests/megatron_lm/test_megatron_lm.py`` does that. The parent process imports
 Megatron-LM once (``pretrain_gpt`` and what it imports), then forks the ranks of each scenario
 and, for numeric scenarios, one reference process. Every rank runs Megatron-LM's own pieces:
 
@@ -218,7 +218,7 @@ SCENARIOS = {s["name"]: s for s in (
         "--context-parallel-size", "2", "--cp-kv-exchange", "hierarchical"], ours=True, reference=False,
         env={"LOCAL_WORLD_SIZE": "2"}),
     # Refused by Megatron-LM's own validate_args before our layer is built (TE >= 2.9 is not here; our
-    # layer refuses it naming --qk-clip where Megatron-LM lets it through: tests/test_layer_config.py).
+    # layer refuses it naming --qk-clip where Megatron-LM lets it through: tests/layers/test_layer_config.py).
     _scenario("qk_clip", 2, 2, BASE + SPEC + MASK + MOCK + ["--context-parallel-size", "2", "--qk-clip"],
               reference=False, expect_error="--qk-clip is only supported with TE"),
     _scenario("conflict", 2, 2, BASE + SPEC + MASK + MOCK + [

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU libraries' Python code, for tests/test_real_libraries.py: flash-attn's sdists (installed
+# The GPU libraries' Python code, for tests/engine/test_real_libraries.py: flash-attn's sdists (installed
 # without their CUDA build) and TransformerEngine's pure-Python wheels, one folder per version under
 # .gl/ (git-ignored), each on its own sys.path in the test's worker processes. No C++ extension is
 # built or downloaded: the tests emulate flash_attn_2_cuda and transformer_engine_torch on CPU.
@@ -55,7 +55,7 @@ for v in "${FLASH_VERSIONS[@]}"; do
 done
 
 # TE's common/recipe imports pydantic (a dependency of every TE 2.x); its own folder, appended to sys.path.
-# pydantic's core is compiled: one folder per Python (tests/real_libraries.py's TE_DEPS).
+# pydantic's core is compiled: one folder per Python (tests/engine/real_libraries.py's TE_DEPS).
 deps="$GL/te-deps-py$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"
 if [ ! -f "$deps/.installed" ]; then
     rm -rf "$deps"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install a SLURM (slurm-wlm) and munge from Debian for tests/test_slurm.py.
+# Install a SLURM (slurm-wlm) and munge from Debian for tests/training/test_slurm.py.
 # Idempotent: does nothing when the daemons and clients are already installed.
 # Installing starts no daemon; megatron_ext/testing/slurm.py starts (and stops) its own.
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""The streamed plan's builder equals the one it replaced (tests/stream_reference.py), field for field.
+"""The streamed plan's builder equals the one it replaced (tests/engine/stream_reference.py), field for field.
 
 The builder was rewritten for speed (issue 19 item 4: slices of shared index tensors instead of
 materializing every call's rows); the kernel calls, their order, index tensors, lengths and

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
 PREPARE = REPO / "scripts" / "prepare_data.py"
 

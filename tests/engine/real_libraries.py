@@ -32,7 +32,7 @@ import types
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GL = os.path.join(ROOT, ".gl")
 FLASH_VERSIONS = ("2.6.3", "2.7.4.post1", "2.8.3")
 TE_VERSIONS = ("1.13.0", "2.1.0", "2.8.0", "2.14.0", "2.15.0", "2.20.2")

@@ -14,7 +14,7 @@ from megatron_ext import megatron_lm
 from megatron_ext.blockdiag_cp import state
 from megatron_ext.training import arguments
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 KNOBS_PAGE = REPO / "docs" / "user_guide" / "knobs.md"
 PRETRAINING_PAGE = REPO / "docs" / "user_guide" / "pretraining.md"
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_SCRIPTS = os.path.join(ROOT, "scripts", "bench")
 SCALE_POINT = {"S": 131072, "cp": 8, "link": "nvlink"}  # scale.SPEED_POINTS[0]: limit 10 ms
 
@@ -134,7 +134,7 @@ def test_a_bad_archive_is_refused_with_its_file_and_line(summary, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_rows_of_no_declared_suite_render_the_header_only(summary):
-    # gpu_check's dry run (tests/test_backends.py) writes a SUMMARY.md of its rows and a meta row
+    # gpu_check's dry run (tests/engine/test_backends.py) writes a SUMMARY.md of its rows and a meta row
     text = summary.render([{"suite": "gpu_check", "check": "env", "passed": True},
                            {"suite": "meta", "host": "h", "cpus": 2, "torch": "t", "date": "d", "suites": ["gpu_check"],
                             "wall_seconds": 3.0}])

@@ -27,7 +27,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TOL = 1e-5  # fp32; what the runs show is ~5e-8 (loss) and ~5e-7 (gradients)
 
 
@@ -266,7 +266,7 @@ def test_strict_flag_takes_effect(results):
 def test_mla_builds_megatrons_mla_layer_and_trains_a_step(results):
     # megatron's MLA layer (q/k head dim 8 + 4, v head dim 8) with our core attention, one step at CP = 2
     # on the mask path. Megatron's local core attention takes no MLA head dims, so there is no reference
-    # here: tests/test_gpt_variants.py compares an MLA GPTModel at CP = 2 with an independent one.
+    # here: tests/layers/test_gpt_variants.py compares an MLA GPTModel at CP = 2 with an independent one.
     s = results["scenarios"]["mla"]
     assert not s.get("errors"), (s.get("errors"), s.get("traceback", "")[-3000:])
     for route in ("legacy", "builder"):

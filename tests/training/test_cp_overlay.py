@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 OVERLAY = REPO / "scripts" / "cp_overlay.py"
 ITERS = 6
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -1,6 +1,6 @@
 """The flash and TE kernels against flash-attn's and TransformerEngine's own Python code, per version.
 
-Each library version of the matrix (tests/real_libraries.py: flash-attn 2.6.3 / 2.7.4.post1 / 2.8.3,
+Each library version of the matrix (tests/engine/real_libraries.py: flash-attn 2.6.3 / 2.7.4.post1 / 2.8.3,
 TE 1.13 / 2.1 / 2.8 / 2.14 / 2.15 / 2.20.2) is imported, as shipped (``.gl/``, put there by
 scripts/ci/gpu_libs.sh), into a pair of gloo workers over an emulated C++ extension: flash-attn >= 2.7
 registers its custom ops in the process for good, so each such release gets its own pair; the other

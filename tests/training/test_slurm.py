@@ -19,7 +19,7 @@ import pytest
 
 from megatron_ext.testing.slurm import SlurmCluster, missing_requirements
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch"
 
 TRAIN_ITERS = 16

@@ -92,7 +92,7 @@ def test_every_field_megatrons_core_attentions_read_is_honoured_or_refused(which
 
 
 # Each refused field: a value it is refused at, and the flag a Megatron-LM user typed for it (None: a
-# config-only field). The flags are Megatron-LM's own: tests/test_megatron_lm.py finds each in its parser.
+# config-only field). The flags are Megatron-LM's own: tests/megatron_lm/test_megatron_lm.py finds each in its parser.
 NON_DEFAULT = {"qk_clip": (True, "--qk-clip"), "log_max_attention_logit": (True, "--log-max-attention-logit"),
                "batch_invariant_mode": (True, "--batch-invariant-mode"),
                "deterministic_mode": (True, "--deterministic-mode"), "fp8_dot_product_attention": (True, None)}

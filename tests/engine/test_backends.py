@@ -557,7 +557,7 @@ def test_gpu_check_dry_run(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "MEGATRON_EXT_STAGE_COLLECTIVES_ON_CPU")}
     env.update(OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", os.path.join(root, "scripts", "gpu_check.sh"), "--dry-run",
