@@ -334,9 +334,9 @@ def thd_attention_errors(cp, cu, cu_padded, doc_ids, params=None, seed=0, exchan
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*full, doc_ids)  # [T, 1, 4, 8]
     ref.backward(grad_out)
-    batch = {"tokens": torch.zeros(1, T, dtype=torch.long), "positions": torch.arange(T).view(1, T),
-             "q": q.transpose(0, 1), "k": k.transpose(0, 1), "v": v.transpose(0, 1),
-             "grad": grad_out.transpose(0, 1)}  # [1, T, h, d]: megatron slices dim 1
+    # megatron-core 0.19 slices only its sequence keys (tokens, labels, loss_mask, position_ids):
+    # the share is read off the positions it hands this rank, and q/k/v/grad are cut at them.
+    batch = {"tokens": torch.zeros(1, T, dtype=torch.long), "position_ids": torch.arange(T).view(1, T)}
     te_double = type("tex", (), {"thd_get_partitioned_indices": staticmethod(bdcp.thd_partitioned_indices)})
     saved = (getattr(mcore_utils, "tex", None), mcore_utils.is_te_min_version)
     mcore_utils.tex, mcore_utils.is_te_min_version = te_double, (lambda *a, **k: True)
@@ -345,14 +345,14 @@ def thd_attention_errors(cp, cu, cu_padded, doc_ids, params=None, seed=0, exchan
     finally:
         mcore_utils.tex, mcore_utils.is_te_min_version = saved
     params = megatron_params if params is None else params
-    mine = local["positions"][0]  # [t] the global positions TE's partition gave this rank
-    ours = [local[name][0].clone().requires_grad_() for name in ("q", "k", "v")]  # [t, h, d] as megatron squeezes
+    mine = local["position_ids"][0]  # [t] the global positions TE's partition gave this rank
+    ours = [t[mine, 0].clone().requires_grad_() for t in (q, k, v)]  # [t, h, d] as megatron squeezes
     bdcp.configure_cp_varlen("dense", exchange)
     try:
         out = layer(*ours, None, packed_seq_params=params)  # [t, h * d]
     finally:
         bdcp.configure_cp_varlen()
-    out.backward(local["grad"][0].reshape(out.shape))
+    out.backward(grad_out[mine, 0].reshape(out.shape))
     state = params._blockdiag_cp_state[1]
 
     def err(got, want):  # relative to the whole pack's largest value: a rank may hold only rows whose
