@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .cost import CostModel, Traffic
-from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, flat_ranges, map_ranges, merge_intervals,
+from .intervals import (DocRuns, RankRuns, expand, clip, document_runs, flat_ranges, map_ranges, merge_intervals,
                         overlap_counts, overlap_pieces, owned_ranges, ranges, search, work_and_intervals)
 
 
@@ -119,7 +119,7 @@ def node_routes(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.Ten
     inner = (torch.arange(n_nodes).view(-1, 1) * stride + bounds[:, 1:g]).reshape(-1)  # interior bounds
     first = search(inner, N * stride + off, right=True) - N * (g - 1)
     last = search(inner, N * stride + off + length - 1, right=True) - N * (g - 1)
-    piece, window = _expand(first, last - first + 1)
+    piece, window = expand(first, last - first + 1)
     lo = torch.maximum(off[piece], bounds[N[piece], window])
     hi = torch.minimum(off[piece] + length[piece], bounds[N[piece], window + 1])
     keep = hi > lo

@@ -128,9 +128,9 @@ def check_core_attention_config(config) -> None:
 
 def _check_window_config(window) -> None:
     """A sliding window must be causal (right reach 0): refused at construction, not at the first step."""
-    from ..blockdiag_cp.attention_op import _window_from
+    from ..blockdiag_cp.attention_op import window_from
 
-    _, error = _window_from(window)
+    _, error = window_from(window)
     if error:
         raise BlockDiagCPError(f"{config_field('window_size', window)}: {error}; give --window-size L 0 "
                                "(window_size=(L, 0))")

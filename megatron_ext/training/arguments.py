@@ -196,7 +196,7 @@ def _require(ok: bool, message: str) -> None:
         raise UsageError(message)
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
@@ -206,25 +206,25 @@ def _check_numbers(args) -> None:
                  "seq_length", "micro_batch_size", "train_iters", "tensor_model_parallel_size",
                  "log_interval", "rotary_base"):
         value = getattr(args, name)
-        _require(value is not None and value >= 1, f"{_flag(name)} must be >= 1, got {value}")
+        _require(value is not None and value >= 1, f"{flag_name(name)} must be >= 1, got {value}")
     for name in ("ffn_hidden_size", "global_batch_size", "save_interval", "lr_decay_iters",
                  "lr_wsd_decay_iters"):
         value = getattr(args, name)
-        _require(value is None or value >= 1, f"{_flag(name)} must be >= 1, got {value}")
+        _require(value is None or value >= 1, f"{flag_name(name)} must be >= 1, got {value}")
     _require(args.lr_warmup_iters is None or args.lr_warmup_iters >= 0,
              f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     for name in ("lr", "adam_eps", "init_method_std", "distributed_timeout_minutes"):
         value = getattr(args, name)
         _require(math.isfinite(value) and value > 0,
-                 f"{_flag(name)} must be a finite number > 0, got {value}")
+                 f"{flag_name(name)} must be a finite number > 0, got {value}")
     for name in ("min_lr", "lr_warmup_init", "weight_decay", "start_weight_decay",
                  "end_weight_decay", "clip_grad", "lr_warmup_fraction"):
         value = getattr(args, name)
         _require(value is None or (math.isfinite(value) and value >= 0),
-                 f"{_flag(name)} must be a finite number >= 0, got {value}")
+                 f"{flag_name(name)} must be a finite number >= 0, got {value}")
     for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
         value = getattr(args, name)
-        _require(0 <= value < 1, f"{_flag(name)} must be in [0, 1), got {value}")
+        _require(0 <= value < 1, f"{flag_name(name)} must be in [0, 1), got {value}")
     _require(args.window_size is None or (args.window_size[0] >= 0 and args.window_size[1] == 0),
              f"--window-size takes LEFT 0 (LEFT >= 0 keys before each query, causal), got {args.window_size}")
     _require(args.window_attn_skip_freq is None or (args.window_size is not None and args.window_attn_skip_freq >= 1),

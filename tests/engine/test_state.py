@@ -212,7 +212,7 @@ def test_fire_count_is_a_documented_list_cell():
 
 def test_our_increments_are_thread_safe():
     st.reset_cp_attn_fire_count()
-    threads = [threading.Thread(target=lambda: [st._count_cp_attn_fire() for _ in range(2000)])
+    threads = [threading.Thread(target=lambda: [st.count_cp_attn_fire() for _ in range(2000)])
                for _ in range(4)]
     for t in threads:
         t.start()

@@ -422,13 +422,13 @@ def spec_and_megatron_models(case):
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import import_module
 
-    from megatron_ext.layers.specs import _torch_norms
+    from megatron_ext.layers.specs import torch_norms
 
     H.ensure_mpu(tp=1, cp=1)
     ours_spec = import_module(("megatron_ext.layers", "blockdiag_cp_gpt_layer_spec"))
     if case == "qk_layernorm":
         kw = dict(qk_layernorm=True, normalization="RMSNorm")
-        theirs = _torch_norms(specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+        theirs = torch_norms(specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
     else:
         kw = dict(num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1], gated_linear_unit=True,
                   add_bias_linear=False)

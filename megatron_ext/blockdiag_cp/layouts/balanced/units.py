@@ -206,6 +206,6 @@ def pieces_np(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> Tuple[np.ndar
     count = np.searchsorted(starts, b - 1, side="right") - first
     which = repeat_arange(count)
     # Piece t of range i is part first[i] + t - (i's first piece): one gather and an add, where
-    # ``_expand_np``'s general ranges cost a few more passes (these counts are never zero).
+    # ``expand_np``'s general ranges cost a few more passes (these counts are never zero).
     end = np.cumsum(count)
     return which, np.arange(end[-1] if end.size else 0) + (first + count - end)[which]
