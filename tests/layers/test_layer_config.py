@@ -174,6 +174,19 @@ def test_mla_keywords_and_unequal_head_dims():
     assert torch.allclose(out, want, atol=1e-6)
 
 
+def test_window_mix_from_config_follows_megatrons_layer_rule():
+    from megatron_ext.layers.attention import window_mix_from_config
+
+    cfg = types.SimpleNamespace(num_layers=8, window_size=(128, 0), window_attn_skip_freq=4)
+    assert window_mix_from_config(cfg) == bdcp.WindowMix(((128, 0.75), (None, 0.25)))  # every 4th layer full
+    cfg = types.SimpleNamespace(num_layers=4, window_size=(128, 0), window_attn_skip_freq=[1, 0, 0, 1])
+    assert window_mix_from_config(cfg) == bdcp.WindowMix.of(128, 0.5)
+    assert window_mix_from_config(types.SimpleNamespace(num_layers=3, window_size=None,
+                                                        window_attn_skip_freq=None)).full_only
+    with pytest.raises(ValueError, match="num_layers"):
+        window_mix_from_config(types.SimpleNamespace(num_layers=0, window_size=(128, 0)))
+
+
 def test_window_per_layer_follows_megatrons_rule():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import is_layer_window_attention
