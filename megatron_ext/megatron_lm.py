@@ -37,7 +37,7 @@ import argparse
 import importlib.util
 import pathlib
 import sys
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 # Megatron-LM's flags that drive our knobs; "given" means on the command line (their defaults,
 # auto and p2p, give way to ours).
@@ -78,6 +78,12 @@ MEGATRON_LM_FLAGS = {
 MEGATRON_LM_ARG = {"heterogeneous_block_specs": "heterogeneous_layers_config_path"}
 
 _UNSET = object()
+
+# Knob -> (value, the flag that set it, e.g. ``--cp-kv-exchange a2a``) for the values our flags pinned:
+# the layer's Megatron values must agree with them.
+_PINNED: Dict[str, Tuple[str, str]] = {}
+# Megatron flags given on the command line of a Megatron-LM run ({"--cp-comm-type", ...}).
+_MEGATRON_GIVEN: set = set()
 
 
 def megatron_lm_flag(field: str) -> Optional[str]:
@@ -167,6 +173,28 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return add_blockdiag_cp_arguments(parser)
 
 
+def pin(knob: str, value: str, source: str) -> None:
+    """Record that the user set ``knob`` (by ``source``, e.g. ``--cp-kv-exchange a2a``)."""
+    _PINNED[knob] = (value, source)
+
+
+def pinned(knob: str) -> Optional[Tuple[str, str]]:
+    """(value, source) of ``knob`` where our flags pinned it, else None."""
+    return _PINNED.get(knob)
+
+
+def megatron_flag_given(flag: str) -> bool:
+    """Whether this Megatron-LM run's command line gave Megatron's ``flag`` (e.g. ``--cp-comm-type``)."""
+    return flag in _MEGATRON_GIVEN
+
+
+def reset_pins(megatron_given=()) -> None:
+    """Forget the pinned knobs (a new Megatron-LM argument set replaces them)."""
+    _PINNED.clear()
+    _MEGATRON_GIVEN.clear()
+    _MEGATRON_GIVEN.update(megatron_given)
+
+
 def _given_on_command_line(flags, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     return {f for f in flags if any(a == f or a.startswith(f + "=") for a in argv)}
@@ -230,7 +258,6 @@ def configure_from_args(args) -> dict:
     ``--attention-backend`` / ``--cp-comm-type`` are merged by the layer (megatron_knobs).
     """
     from .blockdiag_cp import state as knobs
-    from .layers import megatron_knobs
 
     check_data_path(args)
     path = data_path_of(args)
@@ -246,13 +273,12 @@ def configure_from_args(args) -> dict:
     if cost_model not in (None, "auto"):
         _refuse(f"--cp-cost-model {cost_model} steers the balanced layout, which Megatron-LM's data path "
                 "cannot use (its batch arrives cut zigzag); drop --cp-cost-model")
-    megatron_knobs.reset_pins(_given_on_command_line(MEGATRON_KNOB_FLAGS))
+    reset_pins(_given_on_command_line(MEGATRON_KNOB_FLAGS))
     ours = {"attn_backend": getattr(args, "cp_attn_backend", None),
             "kv_exchange": getattr(args, "cp_kv_exchange", None)}
     for knob, value in ours.items():
         if value is not None:
-            megatron_knobs.pin(knob, value, f"--{'cp-attn-backend' if knob == 'attn_backend' else 'cp-kv-exchange'} "
-                                            f"{value}")
+            pin(knob, value, f"--{'cp-attn-backend' if knob == 'attn_backend' else 'cp-kv-exchange'} {value}")
     current = knobs.cp_varlen_runtime_config()
     knobs.configure_cp_varlen(ours["attn_backend"] or current["attn_backend"],
                               ours["kv_exchange"] or current["kv_exchange"])

@@ -35,13 +35,14 @@ pool2 = pool_fixture(2)
 
 @pytest.fixture(autouse=True)
 def _restore_knobs():
+    from megatron_ext import megatron_lm
     from megatron_ext.layers import megatron_knobs
 
     yield
     bdcp.configure_cp_varlen()
     bdcp.configure_cp_kv_backward()
     bdcp.configure_cp_strict()
-    megatron_knobs.reset_pins()
+    megatron_lm.reset_pins()
     megatron_knobs._APPLIED.clear()
 
 
@@ -374,7 +375,6 @@ def test_megatron_lm_data_paths_that_keep_documents_pass(kw):
 
 def test_extra_args_provider_parses_checks_and_pins(monkeypatch):
     from megatron_ext import megatron_lm
-    from megatron_ext.layers import megatron_knobs
 
     parser = megatron_lm.extra_args_provider(argparse.ArgumentParser())
     args = parser.parse_args(["--cp-attn-backend", "SDPA", "--cp-kv-exchange", "needed-a2a", "--cp-layout",
@@ -390,7 +390,7 @@ def test_extra_args_provider_parses_checks_and_pins(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
     knobs = megatron_lm.configure_from_args(ns)
     assert knobs == {"attn_backend": "dense", "kv_exchange": "a2a", "kv_backward": "save", "strict": True}
-    assert megatron_knobs._PINNED["kv_exchange"] == ("a2a", "--cp-kv-exchange a2a")
+    assert megatron_lm.pinned("kv_exchange") == ("a2a", "--cp-kv-exchange a2a")
     for bad, needle in ((dict(cp_layout="balanced"), "--cp-layout balanced"),
                         (dict(cp_cost_model="ib"), "--cp-cost-model ib")):
         with pytest.raises(bdcp.BlockDiagCPError, match=needle):
