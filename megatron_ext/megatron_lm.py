@@ -34,10 +34,10 @@ This module imports neither torch nor megatron at import time (the pretrain scri
 """
 
 import argparse
-import importlib.util
-import pathlib
 import sys
 from typing import Callable, Dict, Optional, Tuple
+
+from .blockdiag_cp import state as knobs
 
 # Megatron-LM's flags that drive our knobs; "given" means on the command line (their defaults,
 # auto and p2p, give way to ours).
@@ -114,18 +114,6 @@ def config_field(field: str, value=_UNSET) -> str:
     return f"{named} ({flag})"
 
 
-def _knobs():
-    """megatron_ext.blockdiag_cp.state without importing the engine (torch); see training.arguments."""
-    loaded = sys.modules.get("megatron_ext.blockdiag_cp.state")
-    if loaded is not None:
-        return loaded
-    path = pathlib.Path(__file__).resolve().parent / "blockdiag_cp" / "state.py"
-    spec = importlib.util.spec_from_file_location("_megatron_ext_cp_knobs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _checked(normalize: Callable[[str], str]) -> Callable[[str], Optional[str]]:
     """argparse type: the canonical value, None for the default words; a bad value exits 2."""
     def parse(value: str) -> Optional[str]:
@@ -141,19 +129,18 @@ def _checked(normalize: Callable[[str], str]) -> Callable[[str], Optional[str]]:
 
 def add_blockdiag_cp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Our CP knobs as flags (one definition for Megatron-LM and for our pretrain script)."""
-    k = _knobs()
     g = parser.add_argument_group("block-diagonal CP attention (megatron_ext)")
-    g.add_argument("--cp-attn-backend", default=None, type=_checked(k.normalize_attn_backend),
+    g.add_argument("--cp-attn-backend", default=None, type=_checked(knobs.normalize_attn_backend),
                    help="te | flash | dense, or a synonym (transformer_engine, flash_attn, sdpa...); "
                         "default: the engine's default with its fallbacks (under Megatron-LM: "
                         "--attention-backend's)")
-    g.add_argument("--cp-kv-exchange", default=None, type=_checked(k.normalize_kv_exchange),
+    g.add_argument("--cp-kv-exchange", default=None, type=_checked(knobs.normalize_kv_exchange),
                    help="allgather | halo | a2a | hierarchical, or a synonym; default: the engine's default "
                         "(under Megatron-LM: --cp-comm-type's, p2p -> halo)")
-    g.add_argument("--cp-layout", default=None, type=_checked(k.normalize_layout),
+    g.add_argument("--cp-layout", default=None, type=_checked(knobs.normalize_layout),
                    help="contiguous | zigzag | balanced, or a synonym; default: the engine's default "
                         "(under Megatron-LM the data path fixes it: zigzag, thd for --sft)")
-    g.add_argument("--cp-kv-backward", default=None, type=_checked(k.normalize_kv_backward),
+    g.add_argument("--cp-kv-backward", default=None, type=_checked(knobs.normalize_kv_backward),
                    help="refetch | save | auto: backward exchanges the remote K/V again (memory "
                         "O(S/cp)) or keeps what forward received; default auto (save within a "
                         "memory budget)")
@@ -257,8 +244,6 @@ def configure_from_args(args) -> dict:
     Idempotent; called by every BlockDiagCPAttention built under Megatron-LM. Megatron's own
     ``--attention-backend`` / ``--cp-comm-type`` are merged by the layer (megatron_knobs).
     """
-    from .blockdiag_cp import state as knobs
-
     check_data_path(args)
     path = data_path_of(args)
     layout = getattr(args, "cp_layout", None)

@@ -8,17 +8,17 @@ parsing: a bad value exits non-zero on every rank at once, naming the value and 
 fix, instead of one rank raising while the others wait in ``init_process_group``.
 
 Nothing here imports torch or megatron: the knob names are checked by the engine's
-dependency-free ``state.py`` loaded on its own, so a typo costs well under a second.
+dependency-free ``state`` module (importing it does not import the engine's torch modules),
+so a typo costs well under a second.
 """
 
 import argparse
-import importlib.util
 import math
 import os
 import pathlib
-import sys
 
 from .. import megatron_lm
+from ..blockdiag_cp import state as cp_state
 from . import data
 
 _GLOBAL_ARGS = None
@@ -175,22 +175,6 @@ def world_from_env():
     return rank, world, local, local_world
 
 
-def _knob_module():
-    """megatron_ext.blockdiag_cp.state, loaded without the engine package's torch imports.
-
-    state.py is a dependency-free leaf; loading it on its own keeps a bad flag's exit
-    to well under a second (no torch/megatron import before the error).
-    """
-    loaded = sys.modules.get("megatron_ext.blockdiag_cp.state")
-    if loaded is not None:
-        return loaded
-    path = pathlib.Path(__file__).resolve().parent.parent / "blockdiag_cp" / "state.py"
-    spec = importlib.util.spec_from_file_location("_megatron_ext_cp_knobs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise UsageError(message)
@@ -273,7 +257,6 @@ def _resolve_schedule(args) -> None:
 
 def validate_args(args, world_size: int) -> None:
     """Every check that needs no process group; raises UsageError. Fills in derived sizes."""
-    cp_state = _knob_module()
     for flag, normalize in (("--cp-attn-backend", cp_state.normalize_attn_backend),
                             ("--cp-kv-exchange", cp_state.normalize_kv_exchange),
                             ("--cp-layout", cp_state.normalize_layout),
