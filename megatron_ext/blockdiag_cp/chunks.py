@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import (DocRuns, RankRuns, clip_np, expand_np, np64, ranges_np, map_ranges, ranges,
+from .intervals import (DocRuns, RankRuns, clip_np, expand_np, map_ranges, np64, ranges, ranges_np,
                         repeat_arange, search)
 
 CHUNK_KINDS = ("ring", "needed")

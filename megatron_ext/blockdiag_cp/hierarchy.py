@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .cost import CostModel, Traffic
-from .intervals import (DocRuns, RankRuns, expand, clip, document_runs, flat_ranges, map_ranges, merge_intervals,
+from .intervals import (DocRuns, RankRuns, clip, document_runs, expand, flat_ranges, map_ranges, merge_intervals,
                         overlap_counts, overlap_pieces, owned_ranges, ranges, search, work_and_intervals)
 
 

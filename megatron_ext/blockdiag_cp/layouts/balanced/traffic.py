@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ...intervals import (DocRuns, RankRuns, expand_np, clip, merge_intervals, overlap_counts, overlap_pieces,
+from ...intervals import (DocRuns, RankRuns, clip, expand_np, merge_intervals, overlap_counts, overlap_pieces,
                           repeat_arange, window_pairs, work_and_intervals)
 from .units import Owned, RunSpec, Units, UnitTable, pieces_np
 
