@@ -33,7 +33,7 @@ _LAZY = {
     "blockdiag_cp_step": "batch", "doc_ids_from_cu_seqlens": "batch", "doc_ids_from_eod": "batch",
     "shard_batch": "batch",
     "CostModel": "cost", "WindowMix": "cost", "default_cost_model": "cost",
-    "thd_partitioned_indices": "layout",
+    "thd_partitioned_indices": "layouts.thd",
     "PreparedPlan": "prepare", "plan_summary": "prepare", "prepare_plan": "prepare",
     "resolve_step_state": "resolve",
     "BlockDiagCPState": "step",

@@ -228,7 +228,7 @@ class HierarchicalRoute:
 def build_hierarchical_route(layout, doc_ids: torch.Tensor, rank: int, ranks_per_node: int,
                              routes: Optional[NodeRoutes] = None, window: Optional[int] = None,
                              intervals=None, counts: Optional[torch.Tensor] = None) -> HierarchicalRoute:
-    """This rank's route for ``layout`` (``layout.Layout``) and padded doc ids [R, P] or [P].
+    """This rank's route for ``layout`` (``layouts.Layout``) and padded doc ids [R, P] or [P].
 
     Computed identically on every rank from global tables; ``routes`` when already at hand.
     ``window``: the rows a sliding window needs (``plan.build_plan``'s ``window``).

@@ -5,7 +5,7 @@ same global tables (who sends what to whom), so every exchange decision is taken
 identically on every rank without communication. Only this rank's kernel calls
 (``chunks``: one round per source rank) are materialized. Everything is interval arithmetic on the layout's
 runs and the documents' runs (``intervals``), never a mask over ``P`` per rank;
-the THD layout's counts have a closed form (``layout.thd_exchange_counts``).
+the THD layout's counts have a closed form (``layouts.thd.thd_exchange_counts``).
 
 Index conventions. Sequence-aligned tensors are flattened as ``s * R + row``
 where R is the number of document-id rows (1 when every batch row shares them;
@@ -25,8 +25,8 @@ import torch
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
 from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take,
                         work_intervals_and_docs)
-from .layout import (Layout, thd_exchange_counts, thd_extents, thd_owned_ranges, thd_send_ranges,
-                     thd_work_and_intervals)
+from .layouts import Layout
+from .layouts.thd import thd_exchange_counts, thd_extents, thd_owned_ranges, thd_send_ranges, thd_work_and_intervals
 
 
 @dataclass(frozen=True)

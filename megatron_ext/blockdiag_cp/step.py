@@ -33,7 +33,7 @@ from .agreement import (
 )
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
-from .layout import Layout, build_layout, padded_length
+from .layouts import Layout, build_layout, padded_length
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
     ATTN_BACKEND_VALUES,

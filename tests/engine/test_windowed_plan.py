@@ -12,7 +12,7 @@ import torch
 import megatron_ext.blockdiag_cp as bdcp
 from megatron_ext.blockdiag_cp.cost import CostModel, WindowMix, resolve_windows
 from megatron_ext.blockdiag_cp.intervals import document_runs, pair_work
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.layouts.balanced.traffic import candidate_traffic, flatten
 from megatron_ext.blockdiag_cp.layouts.balanced.units import UnitTable
 from megatron_ext.blockdiag_cp.prepare import layout_cost

@@ -8,7 +8,8 @@ import torch
 
 from ...intervals import (DocRuns, RankRuns, clip, expand_np, merge_intervals, overlap_counts, overlap_pieces,
                           repeat_arange, window_pairs, work_and_intervals)
-from .units import Owned, RunSpec, Units, UnitTable, pieces_np
+from ..base import RunSpec
+from .units import Owned, Units, UnitTable, pieces_np
 
 
 def score_many(units: "Units", cp: int, q: float, cands: Sequence[Sequence[Tuple[str, Owned]]],

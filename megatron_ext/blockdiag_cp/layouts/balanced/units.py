@@ -8,9 +8,9 @@ import torch
 
 from ...cost import WindowMix
 from ...intervals import DocRuns, repeat_arange, window_pairs
+from ..base import RunSpec
 from .tuning import DEFAULT_TUNING
 
-RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
 Span = Tuple[int, int]  # [a, b)
 Spans = List[Tuple[int, int]]  # the global ranges a search lays out (all of [0, P), or one node's)
