@@ -284,3 +284,21 @@ def test_from_doc_ids_the_layout_pads_the_end_only():
     with pytest.raises(ValueError, match=r"document 1 \(positions 0\.\.4\) has padded extent 5.*pad every "
                                          r"document at its end to a multiple of 4"):
         build_layout("thd", first_short.unsqueeze(0), 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_plan_takes_the_closed_forms_only_where_they_hold(cp):
+    """THD's plan tables are its closed forms for one row of whole documents at cp > 1, else the intervals."""
+    from megatron_ext.blockdiag_cp.intervals import document_runs
+    from megatron_ext.blockdiag_cp.layouts import LAYOUT_STRATEGIES, LayoutTables
+    from megatron_ext.blockdiag_cp.layouts.thd import THDTables
+
+    ids = _padded_documents(cp, 0).unsqueeze(0)
+    rows = [document_runs(ids[0])]
+    thd, layout = LAYOUT_STRATEGIES["thd"], build_layout("thd", ids, cp)
+    assert type(thd.plan_tables(layout, ids, rows, None)) is THDTables
+    assert type(thd.plan_tables(layout, ids, rows, 8)) is LayoutTables  # a window
+    assert type(thd.plan_tables(layout, ids.repeat(2, 1), rows * 2, None)) is LayoutTables  # two rows
+    assert type(thd.plan_tables(build_layout("thd", ids, 1), ids, rows, None)) is LayoutTables  # one rank
+    for name in ("contiguous", "zigzag", "balanced"):
+        assert type(LAYOUT_STRATEGIES[name].plan_tables(build_layout(name, ids, cp), ids, rows, None)) is LayoutTables

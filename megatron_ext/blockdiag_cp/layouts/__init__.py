@@ -19,7 +19,7 @@ from ..cost import CostModel, resolve_windows
 from ..intervals import RankRuns
 from ..state import normalize_layout
 from .balanced import BalancedLayout
-from .base import Layout, LayoutStrategy, RunSpec, document_starts, position_work
+from .base import Layout, LayoutStrategy, LayoutTables, RunSpec, document_starts, position_work
 from .contiguous import ContiguousLayout
 from .thd import THDLayout, thd_boundaries, thd_partitioned_indices
 from .zigzag import ZigzagLayout
@@ -74,6 +74,6 @@ def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
                   cu_seqlens_padded=cu)
 
 
-__all__ = ["Layout", "LayoutStrategy", "RunSpec", "ContiguousLayout", "ZigzagLayout", "BalancedLayout", "THDLayout",
-           "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
+__all__ = ["Layout", "LayoutStrategy", "LayoutTables", "RunSpec", "ContiguousLayout", "ZigzagLayout", "BalancedLayout",
+           "THDLayout", "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
            "position_work", "thd_partitioned_indices"]

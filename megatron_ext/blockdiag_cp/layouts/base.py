@@ -14,12 +14,12 @@ the [cp, P / cp] positions only when asked (``Layout.positions``; one rank's:
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ..cost import CostModel, WindowMix
-from ..intervals import RankRuns
+from ..intervals import DocRuns, RankRuns, flat_ranges, overlap_counts, owned_ranges, work_intervals_and_docs
 
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 
@@ -81,6 +81,52 @@ class LayoutStrategy:
         and ``doc_runs``, the rows' ``intervals.document_runs`` (None: it finds them)."""
         raise NotImplementedError
 
+    def plan_tables(self, layout: Layout, doc_ids: torch.Tensor, rows: Sequence[DocRuns],
+                    window: Optional[int]) -> "LayoutTables":
+        """The plan's global tables of ``layout`` (one of this strategy's) for padded doc ids [R, P], their
+        rows' ``intervals.document_runs`` and a sliding window (None: whole documents)."""
+        return LayoutTables(layout, rows, window)
+
+
+class LayoutTables:
+    """What the plan (``plan.plan_with_tables``) asks of a layout: who needs what, who owns it, who sends it.
+
+    Interval arithmetic over the layout's runs and the documents' runs (``intervals``), for any layout;
+    a layout with closed forms of these tables overrides them (``thd.THDTables``). Intervals [a, b) are
+    needed K/V ranges: each starts at its document's start and ends inside it.
+    """
+
+    def __init__(self, layout: Layout, rows: Sequence[DocRuns], window: Optional[int]):
+        self.runs, self.rows, self.window = layout.runs, rows, window
+
+    def work_and_intervals(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(work [cp], dst, a, b, doc): every rank's query-key pairs and the intervals it needs, sorted by
+        (dst, a), each with its document run (``intervals.work_intervals_and_docs``)."""
+        return work_intervals_and_docs(self.runs, self.rows, self.window)
+
+    def exchange_counts(self, dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, known=None
+                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(counts, overlap): counts[src, dst] [cp, cp], the positions src owns inside dst's intervals, and
+        the same tensor where it is their ``intervals.overlap_counts`` (what a hierarchical route reuses),
+        else None. ``known``: those overlap counts, when the caller already has them."""
+        counts = overlap_counts(self.runs, dst, a, b) if known is None else known
+        return counts, counts
+
+    def send_ranges(self, src: int, a: torch.Tensor, b: torch.Tensor, doc: Optional[torch.Tensor]
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(lo, hi) [n]: the flat index range of src's positions in each [a, b) (``intervals.flat_ranges``);
+        ``doc``: each interval's document run (None: not at hand)."""
+        # Intervals of one row start at their documents' starts: where they outnumber the documents
+        # (cp per document), lo is read off one search per document.
+        many = doc is not None and a.numel() > 2 * self.rows[0][0].numel()
+        return flat_ranges(self.runs, a, b, src, (self.rows[0][0], doc) if many else None)
+
+    def owned_ranges(self, a: torch.Tensor, b: torch.Tensor, skip: int
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lo, hi) [cp, n] and (src, start, length) of every source's positions in each [a, b), none of
+        ``skip`` (``intervals.owned_ranges``)."""
+        return owned_ranges(self.runs, a, b, skip)
+
 
 def position_work(doc_ids: torch.Tensor) -> torch.Tensor:
     """[P] causal work of each query position (keys it attends), summed over rows."""
@@ -102,4 +148,4 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.cummax(marked, dim=-1).values
 
 
-__all__ = ["Layout", "LayoutStrategy", "RunSpec", "position_work", "document_starts"]
+__all__ = ["Layout", "LayoutStrategy", "LayoutTables", "RunSpec", "position_work", "document_starts"]

@@ -4,18 +4,18 @@
 (``thd_boundaries``, ``thd_padded_cu_seqlens``) come from the batch or the doc
 ids; ``thd_partitioned_indices`` is TE's ``thd_get_partitioned_indices``. For one
 row of full attention the plan's tables have closed forms over the documents
-(``thd_extents`` and the ``thd_*`` functions after it), which the plan uses in
-place of the generic interval arithmetic.
+(``thd_extents`` and the ``thd_*`` functions after it), which ``THDLayout.plan_tables``
+gives the plan (``THDTables``) in place of the generic interval arithmetic.
 """
 
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..intervals import DocRuns, document_runs
-from .base import LayoutStrategy, RunSpec
+from .base import Layout, LayoutStrategy, LayoutTables, RunSpec
 
 
 class THDLayout(LayoutStrategy):
@@ -42,6 +42,13 @@ class THDLayout(LayoutStrategy):
 
     def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
         return self.chunk_runs(thd_boundaries(doc_ids, cp, doc_runs).numpy(), cp)
+
+    def plan_tables(self, layout: Layout, doc_ids: torch.Tensor, rows: Sequence[DocRuns],
+                    window: Optional[int]) -> LayoutTables:
+        # The closed forms count one row of whole documents; several rows or a window: the intervals.
+        if doc_ids.shape[0] == 1 and layout.cp > 1 and window is None:
+            return THDTables(layout, doc_ids, rows)
+        return super().plan_tables(layout, doc_ids, rows, window)
 
     @staticmethod
     def chunk_runs(cu: np.ndarray, cp: int) -> RunSpec:
@@ -323,6 +330,32 @@ def thd_owned_ranges(extents, cp: int, a: torch.Tensor, b: torch.Tensor, skip: i
             torch.from_numpy(np.stack(starts, 2).reshape(-1)[cell]), torch.from_numpy(length.reshape(-1)[cell]))
 
 
+class THDTables(LayoutTables):
+    """``LayoutTables`` of the THD layout in closed form: one row of doc ids, full attention, cp > 1.
+
+    Every table is read off the row's extents (``thd_extents``, made once per plan) instead of
+    clipping its 2 * cp runs per document against the documents.
+    """
+
+    def __init__(self, layout: Layout, doc_ids: torch.Tensor, rows: Sequence[DocRuns]):
+        super().__init__(layout, rows, None)
+        self.cp, self.row_ids = layout.cp, doc_ids[0]
+        self.extents = thd_extents(self.row_ids, self.cp, rows[0], layout.cu_seqlens_padded)
+
+    def work_and_intervals(self):
+        return thd_work_and_intervals(self.extents, self.cp)
+
+    def exchange_counts(self, dst, a, b, known=None):
+        # Every rank needs every document: the counts come by document, not by interval overlap.
+        return thd_exchange_counts(self.row_ids, self.cp, self.rows[0], self.extents), None
+
+    def send_ranges(self, src, a, b, doc):
+        return thd_send_ranges(self.extents, self.cp, src, a, b, doc)
+
+    def owned_ranges(self, a, b, skip):
+        return thd_owned_ranges(self.extents, self.cp, a, b, skip)
+
+
 @lru_cache(maxsize=8)
 def _thd_patterns(cp: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """A_K, B_K of ``thd_exchange_counts`` for K = 1..2cp: [2cp, cp(src), cp(dst)] float64."""
@@ -340,5 +373,5 @@ def _thd_patterns(cp: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return A.masked_fill(own, 0).double(), B.masked_fill(own, 0).double()
 
 
-__all__ = ["THDLayout", "thd_boundaries", "thd_padded_cu_seqlens", "thd_partitioned_indices", "thd_extents",
-           "thd_exchange_counts", "thd_work_and_intervals", "thd_send_ranges", "thd_owned_ranges"]
+__all__ = ["THDLayout", "THDTables", "thd_boundaries", "thd_padded_cu_seqlens", "thd_partitioned_indices",
+           "thd_extents", "thd_exchange_counts", "thd_work_and_intervals", "thd_send_ranges", "thd_owned_ranges"]
