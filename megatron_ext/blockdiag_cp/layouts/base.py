@@ -9,7 +9,9 @@ A strategy (``LayoutStrategy``, one subclass per layout) draws ranges, not
 positions: the layout keeps them as runs (``intervals.RankRuns``: a handful per
 rank for contiguous, zigzag and balanced, two per document for thd) and builds
 the [cp, P / cp] positions only when asked (``Layout.positions``; one rank's:
-``Layout.rank_positions``).
+``Layout.rank_positions``). It also gives the plan its tables (``plan_tables``):
+``LayoutTables``, interval arithmetic over the runs, unless the layout has closed
+forms of them.
 """
 
 from dataclasses import dataclass, field
