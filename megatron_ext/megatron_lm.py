@@ -34,10 +34,10 @@ This module imports neither torch nor megatron at import time (the pretrain scri
 """
 
 import argparse
-import importlib.util
-import pathlib
 import sys
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
+
+from .blockdiag_cp import state as knobs
 
 # Megatron-LM's flags that drive our knobs; "given" means on the command line (their defaults,
 # auto and p2p, give way to ours).
@@ -79,6 +79,12 @@ MEGATRON_LM_ARG = {"heterogeneous_block_specs": "heterogeneous_layers_config_pat
 
 _UNSET = object()
 
+# Knob -> (value, the flag that set it, e.g. ``--cp-kv-exchange a2a``) for the values our flags pinned:
+# the layer's Megatron values must agree with them.
+_PINNED: Dict[str, Tuple[str, str]] = {}
+# Megatron flags given on the command line of a Megatron-LM run ({"--cp-comm-type", ...}).
+_MEGATRON_GIVEN: set = set()
+
 
 def megatron_lm_flag(field: str) -> Optional[str]:
     """The Megatron-LM flag that sets ``TransformerConfig.<field>``, None where there is none."""
@@ -108,18 +114,6 @@ def config_field(field: str, value=_UNSET) -> str:
     return f"{named} ({flag})"
 
 
-def _knobs():
-    """megatron_ext.blockdiag_cp.state without importing the engine (torch); see training.arguments."""
-    loaded = sys.modules.get("megatron_ext.blockdiag_cp.state")
-    if loaded is not None:
-        return loaded
-    path = pathlib.Path(__file__).resolve().parent / "blockdiag_cp" / "state.py"
-    spec = importlib.util.spec_from_file_location("_megatron_ext_cp_knobs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _checked(normalize: Callable[[str], str]) -> Callable[[str], Optional[str]]:
     """argparse type: the canonical value, None for the default words; a bad value exits 2."""
     def parse(value: str) -> Optional[str]:
@@ -135,19 +129,18 @@ def _checked(normalize: Callable[[str], str]) -> Callable[[str], Optional[str]]:
 
 def add_blockdiag_cp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Our CP knobs as flags (one definition for Megatron-LM and for our pretrain script)."""
-    k = _knobs()
     g = parser.add_argument_group("block-diagonal CP attention (megatron_ext)")
-    g.add_argument("--cp-attn-backend", default=None, type=_checked(k.normalize_attn_backend),
+    g.add_argument("--cp-attn-backend", default=None, type=_checked(knobs.normalize_attn_backend),
                    help="te | flash | dense, or a synonym (transformer_engine, flash_attn, sdpa...); "
                         "default: the engine's default with its fallbacks (under Megatron-LM: "
                         "--attention-backend's)")
-    g.add_argument("--cp-kv-exchange", default=None, type=_checked(k.normalize_kv_exchange),
+    g.add_argument("--cp-kv-exchange", default=None, type=_checked(knobs.normalize_kv_exchange),
                    help="allgather | halo | a2a | hierarchical, or a synonym; default: the engine's default "
                         "(under Megatron-LM: --cp-comm-type's, p2p -> halo)")
-    g.add_argument("--cp-layout", default=None, type=_checked(k.normalize_layout),
+    g.add_argument("--cp-layout", default=None, type=_checked(knobs.normalize_layout),
                    help="contiguous | zigzag | balanced, or a synonym; default: the engine's default "
                         "(under Megatron-LM the data path fixes it: zigzag, thd for --sft)")
-    g.add_argument("--cp-kv-backward", default=None, type=_checked(k.normalize_kv_backward),
+    g.add_argument("--cp-kv-backward", default=None, type=_checked(knobs.normalize_kv_backward),
                    help="refetch | save | auto: backward exchanges the remote K/V again (memory "
                         "O(S/cp)) or keeps what forward received; default auto (save within a "
                         "memory budget)")
@@ -165,6 +158,28 @@ def add_blockdiag_cp_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``parse_and_validate_args(extra_args_provider=...)``: adds our ``--cp-*`` flags."""
     return add_blockdiag_cp_arguments(parser)
+
+
+def pin(knob: str, value: str, source: str) -> None:
+    """Record that the user set ``knob`` (by ``source``, e.g. ``--cp-kv-exchange a2a``)."""
+    _PINNED[knob] = (value, source)
+
+
+def pinned(knob: str) -> Optional[Tuple[str, str]]:
+    """(value, source) of ``knob`` where our flags pinned it, else None."""
+    return _PINNED.get(knob)
+
+
+def megatron_flag_given(flag: str) -> bool:
+    """Whether this Megatron-LM run's command line gave Megatron's ``flag`` (e.g. ``--cp-comm-type``)."""
+    return flag in _MEGATRON_GIVEN
+
+
+def reset_pins(megatron_given=()) -> None:
+    """Forget the pinned knobs (a new Megatron-LM argument set replaces them)."""
+    _PINNED.clear()
+    _MEGATRON_GIVEN.clear()
+    _MEGATRON_GIVEN.update(megatron_given)
 
 
 def _given_on_command_line(flags, argv=None):
@@ -229,9 +244,6 @@ def configure_from_args(args) -> dict:
     Idempotent; called by every BlockDiagCPAttention built under Megatron-LM. Megatron's own
     ``--attention-backend`` / ``--cp-comm-type`` are merged by the layer (megatron_knobs).
     """
-    from .blockdiag_cp import state as knobs
-    from .layers import megatron_knobs
-
     check_data_path(args)
     path = data_path_of(args)
     layout = getattr(args, "cp_layout", None)
@@ -246,13 +258,12 @@ def configure_from_args(args) -> dict:
     if cost_model not in (None, "auto"):
         _refuse(f"--cp-cost-model {cost_model} steers the balanced layout, which Megatron-LM's data path "
                 "cannot use (its batch arrives cut zigzag); drop --cp-cost-model")
-    megatron_knobs.reset_pins(_given_on_command_line(MEGATRON_KNOB_FLAGS))
+    reset_pins(_given_on_command_line(MEGATRON_KNOB_FLAGS))
     ours = {"attn_backend": getattr(args, "cp_attn_backend", None),
             "kv_exchange": getattr(args, "cp_kv_exchange", None)}
     for knob, value in ours.items():
         if value is not None:
-            megatron_knobs.pin(knob, value, f"--{'cp-attn-backend' if knob == 'attn_backend' else 'cp-kv-exchange'} "
-                                            f"{value}")
+            pin(knob, value, f"--{'cp-attn-backend' if knob == 'attn_backend' else 'cp-kv-exchange'} {value}")
     current = knobs.cp_varlen_runtime_config()
     knobs.configure_cp_varlen(ours["attn_backend"] or current["attn_backend"],
                               ours["kv_exchange"] or current["kv_exchange"])

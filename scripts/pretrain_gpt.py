@@ -128,11 +128,12 @@ def model_windows():
     import types
 
     from megatron_ext.blockdiag_cp import WindowMix
+    from megatron_ext.layers.attention import window_mix_from_config
 
     args = get_args()
     if args.window_size is None:
         return WindowMix()
-    return WindowMix.from_config(types.SimpleNamespace(
+    return window_mix_from_config(types.SimpleNamespace(
         num_layers=args.num_layers, window_size=tuple(args.window_size), window_attn_skip_freq=args.window_attn_skip_freq))
 
 

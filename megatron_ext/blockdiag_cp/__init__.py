@@ -1,13 +1,13 @@
-"""The block-diagonal CP engine: knows nothing of Megatron models."""
+"""The block-diagonal CP engine: knows nothing of Megatron models.
+
+The knobs (``state``) import nothing; every other public name is imported from its submodule on
+first use (the module ``__getattr__`` below), so ``import megatron_ext.blockdiag_cp.state`` -- what
+the flag parsers check values with -- does not import torch.
+"""
+
+import importlib
 
 from . import state
-from .agreement import BlockDiagCPError
-from .attention_op import blockdiag_cp_attention
-from .batch import blockdiag_cp_step, doc_ids_from_cu_seqlens, doc_ids_from_eod, shard_batch
-from .cost import CostModel, WindowMix, default_cost_model
-from .layout import thd_partitioned_indices
-from .prepare import PreparedPlan, plan_summary, prepare_plan
-from .resolve import resolve_step_state
 from .state import (
     configure_cp_kv_backward,
     configure_cp_layout,
@@ -25,7 +25,19 @@ from .state import (
     normalize_layout,
     reset_cp_attn_fire_count,
 )
-from .step import BlockDiagCPState
+
+# The public names that need torch -> the submodule that defines them.
+_LAZY = {
+    "BlockDiagCPError": "agreement",
+    "blockdiag_cp_attention": "attention_op",
+    "blockdiag_cp_step": "batch", "doc_ids_from_cu_seqlens": "batch", "doc_ids_from_eod": "batch",
+    "shard_batch": "batch",
+    "CostModel": "cost", "WindowMix": "cost", "default_cost_model": "cost",
+    "thd_partitioned_indices": "layouts.thd",
+    "PreparedPlan": "prepare", "plan_summary": "prepare", "prepare_plan": "prepare",
+    "resolve_step_state": "resolve",
+    "BlockDiagCPState": "step",
+}
 
 # What users call. Test hooks (kernel overrides, availability overrides) are not here: tests
 # reach them through megatron_ext.testing. The documented state module is
@@ -46,3 +58,24 @@ __all__ = [
     # fire counter
     "cp_attn_fire_count", "reset_cp_attn_fire_count",
 ]
+
+
+def __getattr__(name: str):
+    """A public name from its submodule, or a submodule itself (``bdcp.resolve``), imported now and kept."""
+    if name.startswith("_"):  # dunder probes (copy, inspect, pytest): no submodule is named so
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    else:
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -44,7 +44,7 @@ from .backend import call_backend
 from .chunks import chunk_kind
 from .exchange import HierarchicalTransport, NeededTransport, RingTransport
 from .resolve import resolve_step_state
-from .state import _count_cp_attn_fire
+from .state import count_cp_attn_fire
 
 logger = logging.getLogger("megatron_ext.blockdiag_cp")
 
@@ -417,7 +417,7 @@ def agree_on_qkv(state, q, k, v, cp_group, window: Optional[int] = None, sink: b
     state.agreed_signatures.add(signature)
 
 
-def _window_from(window_size) -> Tuple[Optional[int], str]:
+def window_from(window_size) -> Tuple[Optional[int], str]:
     """Megatron's window_size (left, right) -> (the left reach, None for unbounded; the error, '' when
     valid); causal only. The error is returned, not raised: the caller agrees on it first."""
     if window_size is None:
@@ -446,12 +446,12 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
     logits (Megatron's ``softmax_offset``: zeros for "off-by-one", the learnable
     parameter for "learnable"), one more term in every row's softmax denominator.
     """
-    _count_cp_attn_fire()
+    count_cp_attn_fire()
     state = resolve_step_state() if state is None else state
     scale = kernels.default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     # Checked here, raised only after the agreement: a rank alone with a bad value must not leave
     # its peers waiting in theirs.
-    window, window_error = _window_from(window_size)
+    window, window_error = window_from(window_size)
     if state is None:
         group = ps.get_cp_group() if cp_group is None else cp_group
         cp = ps.group_size(group)

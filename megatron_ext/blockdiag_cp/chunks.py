@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .intervals import (DocRuns, RankRuns, _clip_np, _expand_np, _np64, _ranges_np, map_ranges, ranges,
+from .intervals import (DocRuns, RankRuns, clip_np, expand_np, map_ranges, np64, ranges, ranges_np,
                         repeat_arange, search)
 
 CHUNK_KINDS = ("ring", "needed")
@@ -137,16 +137,16 @@ def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int) -> List[np.ndarr
     """This rank's real query pieces, in (row, position) order: row, doc, ds, pa, pb, q rows start
     (int64 numpy arrays: the stream plan stays in numpy up to its index tensors)."""
     mine = runs.of_rank(rank)
-    r_start = _np64(runs.start)[mine]
-    r_end, r_local = r_start + _np64(runs.length)[mine], _np64(runs.local)[mine]
+    r_start = np64(runs.start)[mine]
+    r_end, r_local = r_start + np64(runs.length)[mine], np64(runs.local)[mine]
     parts = []
     # In numpy (the clip's own arrays): a dozen small torch ops per row cost more than the clip at 128k.
     for row, (d_start, d_end, d_id) in enumerate(rows):
-        run, doc, pa, pb = _clip_np(r_start, r_end, d_start, d_end)
-        real = (_np64(d_id)[doc] > 0).nonzero()[0]
+        run, doc, pa, pb = clip_np(r_start, r_end, d_start, d_end)
+        real = (np64(d_id)[doc] > 0).nonzero()[0]
         if real.size < doc.size:
             run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
-        parts.append((np.full(doc.size, row, dtype=np.int64), doc, _np64(d_start)[doc], pa, pb,
+        parts.append((np.full(doc.size, row, dtype=np.int64), doc, np64(d_start)[doc], pa, pb,
                       r_local[run] + pa - r_start[run]))
     return [x[0] if len(x) == 1 else np.concatenate(x) for x in zip(*parts)]
 
@@ -232,7 +232,7 @@ def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
     last[own] = 0
     if s.size < 1 << 13:  # few ranges: every one expanded to its chunks
         count = last - first + 1  # 0: an empty range at a chunk's start, in no chunk
-        which, chunk = _expand_np(first, count)
+        which, chunk = expand_np(first, count)
         at, end_at = start[which], end[which]
         lo, hi = np.maximum(at, chunk * chunk_rows), np.minimum(end_at, (chunk + 1) * chunk_rows)
         own_at = (count.cumsum() - count)[own]  # each own range is one entry
@@ -251,7 +251,7 @@ def _split_at_chunks_np(s, start, n_k, p, rank: int, chunk_rows: int):
         if cut.size:
             extra = last[cut] - first[cut]  # pieces after a cut range's first
             at = np.repeat(cut + 1, extra)  # np.insert keeps the order of values inserted at one index
-            more = _ranges_np(first[cut] + 1, extra)  # their chunks
+            more = ranges_np(first[cut] + 1, extra)  # their chunks
             more_hi = np.minimum(np.repeat(end[cut], extra), (more + 1) * chunk_rows)
             hi = end.copy()
             hi[cut] = (first[cut] + 1) * chunk_rows
@@ -622,7 +622,7 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
     calls: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
     if row.size:
         # [real query rows] piece p's rows at q_off[p]: the causal call's
-        diag = torch.from_numpy(_ranges_np(q_first, n_q))
+        diag = torch.from_numpy(ranges_np(q_first, n_q))
         if R > 1:
             diag = diag * R + torch.from_numpy(np.repeat(row, n_q))
         q_off = n_q.cumsum() - n_q

@@ -401,17 +401,6 @@ class WindowMix:
             counts[w] = counts.get(w, 0) + 1
         return cls(tuple((w, n / len(windows)) for w, n in counts.items()))
 
-    @classmethod
-    def from_config(cls, config) -> "WindowMix":
-        """A megatron TransformerConfig's layers (``window_size``, ``window_attn_skip_freq``, ``num_layers``),
-        by megatron's own rule for which layers are windowed (``layers.attention.layer_window_size``)."""
-        from ..layers.attention import layer_window_size
-
-        layers = int(getattr(config, "num_layers", 0) or 0)
-        if layers < 1:
-            raise ValueError(f"WindowMix.from_config: the config has num_layers={layers!r}")
-        return cls.from_layers([layer_window_size(config, n) for n in range(1, layers + 1)])
-
     @property
     def windows(self) -> Tuple[int, ...]:
         """The distinct sliding windows, ascending (none for full attention only)."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .cost import CostModel, Traffic
-from .intervals import (DocRuns, RankRuns, _expand, clip, document_runs, flat_ranges, map_ranges, merge_intervals,
+from .intervals import (DocRuns, RankRuns, clip, document_runs, expand, flat_ranges, map_ranges, merge_intervals,
                         overlap_counts, overlap_pieces, owned_ranges, ranges, search, work_and_intervals)
 
 
@@ -119,7 +119,7 @@ def node_routes(runs: RankRuns, dst: torch.Tensor, a: torch.Tensor, b: torch.Ten
     inner = (torch.arange(n_nodes).view(-1, 1) * stride + bounds[:, 1:g]).reshape(-1)  # interior bounds
     first = search(inner, N * stride + off, right=True) - N * (g - 1)
     last = search(inner, N * stride + off + length - 1, right=True) - N * (g - 1)
-    piece, window = _expand(first, last - first + 1)
+    piece, window = expand(first, last - first + 1)
     lo = torch.maximum(off[piece], bounds[N[piece], window])
     hi = torch.minimum(off[piece] + length[piece], bounds[N[piece], window + 1])
     keep = hi > lo
@@ -228,7 +228,7 @@ class HierarchicalRoute:
 def build_hierarchical_route(layout, doc_ids: torch.Tensor, rank: int, ranks_per_node: int,
                              routes: Optional[NodeRoutes] = None, window: Optional[int] = None,
                              intervals=None, counts: Optional[torch.Tensor] = None) -> HierarchicalRoute:
-    """This rank's route for ``layout`` (``layout.Layout``) and padded doc ids [R, P] or [P].
+    """This rank's route for ``layout`` (``layouts.Layout``) and padded doc ids [R, P] or [P].
 
     Computed identically on every rank from global tables; ``routes`` when already at hand.
     ``window``: the rows a sliding window needs (``plan.build_plan``'s ``window``).

@@ -33,10 +33,10 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     In numpy (zero-copy views of the same memory): torch's CPU cumsum, masking and scatter
     were several times slower, and at 1M rows this was most of a plan's index building.
     """
-    return torch.from_numpy(_ranges_np(_np64(starts), _np64(lengths)))
+    return torch.from_numpy(ranges_np(np64(starts), np64(lengths)))
 
 
-def _ranges_np(s: np.ndarray, n: np.ndarray) -> np.ndarray:
+def ranges_np(s: np.ndarray, n: np.ndarray) -> np.ndarray:
     """``ranges`` of int64 numpy arrays, to a numpy array (for callers that stay in numpy)."""
     # ndarray methods, not numpy's functions: their dispatch costs as much as the work on a few ranges.
     keep = n > 0
@@ -53,7 +53,7 @@ def _ranges_np(s: np.ndarray, n: np.ndarray) -> np.ndarray:
     return steps
 
 
-def _np64(x) -> np.ndarray:
+def np64(x) -> np.ndarray:
     """An int64 numpy view of a CPU tensor or array (a copy only if it is not int64)."""
     return (x if isinstance(x, np.ndarray) else x.numpy()).astype(np.int64, copy=False)
 
@@ -81,7 +81,7 @@ def keep_where(mask: torch.Tensor, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...
 
 def repeat_index(count: torch.Tensor) -> torch.Tensor:
     """``torch.repeat_interleave(torch.arange(n), count)``: each i repeated count[i] times (``repeat_arange``)."""
-    return torch.from_numpy(repeat_arange(_np64(count)))
+    return torch.from_numpy(repeat_arange(np64(count)))
 
 
 def repeat_arange(count: np.ndarray) -> np.ndarray:
@@ -115,14 +115,14 @@ def search(table: torch.Tensor, x: torch.Tensor, right: bool = False) -> torch.T
     return torch.from_numpy(np.searchsorted(t, q, side="right" if right else "left"))
 
 
-def _expand(first: torch.Tensor, count: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def expand(first: torch.Tensor, count: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(owner, index): for each i, index runs over first[i] .. first[i] + count[i] - 1."""
-    return tuple(torch.from_numpy(x) for x in _expand_np(_np64(first), _np64(count)))
+    return tuple(torch.from_numpy(x) for x in expand_np(np64(first), np64(count)))
 
 
-def _expand_np(first: np.ndarray, count: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """``_expand`` of int64 numpy arrays, to numpy arrays (for callers that stay in numpy)."""
-    return repeat_arange(count), _ranges_np(first, count)
+def expand_np(first: np.ndarray, count: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``expand`` of int64 numpy arrays, to numpy arrays (for callers that stay in numpy)."""
+    return repeat_arange(count), ranges_np(first, count)
 
 
 @dataclass(frozen=True)
@@ -306,13 +306,13 @@ def clip(a: torch.Tensor, b: torch.Tensor, part_starts: torch.Tensor, part_ends:
 
     In range order, ascending within a range; every range non-empty.
     """
-    return tuple(torch.from_numpy(x) for x in _clip_np(a, b, part_starts, part_ends))
+    return tuple(torch.from_numpy(x) for x in clip_np(a, b, part_starts, part_ends))
 
 
-def _clip_np(a, b, part_starts, part_ends) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def clip_np(a, b, part_starts, part_ends) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``clip`` of tensors or arrays, as int64 numpy arrays: numpy's elementwise ops and gathers cost
     a half to a third of torch's on one core (a THD layout clips 2 * cp runs per document)."""
-    a, b, part_starts, part_ends = _np64(a), _np64(b), _np64(part_starts), _np64(part_ends)
+    a, b, part_starts, part_ends = np64(a), np64(b), np64(part_starts), np64(part_ends)
     part_of = _part_lookup(a, b, part_starts, part_ends)
     if part_of is not None:
         first, last = part_of[a].astype(np.int64), part_of[b - 1].astype(np.int64)
@@ -320,7 +320,7 @@ def _clip_np(a, b, part_starts, part_ends) -> Tuple[np.ndarray, np.ndarray, np.n
         first = part_starts.searchsorted(a, side="right") - 1
         last = part_starts.searchsorted(b - 1, side="right") - 1
     count = last - first + 1
-    which, part = _expand_np(first, count)
+    which, part = expand_np(first, count)
     return which, part, np.maximum(a[which], part_starts[part]), np.minimum(b[which], part_ends[part])
 
 
@@ -330,7 +330,7 @@ def _part_lookup(a, b, part_starts, part_ends) -> Optional[np.ndarray]:
     Tensors or arrays in, an array out (numpy: its checks cost a fraction of torch's small ops).
 
     One pass over the positions instead of ~log2(parts) cache-missing steps per range end."""
-    a, b, part_starts, part_ends = _np64(a), _np64(b), _np64(part_starts), _np64(part_ends)
+    a, b, part_starts, part_ends = np64(a), np64(b), np64(part_starts), np64(part_ends)
     n, end = part_starts.size, int(part_ends[-1]) if part_ends.size else 0
     if n == 0 or a.size == 0 or a.size * 4 * n.bit_length() < end or int(part_starts[0]) != 0 \
             or int(b.max()) > end:
@@ -352,7 +352,7 @@ def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.
     order, ascending within a query; a query's uncovered parts give no piece.
     """
     # In numpy: its elementwise ops and gathers cost a half to a third of torch's on one core.
-    q_start, q_len, tab_start, tab_len = _np64(q_start), _np64(q_len), _np64(tab_start), _np64(tab_len)
+    q_start, q_len, tab_start, tab_len = np64(q_start), np64(q_len), np64(tab_start), np64(tab_len)
     q_end = q_start + q_len
     tab_of = _part_lookup(q_start, q_end, tab_start, tab_start + tab_len)
     if tab_of is not None and ((q_len == 0) | (q_start >= 0)).all():
@@ -364,14 +364,14 @@ def map_ranges(tab_start: torch.Tensor, tab_len: torch.Tensor, tab_value: torch.
         j0 = np.maximum(np.searchsorted(tab_start, q_start, side="right") - 1, 0)
         j1 = np.searchsorted(tab_start, q_end) - 1  # last table range starting < q_end
     count = np.where(q_len > 0, np.maximum(j1 - j0 + 1, 0), 0)
-    which, j = _expand_np(j0, count)
+    which, j = expand_np(j0, count)
     t_start = tab_start[j]
     lo = np.maximum(q_start[which], t_start)
     n = np.maximum(np.minimum(q_end[which], t_start + tab_len[j]) - lo, 0)
     if not (n > 0).all():
         keep = np.flatnonzero(n > 0)
         which, j, lo, n, t_start = which[keep], j[keep], lo[keep], n[keep], t_start[keep]
-    return torch.from_numpy(which), torch.from_numpy(_np64(tab_value)[j] + lo - t_start), torch.from_numpy(n)
+    return torch.from_numpy(which), torch.from_numpy(np64(tab_value)[j] + lo - t_start), torch.from_numpy(n)
 
 
 def _real_pieces(run: torch.Tensor, doc: torch.Tensor, pa: torch.Tensor, pb: torch.Tensor, d_id: torch.Tensor
@@ -425,18 +425,18 @@ def work_intervals_and_docs(runs: RankRuns, rows: Sequence[DocRuns], window: Opt
     index in the row's runs: a = starts[doc]), else None (intervals of several rows or windows merge).
     """
     cp = runs.cp
-    run_start = _np64(runs.start)
-    run_end = run_start + _np64(runs.length)
+    run_start = np64(runs.start)
+    run_end = run_start + np64(runs.length)
     rank = runs.rank.numpy()
     work = np.zeros(cp, dtype=np.int64)
     parts = []
     # In numpy (a THD layout has 2 * cp runs per document): a half to a third of torch's op costs.
     for d_start, d_end, d_id in rows:
-        run, doc, pa, pb = _clip_np(run_start, run_end, d_start, d_end)
-        real = (_np64(d_id)[doc] > 0).nonzero()[0]
+        run, doc, pa, pb = clip_np(run_start, run_end, d_start, d_end)
+        real = (np64(d_id)[doc] > 0).nonzero()[0]
         if real.size < doc.size:
             run, doc, pa, pb = run[real], doc[real], pa[real], pb[real]
-        owner, s = rank[run], _np64(d_start)[doc]
+        owner, s = rank[run], np64(d_start)[doc]
         pairs = window_pairs(pa, pb, s, None) if window is None else \
             window_pairs(*(torch.from_numpy(x) for x in (pa, pb, s)), window).numpy()
         np.add.at(work, owner, pairs)
@@ -545,11 +545,11 @@ def owned_ranges(runs: RankRuns, a: torch.Tensor, b: torch.Tensor, skip: int
     last = eb + shift
     n = np.where(hi > lo, last - first + 1, 0)  # an empty [a, b) inside a run would meet it
     n[skip] = 0
-    which, run = _expand_np(first.reshape(-1), n.reshape(-1))
+    which, run = expand_np(first.reshape(-1), n.reshape(-1))
     src, which = np.divmod(which, qa.size)
-    run_start, run_len = _np64(runs.start), _np64(runs.length)
-    start = np.maximum(_np64(a)[which], run_start[run])
-    end = np.minimum(_np64(b)[which], run_start[run] + run_len[run])
+    run_start, run_len = np64(runs.start), np64(runs.length)
+    start = np.maximum(np64(a)[which], run_start[run])
+    end = np.minimum(np64(b)[which], run_start[run] + run_len[run])
     return tuple(torch.from_numpy(x) for x in (lo.astype(np.int64), hi.astype(np.int64), src, start, end - start))
 
 
@@ -571,7 +571,7 @@ def overlap_pieces(tab_start: torch.Tensor, tab_end: torch.Tensor, q_start: torc
     j0 = (search(tab_start, q_start, right=True) - 1).clamp(min=0)
     j1 = search(tab_start, q_end) - 1  # last table range starting < q_end
     count = torch.where(q_end > q_start, (j1 - j0 + 1).clamp(min=0), torch.zeros_like(j0))
-    which, j = _expand(j0, count)
+    which, j = expand(j0, count)
     lo = torch.maximum(take(q_start, which), take(tab_start, j))
     hi = torch.minimum(take(q_end, which), take(tab_end, j))
     return keep_where(hi > lo, which, j, lo, hi)

@@ -3,9 +3,9 @@
 Computed once per step from the replicated document ids; every rank computes the
 same global tables (who sends what to whom), so every exchange decision is taken
 identically on every rank without communication. Only this rank's kernel calls
-(``chunks``: one round per source rank) are materialized. Everything is interval arithmetic on the layout's
-runs and the documents' runs (``intervals``), never a mask over ``P`` per rank;
-the THD layout's counts have a closed form (``layout.thd_exchange_counts``).
+(``chunks``: one round per source rank) are materialized. The global tables come from the layout's strategy
+(``layouts.LayoutTables``): interval arithmetic on the layout's runs and the documents' runs
+(``intervals``), never a mask over ``P`` per rank, or a closed form where the layout has one (THD's).
 
 Index conventions. Sequence-aligned tensors are flattened as ``s * R + row``
 where R is the number of document-id rows (1 when every batch row shares them;
@@ -23,10 +23,8 @@ import numpy as np
 import torch
 
 from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
-from .intervals import (RankRuns, document_runs, flat_ranges, overlap_counts, owned_ranges, ranges, take,
-                        work_intervals_and_docs)
-from .layout import (Layout, thd_exchange_counts, thd_extents, thd_owned_ranges, thd_send_ranges,
-                     thd_work_and_intervals)
+from .intervals import RankRuns, document_runs, ranges, take
+from .layouts import LAYOUT_STRATEGIES, Layout
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,7 @@ def build_plan(doc_ids: torch.Tensor, layout: Layout, rank: int,
 def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Sequence[str] = CHUNK_KINDS,
                      window: Optional[int] = None, doc_runs: Optional[Sequence] = None, known=None):
     """``build_plan``, and the global tables it made that a hierarchical route needs too: (plan,
-    (dst, a, b) needed intervals, counts by interval overlap or None where THD's closed form gave them).
+    (dst, a, b) needed intervals, counts by interval overlap or None where a closed form gave them).
 
     ``known``: (work, (dst, a, b), counts) of this layout and window, when already computed (the
     balanced search's exact pricing of the layout it chose)."""
@@ -109,21 +107,15 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     cp, L = layout.cp, layout.local_len
     runs = layout.runs
     rows = [document_runs(doc_ids[row]) for row in range(R)] if doc_runs is None else list(doc_runs)
-    thd = layout.name == "thd" and R == 1 and cp > 1 and window is None  # closed forms of its tables
-    extents = thd_extents(doc_ids[0], cp, rows[0], layout.cu_seqlens_padded) if thd else None
+    tables = LAYOUT_STRATEGIES[layout.name].plan_tables(layout, doc_ids, rows, window)
     if known is None:
-        work_per_rank, dst, a, b, doc = thd_work_and_intervals(extents, cp) if thd else \
-            work_intervals_and_docs(runs, rows, window)
+        work_per_rank, dst, a, b, doc = tables.work_and_intervals()
     else:
         work_per_rank, (dst, a, b), _ = known
         doc = None
 
     # What every rank needs is its intervals; counts are their overlaps with every owner.
-    if thd:  # every rank needs every document
-        counts = thd_exchange_counts(doc_ids[0], cp, rows[0], extents)
-        overlap = None
-    else:
-        counts = overlap = overlap_counts(runs, dst, a, b) if known is None else known[2]
+    counts, overlap = tables.exchange_counts(dst, a, b, None if known is None else known[2])
     needed_remote = counts.sum(0)
 
     # This rank as the source: its local rows inside every other rank's intervals.
@@ -133,14 +125,7 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     to_dst = dst.numpy()
     out = torch.from_numpy((to_dst != rank).nonzero()[0])
     if out.numel():
-        if thd:
-            lo, hi = thd_send_ranges(extents, cp, rank, take(a, out), take(b, out), take(doc, out))
-        else:
-            # Intervals of one row start at their documents' starts: where they outnumber the documents
-            # (cp per document), lo is read off one search per document.
-            many = doc is not None and out.numel() > 2 * rows[0][0].numel()
-            at_docs = (rows[0][0], take(doc, out)) if many else None
-            lo, hi = flat_ranges(runs, take(a, out), take(b, out), rank, at_docs)
+        lo, hi = tables.send_ranges(rank, take(a, out), take(b, out), None if doc is None else take(doc, out))
         n = hi - lo
         local = ranges(lo - rank * L, n)
         per_dst = np.zeros(cp, dtype=np.int64)
@@ -152,9 +137,7 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     recv_start, recv_len = empty, empty
     mine_flat = None
     if mine.numel():
-        lo, hi, _, recv_start, recv_len = \
-            thd_owned_ranges(extents, cp, take(a, mine), take(b, mine), rank) if thd else \
-            owned_ranges(runs, take(a, mine), take(b, mine), rank)  # [cp, n_mine]
+        lo, hi, _, recv_start, recv_len = tables.owned_ranges(take(a, mine), take(b, mine), rank)  # [cp, n_mine]
         mine_flat = lo, hi
         n = hi.numpy() - lo.numpy()
         n[rank] = 0

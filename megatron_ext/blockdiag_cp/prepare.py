@@ -20,7 +20,7 @@ import torch
 from .cost import CostModel, WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .hierarchy import HierarchicalRoute, build_hierarchical_route, layout_traffic
 from .intervals import RankRuns, document_runs, overlap_counts, pair_work, work_and_intervals
-from .layout import Layout, build_layout, padded_length
+from .layouts import Layout, build_layout, padded_length
 from .plan import CHUNK_KINDS, StepPlan, plan_with_tables
 from .layouts.balanced import BalancedChoice, balanced_search
 from . import state as knobs

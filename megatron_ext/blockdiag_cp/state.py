@@ -258,7 +258,7 @@ def reset_cp_attn_fire_count() -> None:
         _CP_ATTN_FIRE_COUNT[0] = 0
 
 
-def _count_cp_attn_fire() -> None:
+def count_cp_attn_fire() -> None:
     with _FIRE_COUNT_LOCK:
         _CP_ATTN_FIRE_COUNT[0] += 1
 

@@ -33,7 +33,7 @@ from .agreement import (
 )
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
-from .layout import Layout, build_layout, padded_length
+from .layouts import Layout, build_layout, padded_length
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
     ATTN_BACKEND_VALUES,
@@ -238,7 +238,7 @@ class BlockDiagCPState:
         ``kv_backward``: "refetch" | "save" | "auto" (None: the configured knob).
         ``windows``: the model's sliding windows (``cost.resolve_windows``: None for full
         attention, a window or Megatron's (left, 0), a ``WindowMix`` -- e.g.
-        ``WindowMix.from_config(config)`` for ``window_attn_skip_freq`` -- or per-layer windows):
+        ``layers.attention.window_mix_from_config(config)`` for ``window_attn_skip_freq`` -- or per-layer windows):
         ``balanced`` prices its layouts as that mix of layers; agreed across the CP group.
         """
         return cls.from_source(ReplicatedDocIds(doc_ids), cp_group=cp_group, layout=layout,

@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from .. import parallel_state as ps
-from ..blockdiag_cp import BlockDiagCPError, blockdiag_cp_attention
+from ..blockdiag_cp import BlockDiagCPError, WindowMix, blockdiag_cp_attention
 from ..megatron_lm import config_field, megatron_lm_flag
 from ..blockdiag_cp.resolve import resolve_step_state
 
@@ -128,9 +128,9 @@ def check_core_attention_config(config) -> None:
 
 def _check_window_config(window) -> None:
     """A sliding window must be causal (right reach 0): refused at construction, not at the first step."""
-    from ..blockdiag_cp.attention_op import _window_from
+    from ..blockdiag_cp.attention_op import window_from
 
-    _, error = _window_from(window)
+    _, error = window_from(window)
     if error:
         raise BlockDiagCPError(f"{config_field('window_size', window)}: {error}; give --window-size L 0 "
                                "(window_size=(L, 0))")
@@ -161,18 +161,26 @@ def layer_window_size(config, layer_number: int):
     return window if skip[layer_number - 1] else None
 
 
+def window_mix_from_config(config) -> WindowMix:
+    """A megatron TransformerConfig's layers (``window_size``, ``window_attn_skip_freq``, ``num_layers``)
+    as the planner prices them, by megatron's own rule for which layers are windowed
+    (``layer_window_size``)."""
+    layers = int(getattr(config, "num_layers", 0) or 0)
+    if layers < 1:
+        raise ValueError(f"window_mix_from_config: the config has num_layers={layers!r}")
+    return WindowMix.from_layers([layer_window_size(config, n) for n in range(1, layers + 1)])
+
+
 def _model_windows(config):
     """The config's layers' windows as the planner takes them (``cost.WindowMix``); None (planned as
     full attention) when the config gives no layer count or a window the op refuses: the layer's
     own call raises the error that names it (a non-causal window_size, say)."""
-    from ..blockdiag_cp.cost import WindowMix
-
     if not getattr(config, "window_size", None):
         return WindowMix()
     if not int(getattr(config, "num_layers", 0) or 0):
         return None
     try:
-        return WindowMix.from_config(config)
+        return window_mix_from_config(config)
     except ValueError:
         return None
 

@@ -38,6 +38,7 @@ from typing import Dict, Optional, Tuple
 
 from ..blockdiag_cp import BlockDiagCPError
 from ..blockdiag_cp import state as knobs
+from .. import megatron_lm
 from ..megatron_lm import config_field
 
 ATTENTION_BACKEND_TO_OURS: Dict[str, Optional[str]] = {
@@ -45,24 +46,8 @@ ATTENTION_BACKEND_TO_OURS: Dict[str, Optional[str]] = {
 CP_COMM_TYPE_TO_OURS: Dict[str, str] = {"p2p": "halo", "a2a": "a2a", "allgather": "allgather",
                                         "all_gather": "allgather"}
 
-# Knob -> (value, where it was set) for values the user pinned with our flags.
-_PINNED: Dict[str, Tuple[str, str]] = {}
 # Knob -> the value this module last set from Megatron's config (replaced on the next build).
 _APPLIED: Dict[str, str] = {}
-# Megatron flags given on the command line of a Megatron-LM run ({"--cp-comm-type", ...}).
-_MEGATRON_GIVEN: set = set()
-
-
-def pin(knob: str, value: str, source: str) -> None:
-    """Record that the user set ``knob`` (by ``source``, e.g. ``--cp-kv-exchange a2a``)."""
-    _PINNED[knob] = (value, source)
-
-
-def reset_pins(megatron_given=()) -> None:
-    """Forget the pinned knobs (a new Megatron-LM argument set replaces them)."""
-    _PINNED.clear()
-    _MEGATRON_GIVEN.clear()
-    _MEGATRON_GIVEN.update(megatron_given)
 
 
 def megatron_lm_args():
@@ -121,10 +106,10 @@ def megatron_knob_values(config, cp_comm_type) -> Dict[str, Tuple[Optional[str],
             f"BlockDiagCPAttention{hint}; use p2p | a2a | allgather, or --cp-kv-exchange")
     return {
         "attn_backend": (ATTENTION_BACKEND_TO_OURS[backend], f"--attention-backend {backend}",
-                         backend != "auto" or "--attention-backend" in _MEGATRON_GIVEN),
+                         backend != "auto" or megatron_lm.megatron_flag_given("--attention-backend")),
         "kv_exchange": (None if exchange is None else CP_COMM_TYPE_TO_OURS[exchange],
                         f"--cp-comm-type {exchange}",
-                        exchange not in (None, "p2p") or "--cp-comm-type" in _MEGATRON_GIVEN),
+                        exchange not in (None, "p2p") or megatron_lm.megatron_flag_given("--cp-comm-type")),
     }
 
 
@@ -145,15 +130,13 @@ def apply_megatron_knobs(config, cp_comm_type=None) -> Dict[str, str]:
     """
     args = megatron_lm_args()
     if args is not None:
-        from .. import megatron_lm  # only under Megatron-LM: its flags beyond the config
-
-        megatron_lm.configure_from_args(args)
+        megatron_lm.configure_from_args(args)  # only under Megatron-LM: its flags beyond the config
     megatron = megatron_knob_values(config, cp_comm_type)
     current = _current()
     target = dict(current)
     pinned_now = set()
     for knob, (mapped, megatron_flag, given) in megatron.items():
-        pinned = _PINNED.get(knob)
+        pinned = megatron_lm.pinned(knob)
         if pinned is None and current[knob] != _DEFAULT[knob] and current[knob] != _APPLIED.get(knob):
             pinned = (current[knob], f"configure_cp_varlen({knob}={current[knob]!r})")
         if pinned is not None:

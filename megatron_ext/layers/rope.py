@@ -9,7 +9,7 @@ import torch
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from ..blockdiag_cp.layout import document_starts
+from ..blockdiag_cp.layouts import document_starts
 from ..blockdiag_cp.resolve import resolve_step_state
 
 

@@ -53,7 +53,7 @@ def with_blockdiag_core_attention(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
-def _torch_norms(spec: ModuleSpec) -> ModuleSpec:
+def torch_norms(spec: ModuleSpec) -> ModuleSpec:
     # megatron-core picks FusedLayerNorm when *any* module named apex imports; without
     # NVIDIA's fused kernels that module cannot run, so fall back as megatron would.
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
@@ -93,7 +93,7 @@ def get_gpt_layer_spec_with_blockdiag_cp(
             num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
             normalization=normalization)
         if not nvidia_apex_available():
-            spec = _torch_norms(spec)
+            spec = torch_norms(spec)
     return with_blockdiag_core_attention(spec)
 
 
@@ -192,7 +192,7 @@ def megatron_layer_spec_for(config, layer_number: int) -> ModuleSpec:
                                      normalization=getattr(config, "normalization", None))
     spec = with_blockdiag_core_attention(spec)
     if not use_te and not nvidia_apex_available():
-        spec = _torch_norms(spec)
+        spec = torch_norms(spec)
     return spec
 
 

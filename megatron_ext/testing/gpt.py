@@ -117,9 +117,9 @@ def gpt_model(cfg, spec, seq_len: int, seed: int = 1, position_embedding_type="l
 def reference_model(cfg_kwargs, seq_len, seed=1, **kw):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_ext.layers.specs import _torch_norms
+    from megatron_ext.layers.specs import torch_norms
 
-    spec = _torch_norms(get_gpt_layer_local_spec())
+    spec = torch_norms(get_gpt_layer_local_spec())
     spec.submodules.self_attention.submodules.core_attention = make_reference_core_attention()
     return gpt_model(config(cp=1, **cfg_kwargs), spec, seq_len, seed, **kw)
 

@@ -74,7 +74,7 @@ class RankCalls:
 
 def rank_calls(doc_ids: torch.Tensor, layout: str, cp: int, device) -> List[RankCalls]:
     """Every rank's kernel calls for ``doc_ids`` ([S] or [R, S]) under ``layout`` at ``cp``."""
-    from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+    from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
     from megatron_ext.blockdiag_cp.plan import build_plan
     from megatron_ext.blockdiag_cp.step import DeviceCall
 

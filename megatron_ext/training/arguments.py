@@ -8,17 +8,17 @@ parsing: a bad value exits non-zero on every rank at once, naming the value and 
 fix, instead of one rank raising while the others wait in ``init_process_group``.
 
 Nothing here imports torch or megatron: the knob names are checked by the engine's
-dependency-free ``state.py`` loaded on its own, so a typo costs well under a second.
+dependency-free ``state`` module (importing it does not import the engine's torch modules),
+so a typo costs well under a second.
 """
 
 import argparse
-import importlib.util
 import math
 import os
 import pathlib
-import sys
 
 from .. import megatron_lm
+from ..blockdiag_cp import state as cp_state
 from . import data
 
 _GLOBAL_ARGS = None
@@ -175,28 +175,12 @@ def world_from_env():
     return rank, world, local, local_world
 
 
-def _knob_module():
-    """megatron_ext.blockdiag_cp.state, loaded without the engine package's torch imports.
-
-    state.py is a dependency-free leaf; loading it on its own keeps a bad flag's exit
-    to well under a second (no torch/megatron import before the error).
-    """
-    loaded = sys.modules.get("megatron_ext.blockdiag_cp.state")
-    if loaded is not None:
-        return loaded
-    path = pathlib.Path(__file__).resolve().parent.parent / "blockdiag_cp" / "state.py"
-    spec = importlib.util.spec_from_file_location("_megatron_ext_cp_knobs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise UsageError(message)
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
@@ -206,25 +190,25 @@ def _check_numbers(args) -> None:
                  "seq_length", "micro_batch_size", "train_iters", "tensor_model_parallel_size",
                  "log_interval", "rotary_base"):
         value = getattr(args, name)
-        _require(value is not None and value >= 1, f"{_flag(name)} must be >= 1, got {value}")
+        _require(value is not None and value >= 1, f"{flag_name(name)} must be >= 1, got {value}")
     for name in ("ffn_hidden_size", "global_batch_size", "save_interval", "lr_decay_iters",
                  "lr_wsd_decay_iters"):
         value = getattr(args, name)
-        _require(value is None or value >= 1, f"{_flag(name)} must be >= 1, got {value}")
+        _require(value is None or value >= 1, f"{flag_name(name)} must be >= 1, got {value}")
     _require(args.lr_warmup_iters is None or args.lr_warmup_iters >= 0,
              f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     for name in ("lr", "adam_eps", "init_method_std", "distributed_timeout_minutes"):
         value = getattr(args, name)
         _require(math.isfinite(value) and value > 0,
-                 f"{_flag(name)} must be a finite number > 0, got {value}")
+                 f"{flag_name(name)} must be a finite number > 0, got {value}")
     for name in ("min_lr", "lr_warmup_init", "weight_decay", "start_weight_decay",
                  "end_weight_decay", "clip_grad", "lr_warmup_fraction"):
         value = getattr(args, name)
         _require(value is None or (math.isfinite(value) and value >= 0),
-                 f"{_flag(name)} must be a finite number >= 0, got {value}")
+                 f"{flag_name(name)} must be a finite number >= 0, got {value}")
     for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
         value = getattr(args, name)
-        _require(0 <= value < 1, f"{_flag(name)} must be in [0, 1), got {value}")
+        _require(0 <= value < 1, f"{flag_name(name)} must be in [0, 1), got {value}")
     _require(args.window_size is None or (args.window_size[0] >= 0 and args.window_size[1] == 0),
              f"--window-size takes LEFT 0 (LEFT >= 0 keys before each query, causal), got {args.window_size}")
     _require(args.window_attn_skip_freq is None or (args.window_size is not None and args.window_attn_skip_freq >= 1),
@@ -273,7 +257,6 @@ def _resolve_schedule(args) -> None:
 
 def validate_args(args, world_size: int) -> None:
     """Every check that needs no process group; raises UsageError. Fills in derived sizes."""
-    cp_state = _knob_module()
     for flag, normalize in (("--cp-attn-backend", cp_state.normalize_attn_backend),
                             ("--cp-kv-exchange", cp_state.normalize_kv_exchange),
                             ("--cp-layout", cp_state.normalize_layout),

@@ -34,7 +34,7 @@ import re
 import shutil
 import zipfile
 
-from .arguments import _flag
+from .arguments import flag_name
 from .data import fsync_path
 
 POINTER = "latest_checkpointed_iteration.txt"
@@ -288,7 +288,7 @@ def _check_rank_file(path: str, state: dict, iteration: int, rank: int, meta: di
 
 def _schedule_mismatch(folder: str, meta: dict, args, iteration: int, exc: AssertionError) -> str:
     saved = meta.get("args", {})
-    changed = [f"{_flag(name)} {getattr(args, name)} (checkpoint: {saved[name]})"
+    changed = [f"{flag_name(name)} {getattr(args, name)} (checkpoint: {saved[name]})"
                for name in SCHEDULE_FLAGS if name in saved and saved[name] != getattr(args, name, None)]
     return (f"{folder} was saved with another learning-rate / weight-decay schedule than this run's flags "
             f"give: {', '.join(changed) or 'see below'} (megatron's check: {str(exc).strip()}). "

@@ -24,7 +24,7 @@ HEADS, HEAD_DIM = 8, 64
 
 def _mask_rows(doc_ids: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     """This rank's rows of Megatron's reset-attention mask (True = masked out), [1, 1, S/cp, S]."""
-    from megatron_ext.blockdiag_cp.layout import document_starts
+    from megatron_ext.blockdiag_cp.layouts import document_starts
     from megatron_ext.blockdiag_cp.resolve import _zigzag_rows
 
     S = doc_ids.numel()

@@ -8,7 +8,7 @@ from typing import List
 
 import torch
 
-from megatron_ext.blockdiag_cp.layout import document_starts
+from megatron_ext.blockdiag_cp.layouts import document_starts
 
 
 def needed_mask(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from megatron_ext.blockdiag_cp import plan_summary, prepare_plan
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.intervals import RankRuns, document_runs, overlap_counts, work_and_intervals
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.layouts.balanced import (DEFAULT_TUNING, BalancedChoice, BalancedTuning,
                                                         balanced_runs, balanced_search)
 

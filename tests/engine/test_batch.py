@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import megatron_ext.blockdiag_cp as bdcp
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length, position_work
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length, position_work
 from megatron_ext.testing import reference_attention
 
 

@@ -11,7 +11,7 @@ are square diagonal blocks and full calls never see a key after a query.
 import pytest
 import torch
 
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan
 from megatron_ext.testing.cases import CASES, make_doc_ids
 

@@ -15,7 +15,7 @@ import megatron_ext.blockdiag_cp as bdcp
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route, layout_traffic, node_routes
 from megatron_ext.blockdiag_cp.intervals import document_runs, overlap_counts, work_and_intervals
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan
 from megatron_ext.testing import pool_fixture
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import megatron_ext.blockdiag_cp as bdcp
-from megatron_ext.blockdiag_cp.layout import build_layout, thd_padded_cu_seqlens
+from megatron_ext.blockdiag_cp.layouts import build_layout
+from megatron_ext.blockdiag_cp.layouts.thd import thd_padded_cu_seqlens
 from megatron_ext.blockdiag_cp.state import normalize_layout
 from megatron_ext.testing.cases import THD_EMPTY_DOCUMENT_CASES, thd_case
 
@@ -75,7 +76,7 @@ def test_cp1_state_with_thd_layout_runs_the_document_rule():
 def test_closed_form_counts_equal_the_interval_count(cp):
     """thd_exchange_counts against the generic interval count: leading padding, 1-token, long documents."""
     from megatron_ext.blockdiag_cp.intervals import document_runs, overlap_counts, work_and_intervals
-    from megatron_ext.blockdiag_cp.layout import thd_exchange_counts
+    from megatron_ext.blockdiag_cp.layouts.thd import thd_exchange_counts
 
     g = torch.Generator().manual_seed(cp)
     lengths = [1, 2 * cp, 2 * cp + 1, 5 * cp - 1] + torch.randint(1, 12 * cp, (9,), generator=g).tolist()
@@ -121,7 +122,7 @@ def test_runs_come_merged_as_build_merges_the_chunks(cp):
     """The layout's runs (touching chunks merged by the layout itself) equal ``RankRuns.build`` of its chunks."""
     ids = _padded_documents(cp, cp + 10)
     want = _chunk_runs(ids, cp)
-    rank, start, length = bdcp.layout.THDLayout().runs(ids.unsqueeze(0), cp, None)
+    rank, start, length = bdcp.layouts.THDLayout().runs(ids.unsqueeze(0), cp, None)
     assert torch.equal(rank, want.rank) and torch.equal(start, want.start) and torch.equal(length, want.length)
     got = build_layout("thd", ids.unsqueeze(0), cp).runs
     assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("rank", "start", "length", "local"))
@@ -131,7 +132,7 @@ def test_runs_come_merged_as_build_merges_the_chunks(cp):
 def test_closed_form_work_and_intervals_equal_the_clip(cp):
     """thd_work_and_intervals against the generic clip of the layout's chunks by the documents."""
     from megatron_ext.blockdiag_cp.intervals import document_runs, work_intervals_and_docs
-    from megatron_ext.blockdiag_cp.layout import thd_extents, thd_work_and_intervals
+    from megatron_ext.blockdiag_cp.layouts.thd import thd_extents, thd_work_and_intervals
 
     for seed in range(3):
         ids = _padded_documents(cp, seed)
@@ -145,7 +146,8 @@ def test_closed_form_owned_and_sent_ranges_equal_the_searches(cp):
     """thd_owned_ranges and thd_send_ranges against the generic owned_ranges and flat_ranges through
     the layout's chunks, every rank."""
     from megatron_ext.blockdiag_cp.intervals import flat_ranges, owned_ranges
-    from megatron_ext.blockdiag_cp.layout import thd_extents, thd_owned_ranges, thd_send_ranges, thd_work_and_intervals
+    from megatron_ext.blockdiag_cp.layouts.thd import (thd_extents, thd_owned_ranges, thd_send_ranges,
+                                                       thd_work_and_intervals)
 
     for seed in range(3):
         ids = _padded_documents(cp, seed)
@@ -228,8 +230,8 @@ def test_plan_closed_forms_with_empty_extents_equal_the_generic_count(name, cp):
     arithmetic over the layout's runs (counts, work, every rank's send and receive ranges)."""
     from megatron_ext.blockdiag_cp.intervals import (document_runs, flat_ranges, overlap_counts, owned_ranges,
                                                      work_intervals_and_docs)
-    from megatron_ext.blockdiag_cp.layout import (thd_exchange_counts, thd_extents, thd_owned_ranges,
-                                                  thd_send_ranges, thd_work_and_intervals)
+    from megatron_ext.blockdiag_cp.layouts.thd import (thd_exchange_counts, thd_extents, thd_owned_ranges,
+                                                       thd_send_ranges, thd_work_and_intervals)
 
     cu, cu_padded, ids = thd_case(name, cp)
     _, lay = _source_layout(cu, cu_padded, cp)
@@ -272,7 +274,7 @@ def test_cu_seqlens_padded_errors_name_the_value():
 def test_from_doc_ids_the_layout_pads_the_end_only():
     """As docs/design.md's layout table says: padded_length pads the sequence's end (the last
     document's extent) to 2cp; every other document must come padded, else the error names it."""
-    from megatron_ext.blockdiag_cp.layout import padded_length
+    from megatron_ext.blockdiag_cp.layouts import padded_length
 
     last_short = torch.tensor([1] * 8 + [2] * 3)  # document 2 unpadded at the end: the layout pads it
     P = padded_length(last_short.numel(), "thd", 2)
@@ -282,3 +284,21 @@ def test_from_doc_ids_the_layout_pads_the_end_only():
     with pytest.raises(ValueError, match=r"document 1 \(positions 0\.\.4\) has padded extent 5.*pad every "
                                          r"document at its end to a multiple of 4"):
         build_layout("thd", first_short.unsqueeze(0), 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_plan_takes_the_closed_forms_only_where_they_hold(cp):
+    """THD's plan tables are its closed forms for one row of whole documents at cp > 1, else the intervals."""
+    from megatron_ext.blockdiag_cp.intervals import document_runs
+    from megatron_ext.blockdiag_cp.layouts import LAYOUT_STRATEGIES, LayoutTables
+    from megatron_ext.blockdiag_cp.layouts.thd import THDTables
+
+    ids = _padded_documents(cp, 0).unsqueeze(0)
+    rows = [document_runs(ids[0])]
+    thd, layout = LAYOUT_STRATEGIES["thd"], build_layout("thd", ids, cp)
+    assert type(thd.plan_tables(layout, ids, rows, None)) is THDTables
+    assert type(thd.plan_tables(layout, ids, rows, 8)) is LayoutTables  # a window
+    assert type(thd.plan_tables(layout, ids.repeat(2, 1), rows * 2, None)) is LayoutTables  # two rows
+    assert type(thd.plan_tables(build_layout("thd", ids, 1), ids, rows, None)) is LayoutTables  # one rank
+    for name in ("contiguous", "zigzag", "balanced"):
+        assert type(LAYOUT_STRATEGIES[name].plan_tables(build_layout(name, ids, cp), ids, rows, None)) is LayoutTables

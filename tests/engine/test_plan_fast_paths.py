@@ -14,7 +14,7 @@ from megatron_ext.blockdiag_cp.layouts.balanced.units import Units, UnitTable
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route
 from megatron_ext.blockdiag_cp.intervals import clip, document_runs, map_ranges
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan
 from stream_reference import _split_at_chunks as split_at_chunks_in_torch  # the torch code the numpy split replaced
 

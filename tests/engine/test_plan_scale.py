@@ -8,7 +8,7 @@ import megatron_ext.blockdiag_cp as bdcp
 from megatron_ext.testing import WorkerPool
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.intervals import document_runs
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan
 from plan_reference import reference_build_plan
 

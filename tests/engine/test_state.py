@@ -212,7 +212,7 @@ def test_fire_count_is_a_documented_list_cell():
 
 def test_our_increments_are_thread_safe():
     st.reset_cp_attn_fire_count()
-    threads = [threading.Thread(target=lambda: [st._count_cp_attn_fire() for _ in range(2000)])
+    threads = [threading.Thread(target=lambda: [st.count_cp_attn_fire() for _ in range(2000)])
                for _ in range(4)]
     for t in threads:
         t.start()
@@ -230,3 +230,19 @@ def test_state_module_is_dependency_free():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"threading", "typing"}, imported
+
+
+@pytest.mark.parametrize("module", ["megatron_ext.blockdiag_cp.state", "megatron_ext.megatron_lm"])
+def test_importing_the_knobs_through_the_package_imports_no_torch(module):
+    # The flag parsers (megatron_lm's --cp-* flags, training.arguments) check values with these
+    # before torch is imported; the engine package resolves its torch-needing names on first use.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr

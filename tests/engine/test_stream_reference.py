@@ -12,7 +12,8 @@ import torch
 
 from megatron_ext.blockdiag_cp.chunks import CHUNK_KINDS, build_stream_plan
 from megatron_ext.blockdiag_cp.intervals import document_runs, overlap_counts, work_and_intervals
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length, thd_exchange_counts
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts.thd import thd_exchange_counts
 from megatron_ext.blockdiag_cp.plan import build_plan
 from stream_reference import reference_build_stream_plan
 

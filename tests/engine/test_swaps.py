@@ -10,7 +10,7 @@ from megatron_ext.blockdiag_cp.layouts.balanced import DEFAULT_TUNING, balanced_
 from megatron_ext.blockdiag_cp.cost import CostModel
 from megatron_ext.blockdiag_cp.hierarchy import layout_traffic
 from megatron_ext.blockdiag_cp.intervals import RankRuns, document_runs, work_and_intervals
-from megatron_ext.blockdiag_cp.layout import build_layout
+from megatron_ext.blockdiag_cp.layouts import build_layout
 from megatron_ext.blockdiag_cp.layouts.balanced.swaps import RangeSwaps, RangeWork
 
 

@@ -9,7 +9,7 @@ import torch
 from megatron_ext.blockdiag_cp.cost import CostModel, Traffic
 from megatron_ext.blockdiag_cp.hierarchy import layout_traffic
 from megatron_ext.blockdiag_cp.intervals import document_runs, pair_work, work_and_intervals
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.testing import pool_fixture
 from megatron_ext.testing import gpt as H
 

@@ -12,7 +12,7 @@ import torch
 import megatron_ext.blockdiag_cp as bdcp
 from megatron_ext.blockdiag_cp.cost import CostModel, WindowMix, resolve_windows
 from megatron_ext.blockdiag_cp.intervals import document_runs, pair_work
-from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.layouts.balanced.traffic import candidate_traffic, flatten
 from megatron_ext.blockdiag_cp.layouts.balanced.units import UnitTable
 from megatron_ext.blockdiag_cp.prepare import layout_cost
@@ -151,14 +151,7 @@ def test_balanced_moves_no_more_keys_than_contiguous_on_long_documents_with_a_wi
     assert got["balanced"] <= min(got["contiguous"], got["zigzag"]), got
 
 
-def test_window_mix_from_config_follows_megatrons_layer_rule_and_refuses_bad_input():
-    from types import SimpleNamespace
-
-    cfg = SimpleNamespace(num_layers=8, window_size=(128, 0), window_attn_skip_freq=4)
-    assert WindowMix.from_config(cfg) == WindowMix(((128, 0.75), (None, 0.25)))  # every 4th layer full
-    cfg = SimpleNamespace(num_layers=4, window_size=(128, 0), window_attn_skip_freq=[1, 0, 0, 1])
-    assert WindowMix.from_config(cfg) == WindowMix.of(128, 0.5)
-    assert WindowMix.from_config(SimpleNamespace(num_layers=3, window_size=None, window_attn_skip_freq=None)).full_only
+def test_window_mix_refuses_bad_input():
     assert resolve_windows((128, 0)) == WindowMix.of(128) == resolve_windows(128)
     assert resolve_windows([128, None, (64, 0), None]) == WindowMix(((64, .25), (128, .25), (None, .5)))
     for bad, match in (((128, 5), "causal"), (-1, ">= 0"), ("128", "windows must be"), ([], "no layers")):

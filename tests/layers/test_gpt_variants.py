@@ -80,7 +80,7 @@ def mla_step(exchanges):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from megatron_ext.layers import blockdiag_cp_gpt_layer_spec
-    from megatron_ext.layers.specs import _torch_norms
+    from megatron_ext.layers.specs import torch_norms
 
     def model(cp, spec):
         cfg = MLATransformerConfig(context_parallel_size=cp, use_cpu_initialization=True,
@@ -94,7 +94,7 @@ def mla_step(exchanges):
     with H.cuda_calls_on_cpu():  # megatron's MLA RoPE asks torch.cuda.current_device() at construction
         # The reference first, on a CP group of one (megatron's MLA RoPE slices by the CP group it sees).
         H.ensure_mpu(tp=1, cp=1)
-        ref_spec = _torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True,
+        ref_spec = torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True,
                                                                          normalization="RMSNorm"))
         ref_spec.submodules.self_attention.submodules.core_attention = H.make_reference_core_attention()
         try:

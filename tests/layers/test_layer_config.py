@@ -35,13 +35,14 @@ pool2 = pool_fixture(2)
 
 @pytest.fixture(autouse=True)
 def _restore_knobs():
+    from megatron_ext import megatron_lm
     from megatron_ext.layers import megatron_knobs
 
     yield
     bdcp.configure_cp_varlen()
     bdcp.configure_cp_kv_backward()
     bdcp.configure_cp_strict()
-    megatron_knobs.reset_pins()
+    megatron_lm.reset_pins()
     megatron_knobs._APPLIED.clear()
 
 
@@ -172,6 +173,19 @@ def test_mla_keywords_and_unequal_head_dims():
     assert out.shape == (6, 1, 32)
     want = reference_attention(q, k, v, torch.ones(6, dtype=torch.long), scale=0.3).reshape(6, 1, 32)
     assert torch.allclose(out, want, atol=1e-6)
+
+
+def test_window_mix_from_config_follows_megatrons_layer_rule():
+    from megatron_ext.layers.attention import window_mix_from_config
+
+    cfg = types.SimpleNamespace(num_layers=8, window_size=(128, 0), window_attn_skip_freq=4)
+    assert window_mix_from_config(cfg) == bdcp.WindowMix(((128, 0.75), (None, 0.25)))  # every 4th layer full
+    cfg = types.SimpleNamespace(num_layers=4, window_size=(128, 0), window_attn_skip_freq=[1, 0, 0, 1])
+    assert window_mix_from_config(cfg) == bdcp.WindowMix.of(128, 0.5)
+    assert window_mix_from_config(types.SimpleNamespace(num_layers=3, window_size=None,
+                                                        window_attn_skip_freq=None)).full_only
+    with pytest.raises(ValueError, match="num_layers"):
+        window_mix_from_config(types.SimpleNamespace(num_layers=0, window_size=(128, 0)))
 
 
 def test_window_per_layer_follows_megatrons_rule():
@@ -361,7 +375,6 @@ def test_megatron_lm_data_paths_that_keep_documents_pass(kw):
 
 def test_extra_args_provider_parses_checks_and_pins(monkeypatch):
     from megatron_ext import megatron_lm
-    from megatron_ext.layers import megatron_knobs
 
     parser = megatron_lm.extra_args_provider(argparse.ArgumentParser())
     args = parser.parse_args(["--cp-attn-backend", "SDPA", "--cp-kv-exchange", "needed-a2a", "--cp-layout",
@@ -377,7 +390,7 @@ def test_extra_args_provider_parses_checks_and_pins(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
     knobs = megatron_lm.configure_from_args(ns)
     assert knobs == {"attn_backend": "dense", "kv_exchange": "a2a", "kv_backward": "save", "strict": True}
-    assert megatron_knobs._PINNED["kv_exchange"] == ("a2a", "--cp-kv-exchange a2a")
+    assert megatron_lm.pinned("kv_exchange") == ("a2a", "--cp-kv-exchange a2a")
     for bad, needle in ((dict(cp_layout="balanced"), "--cp-layout balanced"),
                         (dict(cp_cost_model="ib"), "--cp-cost-model ib")):
         with pytest.raises(bdcp.BlockDiagCPError, match=needle):
@@ -422,13 +435,13 @@ def spec_and_megatron_models(case):
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import import_module
 
-    from megatron_ext.layers.specs import _torch_norms
+    from megatron_ext.layers.specs import torch_norms
 
     H.ensure_mpu(tp=1, cp=1)
     ours_spec = import_module(("megatron_ext.layers", "blockdiag_cp_gpt_layer_spec"))
     if case == "qk_layernorm":
         kw = dict(qk_layernorm=True, normalization="RMSNorm")
-        theirs = _torch_norms(specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+        theirs = torch_norms(specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
     else:
         kw = dict(num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1], gated_linear_unit=True,
                   add_bias_linear=False)

@@ -7,10 +7,11 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..base import RunSpec
 from .packing import pack, pack_lockstep, split_heavy
 from .traffic import NodeExchange, score_many
 from .tuning import BalancedTuning
-from .units import Owned, RunSpec, Spans, Units, UnitTable
+from .units import Owned, Spans, Units, UnitTable
 
 
 class Candidates:

@@ -30,11 +30,12 @@ import torch
 
 from ...cost import CostModel, WindowMix
 from ...intervals import DocRuns, RankRuns, document_runs, overlap_counts, work_and_intervals
+from ..base import RunSpec
 from .candidates import choose, find_candidates
 from .nodes import node_finalists
 from .traffic import candidate_traffic, flatten, runs_of
 from .tuning import DEFAULT_TUNING, BalancedTuning
-from .units import Owned, RunSpec, Spans, UnitTable
+from .units import Owned, Spans, UnitTable
 
 if TYPE_CHECKING:  # imported at run time by the exact pricing only
     from ...hierarchy import NodeRoutes

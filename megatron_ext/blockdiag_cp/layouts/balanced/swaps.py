@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...intervals import _expand_np
+from ...intervals import expand_np
 from .tuning import DEFAULT_TUNING
 
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
@@ -109,7 +109,7 @@ class RangeSwaps:
         n = np.minimum(mb[i] - ma[i], ob[j, 3] - ob[j, 2])
         if self.halvings:  # also 2^k < n (k >= 0) for every pair of ranges
             top = np.floor(np.log2(np.maximum(n - 1, 1))).astype(np.int64) + (n > 1)  # 2^k < n: k < top
-            pair, k = _expand_np(np.zeros_like(top), top + 1)  # k = 0 .. top per pair; k = top: n itself
+            pair, k = expand_np(np.zeros_like(top), top + 1)  # k = 0 .. top per pair; k = top: n itself
             i, j, n = i[pair], j[pair], np.where(k == top[pair], n[pair], 1 << k)
         # x: A's prefix or suffix, y: B's prefix or suffix (one choice when a range moves whole).
         xs = np.concatenate([ma[i], mb[i] - n, ma[i], mb[i] - n])

@@ -6,9 +6,10 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ...intervals import (DocRuns, RankRuns, _expand_np, clip, merge_intervals, overlap_counts, overlap_pieces,
+from ...intervals import (DocRuns, RankRuns, clip, expand_np, merge_intervals, overlap_counts, overlap_pieces,
                           repeat_arange, window_pairs, work_and_intervals)
-from .units import Owned, RunSpec, Units, UnitTable, pieces_np
+from ..base import RunSpec
+from .units import Owned, Units, UnitTable, pieces_np
 
 
 def score_many(units: "Units", cp: int, q: float, cands: Sequence[Sequence[Tuple[str, Owned]]],
@@ -156,7 +157,7 @@ def _traffic_np(units, cp: int, n_cand: int, group: np.ndarray, a: np.ndarray, b
     pieces = np.flatnonzero(hi - lo > 1)
     out = np.zeros(size, dtype=np.int64)
     if pieces.size:
-        p, h = _expand_np(lo[pieces], (hi - lo)[pieces])
+        p, h = expand_np(lo[pieces], (hi - lo)[pieces])
         p = pieces[p]
         sent = np.maximum(np.minimum(pb[p], reach[h]) - pa[p], 0)
         # Against every holder, its own among them (reach >= pb: pb - pa), taken off after the sums

@@ -8,9 +8,9 @@ import torch
 
 from ...cost import WindowMix
 from ...intervals import DocRuns, repeat_arange, window_pairs
+from ..base import RunSpec
 from .tuning import DEFAULT_TUNING
 
-RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 Owned = List[List[Tuple[int, int]]]  # per rank, the [a, b) ranges it owns
 Span = Tuple[int, int]  # [a, b)
 Spans = List[Tuple[int, int]]  # the global ranges a search lays out (all of [0, P), or one node's)
@@ -206,6 +206,6 @@ def pieces_np(a: np.ndarray, b: np.ndarray, starts: np.ndarray) -> Tuple[np.ndar
     count = np.searchsorted(starts, b - 1, side="right") - first
     which = repeat_arange(count)
     # Piece t of range i is part first[i] + t - (i's first piece): one gather and an add, where
-    # ``_expand_np``'s general ranges cost a few more passes (these counts are never zero).
+    # ``expand_np``'s general ranges cost a few more passes (these counts are never zero).
     end = np.cumsum(count)
     return which, np.arange(end[-1] if end.size else 0) + (first + count - end)[which]

@@ -1,171 +1,21 @@
-"""Who owns which global positions: one small strategy class per layout.
+"""TransformerEngine's THD layout (per-document DualChunkSwap) and the closed forms of its plan tables.
 
-A layout maps the padded sequence [0, P) onto ``cp`` ranks, every rank owning
-exactly ``P / cp`` positions, each rank's positions sorted ascending (its local
-order). Sorting keeps every document's local queries adjacent in local order,
-which is what the plan's varlen segments rely on.
-
-``build_layout(name, doc_ids, cp)`` picks the strategy by (normalized) name;
-every strategy is a pure function of the padded doc ids (``thd``: or of the
-padded document boundaries a THD batch was cut by, ``cu_seqlens_padded``), so
-every rank computes the same layout without communication. A strategy draws
-ranges, not positions: the layout keeps them as runs (``intervals.RankRuns``: a
-handful per rank for contiguous, zigzag and balanced, two per document for thd)
-and builds the [cp, P / cp] positions only when asked (``Layout.positions``; one
-rank's: ``Layout.rank_positions``).
+``THDLayout`` cuts every padded document into 2 * cp chunks. Its boundaries
+(``thd_boundaries``, ``thd_padded_cu_seqlens``) come from the batch or the doc
+ids; ``thd_partitioned_indices`` is TE's ``thd_get_partitioned_indices``. For one
+row of full attention the plan's tables have closed forms over the documents
+(``thd_extents`` and the ``thd_*`` functions after it), which ``THDLayout.plan_tables``
+gives the plan (``THDTables``) in place of the generic interval arithmetic.
 """
 
-from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
-from typing import Dict, Optional, Tuple
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .layouts.balanced import BALANCE_GOAL, RunSpec, balanced_runs
-from .cost import CostModel, WindowMix, resolve_cost_model, resolve_windows
-from .intervals import DocRuns, RankRuns, document_runs
-from .state import normalize_layout
-
-
-def layout_granularity(layout: str, cp: int) -> int:
-    """The padded length must be a multiple of this (1 for a single rank: no padding)."""
-    return LAYOUT_STRATEGIES[normalize_layout(layout)].granularity(cp)
-
-
-def padded_length(seq_len: int, layout: str, cp: int) -> int:
-    g = layout_granularity(layout, cp)
-    return max(g, -(-seq_len // g) * g)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Who owns what, as runs (``intervals.RankRuns``); positions are built only when asked."""
-
-    name: str
-    cp: int
-    padded_len: int
-    runs: RankRuns
-    # thd at cp > 1: the padded document boundaries its chunks cut, [n + 1] int64 ascending (empty
-    # extents dropped); the THD plan's closed forms read them (None for the other layouts).
-    cu_seqlens_padded: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
-
-    @property
-    def local_len(self) -> int:
-        return self.padded_len // self.cp
-
-    @cached_property
-    def positions(self) -> torch.Tensor:
-        """[cp, local_len] int64, each row ascending."""
-        return self.runs.positions()
-
-    def rank_positions(self, rank: int) -> torch.Tensor:
-        """[local_len] the global positions ``rank`` owns, ascending (without building the others)."""
-        if "positions" in self.__dict__:
-            return self.positions[rank]
-        return self.runs.positions(rank)
-
-    def owner(self) -> torch.Tensor:
-        """[P] rank that owns each global position."""
-        owner = torch.empty(self.padded_len, dtype=torch.long)
-        owner[self.positions.reshape(-1)] = torch.arange(self.cp).repeat_interleave(self.local_len)
-        return owner
-
-    def local_index(self) -> torch.Tensor:
-        """[P] index of each global position inside its owner's local order."""
-        index = torch.empty(self.padded_len, dtype=torch.long)
-        index[self.positions.reshape(-1)] = torch.arange(self.local_len).repeat(self.cp)
-        return index
-
-
-def build_layout(name: str, doc_ids: torch.Tensor, cp: int,
-                 cost_model: Optional[CostModel] = None, windows=None, doc_runs=None,
-                 cu_seqlens_padded=None) -> Layout:
-    """doc_ids: [b, P] int64 already padded to the layout's granularity.
-
-    ``cost_model`` and ``windows`` (the model's sliding windows, ``cost.resolve_windows``: None,
-    a window, a ``WindowMix`` or per-layer windows) only steer ``balanced`` (default cost model:
-    ``cost.default_cost_model()``). ``doc_runs``: ``intervals.document_runs`` of every row, when the
-    caller has them (a cost-aware layout reads them). ``cu_seqlens_padded`` (``thd`` only): the
-    padded document boundaries [n + 1] the batch was cut by (a THD batch's ``cu_seqlens_q_padded``);
-    the chunks follow them, empty documents' padding included. None: boundaries from the doc ids
-    (``thd_padded_cu_seqlens``).
-    """
-    windows = resolve_windows(windows)
-    name = normalize_layout(name)
-    strategy = LAYOUT_STRATEGIES[name]
-    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
-    padded = ids.shape[-1]
-    if cu_seqlens_padded is not None and name != "thd":
-        raise ValueError(f"cu_seqlens_padded cuts the 'thd' layout only, not {name!r}; drop it or use "
-                         f"layout 'thd'")
-    if padded % strategy.granularity(cp) != 0:
-        raise ValueError(f"layout {name!r} at cp={cp} needs a padded length that is a multiple of "
-                         f"{strategy.granularity(cp)}, got {padded}; pad with padded_length()")
-    cu = None
-    if cp == 1:
-        rank, start, length = [0], [0], [padded]
-    elif name == "thd":
-        cu = thd_boundaries(ids, cp, doc_runs, cu_seqlens_padded)
-        rank, start, length = strategy.chunk_runs(cu.numpy(), cp)
-    else:
-        rank, start, length = strategy.runs(ids, cp, cost_model, windows, doc_runs=doc_runs)
-    return Layout(name=name, cp=cp, padded_len=padded, runs=RankRuns.build(cp, padded, rank, start, length),
-                  cu_seqlens_padded=cu)
-
-
-class LayoutStrategy:
-    """One way of cutting [0, P) into cp equal shares (subclasses draw theirs)."""
-
-    name = ""
-
-    @staticmethod
-    def granularity(cp: int) -> int:
-        return cp
-
-    def runs(self, doc_ids: torch.Tensor, cp: int, cost_model: Optional[CostModel],
-             windows: Optional[WindowMix] = None, doc_runs=None) -> RunSpec:
-        """(rank, start, length) of the ranges each rank owns (any order; touching ones merge).
-
-        ``windows``: the model's sliding windows; only a cost-aware layout (balanced) reads them,
-        and ``doc_runs``, the rows' ``intervals.document_runs`` (None: it finds them)."""
-        raise NotImplementedError
-
-
-class ContiguousLayout(LayoutStrategy):
-    """Rank r owns the r-th contiguous block.
-
-    cp = 4, P = 16:   | 0 0 0 0 | 1 1 1 1 | 2 2 2 2 | 3 3 3 3 |
-
-    Causal work grows towards the end: the last rank does the most.
-    """
-
-    name = "contiguous"
-
-    def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
-        L = doc_ids.shape[-1] // cp
-        return torch.arange(cp), torch.arange(cp) * L, torch.full((cp,), L)
-
-
-class ZigzagLayout(LayoutStrategy):
-    """megatron-core's get_batch_on_this_cp_rank: 2*cp chunks, rank r owns r and 2*cp-1-r.
-
-    cp = 4, P = 16:   | 0 0 | 1 1 | 2 2 | 3 3 | 3 3 | 2 2 | 1 1 | 0 0 |
-
-    Balanced for one causal document; blind to document boundaries.
-    """
-
-    name = "zigzag"
-
-    @staticmethod
-    def granularity(cp: int) -> int:
-        return 2 * cp if cp > 1 else cp
-
-    def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
-        half = doc_ids.shape[-1] // (2 * cp)
-        rank = torch.arange(cp)
-        chunk = torch.stack([rank, 2 * cp - 1 - rank], 1)  # [cp, 2]
-        return rank.repeat_interleave(2), chunk.reshape(-1) * half, torch.full((2 * cp,), half)
+from ..intervals import DocRuns, document_runs
+from .base import Layout, LayoutStrategy, LayoutTables, RunSpec
 
 
 class THDLayout(LayoutStrategy):
@@ -192,6 +42,13 @@ class THDLayout(LayoutStrategy):
 
     def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
         return self.chunk_runs(thd_boundaries(doc_ids, cp, doc_runs).numpy(), cp)
+
+    def plan_tables(self, layout: Layout, doc_ids: torch.Tensor, rows: Sequence[DocRuns],
+                    window: Optional[int]) -> LayoutTables:
+        # The closed forms count one row of whole documents; several rows or a window: the intervals.
+        if doc_ids.shape[0] == 1 and layout.cp > 1 and window is None:
+            return THDTables(layout, doc_ids, rows)
+        return super().plan_tables(layout, doc_ids, rows, window)
 
     @staticmethod
     def chunk_runs(cu: np.ndarray, cp: int) -> RunSpec:
@@ -473,6 +330,32 @@ def thd_owned_ranges(extents, cp: int, a: torch.Tensor, b: torch.Tensor, skip: i
             torch.from_numpy(np.stack(starts, 2).reshape(-1)[cell]), torch.from_numpy(length.reshape(-1)[cell]))
 
 
+class THDTables(LayoutTables):
+    """``LayoutTables`` of the THD layout in closed form: one row of doc ids, full attention, cp > 1.
+
+    Every table is read off the row's extents (``thd_extents``, made once per plan) instead of
+    clipping its 2 * cp runs per document against the documents.
+    """
+
+    def __init__(self, layout: Layout, doc_ids: torch.Tensor, rows: Sequence[DocRuns]):
+        super().__init__(layout, rows, None)
+        self.cp, self.row_ids = layout.cp, doc_ids[0]
+        self.extents = thd_extents(self.row_ids, self.cp, rows[0], layout.cu_seqlens_padded)
+
+    def work_and_intervals(self):
+        return thd_work_and_intervals(self.extents, self.cp)
+
+    def exchange_counts(self, dst, a, b, known=None):
+        # Every rank needs every document: the counts come by document, not by interval overlap.
+        return thd_exchange_counts(self.row_ids, self.cp, self.rows[0], self.extents), None
+
+    def send_ranges(self, src, a, b, doc):
+        return thd_send_ranges(self.extents, self.cp, src, a, b, doc)
+
+    def owned_ranges(self, a, b, skip):
+        return thd_owned_ranges(self.extents, self.cp, a, b, skip)
+
+
 @lru_cache(maxsize=8)
 def _thd_patterns(cp: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """A_K, B_K of ``thd_exchange_counts`` for K = 1..2cp: [2cp, cp(src), cp(dst)] float64."""
@@ -490,61 +373,5 @@ def _thd_patterns(cp: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return A.masked_fill(own, 0).double(), B.masked_fill(own, 0).double()
 
 
-def position_work(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[P] causal work of each query position (keys it attends), summed over rows."""
-    doc_ids = doc_ids.reshape(-1, doc_ids.shape[-1])
-    P = doc_ids.shape[-1]
-    pos = torch.arange(P).expand_as(doc_ids)
-    starts = document_starts(doc_ids)
-    work = torch.where(doc_ids > 0, pos - starts + 1, torch.zeros_like(pos))
-    return work.sum(0)
-
-
-def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[b, P] global start position of the document each position belongs to."""
-    P = doc_ids.shape[-1]
-    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
-    new_doc[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    pos = torch.arange(P).expand_as(doc_ids)
-    marked = torch.where(new_doc, pos, torch.zeros_like(pos))
-    return torch.cummax(marked, dim=-1).values
-
-
-# ---------------------------------------------------------------------------
-# Cost-aware document-balanced layout
-# ---------------------------------------------------------------------------
-
-
-class BalancedLayout(LayoutStrategy):
-    """Equal tokens per rank; documents kept whole where that is cheap, split where it pays.
-
-    cp = 4, documents A (long) b c d e f (short):
-
-        A A A A A A A A b b c d d e f f
-        rank 0: A A .. A A (head + tail of A) | rank 1: A A .. A A (middle of A) | ...
-        ranks 2, 3: b c d / e f (whole, packed by work)
-
-    A document heavier than a rank can carry is split over a few ranks (zigzag
-    pairs, which equalise its work; contiguous chunks of equal compute plus
-    received keys; or tails carved from its end under a per-rank budget, thin
-    where every key is far from its start); the others go whole where they keep
-    the ranks balanced. A search over a few such candidates (and the contiguous
-    and zigzag layouts themselves) keeps the one with the smallest modeled time
-    (``cost.CostModel``: busiest rank's compute plus its K/V traffic), so it is
-    never worse than either. See ``balanced.py``.
-    """
-
-    name = "balanced"
-
-    def runs(self, doc_ids, cp, cost_model, windows=None, doc_runs=None):
-        return balanced_runs(doc_ids, cp, resolve_cost_model(cost_model), windows, doc_runs)
-
-
-LAYOUT_STRATEGIES: Dict[str, LayoutStrategy] = {
-    s.name: s for s in (ContiguousLayout(), ZigzagLayout(), BalancedLayout(), THDLayout())}
-
-__all__ = ["Layout", "LayoutStrategy", "ContiguousLayout", "ZigzagLayout", "BalancedLayout", "THDLayout",
-           "LAYOUT_STRATEGIES", "build_layout", "padded_length", "layout_granularity", "document_starts",
-           "position_work", "thd_partitioned_indices", "thd_padded_cu_seqlens", "thd_boundaries",
-           "BALANCE_GOAL", "thd_exchange_counts", "thd_extents", "thd_work_and_intervals",
-           "thd_owned_ranges", "thd_send_ranges"]
+__all__ = ["THDLayout", "THDTables", "thd_boundaries", "thd_padded_cu_seqlens", "thd_partitioned_indices",
+           "thd_extents", "thd_exchange_counts", "thd_work_and_intervals", "thd_send_ranges", "thd_owned_ranges"]
