@@ -33,6 +33,7 @@ recorded as exposed communication.
 
 import os
 import time
+from itertools import accumulate
 from typing import Dict, List, Optional
 
 import torch
@@ -167,7 +168,10 @@ class NeededTransport(_DirectGradients):
                  send_index: List[Optional[torch.Tensor]], counts: torch.Tensor):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
-        self.send_index, self.counts = send_index, counts
+        self.send_index = send_index
+        # The host table as Python ints: reading a tensor element per step costs a dispatch each
+        # (and on a device it would be a sync, were the table ever moved there).
+        self.sent_to, self.received_from = counts[rank].tolist(), counts[:, rank].tolist()
 
     def _piece(self, count: int, j: int) -> int:
         return max(0, min(self.c, count - j * self.c))
@@ -176,7 +180,7 @@ class NeededTransport(_DirectGradients):
         """Local rows sent at ``step`` (a slice, or an index tensor) and their count."""
         i, j = step
         dst = (self.rank + i) % self.cp
-        n = self._piece(int(self.counts[self.rank, dst]), j)
+        n = self._piece(self.sent_to[dst], j)
         index = self.send_index[dst]  # None: every local row, in order
         part = slice(j * self.c, j * self.c + n)
         return (part if index is None else index[part]), n
@@ -186,7 +190,7 @@ class NeededTransport(_DirectGradients):
         dst, src = (self.rank + i) % self.cp, (self.rank - i) % self.cp
         rows, n_send = self.sent_rows(step)
         send = fused_rows(self.k, self.v, rows) if n_send else None
-        n_recv = self._piece(int(self.counts[src, self.rank]), j)
+        n_recv = self._piece(self.received_from[src], j)
         like = self.k[:0]
         shape = (n_recv, self.k.shape[1], self.k.shape[2] * self.k.shape[3] + self.v.shape[2] * self.v.shape[3])
         return post([(send, dst)], src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
@@ -223,11 +227,11 @@ class HierarchicalTransport:
     def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
                  counts: torch.Tensor, route):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
-        self.group, self.stats, self.prefix, self.counts, self.route = group, stats, prefix, counts, route
-        received = counts[:, rank].clone()
+        self.group, self.stats, self.prefix, self.route = group, stats, prefix, route
+        received = counts[:, rank].tolist()  # host ints: no tensor op per layer call
         received[rank] = 0
-        self.offset = (torch.cumsum(received, 0) - received).tolist()  # per source, in the buffer past local
-        self.from_source = received.tolist()
+        self.offset = list(accumulate(received, initial=0))[:cp]  # per source, in the buffer past local
+        self.from_source = received
         self._moving = None  # RouteForward in flight
         self._buffer = None
         self._grad = None
