@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_ext.testing import pool_fixture, runs_to_doc_ids
+from megatron_ext.testing.cases import CASES, make_doc_ids
 from megatron_ext.testing.op_counter import OpCounter, layer_calls
 
 
@@ -95,3 +96,95 @@ def test_no_host_sync_after_a_steps_first_layer_call(pool2, pool4, exchange, kv_
     pool = pool4 if exchange == "hierarchical" else pool2
     for rank, syncs in enumerate(pool.run(later_syncs, exchange, kv_backward, windowed)):
         assert syncs == {}, (rank, syncs)
+
+
+# -- the ring returns only the gradients someone produced ------------------------------------------
+
+
+def _short_documents(S: int = 1024, n: int = 64) -> torch.Tensor:
+    """``n`` short documents of 8-20 tokens (some straddle a shard's chunks), the rest one more."""
+    runs = [(i + 1, 8 + (7 * i) % 13) for i in range(n)]
+    return runs_to_doc_ids(runs + [(n + 1, S - sum(length for _, length in runs))])
+
+
+def _needed_pieces(ids, positions, chunk_rows, dst, src):
+    """Pieces (local rows // chunk_rows) of ``src`` holding a key some query of ``dst`` attends, from the
+    ids alone: a query at p sees its document's positions up to p."""
+    ids = ids.tolist() + [0] * (len(positions[0]) * len(positions) - ids.numel())
+    start, first = 0, []
+    for p, d in enumerate(ids):
+        start = p if p == 0 or d != ids[p - 1] else start
+        first.append(start)
+    row_of = {p: row for row, p in enumerate(positions[src])}
+    pieces = set()
+    for p in positions[dst]:
+        if ids[p]:
+            pieces.update(row_of[key] // chunk_rows for key in range(first[p], p) if key in row_of)
+    return pieces
+
+
+def ring_gradients_against_reference(ids):
+    """Backward transfers of the ring (save mode: gradients only) against an independent count, and the
+    gradients against the fp64 reference."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.chunks import chunk_rows_for
+    from megatron_ext.testing import reference_attention
+
+    rank, cp = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    S = ids.shape[-1]
+    g = torch.Generator().manual_seed(5)
+    q, k, v, w = (torch.randn(S, 1, h, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1, 2))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    (reference_attention(*ref_in, ids) * w).sum().backward()
+    state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange="allgather", attn_backend="dense",
+                                        kv_backward="save")
+    local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+    counter = OpCounter()
+    with bdcp.blockdiag_cp_step(state), counter:
+        out = bdcp.blockdiag_cp_attention(*local)
+        with counter.region("backward") as backward:
+            torch.autograd.backward(out, state.shard(w))
+    errors = [float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
+    positions = [state.layout.rank_positions(r).tolist() for r in range(cp)]
+    c = chunk_rows_for(state.local_len)
+    sends = sum(len(_needed_pieces(ids, positions, c, rank, (rank - i) % cp)) for i in range(1, cp))
+    receives = sum(len(_needed_pieces(ids, positions, c, (rank + i) % cp, rank)) for i in range(1, cp))
+    pieces = -(-state.local_len // c)
+    return {"sent": (backward.sends, sends), "received": (backward.receives, receives),
+            "every_piece": (cp - 1) * pieces, "errors": errors}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_sends_home_only_the_gradients_the_plan_says_were_produced(pool2, pool4, cp):
+    results = (pool2 if cp == 2 else pool4).run(ring_gradients_against_reference, _short_documents())
+    for rank, r in enumerate(results):
+        assert r["sent"][0] == r["sent"][1] and r["received"][0] == r["received"][1], (rank, r)
+        assert max(r["errors"]) < 1e-12, (rank, r["errors"])
+    # Short documents: most pieces hold no key another rank attends (each once sent home regardless).
+    assert sum(r["sent"][0] for r in results) < sum(r["every_piece"] for r in results) / 2, results
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_ring_gradient_steps_cover_every_call_and_pair_up(case, window):
+    """A ring step with calls sends its gradient, and each sent gradient is one its home expects."""
+    from megatron_ext.blockdiag_cp.exchange import RingGradients
+    from megatron_ext.blockdiag_cp.layout import build_layout, padded_length
+    from megatron_ext.blockdiag_cp.plan import build_plan
+
+    for cp in (2, 3, 4):
+        for layout in ("contiguous", "zigzag", "balanced"):
+            ids = make_doc_ids(case, 96, cp)
+            ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+            ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
+            lay = build_layout(layout, ids, cp)
+            plans = [build_plan(ids, lay, rank, kinds=("ring",), window=window) for rank in range(cp)]
+            grads = [RingGradients.of(p, lay.runs, p.stream["ring"].chunk_rows) for p in plans]
+            for rank, (plan, got) in enumerate(zip(plans, grads)):
+                attended = {(s.round, s.piece) for s in plan.stream["ring"].steps[1:] if s.calls}
+                assert attended <= got.sent, (cp, layout, rank)
+                for i, j in got.sent:
+                    assert (i, j) in grads[(rank - i) % cp].returned, (cp, layout, rank, i, j)
+                for i, j in got.returned:
+                    assert (i, j) in grads[(rank + i) % cp].sent, (cp, layout, rank, i, j)
