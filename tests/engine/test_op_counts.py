@@ -2,7 +2,9 @@
 
 The counter's rules on single ops; at cp 2 (and hierarchical at cp 4 = 2 nodes x 2) no
 host sync in a step's layer calls after the first, forward and backward, for every
-exchange.
+exchange; the all-gather ring sending home only the K/V gradients some query produced
+(against a count from the doc ids, gradients exact against the fp64 reference); and each
+exchange's kernel calls, launching ops, transfers and syncs per layer call, pinned.
 """
 
 import pytest
@@ -188,3 +190,41 @@ def test_ring_gradient_steps_cover_every_call_and_pair_up(case, window):
                     assert (i, j) in grads[(rank - i) % cp].returned, (cp, layout, rank, i, j)
                 for i, j in got.returned:
                     assert (i, j) in grads[(rank + i) % cp].sent, (cp, layout, rank, i, j)
+
+
+# -- pinned counts: a regression in calls, ops, transfers or syncs fails ---------------------------
+
+
+def steady_counts(exchange):
+    """This rank's (forward, backward) summary of a step's second layer call (the third must match it)."""
+    per_layer = count_layers(exchange, "refetch", _mix(128))
+    later = [tuple(c.summary() for c in calls) for calls in per_layer[1:]]
+    assert all(calls == later[0] for calls in later), later
+    return later[0]
+
+
+def _summary(kernel_calls, launching, transfers, syncs):
+    return {"kernel_calls": kernel_calls, "launching": launching, "transfers": transfers, "syncs": syncs}
+
+
+# Per exchange, per rank: (forward, backward) of a later layer call, refetch, on ``_mix(128)``
+# (zigzag, GQA 4 / 2 heads of 8, fp32, dense kernel); cp 2, hierarchical at cp 4 = 2 nodes x 2.
+PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host syncs)
+    "allgather": [((5, 68, 16, 0), (5, 54, 19, 0)), ((3, 38, 16, 0), (3, 34, 19, 0))],
+    "a2a": [((5, 58, 3, 0), (5, 44, 6, 0)), ((3, 31, 3, 0), (3, 27, 6, 0))],
+    "halo": [((5, 58, 3, 0), (5, 44, 6, 0)), ((3, 31, 3, 0), (3, 27, 6, 0))],
+    "hierarchical": [((25, 299, 5, 0), (25, 209, 10, 0)), ((12, 143, 7, 0), (12, 115, 14, 0)),
+                     ((9, 107, 6, 0), (9, 103, 12, 0)), ((7, 83, 4, 0), (7, 71, 8, 0))],
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange", list(PINNED))
+def test_layer_call_counts_are_pinned(pool2, pool4, exchange):
+    """Kernel calls, launching ops, transfers and host syncs per layer call, forward and backward, pinned
+    at the values the engine has now: a change that adds calls, merge ops, transfers or syncs fails here.
+    A change that lowers them updates the numbers (and says so in its commit)."""
+    pool = pool4 if exchange == "hierarchical" else pool2
+    got = [list(calls) for calls in pool.run(steady_counts, exchange)]
+    want = [[_summary(*f), _summary(*b)] for f, b in PINNED[exchange]]
+    assert got == want, [[tuple(c.values()) for c in calls] for calls in got]
