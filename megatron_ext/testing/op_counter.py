@@ -79,6 +79,14 @@ class Counts:
     ops: Counter = field(default_factory=Counter)  # launching ops by name
     sync_ops: Counter = field(default_factory=Counter)
 
+    def add_transfer(self, sent: bool, messages: int, nbytes: int) -> None:
+        if sent:
+            self.sends += messages
+            self.bytes_sent += nbytes
+        else:
+            self.receives += messages
+            self.bytes_received += nbytes
+
     def summary(self) -> Dict[str, int]:
         """The pinned figures: kernel calls, launching ops, transfers (sends + receives) and syncs."""
         return {"kernel_calls": self.kernel_calls, "launching": self.launching,
@@ -166,62 +174,44 @@ class OpCounter(TorchDispatchMode):
         finally:
             self._paused -= 1
 
-    def _counted_kernel(self, kernel):
-        from megatron_ext.blockdiag_cp.kernels import Kernel
-
-        def wrap(fn):
-            def call(*args, **kwargs):
-                counts = self._current()
-                if counts is not None:
-                    counts.kernel_calls += 1
-                with self._paused_for():
-                    return fn(*args, **kwargs)
-            return call
-
-        return Kernel(wrap(kernel.forward), wrap(kernel.backward))
-
-    def _batch_isend_irecv(self, real):
-        def call(ops):
-            counts = self._current()
-            if counts is not None:
-                for op in ops:
-                    kind = _P2P_NAMES[op.op.__name__]
-                    if kind == "send":
-                        counts.sends += 1
-                        counts.bytes_sent += _nbytes(op.tensor)
-                    else:
-                        counts.receives += 1
-                        counts.bytes_received += _nbytes(op.tensor)
-            with self._paused_for():
-                return real(ops)
-        return call
-
-    def _all_to_all_single(self, real):
-        def call(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-            counts = self._current()
-            if counts is not None:
-                for splits, tensor, sent in ((input_split_sizes, input, True), (output_split_sizes, output, False)):
-                    row = _nbytes(tensor[:1]) if tensor.shape[0] else 0
-                    sizes = splits if splits is not None else [tensor.shape[0] // dist.get_world_size()] * 2
-                    moving = [n for n in sizes if n]
-                    if sent:
-                        counts.sends += len(moving)
-                        counts.bytes_sent += sum(moving) * row
-                    else:
-                        counts.receives += len(moving)
-                        counts.bytes_received += sum(moving) * row
-            with self._paused_for():
-                return real(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
-        return call
-
-    def _collective(self, real):
+    def _recording(self, real, record):
+        """``real`` that first hands the current region's ``Counts`` and its arguments to ``record``;
+        the ops ``real`` runs itself are not counted."""
         def call(*args, **kwargs):
             counts = self._current()
             if counts is not None:
-                counts.collectives += 1
+                record(counts, *args, **kwargs)
             with self._paused_for():
                 return real(*args, **kwargs)
         return call
+
+    def _counted_kernel(self, kernel):
+        from megatron_ext.blockdiag_cp.kernels import Kernel
+
+        def record(counts, *args, **kwargs):
+            counts.kernel_calls += 1
+
+        return Kernel(self._recording(kernel.forward, record), self._recording(kernel.backward, record))
+
+    def _batch_isend_irecv(self, real):
+        def record(counts, ops, *args, **kwargs):
+            for op in ops:
+                counts.add_transfer(_P2P_NAMES[op.op.__name__] == "send", 1, _nbytes(op.tensor))
+        return self._recording(real, record)
+
+    def _all_to_all_single(self, real):
+        def record(counts, output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+            for splits, tensor, sent in ((input_split_sizes, input, True), (output_split_sizes, output, False)):
+                row = _nbytes(tensor[:1]) if tensor.shape[0] else 0
+                world = dist.get_world_size(kwargs.get("group"))
+                moving = [n for n in (splits or [tensor.shape[0] // world] * world) if n]
+                counts.add_transfer(sent, len(moving), sum(moving) * row)
+        return self._recording(real, record)
+
+    def _collective(self, real):
+        def record(counts, *args, **kwargs):
+            counts.collectives += 1
+        return self._recording(real, record)
 
     def __enter__(self):
         from megatron_ext.blockdiag_cp import kernels
