@@ -8,7 +8,8 @@ varlen kernel calls each), merging the partial outputs by their log-sum-exp
 keeps only local q, k, v, the output and the log-sum-exp: it moves the chunks
 again (``kv_backward="refetch"``, memory O(S / cp)) or reads the ones forward kept
 (``"save"``), differentiates each chunk with the kernel's backward against the
-final output and log-sum-exp, and sends each chunk's K/V gradient home.
+final output and log-sum-exp, and sends each chunk's K/V gradient home (the ring:
+only the pieces this rank needs rows of; the others' gradients are zero).
 
 The first call of a step's state, and every new q/k/v shape after it, runs one
 small agreement all-reduce of the q/k/v signature (with the softmax scale, the
@@ -121,7 +122,8 @@ def _gather(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
 def _transport(kind: str, k, v, state, plan, stats, prefix: str):
     chunk_rows = plan.stream[kind].chunk_rows
     if kind == "ring":
-        return RingTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix)
+        return RingTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+                             state.ring_gradients(plan.window))
     if state.kv_exchange == "hierarchical":
         return HierarchicalTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                                      plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window))
@@ -294,13 +296,10 @@ class _StreamedAttention(torch.autograd.Function):
                 else:
                     index = ctx.saved_at[s - 1]
                     chunk = saved[index] if index >= 0 else None
-                grad_chunk = None
+                grad_chunk = None  # no call here: the transport sends zeros only where the home expects them
                 if calls[s]:
                     grad_chunk = differentiate(calls[s], *geo.split(chunk), chunk.shape[0]).view(
                         chunk.shape[0], geo.b, -1).to(k.dtype)
-                elif step.chunk_len:  # received keys nobody here attends (the ring): zero gradient
-                    grad_chunk = torch.zeros((step.chunk_len,) + tuple(dkv.shape[1:]), dtype=k.dtype,
-                                             device=k.device)
                 if in_flight is not None:  # one gradient transfer in flight: the last step's lands first
                     transport.settle(in_flight, dkv)
                 in_flight = transport.send_gradient((step.round, step.piece), grad_chunk, like)

@@ -25,7 +25,9 @@ K and V travel fused in one buffer per step, [n, b, Hkv * (Dk + Dv)], built per 
 (never a fused copy of the whole shard).
 
 Backward sends each chunk's K/V gradient straight home (to r - i, from r + i;
-hierarchical: back through the routes at the end), and with ``kv_backward="refetch"``
+hierarchical: back through the routes at the end); the ring sends it only for the pieces
+r needs rows of (``RingGradients``, from the plan's needed exchange: the other pieces'
+gradients are zero, and their home posts no receive for them), and with ``kv_backward="refetch"``
 moves the chunks again the same way instead of keeping them. Every transfer is counted from the tensors actually moved, and
 the time a rank spends waiting for a transfer (what compute did not hide) is
 recorded as exposed communication.
@@ -33,8 +35,11 @@ recorded as exposed communication.
 
 import os
 import time
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -106,10 +111,19 @@ def fused_rows(k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
 
 
 class _DirectGradients:
-    """Gradients straight home: step (i, j)'s chunk gradient to its source, ours from rank + i."""
+    """Gradients straight home: step (i, j)'s chunk gradient to its source, ours from rank + i.
+
+    A step sends a gradient exactly when its home expects one (``gradient_rows``): zeros where
+    the chunk came but no call here attended it, nothing where the home expects nothing.
+    """
 
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         rows, incoming = self.sent_rows(step)
+        outgoing = self.gradient_rows(step)
+        if not outgoing:  # every such chunk gradient is zero (the plan's needs): its home posts no receive
+            grad_chunk = None
+        elif grad_chunk is None:
+            grad_chunk = like.new_zeros((outgoing,) + tuple(like.shape[1:]))
         return return_gradient(grad_chunk, step[0], incoming, self.rank, self.cp, like, self.group, self.stats), rows
 
     @staticmethod
@@ -133,9 +147,11 @@ class RingTransport(_DirectGradients):
 
     kind = "ring"
 
-    def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str):
+    def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
+                 gradients: "RingGradients"):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
+        self.gradients = gradients
         self._last = None  # the piece received last step: forwarded next step
 
     def rows(self, piece: int) -> int:
@@ -153,9 +169,15 @@ class RingTransport(_DirectGradients):
         self._last = chunk
 
     def sent_rows(self, step):
-        """What this rank sent at ``step`` for its own K/V (whose gradient comes back): rows, count."""
+        """This rank's own piece that reached rank + i at ``step``: rows, and the rows of gradient
+        coming back for it (0: rank + i needs none of them)."""
         i, j = step
-        return slice(j * self.c, j * self.c + self.rows(j)), self.rows(j)
+        n = self.rows(j)
+        return slice(j * self.c, j * self.c + n), n if step in self.gradients.returned else 0
+
+    def gradient_rows(self, step) -> int:
+        """Rows of the gradient this rank sends home for the chunk of ``step`` (0: it needs none of it)."""
+        return self.rows(step[1]) if step in self.gradients.sent else 0
 
 
 class NeededTransport(_DirectGradients):
@@ -167,7 +189,10 @@ class NeededTransport(_DirectGradients):
                  send_index: List[Optional[torch.Tensor]], counts: torch.Tensor):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
-        self.send_index, self.counts = send_index, counts
+        self.send_index = send_index
+        # The host table as Python ints: reading a tensor element per step costs a dispatch each
+        # (and on a device it would be a sync, were the table ever moved there).
+        self.sent_to, self.received_from = counts[rank].tolist(), counts[:, rank].tolist()
 
     def _piece(self, count: int, j: int) -> int:
         return max(0, min(self.c, count - j * self.c))
@@ -176,7 +201,7 @@ class NeededTransport(_DirectGradients):
         """Local rows sent at ``step`` (a slice, or an index tensor) and their count."""
         i, j = step
         dst = (self.rank + i) % self.cp
-        n = self._piece(int(self.counts[self.rank, dst]), j)
+        n = self._piece(self.sent_to[dst], j)
         index = self.send_index[dst]  # None: every local row, in order
         part = slice(j * self.c, j * self.c + n)
         return (part if index is None else index[part]), n
@@ -186,11 +211,18 @@ class NeededTransport(_DirectGradients):
         dst, src = (self.rank + i) % self.cp, (self.rank - i) % self.cp
         rows, n_send = self.sent_rows(step)
         send = fused_rows(self.k, self.v, rows) if n_send else None
-        n_recv = self._piece(int(self.counts[src, self.rank]), j)
+        n_recv = self.received_rows(step)
         like = self.k[:0]
         shape = (n_recv, self.k.shape[1], self.k.shape[2] * self.k.shape[3] + self.v.shape[2] * self.v.shape[3])
         return post([(send, dst)], src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
                     self.prefix + "bytes")
+
+    def received_rows(self, step) -> int:
+        i, j = step
+        return self._piece(self.received_from[(self.rank - i) % self.cp], j)
+
+    # Every needed row is attended: a received chunk's gradient goes back whole.
+    gradient_rows = received_rows
 
     def received(self, chunk) -> None:
         pass
@@ -223,11 +255,11 @@ class HierarchicalTransport:
     def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
                  counts: torch.Tensor, route):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
-        self.group, self.stats, self.prefix, self.counts, self.route = group, stats, prefix, counts, route
-        received = counts[:, rank].clone()
+        self.group, self.stats, self.prefix, self.route = group, stats, prefix, route
+        received = counts[:, rank].tolist()  # host ints: no tensor op per layer call
         received[rank] = 0
-        self.offset = (torch.cumsum(received, 0) - received).tolist()  # per source, in the buffer past local
-        self.from_source = received.tolist()
+        self.offset = list(accumulate(received, initial=0))[:cp]  # per source, in the buffer past local
+        self.from_source = received
         self._moving = None  # RouteForward in flight
         self._buffer = None
         self._grad = None
@@ -291,6 +323,41 @@ class HierarchicalTransport:
                                                + time.perf_counter() - t0)
 
 
+@dataclass(frozen=True)
+class RingGradients:
+    """The ring's (round, piece) steps that move a K/V gradient, for one rank.
+
+    At step (i, j) rank r holds piece j (local rows [j c, (j + 1) c)) of source r - i; its
+    gradient is non-zero only where r attends one of those keys, so only where r needs one
+    of those rows. ``sent``: the steps whose chunk gradient r sends home. ``returned``: the
+    steps whose gradient of r's own piece j comes back from r + i.
+    """
+
+    sent: FrozenSet[Tuple[int, int]]
+    returned: FrozenSet[Tuple[int, int]]
+
+    @classmethod
+    def of(cls, plan, runs, chunk_rows: int) -> "RingGradients":
+        """From the step plan's needed exchange (``plan.exchange``) and the layout's runs.
+
+        A sender reads the positions it receives from a source, its home the rows it sends to
+        that rank: the two ends of one needed exchange, so both take the same decision without
+        communication.
+        """
+        rank, cp, L = plan.rank, plan.cp, plan.local_len
+        sent, returned = set(), set()
+        for i in range(1, cp):
+            src, dst = (rank - i) % cp, (rank + i) % cp
+            positions = plan.exchange.recv_positions[src]  # global, owned by src
+            if positions.numel():
+                local = runs.flat_before_np(positions.numpy(), src) - src * L  # their rows on src
+                sent.update((i, j) for j in np.unique(local // chunk_rows).tolist())
+            rows = plan.exchange.send_index[dst]
+            if rows.numel():
+                returned.update((i, j) for j in np.unique(rows.numpy() // chunk_rows).tolist())
+        return cls(frozenset(sent), frozenset(returned))
+
+
 def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incoming_rows: int, rank: int,
                     cp: int, like: torch.Tensor, group, stats: Dict) -> Transfer:
     """Send a chunk's K/V gradient to its source (rank - i); receive ours from rank + i.
@@ -302,5 +369,5 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "NeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows",
            "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV"]

@@ -78,8 +78,7 @@ class RouteForward:
                           self.group, self.use_p2p)
         out = kv.new_empty((route.out_rows,) + tail)
         out[:L] = kv
-        keep = route.slot1 >= 0
-        out.index_copy_(0, route.slot1[keep], recv1[keep])
+        out.index_copy_(0, route.kept1_slot, recv1.index_select(0, route.kept1))
         out.index_copy_(0, route.slot2, recv2)
         row = kv[0].numel() * kv.element_size() if L else 0
         sent = sum(route.send1_counts) + sum(route.send2_counts)
@@ -112,9 +111,8 @@ def route_backward(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p:
     tail = tuple(grad.shape[1:])
     grad = grad.contiguous()
     grad_kv = grad[:L].clone()
-    keep = route.slot1 >= 0
-    grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)
-    grad1[keep] = grad.index_select(0, route.slot1[keep])
+    grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)  # rows fetched for the node only stay 0
+    grad1.index_copy_(0, route.kept1, grad.index_select(0, route.kept1_slot))
     if route.stage2_moves:
         back2 = _move(grad.index_select(0, route.slot2), route.recv2_counts, route.send2_counts, group, use_p2p)
         grad1.index_add_(0, route.send2_index, back2)  # the fetcher sums its peers' grads with its own

@@ -195,7 +195,10 @@ class HierarchicalRoute:
     (``recv1_counts``). Stage 2 (inside the node): ``send2_index`` rows of the
     stage-1 buffer forwarded per peer (``send2_counts``), ``recv2_counts`` received.
     The output buffer [local_len + needed] takes the stage-1 rows at ``slot1``
-    (-1: fetched for the node only, not needed here) and the stage-2 rows at ``slot2``.
+    (-1: fetched for the node only, not needed here) and the stage-2 rows at ``slot2``;
+    ``kept1`` are the stage-1 rows this rank needs (``slot1 >= 0``) and ``kept1_slot``
+    their slots, so a layer call copies them with index tensors instead of a boolean
+    mask (a host sync on a device).
     ``inter1_send`` / ``inter1_recv``: stage-1 rows that cross a node boundary.
     """
 
@@ -212,6 +215,8 @@ class HierarchicalRoute:
     recv2_counts: List[int]
     slot1: torch.Tensor
     slot2: torch.Tensor
+    kept1: torch.Tensor  # [n] rows of the stage-1 buffer with slot1 >= 0, ascending
+    kept1_slot: torch.Tensor  # [n] slot1 of those rows
     stage1_moves: bool  # anything moves in stage 1 on any rank (global: the same on every rank)
     stage2_moves: bool
     inter1_send: int
@@ -220,7 +225,7 @@ class HierarchicalRoute:
     def to(self, device) -> "HierarchicalRoute":
         """The same route with its index tensors on ``device`` (once per step, not per layer)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in ("send1_index", "send2_index", "slot1", "slot2"):
+        for name in ("send1_index", "send2_index", "slot1", "slot2", "kept1", "kept1_slot"):
             values[name] = values[name].to(device)
         return HierarchicalRoute(**values)
 
@@ -389,8 +394,9 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
     # (~15 ms of a 1M / cp 64 single document's route).
     s1, s2 = slot1.numpy(), slot2.numpy()
     assert bool((s2 >= 0).all()), "route bug: a forwarded row is not needed by its destination"
+    kept1 = (s1 >= 0).nonzero()[0]
     delivered = np.zeros(out_rows, dtype=np.int8)
-    delivered[s1[s1 >= 0]] += 1
+    delivered[s1[kept1]] += 1
     delivered[s2] += 1
     assert bool((delivered[L:] == 1).all()), "route bug: a needed row is not delivered exactly once"
     fetch_moves = routes.fetch_owner.numel() > 0
@@ -398,7 +404,8 @@ def rank_route(routes: NodeRoutes, runs: RankRuns, intervals, rank: int) -> Hier
         rank=rank, cp=cp, ranks_per_node=g, local_len=L, out_rows=out_rows,
         send1_index=send1_index, send1_counts=send_counts, recv1_counts=recv_counts,
         send2_index=send2_index, send2_counts=send2_counts, recv2_counts=recv2_counts,
-        slot1=slot1, slot2=slot2, stage1_moves=bool(fetch_moves or bool((routes.direct > 0).any())),
+        slot1=slot1, slot2=slot2, kept1=torch.from_numpy(kept1), kept1_slot=torch.from_numpy(s1[kept1]),
+        stage1_moves=bool(fetch_moves or bool((routes.direct > 0).any())),
         stage2_moves=routes.forward_fetcher.numel() > 0, inter1_send=inter_send, inter1_recv=inter_recv)
 
 

@@ -33,6 +33,7 @@ from .agreement import (
 )
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
+from .exchange import RingGradients
 from .layouts import Layout, build_layout, padded_length
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
@@ -582,6 +583,14 @@ class BlockDiagCPState:
         if key not in self._device_index:
             self._device_index[key] = [_non_identity(t, self.local_len, device)
                                        for t in self.plan_for(window).exchange.send_index]
+        return self._device_index[key]
+
+    def ring_gradients(self, window: Optional[int] = None) -> RingGradients:
+        """The ring steps that move a K/V gradient to or from this rank (host sets), once per step and window."""
+        key = ("ring_gradients", window)
+        if key not in self._device_index:
+            plan = self.plan_for(window)
+            self._device_index[key] = RingGradients.of(plan, self.layout.runs, plan.stream["ring"].chunk_rows)
         return self._device_index[key]
 
     def stream_on(self, kind: str, device: torch.device, window: Optional[int] = None) -> List[List["DeviceCall"]]:

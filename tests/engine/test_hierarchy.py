@@ -53,6 +53,8 @@ def _simulate(routes, local):
         out = torch.full((rt.out_rows,), -1, dtype=torch.long)
         out[:rt.local_len] = local[r]
         keep = rt.slot1 >= 0
+        # The op copies the kept rows through precomputed indices: the same rows, in the same order.
+        assert torch.equal(rt.kept1, keep.nonzero().flatten()) and torch.equal(rt.kept1_slot, rt.slot1[keep])
         out[rt.slot1[keep]] = recv1[r][keep]
         out[rt.slot2] = recv2[r]
         outs.append(out)

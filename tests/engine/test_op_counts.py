@@ -1,0 +1,230 @@
+"""What the streamed op asks of a device per layer call, counted by ``testing.op_counter``.
+
+The counter's rules on single ops; at cp 2 (and hierarchical at cp 4 = 2 nodes x 2) no
+host sync in a step's layer calls after the first, forward and backward, for every
+exchange; the all-gather ring sending home only the K/V gradients some query produced
+(against a count from the doc ids, gradients exact against the fp64 reference); and each
+exchange's kernel calls, launching ops, transfers and syncs per layer call, pinned.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.testing import pool_fixture, runs_to_doc_ids
+from megatron_ext.testing.cases import CASES, make_doc_ids
+from megatron_ext.testing.op_counter import OpCounter, layer_calls
+
+
+def test_counter_sorts_views_allocations_launching_ops_and_syncs():
+    x = torch.randn(10, 3)
+    mask = x[:, 0] > 0
+    index = torch.tensor([1, 2])
+    with OpCounter() as counter:
+        with counter.region("syncs"):
+            x[mask]
+            x.clone()[mask] = 0
+            int(x.sum())
+            bool(mask.any())
+            torch.nonzero(mask)
+            torch.repeat_interleave(index)
+        with counter.region("quiet"):
+            torch.repeat_interleave(index, output_size=3)
+            x.index_select(0, index)
+            x.view(-1), x.t(), x[1:3], x.unsqueeze(0), x.detach()
+            torch.empty(3)
+            x.new_zeros(3)
+    syncs, quiet = counter.counts["syncs"], counter.counts["quiet"]
+    assert dict(syncs.sync_ops) == {"index": 1, "index_put_": 1, "_local_scalar_dense": 2, "nonzero": 1,
+                                    "repeat_interleave": 1}
+    assert syncs.syncs == 6
+    assert quiet.syncs == 0
+    assert dict(quiet.ops) == {"repeat_interleave": 1, "index_select": 1, "new_zeros": 1}
+    assert (quiet.views, quiet.allocations) == (5, 1)
+
+
+def test_counter_counts_kernel_calls_not_their_ops():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    ids = torch.tensor([1] * 5 + [2] * 11)
+    state = bdcp.BlockDiagCPState.build(ids, attn_backend="dense")
+    q, k, v = (torch.randn(16, 1, 2, 4) for _ in range(3))
+    (forward, backward), = layer_calls(state, q, k, v, layers=1)
+    assert (forward.kernel_calls, backward.kernel_calls) == (1, 1)
+    assert forward.sends == forward.receives == backward.sends == backward.receives == 0
+    assert forward.launching < 30 and backward.launching < 30  # the dense kernel's own ops are not here
+
+
+# -- the engine at cp 2, and hierarchical at cp 4 = 2 nodes x 2 ---------------------------------------
+
+pool2 = pool_fixture(2)
+pool4 = pool_fixture(4, env={"LOCAL_WORLD_SIZE": "2"})
+
+
+def _mix(S: int) -> torch.Tensor:
+    """Eight short documents, then one long one across every shard."""
+    runs = [(i + 1, 6 + (5 * i) % 11) for i in range(8)]
+    return runs_to_doc_ids(runs + [(99, S - sum(n for _, n in runs))])
+
+
+def count_layers(exchange, kv_backward, ids, layers=3, layout="zigzag", **attention_kwargs):
+    """Per layer (forward, backward) ``Counts`` on this rank, dense kernel, fp32."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    S = ids.shape[-1]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(S, 1, h, 8, generator=g) for h in (4, 2, 2))
+    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                        kv_backward=kv_backward)
+    assert state.kv_exchange == exchange, state.kv_exchange_reason
+    return layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=layers, **attention_kwargs)
+
+
+def later_syncs(exchange, kv_backward, windowed=False):
+    """{(layer, phase): the sync ops} of every layer call after the first, where there are any."""
+    extra = {"window_size": (9, 0), "softmax_offset": torch.zeros(4)} if windowed else {}
+    per_layer = count_layers(exchange, kv_backward, _mix(128), **extra)
+    return {(layer, phase): dict(c.sync_ops) for layer, calls in enumerate(per_layer) if layer
+            for phase, c in zip(("forward", "backward"), calls) if c.syncs}
+
+
+SYNC_CASES = [(exchange, kv_backward, False) for exchange in ("allgather", "a2a", "halo", "hierarchical")
+              for kv_backward in ("refetch", "save")]
+SYNC_CASES += [("a2a", "refetch", True), ("hierarchical", "refetch", True)]  # a window and sinks
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("exchange,kv_backward,windowed", SYNC_CASES)
+def test_no_host_sync_after_a_steps_first_layer_call(pool2, pool4, exchange, kv_backward, windowed):
+    pool = pool4 if exchange == "hierarchical" else pool2
+    for rank, syncs in enumerate(pool.run(later_syncs, exchange, kv_backward, windowed)):
+        assert syncs == {}, (rank, syncs)
+
+
+# -- the ring returns only the gradients someone produced ------------------------------------------
+
+
+def _short_documents(S: int = 1024, n: int = 64) -> torch.Tensor:
+    """``n`` short documents of 8-20 tokens (some straddle a shard's chunks), the rest one more."""
+    runs = [(i + 1, 8 + (7 * i) % 13) for i in range(n)]
+    return runs_to_doc_ids(runs + [(n + 1, S - sum(length for _, length in runs))])
+
+
+def _needed_pieces(ids, positions, chunk_rows, dst, src):
+    """Pieces (local rows // chunk_rows) of ``src`` holding a key some query of ``dst`` attends, from the
+    ids alone: a query at p sees its document's positions up to p."""
+    ids = ids.tolist() + [0] * (len(positions[0]) * len(positions) - ids.numel())
+    start, first = 0, []
+    for p, d in enumerate(ids):
+        start = p if p == 0 or d != ids[p - 1] else start
+        first.append(start)
+    row_of = {p: row for row, p in enumerate(positions[src])}
+    pieces = set()
+    for p in positions[dst]:
+        if ids[p]:
+            pieces.update(row_of[key] // chunk_rows for key in range(first[p], p) if key in row_of)
+    return pieces
+
+
+def ring_gradients_against_reference(ids):
+    """Backward transfers of the ring (save mode: gradients only) against an independent count, and the
+    gradients against the fp64 reference."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.chunks import chunk_rows_for
+    from megatron_ext.testing import reference_attention
+
+    rank, cp = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    S = ids.shape[-1]
+    g = torch.Generator().manual_seed(5)
+    q, k, v, w = (torch.randn(S, 1, h, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1, 2))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    (reference_attention(*ref_in, ids) * w).sum().backward()
+    state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange="allgather", attn_backend="dense",
+                                        kv_backward="save")
+    local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+    counter = OpCounter()
+    with bdcp.blockdiag_cp_step(state), counter:
+        out = bdcp.blockdiag_cp_attention(*local)
+        with counter.region("backward") as backward:
+            torch.autograd.backward(out, state.shard(w))
+    errors = [float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
+    positions = [state.layout.rank_positions(r).tolist() for r in range(cp)]
+    c = chunk_rows_for(state.local_len)
+    sends = sum(len(_needed_pieces(ids, positions, c, rank, (rank - i) % cp)) for i in range(1, cp))
+    receives = sum(len(_needed_pieces(ids, positions, c, (rank + i) % cp, rank)) for i in range(1, cp))
+    pieces = -(-state.local_len // c)
+    return {"sent": (backward.sends, sends), "received": (backward.receives, receives),
+            "every_piece": (cp - 1) * pieces, "errors": errors}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_sends_home_only_the_gradients_the_plan_says_were_produced(pool2, pool4, cp):
+    results = (pool2 if cp == 2 else pool4).run(ring_gradients_against_reference, _short_documents())
+    for rank, r in enumerate(results):
+        assert r["sent"][0] == r["sent"][1] and r["received"][0] == r["received"][1], (rank, r)
+        assert max(r["errors"]) < 1e-12, (rank, r["errors"])
+    # Short documents: most pieces hold no key another rank attends (each once sent home regardless).
+    assert sum(r["sent"][0] for r in results) < sum(r["every_piece"] for r in results) / 2, results
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_ring_gradient_steps_cover_every_call_and_pair_up(case, window):
+    """A ring step with calls sends its gradient, and each sent gradient is one its home expects."""
+    from megatron_ext.blockdiag_cp.exchange import RingGradients
+    from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
+    from megatron_ext.blockdiag_cp.plan import build_plan
+
+    for cp in (2, 3, 4):
+        for layout in ("contiguous", "zigzag", "balanced"):
+            ids = make_doc_ids(case, 96, cp)
+            ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+            ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
+            lay = build_layout(layout, ids, cp)
+            plans = [build_plan(ids, lay, rank, kinds=("ring",), window=window) for rank in range(cp)]
+            grads = [RingGradients.of(p, lay.runs, p.stream["ring"].chunk_rows) for p in plans]
+            for rank, (plan, got) in enumerate(zip(plans, grads)):
+                attended = {(s.round, s.piece) for s in plan.stream["ring"].steps[1:] if s.calls}
+                assert attended <= got.sent, (cp, layout, rank)
+                for i, j in got.sent:
+                    assert (i, j) in grads[(rank - i) % cp].returned, (cp, layout, rank, i, j)
+                for i, j in got.returned:
+                    assert (i, j) in grads[(rank + i) % cp].sent, (cp, layout, rank, i, j)
+
+
+# -- pinned counts: a regression in calls, ops, transfers or syncs fails ---------------------------
+
+
+def steady_counts(exchange):
+    """This rank's (forward, backward) summary of a step's second layer call (the third must match it)."""
+    per_layer = count_layers(exchange, "refetch", _mix(128))
+    later = [tuple(c.summary() for c in calls) for calls in per_layer[1:]]
+    assert all(calls == later[0] for calls in later), later
+    return later[0]
+
+
+def _summary(kernel_calls, launching, transfers, syncs):
+    return {"kernel_calls": kernel_calls, "launching": launching, "transfers": transfers, "syncs": syncs}
+
+
+# Per exchange, per rank: (forward, backward) of a later layer call, refetch, on ``_mix(128)``
+# (zigzag, GQA 4 / 2 heads of 8, fp32, dense kernel); cp 2, hierarchical at cp 4 = 2 nodes x 2.
+PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host syncs)
+    "allgather": [((5, 68, 16, 0), (5, 54, 19, 0)), ((3, 38, 16, 0), (3, 34, 19, 0))],
+    "a2a": [((5, 58, 3, 0), (5, 44, 6, 0)), ((3, 31, 3, 0), (3, 27, 6, 0))],
+    "halo": [((5, 58, 3, 0), (5, 44, 6, 0)), ((3, 31, 3, 0), (3, 27, 6, 0))],
+    "hierarchical": [((25, 299, 5, 0), (25, 209, 10, 0)), ((12, 143, 7, 0), (12, 115, 14, 0)),
+                     ((9, 107, 6, 0), (9, 103, 12, 0)), ((7, 83, 4, 0), (7, 71, 8, 0))],
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange", list(PINNED))
+def test_layer_call_counts_are_pinned(pool2, pool4, exchange):
+    """Kernel calls, launching ops, transfers and host syncs per layer call, forward and backward, pinned
+    at the values the engine has now: a change that adds calls, merge ops, transfers or syncs fails here.
+    A change that lowers them updates the numbers (and says so in its commit)."""
+    pool = pool4 if exchange == "hierarchical" else pool2
+    got = [list(calls) for calls in pool.run(steady_counts, exchange)]
+    want = [[_summary(*f), _summary(*b)] for f, b in PINNED[exchange]]
+    assert got == want, [[tuple(c.values()) for c in calls] for calls in got]
