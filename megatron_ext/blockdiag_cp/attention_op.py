@@ -46,6 +46,7 @@ from .chunks import chunk_kind
 from .exchange import HierarchicalTransport, NeededTransport, RingTransport
 from .resolve import resolve_step_state
 from .state import count_cp_attn_fire
+from .ulysses import ulysses_attention
 
 logger = logging.getLogger("megatron_ext.blockdiag_cp")
 
@@ -472,6 +473,15 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
                  error=window_error, softmax_offset=softmax_offset)
     backend = call_backend(state, q, dropout_p, kv_heads=k.shape[2], window=window)
     state.kv_row_bytes = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+    if state.kv_exchange == "ulysses" and state.cp > 1:
+        return ulysses_attention(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)
+    return streamed_attention(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)
+
+
+def streamed_attention(q, k, v, softmax_offset, state, backend: str, scale: float, dropout_p: float,
+                       window: Optional[int]) -> torch.Tensor:
+    """The streamed op on agreed inputs and a resolved backend (``blockdiag_cp_attention`` checks and
+    resolves; the head-parallel path calls it on its head shards with a single-rank state)."""
     return _StreamedAttention.apply(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)
 
 

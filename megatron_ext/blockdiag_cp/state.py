@@ -38,6 +38,9 @@ KV_EXCHANGE_SYNONYMS: Dict[str, Tuple[str, ...]] = {
     "a2a": ("a2a", "a2av", "all_to_all", "alltoall", "needed_a2a"),
     # Ours: the needed rows through two-level routes (a node's remote rows cross nodes once).
     "hierarchical": ("hierarchical", "hier", "two_level", "node_aware"),
+    # Ours: head-parallel CP (DeepSpeed-Ulysses): q/k/v to head shards and the output back by
+    # all-to-all, no K/V exchange.
+    "ulysses": ("ulysses", "heads", "head_parallel", "a2a_heads", "deepspeed_ulysses"),
 }
 KV_EXCHANGE_VALUES: Tuple[str, ...] = tuple(KV_EXCHANGE_SYNONYMS)
 

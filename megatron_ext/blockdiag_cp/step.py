@@ -144,6 +144,8 @@ def resolve_kv_backward(requested: str, kv_exchange: str, plan: StepPlan) -> Tup
     """(mode, reason) for backward's remote K/V; decided from global tables, so alike on every rank."""
     if plan.cp == 1:
         return "save", "single rank: nothing to refetch"
+    if kv_exchange == "ulysses":
+        return "save", "ulysses: every key is on the rank (head shards), nothing to refetch"
     if requested != "auto":
         return requested, "as requested"
     received = ((plan.cp - 1) * plan.local_len if kv_exchange == "allgather"
@@ -408,9 +410,11 @@ class BlockDiagCPState:
             ids = torch.nn.functional.pad(ids, (0, padded - seq_len))
             lay = build_layout(layout_name, ids, cp, cost_model=cost_model, windows=mix,
                                cu_seqlens_padded=source.cu_seqlens_padded)
-            # Only the exchange in use is planned now; the other kind is built if ever read.
-            plan = build_plan(ids, lay, rank,
-                              kinds=(chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed",))
+            # Only the exchange in use is planned now; the other kind is built if ever read (ulysses
+            # streams nothing: its head shards are attended with a single-rank plan, ``ulysses_on``).
+            plan = build_plan(ids, lay, rank, kinds=(
+                () if requested["kv_exchange"] == "ulysses" and cp > 1 else
+                (chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed",)))
 
         available = {b: agreed.max("unavailable_" + b) == 0 for b in ATTN_BACKEND_VALUES}
         backend_req = requested["attn_backend"]
@@ -495,6 +499,8 @@ class BlockDiagCPState:
         plan = self.plan_for(window)
         sent_pos, recv_pos = plan.positions_moved(chunk_kind(self.kv_exchange)) if self.cp > 1 else (0, 0)
         inter = {}
+        if self.kv_exchange == "ulysses" and self.cp > 1:  # every rank's q/k/v rows, all but its own block
+            sent_pos = recv_pos = (self.cp - 1) * self.local_len
         if self.kv_exchange == "hierarchical":  # both stages of the node routes, and what crosses nodes
             route = self.hierarchical_route_on(torch.device("cpu"), window)
             sent_pos = sum(route.send1_counts) + sum(route.send2_counts)
@@ -583,6 +589,18 @@ class BlockDiagCPState:
         if key not in self._device_index:
             self._device_index[key] = [_non_identity(t, self.local_len, device)
                                        for t in self.plan_for(window).exchange.send_index]
+        return self._device_index[key]
+
+    def ulysses_on(self, device: torch.device):
+        """(the single-rank state the head shards are attended with, [P] the source-rank-major row of each
+        global position, [P] the global position of each source-rank-major row, both on the device), once
+        per step."""
+        from .ulysses import ulysses_orders, ulysses_single_rank_state
+
+        key = ("ulysses", str(device))
+        if key not in self._device_index:
+            to_global, to_ranks = ulysses_orders(self)
+            self._device_index[key] = (ulysses_single_rank_state(self), to_global.to(device), to_ranks.to(device))
         return self._device_index[key]
 
     def ring_gradients(self, window: Optional[int] = None) -> RingGradients:

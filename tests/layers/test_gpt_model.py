@@ -47,7 +47,7 @@ pool2 = pool_fixture(2)
 @pytest.mark.timeout(600)
 def test_gpt_one_step_every_layout_and_exchange(pool2):
     results = pool2.run(one_step_matches_reference, ("contiguous", "zigzag", "balanced"),
-                        ("allgather", "halo", "a2a"))
+                        ("allgather", "halo", "a2a", "ulysses"))
     for per_rank in results:
         for key, (loss_err, grad_err, _) in per_rank.items():
             assert loss_err < TOL and grad_err < TOL, (key, loss_err, grad_err)
@@ -60,8 +60,9 @@ def test_gpt_batch_of_two_rows(pool2):
             assert loss_err < TOL and grad_err < TOL, (key, loss_err, grad_err)
 
 
-def recompute_cases():
-    """Thread-backward and interleaved-microbatch recompute, each against the reference."""
+def recompute_cases(exchanges=("a2a", "halo")):
+    """Thread-backward and interleaved-microbatch recompute, each against the reference (``exchanges``:
+    the kv exchange of each)."""
     import megatron_ext.blockdiag_cp as bdcp
 
     mpu = H.ensure_mpu(tp=1, cp=2)
@@ -78,7 +79,7 @@ def recompute_cases():
         ref_loss, ref_grads = H.reference_loss_and_grads(
             ref, batch, bdcp.doc_ids_from_eod(batch["tokens"], H.EOD))
         local, state = bdcp.shard_batch(batch, cp_group=group, layout="balanced", eod_token=H.EOD,
-                                        attn_backend="dense", kv_exchange="a2a")
+                                        attn_backend="dense", kv_exchange=exchanges[0])
         model.zero_grad()
         bdcp.reset_cp_attn_fire_count()
         with bdcp.blockdiag_cp_step(state):
@@ -98,7 +99,7 @@ def recompute_cases():
         model.zero_grad()
         for bt in batches:
             local, state = bdcp.shard_batch(bt, cp_group=group, layout="contiguous", eod_token=H.EOD,
-                                            attn_backend="dense", kv_exchange="halo")
+                                            attn_backend="dense", kv_exchange=exchanges[1])
             with bdcp.blockdiag_cp_step(state):
                 losses.append(H.cp_loss(model, local, state, bt["loss_mask"].sum()))
         losses[0].backward()
@@ -112,8 +113,9 @@ def recompute_cases():
 
 
 @pytest.mark.timeout(300)
-def test_recompute_on_another_thread_and_interleaved_microbatches(pool2):
-    for per_rank in pool2.run(recompute_cases):
+@pytest.mark.parametrize("exchanges", [("a2a", "halo"), ("ulysses", "ulysses")], ids=["needed", "ulysses"])
+def test_recompute_on_another_thread_and_interleaved_microbatches(pool2, exchanges):
+    for per_rank in pool2.run(recompute_cases, exchanges):
         grad_err, fires = per_rank["thread"]
         assert grad_err < TOL
         assert fires == 4, "2 layers x (forward + recompute) must each fire once"

@@ -1,0 +1,181 @@
+"""Head-parallel CP (DeepSpeed-Ulysses): every rank attends the whole pack on 1/cp of the heads.
+
+    sequence shards (the layout's)              head shards
+    rank r: [L, b, H, D], its L positions  -->  rank r: [P, b, H / cp, D], every position, heads
+                                                [r * H / cp, (r + 1) * H / cp)
+
+    cp = 2, H = 4 heads (0 1 2 3), positions of a zigzag layout a b | c d:
+        rank 0 holds a d, heads 0-3      -->  rank 0 holds a b c d, heads 0 1
+        rank 1 holds b c, heads 0-3      -->  rank 1 holds a b c d, heads 2 3
+
+Two all-to-alls replace the K/V exchange: q, k and v go from sequence shards to head shards,
+the output comes back the same way. In between each rank runs the engine's single-rank op
+over the padded pack in global order: one plan of every document of every row (windows as
+bottom-right windows, sinks as the rank's share of ``softmax_offset``), so the kernel path
+(te -> flash -> dense), dropout replay and kernel-failure handling are the engine's own. No
+merge, no plan of needed keys, every rank does the same work whatever the documents; the
+price is bytes that do not shrink with short documents: (cp - 1) / cp of the local q, k, v
+and out per layer forward.
+
+K/V heads: split when ``Hkv % cp == 0``; otherwise every K/V head is repeated
+``r = cp / gcd(Hkv, cp)`` times first, so each rank's query heads keep their own K/V heads
+(needs ``Hq % (Hkv * r) == 0``; refused with the numbers otherwise). The repeat's gradient
+sums back through autograd.
+
+Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the all-to-all primitives,
+one autograd Function per direction, and ``ulysses_attention``.
+"""
+
+from math import gcd
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .agreement import BlockDiagCPError
+
+# ---------------------------------------------------------------------------
+# Primitives
+# ---------------------------------------------------------------------------
+
+
+def _all_to_all(blocks: torch.Tensor, group) -> torch.Tensor:
+    """[cp, ...] -> [cp, ...]: block j goes to rank j; block i of the result came from rank i."""
+    blocks = blocks.contiguous()
+    received = torch.empty_like(blocks)
+    dist.all_to_all_single(received, blocks, group=group)
+    return received
+
+
+def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[L, b, H, D] this rank's positions, every head -> [cp * L, b, H / cp, D] every rank's
+    positions (source-rank major), this rank's heads."""
+    L, b, H, D = x.shape
+    blocks = x.reshape(L, b, cp, H // cp, D).permute(2, 0, 1, 3, 4)  # [cp, L, b, H / cp, D]
+    return _all_to_all(blocks, group).reshape(cp * L, b, H // cp, D)
+
+
+def _heads_to_sequence(y: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[cp * L, b, h, D] every rank's positions (source-rank major), this rank's heads -> [L, b, cp * h, D]
+    this rank's positions, every head: the inverse of ``_sequence_to_heads``."""
+    P, b, h, D = y.shape
+    received = _all_to_all(y.reshape(cp, P // cp, b, h, D), group)  # [cp, L, b, h, D] block i: heads of rank i
+    return received.permute(1, 2, 0, 3, 4).reshape(P // cp, b, cp * h, D)
+
+
+# ---------------------------------------------------------------------------
+# Autograd Functions
+# ---------------------------------------------------------------------------
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """Forward: sequence shards -> head shards (all-to-all). Backward: head shards -> sequence shards."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp: int, stats: dict):
+        ctx.group, ctx.cp, ctx.stats = group, cp, stats
+        _count(stats, "", x, cp)
+        return _sequence_to_heads(x, group, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _count(ctx.stats, "backward_", grad, ctx.cp)
+        return _heads_to_sequence(grad, ctx.group, ctx.cp), None, None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """Forward: head shards -> sequence shards (all-to-all). Backward: sequence shards -> head shards."""
+
+    @staticmethod
+    def forward(ctx, y, group, cp: int, stats: dict):
+        ctx.group, ctx.cp, ctx.stats = group, cp, stats
+        _count(stats, "", y, cp)
+        return _heads_to_sequence(y, group, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _count(ctx.stats, "backward_", grad, ctx.cp)
+        return _sequence_to_heads(grad, ctx.group, ctx.cp), None, None, None
+
+
+def _count(stats: dict, prefix: str, x: torch.Tensor, cp: int) -> None:
+    """Bytes this rank sends (and receives: the all-to-all is symmetric) for ``x``: all but its own block."""
+    moved = x.numel() * x.element_size() * (cp - 1) // cp
+    for key in ("bytes_sent", "bytes_received"):
+        stats[prefix + key] = stats.get(prefix + key, 0) + moved
+
+
+# ---------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------
+
+
+def kv_head_repeats(q_heads: int, kv_heads: int, cp: int) -> Tuple[int, str]:
+    """(how many times each K/V head is repeated so the K/V heads split over cp ranks, the error or '').
+
+    With ``Hq = G * Hkv`` and ``cp | Hq``, ``r = cp / gcd(Hkv, cp)`` divides G (cp / gcd is coprime to
+    Hkv / gcd), so the repeated heads always line up with the query heads: only ``cp | Hq`` is asked.
+    """
+    if q_heads % cp:
+        return 1, (f"kv exchange 'ulysses' splits the {q_heads} query heads over the cp={cp} ranks, and "
+                   f"{q_heads} % {cp} = {q_heads % cp}; use a cp that divides the query heads or another kv "
+                   f"exchange (--cp-kv-exchange a2a)")
+    return cp // gcd(kv_heads, cp), ""
+
+
+def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, backend: str, scale: float,
+                      dropout_p: float, window: Optional[int]) -> torch.Tensor:
+    """q: [L, b, Hq, Dqk], k: [L, b, Hkv, Dqk], v: [L, b, Hkv, Dv] (this rank's positions, the layout's
+    order) -> [L, b, Hq, Dv]. Every CP rank calls it with the same shapes (agreed before)."""
+    from .attention_op import streamed_attention  # imports this module: the single-rank op on the head shards
+
+    cp, group = state.cp, state.group
+    repeats, error = kv_head_repeats(q.shape[2], k.shape[2], cp)
+    if error:  # the shapes were agreed: every rank raises this, before any all-to-all
+        raise BlockDiagCPError(error)
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+    inner, to_global, to_ranks = state.ulysses_on(q.device)
+    stats = state.comm_stats
+    for key in [key for key in stats if not key.startswith("backward_")]:
+        del stats[key]  # this call's figures only (a model's layers share the state)
+    # [cp * L, b, H / cp, D] source-rank major -> [P, b, H / cp, D] global order (index_select: its
+    # backward is the inverse scatter)
+    q_h, k_h, v_h = (_SequenceToHeads.apply(t, group, cp, stats).index_select(0, to_global) for t in (q, k, v))
+    sink = None
+    if softmax_offset is not None:
+        share = q.shape[2] // cp
+        sink = softmax_offset[state.rank * share:(state.rank + 1) * share]  # [Hq / cp]: this rank's heads
+    out_h = streamed_attention(q_h, k_h, v_h, sink, inner, backend, scale, dropout_p, window)  # [P, b, Hq / cp, Dv]
+    return _HeadsToSequence.apply(out_h.index_select(0, to_ranks), group, cp, stats)
+
+
+def ulysses_single_rank_state(state):
+    """The cp = 1 state the head shards are attended with: the outer state's padded doc ids in global
+    order, its backend, its kernel-failure list (so a failure is agreed at the end of the step)."""
+    from .layouts import build_layout
+    from .plan import build_plan
+    from .step import BlockDiagCPState
+
+    ids = state.doc_ids  # [R, P] padded
+    layout = build_layout("contiguous", ids, 1)
+    inner = BlockDiagCPState(
+        group=None, cp=1, rank=0, layout=layout, doc_ids=ids, seq_len=ids.shape[1],
+        plan=build_plan(ids, layout, 0, kinds=("needed",)),
+        attn_backend_requested=state.attn_backend_requested, attn_backend=state.attn_backend,
+        attn_backend_reason=state.attn_backend_reason, kv_exchange_requested="ulysses",
+        kv_exchange="ulysses", kv_exchange_reason="the head shards of a ulysses step", strict=state.strict,
+        available=state.available, backend_explicit=state.backend_explicit)
+    inner.kernel_failures = state.kernel_failures
+    inner.windows = state.windows
+    return inner
+
+
+def ulysses_orders(state) -> Tuple[torch.Tensor, torch.Tensor]:
+    """([P] source-rank-major index of each global position, [P] global position of each source-rank-major
+    row): the layout's positions, every rank's ascending, concatenated rank by rank."""
+    by_rank = state.layout.positions.reshape(-1)  # [P] global position of rank-major row j
+    return torch.argsort(by_rank), by_rank
+
+
+__all__ = ["ulysses_attention", "kv_head_repeats", "ulysses_single_rank_state", "ulysses_orders"]

@@ -1,0 +1,135 @@
+"""Head-parallel CP (``kv_exchange="ulysses"``, ``blockdiag_cp/ulysses.py``) on gloo at cp 2, 3 and 4.
+
+In float64 against the single-process reference: every layout (thd from padded ids), the
+document cases of ``cases.py``, GQA with the K/V heads split (Hkv % cp == 0) and repeated
+(Hkv < cp or not a multiple), MLA head dims, sliding windows, learnable sinks (their
+gradient summed over the group, as Megatron reduces it), dropout (directional derivative and
+replayed masks, shared with test_engine_dist). Also: the bytes each rank moves, which are
+the two all-to-alls and nothing else, and the refusal of a cp that does not divide the query
+heads, raised alike on every rank.
+"""
+
+import math
+
+import pytest
+import torch
+
+from megatron_ext.testing import WorkerPool, catch, reference_attention
+from megatron_ext.testing.cases import CASES, make_doc_ids
+from test_engine_dist import dropout_checks
+from test_variants import _thd_padded
+
+LAYOUTS = ("contiguous", "zigzag", "balanced", "thd")
+TOL = 1e-12
+# (Hq, Hkv, Dqk, Dv): at cp 2 / 3 / 4 the 2 K/V heads split / repeat 3x / split; the 6 split / split
+# / repeat 2x; MLA's value dim differs.
+HEADS = [(12, 2, 8, 8), (12, 6, 8, 4)]
+
+
+def _rel(a, b):
+    return float((a.detach() - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def check_ulysses(case, heads, window, layouts=LAYOUTS, S=96):
+    """On every rank: {layout: [errors of out, dq, dk, dv, dsink], bytes sent, bytes received}."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    cp = dist.get_world_size()
+    hq, hkv, dk, dv = heads
+    results = {}
+    for layout in layouts:
+        doc_ids = make_doc_ids(case, S, cp)
+        if layout == "thd":
+            if doc_ids.dim() == 2:
+                continue  # THD packs one row
+            doc_ids = _thd_padded(doc_ids, 2 * cp)
+        b = doc_ids.shape[0] if doc_ids.dim() == 2 else 1
+        n = doc_ids.shape[-1]
+        g = torch.Generator().manual_seed(29)
+        q = torch.randn(n, b, hq, dk, generator=g, dtype=torch.float64)
+        k = torch.randn(n, b, hkv, dk, generator=g, dtype=torch.float64)
+        v = torch.randn(n, b, hkv, dv, generator=g, dtype=torch.float64)
+        w = torch.randn(n, b, hq, dv, generator=g, dtype=torch.float64)
+        sink = torch.randn(hq, generator=g, dtype=torch.float64)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_sink = sink.clone().requires_grad_()
+        ref = reference_attention(*ref_in, doc_ids, window=window, sink=ref_sink)
+        (ref * w).sum().backward()
+        state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange="ulysses", attn_backend="dense")
+        local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+        offset = sink.clone().requires_grad_()
+        with bdcp.blockdiag_cp_step(state):
+            out = bdcp.blockdiag_cp_attention(*local, window_size=None if window is None else (window, 0),
+                                              softmax_offset=offset)
+            (out * state.shard(w)).sum().backward()
+        d_sink = offset.grad.clone()
+        dist.all_reduce(d_sink)  # each rank has its heads' share
+        report = state.report()
+        errs = [_rel(out, state.shard(ref))] + [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
+        results[layout] = (errs + [_rel(d_sink, ref_sink.grad)], report["bytes_sent"], report["bytes_received"],
+                           report["kv_exchange"], report["local_len"], report["kv_backward"])
+    return results
+
+
+def refused_heads():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    doc_ids = make_doc_ids("short", 48, 3)
+    state = bdcp.BlockDiagCPState.build(doc_ids, kv_exchange="heads", attn_backend="dense")
+    q, k, v = (torch.randn(state.local_len, 1, h, 8) for h in (4, 2, 2))
+    with bdcp.blockdiag_cp_step(state):
+        return catch(lambda: bdcp.blockdiag_cp_attention(q, k, v))
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"cp{n}")
+def pool(request):
+    p = WorkerPool(request.param)
+    yield p
+    p.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa2", "gqa6_mla"])
+def test_matches_reference_every_layout(pool, case, heads):
+    results = pool.run(check_ulysses, case, heads, None)
+    cp = len(results)
+    hq, hkv, dk, dv = heads
+    repeats = cp // math.gcd(hkv, cp)
+    for rank, per_rank in enumerate(results):
+        for layout, (errs, sent, received, exchange, L, kv_backward) in per_rank.items():
+            assert max(errs) < TOL, (rank, layout, errs)
+            assert exchange == "ulysses" and kv_backward == "save", (exchange, kv_backward)
+            # The two all-to-alls: q, k, v (k and v after the repeat) in, out back; all but the own block.
+            b = 2 if case == "b2" else 1
+            moved = L * b * (hq * dk + hkv * repeats * (dk + dv) + hq * dv) * 8 * (cp - 1) // cp
+            assert sent == received == moved, (layout, sent, received, moved)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("window", [0, 5, 23])
+@pytest.mark.parametrize("case", ["single", "short", "pad_middle", "b2"])
+def test_sliding_windows_and_sinks(pool, case, window):
+    for rank, per_rank in enumerate(pool.run(check_ulysses, case, HEADS[1], window)):
+        for layout, (errs, *_) in per_rank.items():
+            assert max(errs) < 1e-10, (rank, layout, window, errs)
+
+
+@pytest.mark.timeout(300)
+def test_dropout_gradients_and_replayed_masks(pool):
+    if 4 % pool.world:
+        pytest.skip("dropout_checks' 4 query heads do not split over 3 ranks")
+    for r in pool.run(dropout_checks, "zigzag", "ulysses", "auto"):
+        assert abs(r["analytic"] - r["numeric"]) <= 1e-6 * max(1.0, abs(r["numeric"])), r
+        assert r["out"] == r["same_seed"], r  # the same generator state draws the same masks
+        assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r
+
+
+@pytest.mark.timeout(120)
+def test_a_cp_that_does_not_split_the_query_heads_is_refused_on_every_rank():
+    with WorkerPool(3) as pool:
+        for name, message in pool.run(refused_heads):
+            assert name == "BlockDiagCPError", message
+            assert "4 query heads over the cp=3 ranks" in message and "--cp-kv-exchange a2a" in message, message
