@@ -15,10 +15,11 @@ attention_backend unfused   attn_backend ``dense`` (unfused math)
 attention_backend auto      our default (te -> flash -> dense)
 attention_backend local     refused: it swaps our core attention for megatron's
 cp_comm_type allgather      kv_exchange ``allgather`` (also ``all_gather``)
-cp_comm_type a2a            kv_exchange ``a2a`` (ours moves only the needed rows)
+cp_comm_type a2a            kv_exchange ``ulysses`` (Megatron's a2a: heads scattered over the CP group,
+                            DeepSpeed-Ulysses); ours that moves only the needed rows is ``a2a``
 cp_comm_type p2p            kv_exchange ``halo`` (the closest: neighbour p2p)
-cp_comm_type a2a+p2p        refused: TE's a2a across heads inside sub-groups is another algorithm;
-                            ours is ``--cp-kv-exchange hierarchical`` (a node's remote rows cross once)
+cp_comm_type a2a+p2p        refused: two-dimensional CP (Ulysses in sub-groups, a ring between them)
+                            is not built; ours across nodes is ``--cp-kv-exchange hierarchical`` (a node's remote rows cross once)
 ==========================  ==================================================
 
 Ours win where the user set them (``--cp-attn-backend`` / ``--cp-kv-exchange`` through
@@ -43,7 +44,7 @@ from ..megatron_lm import config_field
 
 ATTENTION_BACKEND_TO_OURS: Dict[str, Optional[str]] = {
     "flash": "flash", "fused": "te", "unfused": "dense", "auto": None}
-CP_COMM_TYPE_TO_OURS: Dict[str, str] = {"p2p": "halo", "a2a": "a2a", "allgather": "allgather",
+CP_COMM_TYPE_TO_OURS: Dict[str, str] = {"p2p": "halo", "a2a": "ulysses", "allgather": "allgather",
                                         "all_gather": "allgather"}
 
 # Knob -> the value this module last set from Megatron's config (replaced on the next build).
@@ -98,9 +99,10 @@ def megatron_knob_values(config, cp_comm_type) -> Dict[str, Tuple[Optional[str],
             f"BlockDiagCPAttention; use one of {sorted(ATTENTION_BACKEND_TO_OURS)} or --cp-attn-backend")
     exchange = layer_cp_comm_type(config, cp_comm_type)
     if exchange is not None and exchange not in CP_COMM_TYPE_TO_OURS:
-        hint = (" (TE's a2a across heads inside sub-groups, p2p between them, is another algorithm; "
+        hint = (" (two-dimensional CP, Ulysses inside sub-groups and p2p between them, is not built yet; "
                 "our two-level exchange is --cp-kv-exchange hierarchical: what a node needs from another "
-                "node crosses once, shared inside the node; or --cp-comm-type a2a)") if exchange == "a2a+p2p" else ""
+                "node crosses once, shared inside the node; or --cp-comm-type a2a, head-parallel CP over "
+                "the whole group)") if exchange == "a2a+p2p" else ""
         raise BlockDiagCPError(
             f"{config_field('cp_comm_type', exchange)} is not supported by "
             f"BlockDiagCPAttention{hint}; use p2p | a2a | allgather, or --cp-kv-exchange")

@@ -277,7 +277,7 @@ def _cfg(**kw):
 
 @pytest.mark.parametrize("backend,exchange,expected", [
     ("flash", None, ("flash", "allgather")), ("fused", "p2p", ("te", "halo")),
-    ("unfused", "a2a", ("dense", "a2a")), ("auto", "allgather", ("te", "allgather")),
+    ("unfused", "a2a", ("dense", "ulysses")), ("auto", "allgather", ("te", "allgather")),
     ("auto", "all_gather", ("te", "allgather")), ("auto", None, ("te", "allgather")),
 ])
 def test_megatron_values_map_to_our_knobs(backend, exchange, expected):
@@ -293,7 +293,7 @@ def test_a_later_model_with_megatrons_defaults_restores_ours():
     from megatron_ext.layers.megatron_knobs import apply_megatron_knobs
 
     assert apply_megatron_knobs(_cfg(attention_backend="flash"), "a2a") == {"attn_backend": "flash",
-                                                                            "kv_exchange": "a2a"}
+                                                                            "kv_exchange": "ulysses"}
     assert apply_megatron_knobs(_cfg(attention_backend="auto"), None) == {"attn_backend": "te",
                                                                          "kv_exchange": "allgather"}
 
@@ -318,7 +318,10 @@ def test_ours_set_in_python_win_over_megatrons_defaults_and_refuse_its_explicit_
     # Megatron's defaults (auto, p2p) give way.
     assert apply_megatron_knobs(_cfg(attention_backend="auto"), "p2p") == {"attn_backend": "dense",
                                                                           "kv_exchange": "a2a"}
-    assert apply_megatron_knobs(_cfg(attention_backend="unfused"), "a2a")["attn_backend"] == "dense"
+    assert apply_megatron_knobs(_cfg(attention_backend="unfused"), None)["attn_backend"] == "dense"
+    # Megatron's a2a is head-parallel CP, not our needed-rows a2a: an explicit disagreement.
+    with pytest.raises(bdcp.BlockDiagCPError, match=r"kv_exchange='a2a'.*--cp-comm-type a2a.*'ulysses'.*disagree"):
+        apply_megatron_knobs(_cfg(), "a2a")
     with pytest.raises(bdcp.BlockDiagCPError, match=r"configure_cp_varlen\(attn_backend='dense'\).*"
                                                     r"--attention-backend flash.*disagree"):
         apply_megatron_knobs(_cfg(attention_backend="flash"), None)
