@@ -6,6 +6,7 @@
     memory.png       peak tensor memory vs S, ours against the baselines (short mix)
     memory_cp.png    busiest rank's peak memory vs cp, every layout x exchange, against local q/k/v/out
     scale.png        modeled / ideal attention time vs cp per layout (scale suite, largest S)
+    exchange_choice.png  modeled ms per exchange per mix at 128k / cp 8 and 1M / cp 64 (exchange_choice suite)
 """
 
 import os
@@ -258,10 +259,57 @@ def plot_scale(rows: List[Dict], out_dir: str) -> str:
     return path
 
 
+CHOICE_COLORS = {"allgather": "#c44e52", "a2a": "#4c72b0", "hierarchical": "#55a868", "ulysses": "#8172b2"}
+
+
+def plot_exchange_choice(rows: List[Dict], out_dir: str) -> str:
+    if not any(r["suite"] == "exchange_choice" for r in rows):
+        return ""
+    from exchange_choice import EXCHANGES, choices
+
+    recs = choices(rows)
+    panels = []
+    for r in recs:
+        if (r["point"], r["model"]) not in panels:
+            panels.append((r["point"], r["model"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
+    width = 0.2
+    for ax, (point, model) in zip(axes[0], panels):
+        got = [r for r in recs if (r["point"], r["model"]) == (point, model)]
+        for i, r in enumerate(got):
+            for j, ex in enumerate(EXCHANGES):
+                x = i + (j - 1.5) * width
+                c = r["by"].get(ex)
+                if c is None:
+                    continue
+                if c.get("refused"):
+                    ax.text(x, r["ideal_seconds"] * 1e3, "refused", rotation=90, ha="center", va="bottom", fontsize=6,
+                            color=CHOICE_COLORS[ex])
+                    continue
+                ax.bar(x, c["modeled_seconds"] * 1e3, width, color=CHOICE_COLORS[ex], label=ex if i == 0 else None)
+                ax.plot([x - width / 2, x + width / 2], [r["streamed"][ex] * 1e3] * 2, "k-", lw=1.2,
+                        label="streamed" if i == 0 and j == 0 else None)
+            ax.plot([i - 2 * width, i + 2 * width], [r["ideal_seconds"] * 1e3] * 2, "k:", lw=1,
+                    label="ideal" if i == 0 else None)
+        ax.set_xticks(range(len(got)))
+        ax.set_xticklabels([r["mix"] for r in got], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("modeled ms per layer, forward + backward")
+        ax.set_title(f"{point}, {model.replace('_', '-')}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=6)
+    fig.suptitle("Modeled attention time per exchange (bars: no overlap; black tick: streamed; dotted: ideal)")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "exchange_choice.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(rows: List[Dict], out_dir: str) -> List[str]:
     return [p for p in (plot_comm(rows, out_dir), plot_balance(rows, out_dir),
                         plot_speed(rows, out_dir), plot_memory(rows, out_dir), plot_cp_memory(rows, out_dir),
-                        plot_scale(rows, out_dir)) if p]
+                        plot_scale(rows, out_dir), plot_exchange_choice(rows, out_dir)) if p]
 
 
 if __name__ == "__main__":

@@ -794,6 +794,85 @@ SCALE = Suite(
 )
 
 
+# --- exchange_choice (plan only) --------------------------------------------------------------
+
+
+def _exchange_choice():
+    import exchange_choice  # torch and the engine: only where its table is rendered
+
+    return exchange_choice
+
+
+def _choice_records(rows):
+    return _exchange_choice().choices(rows)
+
+
+def _choice_cell(field, spec, scale=1.0):
+    def cell(r, ex):
+        got = r["by"].get(ex)
+        if got is None:
+            return "-"
+        if got.get("refused"):
+            return "refused"
+        return format(scale * (got[field] if field != "streamed" else r["streamed"][ex]), spec)
+    return cell
+
+
+def _choice_columns(records):
+    exchanges = [e for e in _exchange_choice().EXCHANGES if any(e in r["by"] for r in records)]
+    mib, ms = _choice_cell("bytes_max", ".1f", 1 / MiB), _choice_cell("modeled_seconds", ".2f", 1e3)
+    streamed = _choice_cell("streamed", ".2f", 1e3)
+    return ((Text("point", "point"), Text("model", "model"), Text("mix", "mix"), Column("longest doc", "longest"))
+            + tuple(Column(f"{e} MiB", lambda r, e=e: mib(r, e), str) for e in exchanges)
+            + (Column("ideal ms", "ideal_seconds", fmt(".2f", scale=1e3)),)
+            + tuple(Column(f"{e} ms", lambda r, e=e: ms(r, e), str) for e in exchanges)
+            + (Text("least", "pick"),)
+            + tuple(Column(f"{e} streamed", lambda r, e=e: streamed(r, e), str) for e in exchanges)
+            + (Text("least streamed", "pick_streamed"),))
+
+
+def _choice_note(records):
+    refused = sorted({f"{r['model']} at cp {r['cp']}" for r in records
+                      for got in r["by"].values() if got.get("refused")})
+    return ("Per layer, the busiest rank: MiB it moves in forward (the larger of sent and received) and the cost "
+            "model's time of forward + backward (`cost.py`: H200 bf16 attention at 500e12 FLOP/s, NVLink 400e9 B/s "
+            "per GPU, IB 50e9 B/s per GPU; 128k / cp 8 on one NVLink node, 1M / cp 64 on 8 nodes of 8). `ms`: no "
+            "overlap; `streamed`: the needed-only and all-gather exchanges streamed behind compute "
+            "(`CostModel.overlapped`, backward refetching), ulysses as without overlap (its attention needs the "
+            "first all-to-all and the second needs the attention). a2a / hierarchical: the better of the balanced "
+            "and zigzag layouts (every row in the next table); all-gather: zigzag. Ulysses: (cp - 1) / cp of the "
+            "local q, k and v (K/V heads repeated to split over cp) and out, its compute the ideal (total pairs / "
+            "cp), the all-to-alls priced on NVLink inside a node and IB for the (cp - 8) / cp of each tensor that "
+            "leaves it. `least`: the exchange of least time (others within 1% named with it). Two-dimensional CP is "
+            "not built."
+            + (f" Ulysses is refused for {', '.join(refused)}: cp must divide the query heads." if refused else "")
+            + " `scripts/bench/exchange_choice.py`.")
+
+
+def _choice_rows(rows):
+    return [{**r, "bytes_mib": r.get("bytes_max", 0) / MiB} for r in rows if r["suite"] == "exchange_choice"]
+
+
+EXCHANGE_CHOICE = Suite(
+    "exchange_choice", suite("exchange_choice"),
+    tables=(
+        Table("Which exchange: bytes and modeled time per layer (plan only)", _choice_records,
+              note=_choice_note, columns=_choice_columns),
+        Table("Every exchange and layout", _choice_rows, level=3,
+              columns=(Text("point", "point"), Text("model", "model"), Text("mix", "mix"),
+                       Text("exchange", "exchange"), Text("layout", "layout"),
+                       Column("MiB", lambda r: None if r.get("refused") else r["bytes_mib"], fmt(".1f")),
+                       Column("received MiB", "bytes_received_max", fmt(".1f", scale=1 / MiB)),
+                       Column("across nodes MiB", "inter_node_bytes_max", fmt(".1f", scale=1 / MiB)),
+                       Column("ms", "modeled_seconds", fmt(".2f", scale=1e3)),
+                       Column("streamed ms", "overlap_seconds", fmt(".2f", scale=1e3)),
+                       Column("/ ideal", "modeled_over_ideal", fmt(".3f")),
+                       Column("work max/mean", "work_max_over_mean", fmt(".3f")),
+                       Text("refused", lambda r: r.get("refused", "").split(";")[0], str))),
+    ),
+)
+
+
 # --- dropin -----------------------------------------------------------------------------------
 
 DROPIN_PER = {"mask_derive": "micro batch", "mask_state": "micro batch", "layer_fwd_bwd": "layer",
@@ -818,4 +897,4 @@ DROPIN = Suite(
 )
 
 # The order of SUMMARY.md: targets of every suite first, then each suite's tables.
-SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, WINDOW, MODEL, GPU, SCALE, DROPIN)
+SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, DROPIN)

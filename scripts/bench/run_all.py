@@ -15,6 +15,8 @@ model (scripts/pretrain_gpt.py tokens/s at CP=1 and CP=2), gpu (skipped without 
 scale (plan only, no processes: layout + plan cost and modeled time at 32k-1M tokens, cp 8-64),
 scale_latency (plan only: balanced at the two-level points with a per-message latency priced),
 window (plan only: K/V bytes and work with and without a sliding window, 32k-128k at cp 8),
+exchange_choice (plan only: bytes and modeled time of allgather, a2a, hierarchical and ulysses on the
+scale mixes at 128k / cp 8 and 1M / cp 64),
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
 Megatron-mask document derivation and the per-call q/k/v agreement against one layer at
 32k tokens, cp=4). One JSON object per
@@ -38,9 +40,9 @@ for _p in (HERE, REPO_ROOT):
         sys.path.insert(0, _p)
 
 ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
-              "window", "gpu_check", "dropin")
+              "window", "exchange_choice", "gpu_check", "dropin")
 DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
-                  "window")  # gpu: a skipped row without CUDA
+                  "window", "exchange_choice")  # gpu: a skipped row without CUDA
 
 
 def parse_args(argv=None):
@@ -171,6 +173,13 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows += window.run(points=((131072, 8),) if args.quick else window.POINTS, log=_log)
         timings["window"] = time.perf_counter() - t0
+
+    if "exchange_choice" in suites:
+        import exchange_choice
+
+        t0 = time.perf_counter()
+        rows += exchange_choice.run(log=_log)  # seconds: the same points with --quick
+        timings["exchange_choice"] = time.perf_counter() - t0
 
     if "dropin" in suites:
         import dropin

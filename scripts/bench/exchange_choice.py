@@ -1,0 +1,216 @@
+"""exchange_choice suite: plan only, no processes. Which exchange moves less and is modeled faster, per mix.
+
+At 128k tokens / cp 8 (one node, NVLink) and 1M tokens / cp 64 (8 nodes x 8 GPUs, NVLink inside
+a node, IB between), on the scale suite's mixes (``scale_mixes.py``, seed 0) and one document of
+S (``single``), for each exchange: the busiest rank's bytes moved per layer forward and the cost
+model's modeled time of one layer forward + backward (``megatron_ext/blockdiag_cp/cost.py``).
+
+- ``allgather``: the zigzag layout, every rank's K/V to every rank (``plan_summary``'s all-gather
+  pricing, as the scale suite's ``allgather`` rows; across nodes a ring whose every hop is IB).
+- ``a2a`` (needed-only) and, at the two-level point, ``hierarchical``: the ``balanced`` layout
+  (searched under that exchange's cost model) and ``zigzag``; bytes from the plan's counts
+  (``plan_summary``'s ``traffic``, the positions each rank receives and sends) x the K/V row bytes
+  (2 * Hkv * D * dtype), as the scale suite reads them.
+- ``ulysses``: any layout; per rank per layer forward the two all-to-alls move (cp - 1) / cp of its
+  local q, k and v (K/V heads repeated r = cp / gcd(Hkv, cp) times) and out, whatever the
+  documents (``ulysses_forward_bytes``, the engine's own per-tensor count; tests/bench/
+  test_bench_exchange_choice.py checks it against ``report()["bytes_sent"]``). Modeled time
+  (``ulysses_seconds``): every rank attends every document on Hq / cp heads, so compute is the
+  ideal, total causal pairs / cp x ``seconds_per_pair``; the all-to-alls are priced on the cost
+  model's links, the backward mirroring the forward: with g ranks per node (g = cp on one node)
+  a tensor of T bytes sends T (g - 1) / cp over NVLink and T (cp - g) / cp over IB, so
+
+      modeled = pairs / cp * seconds_per_pair + 2 * (B_nvlink / 400e9 + B_ib / 50e9)
+
+  (``CostModel.comm_seconds`` on those bytes in K/V-row units), with nothing overlapped: the
+  attention needs the first all-to-all, the second needs the attention.
+
+Llama-3-8B attention (32 query heads, 8 K/V heads, head dim 128, bf16) at both points. Ulysses needs
+cp to divide the query heads: at cp 64 the 8B is refused (a row with ``refused``), so the 1M / cp 64
+point is priced a second time with Llama-3-70B attention (64 query heads, 8 K/V heads, head dim
+128), where ulysses runs with every K/V head repeated 8 times. Two-dimensional CP (ulysses inside a
+node, needed-only across nodes) is not built and has no rows.
+"""
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+GPUS_PER_NODE = 8
+# model -> (Hq, Hkv, head dim, dtype bytes)
+MODELS = {"llama3_8b": (32, 8, 128, 2), "llama3_70b": (64, 8, 128, 2)}
+# (label, S, cp, link, models): link "nvlink" = one node, "2lvl" = GPUS_PER_NODE per node, NVLink + IB.
+POINTS = (("128k / cp 8", 131072, 8, "nvlink", ("llama3_8b",)),
+          ("1M / cp 64", 1048576, 64, "2lvl", ("llama3_8b", "llama3_70b")))
+MIXES = ("short", "lognormal", "heavy", "single")
+LAYOUTS = ("balanced", "zigzag")
+EXCHANGES = ("allgather", "a2a", "hierarchical", "ulysses")
+
+
+def doc_ids(mix: str, S: int) -> torch.Tensor:
+    """The scale suite's mix (seed 0), or ``single``: one document of S tokens."""
+    from scale_mixes import scale_doc_ids
+
+    return torch.ones(S, dtype=torch.long) if mix == "single" else scale_doc_ids(mix, S)
+
+
+def ulysses_forward_bytes(local_len: int, b: int, hq: int, hkv: int, d_qk: int, d_v: int, dtype_bytes: int,
+                          cp: int) -> Tuple[int, int, str]:
+    """(bytes one rank sends (= receives) in a layer's forward, K/V head repeats, refusal or '').
+
+    The two all-to-alls move all but the rank's own block of q [L, b, Hq, Dqk], k [L, b, Hkv*r, Dqk],
+    v [L, b, Hkv*r, Dv] and out [L, b, Hq, Dv], counted per tensor as the engine counts them
+    (``ulysses._count``: numel * element size * (cp - 1) // cp).
+    """
+    from megatron_ext.blockdiag_cp.ulysses import kv_head_repeats
+
+    repeats, error = kv_head_repeats(hq, hkv, cp)
+    if error:
+        return 0, repeats, error
+    tensors = (local_len * b * hq * d_qk, local_len * b * hkv * repeats * d_qk, local_len * b * hkv * repeats * d_v,
+               local_len * b * hq * d_v)
+    return sum(n * dtype_bytes * (cp - 1) // cp for n in tensors), repeats, ""
+
+
+def ulysses_link_bytes(local_len: int, hq: int, hkv: int, d: int, dtype_bytes: int, cp: int, repeats: int,
+                       ranks_per_node: int) -> Tuple[float, float]:
+    """(forward bytes a rank sends inside its node, across nodes): ranks node-major, g per node."""
+    g = min(ranks_per_node, cp) if ranks_per_node else cp
+    total = local_len * d * dtype_bytes * (2 * hq + 2 * hkv * repeats)  # q, k, v, out (b = 1)
+    return total * (g - 1) / cp, total * (cp - g) / cp
+
+
+def ulysses_seconds(cost, pairs: float, cp: int, bytes_intra: float, bytes_inter: float, row_bytes: int
+                    ) -> Tuple[float, float, float]:
+    """(modeled, ideal, communication) seconds of one layer forward + backward (module docstring)."""
+    from megatron_ext.blockdiag_cp.cost import Traffic
+
+    # In K/V-row units, where the cost model's seconds_per_position covers forward + backward.
+    intra, inter = torch.tensor([bytes_intra / row_bytes]), torch.tensor([bytes_inter / row_bytes])
+    zero = torch.zeros(1)
+    comm = float(cost.comm_seconds(Traffic(intra, intra, inter, inter, zero, zero))[0])
+    ideal = pairs / cp * cost.seconds_per_pair
+    return ideal + comm, ideal, comm
+
+
+def cost_model(link: str, dims, hierarchical: bool = True):
+    from megatron_ext.blockdiag_cp.cost import CostModel
+
+    hq, hkv, d, nbytes = dims
+    if link == "2lvl":
+        return CostModel.two_level(GPUS_PER_NODE, hq, hkv, d, nbytes, hierarchical=hierarchical)
+    return CostModel.preset(link, hq, hkv, d, nbytes)
+
+
+def _busiest(traffic) -> Tuple[int, int, int]:
+    """(max over ranks of max(received, sent), of received, of max(inter-node received, sent)) positions."""
+    recv = traffic.intra_in + traffic.inter_in
+    sent = traffic.intra_out + traffic.inter_out
+    return (int(torch.maximum(recv, sent).max()), int(recv.max()),
+            int(torch.maximum(traffic.inter_in, traffic.inter_out).max()))
+
+
+def _row(base: Dict, exchange: str, layout: str, cost, positions: Tuple[int, int, int], row_bytes: int,
+         modeled: float, overlap: Optional[float], ideal: float, **extra) -> Dict:
+    both, recv, inter = positions
+    return {**base, "exchange": exchange, "layout": layout, "cost_model": cost.name,
+            "bytes_max": both * row_bytes, "bytes_received_max": recv * row_bytes,
+            "inter_node_bytes_max": inter * row_bytes, "modeled_seconds": modeled,
+            "overlap_seconds": overlap, "ideal_seconds": ideal, "modeled_over_ideal": modeled / ideal, **extra}
+
+
+def run(points=POINTS, mixes=MIXES, log=print) -> List[Dict]:
+    from megatron_ext.blockdiag_cp import plan_summary
+    from megatron_ext.blockdiag_cp.layouts import padded_length
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows: List[Dict] = []
+    try:
+        for label, S, cp, link, models in points:
+            for model in models:
+                hq, hkv, d, nbytes = dims = MODELS[model]
+                row_bytes = 2 * hkv * d * nbytes
+                t0 = time.perf_counter()
+                for mix in mixes:
+                    ids = doc_ids(mix, S)
+                    lengths = torch.unique_consecutive(ids, return_counts=True)[1].double()
+                    pairs = float((lengths * (lengths + 1) / 2).sum())
+                    base = {"suite": "exchange_choice", "point": label, "mix": mix, "S": S, "cp": cp, "link": link,
+                            "model": model, "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype_bytes": nbytes,
+                            "backend": "-", "row_bytes": row_bytes, "documents": int(lengths.numel()),
+                            "longest": int(lengths.max())}
+                    needed = (("a2a", False), ("hierarchical", True)) if link == "2lvl" else (("a2a", False),)
+                    for exchange, hier in needed:
+                        cost = cost_model(link, dims, hier)
+                        for layout in LAYOUTS:
+                            t = time.thread_time()
+                            s = plan_summary(ids, cp, layout=layout, cost_model=cost)
+                            rows.append(_row(base, exchange, layout, cost, _busiest(s["traffic"]), row_bytes,
+                                             s["modeled_seconds"], s["overlap_seconds"], s["ideal_seconds"],
+                                             work_max_over_mean=s["work_max_over_mean"],
+                                             candidate=s["layout_choice"], summary_cpu_seconds=time.thread_time() - t))
+                            if layout == "zigzag" and not hier:
+                                rows.append(_row(base, "allgather", "zigzag", cost,
+                                                 _busiest(s["traffic_allgather"]), row_bytes,
+                                                 s["modeled_allgather_seconds"], s["overlap_allgather_seconds"],
+                                                 s["ideal_seconds"], work_max_over_mean=s["work_max_over_mean"]))
+                    cost = cost_model(link, dims)
+                    local_len = padded_length(S, "zigzag", cp) // cp
+                    moved, repeats, refused = ulysses_forward_bytes(local_len, 1, hq, hkv, d, d, nbytes, cp)
+                    if refused:
+                        rows.append({**base, "exchange": "ulysses", "layout": "any", "cost_model": cost.name,
+                                     "refused": refused})
+                        continue
+                    intra, inter = ulysses_link_bytes(local_len, hq, hkv, d, nbytes, cp, repeats,
+                                                      GPUS_PER_NODE if link == "2lvl" else 0)
+                    modeled, ideal, comm = ulysses_seconds(cost, pairs, cp, intra, inter, row_bytes)
+                    rows.append(_row(base, "ulysses", "any", cost, (0, 0, 0), row_bytes, modeled, modeled, ideal,
+                                     bytes_max=moved, bytes_received_max=moved, inter_node_bytes_max=round(inter),
+                                     kv_head_repeats=repeats, comm_seconds=comm, work_max_over_mean=1.0))
+                log(f"  exchange_choice {label} {model}: {time.perf_counter() - t0:.1f}s")
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+TIE = 0.01  # exchanges modeled within 1% of the least are named with it
+
+
+def _picks(timed: Dict[str, float]) -> str:
+    """The exchange of least time, and any within TIE of it ("a2a = hierarchical")."""
+    if not timed:
+        return "-"
+    best = min(timed.values())
+    return " = ".join(ex for ex in EXCHANGES if ex in timed and timed[ex] <= best * (1 + TIE))
+
+
+def choices(rows: List[Dict]) -> List[Dict]:
+    """Per point, model and mix (in run order): each exchange's row of least modeled time over its
+    layouts (``by``; a refused exchange: its reason), its least streamed time (``streamed``), and the
+    exchanges of least time without overlap (``pick``) and with the streamed op (``pick_streamed``),
+    ties within TIE named together."""
+    ours = [r for r in rows if r["suite"] == "exchange_choice"]
+    keys: List[Tuple] = []
+    for r in ours:
+        if (r["S"], r["model"], r["mix"]) not in keys:
+            keys.append((r["S"], r["model"], r["mix"]))
+    out = []
+    for S, model, mix in keys:
+        got = [r for r in ours if (r["S"], r["model"], r["mix"]) == (S, model, mix)]
+        rec = {"point": got[0]["point"], "S": S, "cp": got[0]["cp"], "model": model, "mix": mix,
+               "documents": got[0]["documents"], "longest": got[0]["longest"], "ideal_seconds": None,
+               "by": {}, "streamed": {}}
+        for ex in EXCHANGES:
+            cands = [r for r in got if r["exchange"] == ex and not r.get("refused")]
+            if cands:
+                rec["by"][ex] = min(cands, key=lambda r: r["modeled_seconds"])
+                rec["streamed"][ex] = min(r["overlap_seconds"] for r in cands)
+                rec["ideal_seconds"] = rec["by"][ex]["ideal_seconds"]
+            elif any(r["exchange"] == ex for r in got):
+                rec["by"][ex] = {"refused": next(r["refused"] for r in got if r["exchange"] == ex)}
+        rec["pick"] = _picks({ex: r["modeled_seconds"] for ex, r in rec["by"].items() if "modeled_seconds" in r})
+        rec["pick_streamed"] = _picks(rec["streamed"])
+        out.append(rec)
+    return out
