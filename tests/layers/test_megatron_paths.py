@@ -225,8 +225,22 @@ def thd_batch(cp, seed):
 
 
 def megatron_thd_slice(batch, cu, cu_padded, cp, rank, group):
-    """This rank's THD batch and PackedSeqParams, cut by the installed megatron-core's own code."""
+    """This rank's THD batch and PackedSeqParams, cut by the installed megatron-core's own code, with
+    TE's index kernel (``tex.thd_get_partitioned_indices``, CUDA) replaced by our pure-torch one."""
     import megatron.core.utils as mcore_utils
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    te_double = type("tex", (), {"thd_get_partitioned_indices": staticmethod(bdcp.thd_partitioned_indices)})
+    saved = (getattr(mcore_utils, "tex", None), mcore_utils.is_te_min_version)
+    mcore_utils.tex, mcore_utils.is_te_min_version = te_double, (lambda *a, **k: True)
+    try:
+        return _megatron_thd_slice(mcore_utils, batch, cu, cu_padded, cp, rank, group)
+    finally:
+        mcore_utils.tex, mcore_utils.is_te_min_version = saved
+
+
+def _megatron_thd_slice(mcore_utils, batch, cu, cu_padded, cp, rank, group):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     max_seqlen = int(cu_padded.diff().max())
@@ -242,10 +256,7 @@ def megatron_thd_slice(batch, cu, cu_padded, cp, rank, group):
 
 
 def thd_path_matches_reference(cp, exchanges, sft_form=False):
-    import megatron.core.utils as mcore_utils
     import torch.distributed as dist
-
-    import megatron_ext.blockdiag_cp as bdcp
 
     group = H.ensure_mpu(tp=1, cp=cp).get_context_parallel_group()
     batch, cu, cu_padded, doc_ids = thd_batch(cp, seed=31)
@@ -256,14 +267,7 @@ def thd_path_matches_reference(cp, exchanges, sft_form=False):
     ref = H.reference_model({}, T)
     ref.load_state_dict(model.state_dict())
     ref_loss, ref_grads = reference_grads(ref, batch, doc_ids)
-    # megatron's own THD slicing, with TE's index kernel replaced by our pure-torch one.
-    te_double = type("tex", (), {"thd_get_partitioned_indices": staticmethod(bdcp.thd_partitioned_indices)})
-    saved = (getattr(mcore_utils, "tex", None), mcore_utils.is_te_min_version)
-    mcore_utils.tex, mcore_utils.is_te_min_version = te_double, (lambda *a, **k: True)
-    try:
-        local, params = megatron_thd_slice(batch, cu, cu_padded, cp, dist.get_rank(group), group)
-    finally:
-        mcore_utils.tex, mcore_utils.is_te_min_version = saved
+    local, params = megatron_thd_slice(batch, cu, cu_padded, cp, dist.get_rank(group), group)
     if sft_form:
         # Megatron-LM's SFT forward_step: cu_seqlens_q = cu_seqlens_kv = cu_seqlens_padded (its TODO).
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -318,7 +322,6 @@ def thd_attention_errors(cp, cu, cu_padded, doc_ids, params=None, seed=0, exchan
     ``thd_partitioned_indices``); ``params``: the PackedSeqParams to pass (default: the ones megatron
     made for this batch).
     """
-    import megatron.core.utils as mcore_utils
     import torch.distributed as dist
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -338,13 +341,7 @@ def thd_attention_errors(cp, cu, cu_padded, doc_ids, params=None, seed=0, exchan
     # megatron-core 0.19 slices only its sequence keys (tokens, labels, loss_mask, position_ids):
     # the share is read off the positions it hands this rank, and q/k/v/grad are cut at them.
     batch = {"tokens": torch.zeros(1, T, dtype=torch.long), "position_ids": torch.arange(T).view(1, T)}
-    te_double = type("tex", (), {"thd_get_partitioned_indices": staticmethod(bdcp.thd_partitioned_indices)})
-    saved = (getattr(mcore_utils, "tex", None), mcore_utils.is_te_min_version)
-    mcore_utils.tex, mcore_utils.is_te_min_version = te_double, (lambda *a, **k: True)
-    try:
-        local, megatron_params = megatron_thd_slice(batch, cu, cu_padded, cp, dist.get_rank(group), group)
-    finally:
-        mcore_utils.tex, mcore_utils.is_te_min_version = saved
+    local, megatron_params = megatron_thd_slice(batch, cu, cu_padded, cp, dist.get_rank(group), group)
     params = megatron_params if params is None else params
     mine = local["position_ids"][0]  # [t] the global positions TE's partition gave this rank
     ours = [t[mine, 0].clone().requires_grad_() for t in (q, k, v)]  # [t, h, d] as megatron squeezes
