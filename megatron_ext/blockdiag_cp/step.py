@@ -412,9 +412,9 @@ class BlockDiagCPState:
                                cu_seqlens_padded=source.cu_seqlens_padded)
             # Only the exchange in use is planned now; the other kind is built if ever read (ulysses
             # streams nothing: its head shards are attended with a single-rank plan, ``ulysses_on``).
-            plan = build_plan(ids, lay, rank, kinds=(
-                () if requested["kv_exchange"] == "ulysses" and cp > 1 else
-                (chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed",)))
+            kind = chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed"
+            plan = build_plan(ids, lay, rank,
+                              kinds=() if requested["kv_exchange"] == "ulysses" and cp > 1 else (kind,))
 
         available = {b: agreed.max("unavailable_" + b) == 0 for b in ATTN_BACKEND_VALUES}
         backend_req = requested["attn_backend"]
@@ -497,10 +497,7 @@ class BlockDiagCPState:
         # Positions and bytes of the last attention call, with its sliding window (None: whole documents).
         window = self.comm_stats.get("window")
         plan = self.plan_for(window)
-        sent_pos, recv_pos = plan.positions_moved(chunk_kind(self.kv_exchange)) if self.cp > 1 else (0, 0)
         inter = {}
-        if self.kv_exchange == "ulysses" and self.cp > 1:  # every rank's q/k/v rows, all but its own block
-            sent_pos = recv_pos = (self.cp - 1) * self.local_len
         if self.kv_exchange == "hierarchical":  # both stages of the node routes, and what crosses nodes
             route = self.hierarchical_route_on(torch.device("cpu"), window)
             sent_pos = sum(route.send1_counts) + sum(route.send2_counts)
@@ -508,6 +505,12 @@ class BlockDiagCPState:
             inter = {"positions_inter_node_sent": route.inter1_send, "positions_inter_node_received": route.inter1_recv,
                      "bytes_inter_node_sent": self.comm_stats.get("bytes_inter_node_sent"),
                      "bytes_inter_node_received": self.comm_stats.get("bytes_inter_node_received")}
+        elif self.cp == 1:
+            sent_pos = recv_pos = 0
+        elif self.kv_exchange == "ulysses":  # every rank's q/k/v rows, all but its own block
+            sent_pos = recv_pos = (self.cp - 1) * self.local_len
+        else:
+            sent_pos, recv_pos = plan.positions_moved(chunk_kind(self.kv_exchange))
         work = plan.work_per_rank.to(torch.float64)
         mean = float(work.mean())
         lower = int(plan.needed_remote[self.rank])

@@ -17,13 +17,14 @@ merge, no plan of needed keys, every rank does the same work whatever the docume
 price is bytes that do not shrink with short documents: (cp - 1) / cp of the local q, k, v
 and out per layer forward.
 
-K/V heads: split when ``Hkv % cp == 0``; otherwise every K/V head is repeated
-``r = cp / gcd(Hkv, cp)`` times first, so each rank's query heads keep their own K/V heads
-(needs ``Hq % (Hkv * r) == 0``; refused with the numbers otherwise). The repeat's gradient
-sums back through autograd.
+Heads: the query heads must split over the ranks (``Hq % cp == 0``; refused with the numbers
+otherwise). K/V heads split when ``Hkv % cp == 0``; otherwise every K/V head is repeated
+``r = cp / gcd(Hkv, cp)`` times first, so each rank's query heads keep their own K/V heads;
+the repeat's gradient sums back through autograd.
 
-Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the all-to-all primitives,
-one autograd Function per direction, and ``ulysses_attention``.
+Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the all-to-all primitives, one
+autograd Function for the all-to-all (either direction; backward is the other), and
+``ulysses_attention``.
 """
 
 from math import gcd
@@ -68,34 +69,20 @@ def _heads_to_sequence(y: torch.Tensor, group, cp: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """Forward: sequence shards -> head shards (all-to-all). Backward: head shards -> sequence shards."""
+class _AllToAllHeads(torch.autograd.Function):
+    """Forward: sequence shards -> head shards (``to_heads``) or back. Backward: the other direction."""
 
     @staticmethod
-    def forward(ctx, x, group, cp: int, stats: dict):
-        ctx.group, ctx.cp, ctx.stats = group, cp, stats
+    def forward(ctx, x, group, cp: int, stats: dict, to_heads: bool):
+        ctx.group, ctx.cp, ctx.stats, ctx.to_heads = group, cp, stats, to_heads
         _count(stats, "", x, cp)
-        return _sequence_to_heads(x, group, cp)
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, group, cp)
 
     @staticmethod
     def backward(ctx, grad):
         _count(ctx.stats, "backward_", grad, ctx.cp)
-        return _heads_to_sequence(grad, ctx.group, ctx.cp), None, None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """Forward: head shards -> sequence shards (all-to-all). Backward: sequence shards -> head shards."""
-
-    @staticmethod
-    def forward(ctx, y, group, cp: int, stats: dict):
-        ctx.group, ctx.cp, ctx.stats = group, cp, stats
-        _count(stats, "", y, cp)
-        return _heads_to_sequence(y, group, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _count(ctx.stats, "backward_", grad, ctx.cp)
-        return _sequence_to_heads(grad, ctx.group, ctx.cp), None, None, None
+        return (_heads_to_sequence if ctx.to_heads else _sequence_to_heads)(grad, ctx.group, ctx.cp), \
+            None, None, None, None
 
 
 def _count(stats: dict, prefix: str, x: torch.Tensor, cp: int) -> None:
@@ -141,13 +128,13 @@ def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, ba
         del stats[key]  # this call's figures only (a model's layers share the state)
     # [cp * L, b, H / cp, D] source-rank major -> [P, b, H / cp, D] global order (index_select: its
     # backward is the inverse scatter)
-    q_h, k_h, v_h = (_SequenceToHeads.apply(t, group, cp, stats).index_select(0, to_global) for t in (q, k, v))
+    q_h, k_h, v_h = (_AllToAllHeads.apply(t, group, cp, stats, True).index_select(0, to_global) for t in (q, k, v))
     sink = None
     if softmax_offset is not None:
         share = q.shape[2] // cp
         sink = softmax_offset[state.rank * share:(state.rank + 1) * share]  # [Hq / cp]: this rank's heads
     out_h = streamed_attention(q_h, k_h, v_h, sink, inner, backend, scale, dropout_p, window)  # [P, b, Hq / cp, Dv]
-    return _HeadsToSequence.apply(out_h.index_select(0, to_ranks), group, cp, stats)
+    return _AllToAllHeads.apply(out_h.index_select(0, to_ranks), group, cp, stats, False)
 
 
 def ulysses_single_rank_state(state):
