@@ -183,3 +183,20 @@ def pool_fixture(world: int, **kwargs):
         pool.close()
 
     return fixture
+
+
+def pool_per_cp_fixture(worlds, **kwargs):
+    """A module-scoped fixture parametrized over CP sizes: a ``WorkerPool(cp, **kwargs)`` per size in
+    ``worlds`` (test ids ``cp2``, ...), each closed before the next opens.
+
+    ``pool = pool_per_cp_fixture([2, 3, 4])`` at a test module's top level.
+    """
+    import pytest
+
+    @pytest.fixture(scope="module", params=list(worlds), ids=lambda n: f"cp{n}")
+    def fixture(request):
+        pool = WorkerPool(request.param, **kwargs)
+        yield pool
+        pool.close()
+
+    return fixture

@@ -12,7 +12,7 @@ scripts/bench/comm_balance.py reads the same counters for bench/results.jsonl.
 import pytest
 import torch
 
-from megatron_ext.testing import WorkerPool
+from megatron_ext.testing import pool_per_cp_fixture
 
 B, HKV, HQ, D = 2, 2, 4, 4
 ROW_BYTES = B * HKV * 2 * D * 4  # K and V, fp32
@@ -75,11 +75,7 @@ def _needed_remote(doc_ids, padded_len, owned):
     return need - mine
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"cp{n}")
-def pool(request):
-    p = WorkerPool(request.param)
-    yield p
-    p.close()
+pool = pool_per_cp_fixture([2, 4])
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ finite difference of the whole group's loss and by replaying the same masks.
 import pytest
 import torch
 
-from megatron_ext.testing import WorkerPool, reference_attention
+from megatron_ext.testing import pool_per_cp_fixture, reference_attention
 from megatron_ext.testing.cases import CASES, make_doc_ids
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
@@ -59,11 +59,7 @@ def check_case(case, S, b, hq, hkv, d, layouts=LAYOUTS, exchanges=EXCHANGES, sca
     return results
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"cp{n}")
-def pool(request):
-    p = WorkerPool(request.param)
-    yield p
-    p.close()
+pool = pool_per_cp_fixture([1, 2, 3, 4])
 
 
 @pytest.mark.timeout(600)

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from megatron_ext.testing import WorkerPool, catch, reference_attention
+from megatron_ext.testing import WorkerPool, catch, pool_per_cp_fixture, reference_attention
 from megatron_ext.testing.cases import CASES, make_doc_ids
 from test_engine_dist import dropout_checks
 from test_variants import _thd_padded
@@ -83,11 +83,7 @@ def refused_heads():
         return catch(lambda: bdcp.blockdiag_cp_attention(q, k, v))
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"cp{n}")
-def pool(request):
-    p = WorkerPool(request.param)
-    yield p
-    p.close()
+pool = pool_per_cp_fixture([2, 3, 4])
 
 
 @pytest.mark.timeout(600)

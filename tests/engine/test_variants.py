@@ -11,7 +11,7 @@ value head dim different from the query/key one with grouped K/V heads.
 import pytest
 import torch
 
-from megatron_ext.testing import WorkerPool, reference_attention
+from megatron_ext.testing import WorkerPool, pool_per_cp_fixture, reference_attention
 from megatron_ext.testing.cases import make_doc_ids
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
@@ -20,11 +20,7 @@ TOL = 1e-9
 
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"cp{n}")
-def pool(request):
-    p = WorkerPool(request.param)
-    yield p
-    p.close()
+pool = pool_per_cp_fixture([1, 2, 3])
 
 
 def _rel(a, b):
