@@ -72,6 +72,11 @@ KV_BACKWARD_SYNONYMS: Dict[str, Tuple[str, ...]] = {
 }
 KV_BACKWARD_VALUES: Tuple[str, ...] = (KV_BACKWARD_DEFAULT,) + tuple(KV_BACKWARD_SYNONYMS)
 
+# Two-dimensional CP: Ulysses (head-parallel) inside groups of this many consecutive CP ranks, the
+# kv exchange between the groups (see megatron_ext.blockdiag_cp.ulysses). 1: one dimension. Ours,
+# beside the documented knobs (Megatron's --hierarchical-context-parallel-sizes u r with a2a+p2p).
+ULYSSES_SIZE_DEFAULT = 1
+
 _DEFAULT_WORDS = ("", "auto", "default")
 
 _ATTN_BACKEND_REVERSE: Dict[str, str] = {
@@ -132,6 +137,17 @@ def normalize_kv_backward(value: Any) -> str:
     return _normalize(value, _KV_BACKWARD_REVERSE, KV_BACKWARD_DEFAULT, "kv_backward")
 
 
+def normalize_ulysses_size(value: Any) -> int:
+    """The Ulysses group size: a positive int (None/''/auto/default: 1, one-dimensional CP)."""
+    if value is None or (isinstance(value, str) and _clean(value) in _DEFAULT_WORDS):
+        return ULYSSES_SIZE_DEFAULT
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit() \
+            or int(value) < 1:
+        raise ValueError(f"ulysses_size must be a positive integer (the CP ranks of one head-parallel group; "
+                         f"1: one-dimensional CP), got {value!r}")
+    return int(value)
+
+
 # ---------------------------------------------------------------------------
 # Thread-shared holder
 # ---------------------------------------------------------------------------
@@ -180,6 +196,7 @@ _CP_KV_EXCHANGE = KV_EXCHANGE_DEFAULT
 _CP_LAYOUT = LAYOUT_DEFAULT
 _CP_THD_PARTITION = THD_PARTITION_DEFAULT
 _CP_KV_BACKWARD = KV_BACKWARD_DEFAULT
+_CP_ULYSSES_SIZE = ULYSSES_SIZE_DEFAULT
 # Whether a backend or exchange fallback is an error (raised on every rank) for the states the
 # layer builds itself (Megatron's mask and THD paths); shard_batch takes strict= per step.
 _CP_STRICT = False
@@ -235,6 +252,18 @@ def configure_cp_kv_backward(kv_backward: str = KV_BACKWARD_DEFAULT) -> None:
 def cp_kv_backward_runtime_config() -> Dict[str, str]:
     """Return the configured K/V-in-backward mode: {"kv_backward": ...}."""
     return {"kv_backward": _CP_KV_BACKWARD}
+
+
+def configure_cp_ulysses_size(ulysses_size: Any = ULYSSES_SIZE_DEFAULT) -> None:
+    """Two-dimensional CP: Ulysses inside groups of ``ulysses_size`` consecutive CP ranks, the kv exchange
+    between the groups; no argument (or 1) restores one-dimensional CP."""
+    global _CP_ULYSSES_SIZE
+    _CP_ULYSSES_SIZE = normalize_ulysses_size(ulysses_size)
+
+
+def cp_ulysses_size_runtime_config() -> Dict[str, int]:
+    """Return the configured Ulysses group size: {"ulysses_size": ...}."""
+    return {"ulysses_size": _CP_ULYSSES_SIZE}
 
 
 def configure_cp_strict(strict: bool = False) -> None:

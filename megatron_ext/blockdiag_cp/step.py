@@ -35,6 +35,7 @@ from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .exchange import RingGradients
 from .layouts import Layout, build_layout, padded_length
+from .layouts.two_dim import two_dim_layouts
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
     ATTN_BACKEND_VALUES,
@@ -45,6 +46,7 @@ from .state import (
     normalize_kv_backward,
     normalize_kv_exchange,
     normalize_layout,
+    normalize_ulysses_size,
 )
 
 # kv_backward="auto" keeps forward's received K/V for backward when the busiest rank's received
@@ -185,6 +187,46 @@ def _refuse_build_during_another_threads_step() -> None:
         "build the next step after the open one exits, or give each thread its own process")
 
 
+def _two_dim_error(u: int, cp: int, kv_exchange: Optional[str]) -> str:
+    """Why ``ulysses_size`` cannot split this CP group ('' when it can); the same on every rank once agreed."""
+    if cp == 1 or u == 1:
+        return ""
+    if cp % u:
+        return (f"ulysses_size={u} does not divide the CP size {cp} (two-dimensional CP runs cp / ulysses_size "
+                f"groups of ulysses_size ranks); use a ulysses_size dividing {cp}, or 1 for one dimension")
+    if kv_exchange == "ulysses" and u != cp:
+        return (f"kv exchange 'ulysses' is head-parallel over the whole CP group, but ulysses_size={u} < cp={cp} "
+                f"asks for two dimensions; name the exchange between the groups (--cp-kv-exchange a2a | halo | "
+                f"allgather | hierarchical) or drop ulysses_size")
+    return ""
+
+
+def _resolve_exchange(exchange_req: str, cp: int, plan: StepPlan, agreed, ranks_per_node: int, strict: bool,
+                      explicit: bool) -> Tuple[str, str]:
+    """(exchange, reason) among ``cp`` ranks: hierarchical needs node blocks, halo neighbours only; else a2a."""
+    exchange, reason = exchange_req, "as requested"
+    if exchange_req == "hierarchical" and not (agreed.agreed("ranks_per_node") and 1 < ranks_per_node < cp):
+        why = {0: f"the CP group's ranks do not form equal node blocks ({ps.local_world_size()} processes per "
+                  "node)", 1: "one CP rank per node: nothing to share inside a node"}.get(
+            ranks_per_node, f"all {cp} CP ranks sit on one node")
+        if not agreed.agreed("ranks_per_node"):
+            why = "the CP ranks see different nodes (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE differ)"
+        exchange, reason = "a2a", "hierarchical not applicable: " + why
+        if strict:
+            raise BlockDiagCPError(f"strict mode: kv exchange 'hierarchical' falls back to 'a2a' "
+                                   f"({reason}); use --cp-kv-exchange a2a or drop strict")
+        log_once(logging.WARNING if explicit else logging.INFO,
+                 f"blockdiag-cp: kv exchange hierarchical -> a2a: {why}")
+    elif exchange_req == "halo" and not plan.exchange.halo_ok:
+        exchange, reason = "a2a", "halo not applicable: " + plan.exchange.halo_reason
+        if strict:
+            raise BlockDiagCPError(f"strict mode: kv exchange 'halo' falls back to 'a2a' "
+                                   f"({reason}); use --cp-kv-exchange a2a or drop strict")
+        log_once(logging.WARNING if explicit else logging.INFO,
+                 f"blockdiag-cp: kv exchange halo -> a2a: {plan.exchange.halo_reason}")
+    return exchange, reason
+
+
 class BlockDiagCPState:
     """Immutable per-step state: group, layout, doc ids, plan and the resolved knobs."""
 
@@ -222,13 +264,19 @@ class BlockDiagCPState:
         self._device_index: Dict[tuple, tuple] = {}
         self._host_routes: Dict[Optional[int], object] = {}  # window -> hierarchy.HierarchicalRoute (host)
         self.windows = WindowMix()  # the model's sliding windows the layout was built for
+        # Head-parallel CP: the CP ranks of one Ulysses group (cp for kv_exchange "ulysses", 1 without),
+        # that group, and with two dimensions (1 < ulysses_size < cp) the state of the ring level: the
+        # engine's exchange between the groups on the head shards (``ulysses``).
+        self.ulysses_size = 1
+        self.ulysses_group = None
+        self.ring_state: Optional["BlockDiagCPState"] = None
 
     # -- public contract ---------------------------------------------------
 
     @classmethod
     def build(cls, doc_ids, cp_group=None, layout=None, attn_backend=None, kv_exchange=None,
               strict=False, device=None, cost_model=None, prepared=None,
-              kv_backward=None, windows=None) -> "BlockDiagCPState":
+              kv_backward=None, windows=None, ulysses_size=None) -> "BlockDiagCPState":
         """Validate, agree across the CP group, lay out and plan one step.
 
         ``doc_ids``: the full-sequence document ids ([S] or [b, S]), identical on
@@ -243,16 +291,19 @@ class BlockDiagCPState:
         attention, a window or Megatron's (left, 0), a ``WindowMix`` -- e.g.
         ``layers.attention.window_mix_from_config(config)`` for ``window_attn_skip_freq`` -- or per-layer windows):
         ``balanced`` prices its layouts as that mix of layers; agreed across the CP group.
+        ``ulysses_size``: two-dimensional CP (None: the configured knob, 1: one dimension):
+        Ulysses inside groups of that many consecutive CP ranks, ``kv_exchange`` between the
+        groups on the head shards, the layout planned at cp / ulysses_size (``ulysses``).
         """
         return cls.from_source(ReplicatedDocIds(doc_ids), cp_group=cp_group, layout=layout,
                                attn_backend=attn_backend, kv_exchange=kv_exchange, strict=strict,
                                device=device, cost_model=cost_model, prepared=prepared,
-                               kv_backward=kv_backward, windows=windows)
+                               kv_backward=kv_backward, windows=windows, ulysses_size=ulysses_size)
 
     @classmethod
     def from_source(cls, source: DocumentSource, cp_group=None, layout=None, attn_backend=None,
                     kv_exchange=None, strict=False, device=None, cost_model=None,
-                    prepared=None, kv_backward=None, windows=None) -> "BlockDiagCPState":
+                    prepared=None, kv_backward=None, windows=None, ulysses_size=None) -> "BlockDiagCPState":
         """``build`` for any ``DocumentSource`` (Megatron's mask, THD cu_seqlens, replicated ids)."""
         group = ps.get_cp_group() if cp_group is None else cp_group
         cp, rank = ps.group_size(group), ps.group_rank(group)
@@ -261,7 +312,7 @@ class BlockDiagCPState:
         BUILD_GUARD.enter(ranks)
         try:
             return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-                              cost_model, prepared, kv_backward, windows)
+                              cost_model, prepared, kv_backward, windows, ulysses_size)
         except BlockDiagCPError as error:
             # Every error of _build follows its agreement and comes from the agreed vector or the
             # replicated inputs, so every rank raises it here alike.
@@ -271,7 +322,7 @@ class BlockDiagCPState:
 
     @classmethod
     def _build(cls, source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-               cost_model, prepared, kv_backward, windows):
+               cost_model, prepared, kv_backward, windows, ulysses_size):
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         source_facts, detail = source.local_facts()  # first: it may fix the layout (THD's partition)
@@ -294,6 +345,15 @@ class BlockDiagCPState:
                 knob_error = knob_error or str(exc)
         requested["strict"] = bool(strict)
         try:
+            u = normalize_ulysses_size(knobs._CP_ULYSSES_SIZE if ulysses_size is None else ulysses_size)
+        except ValueError as exc:
+            u, knob_error = 1, knob_error or str(exc)
+        two_dim_error = _two_dim_error(u, cp, requested.get("kv_exchange"))
+        knob_error = knob_error or two_dim_error
+        two_dim = cp > 1 and 1 < u < cp and not two_dim_error and requested.get("kv_exchange") != "ulysses"
+        # The ring level of two-dimensional CP: the ranks at this rank's place in every Ulysses group.
+        ring_ranks = ps.ulysses_subgroup_ranks(ps.get_cp_global_ranks(group), u)[1] if two_dim else None
+        try:
             mix = resolve_windows(windows)
         except ValueError as exc:
             mix, knob_error = WindowMix(), knob_error or str(exc)
@@ -314,9 +374,10 @@ class BlockDiagCPState:
         if requested.get("layout") == "balanced":
             try:
                 # The default prices the exchange this step asks for (hierarchical routes or not).
-                cost_model = default_cost_model(group, kv_exchange=requested.get("kv_exchange")) \
+                # Two dimensions: balanced cuts the ring level's cp / u groups.
+                cost_model = default_cost_model(ring_ranks or group, kv_exchange=requested.get("kv_exchange")) \
                     if cost_model is None else resolve_cost_model(cost_model)
-                cost_model.check_group(cp)  # a two-level model must split the group into whole nodes
+                cost_model.check_group(cp // u if two_dim else cp)  # a two-level model splits into whole nodes
                 cost_fact = cost_model.agreement_key()  # prices, topology, hierarchy, latencies
             except ValueError as exc:
                 knob_error = knob_error or str(exc)
@@ -330,8 +391,10 @@ class BlockDiagCPState:
         # The windows decide where the balanced cuts fall too (0 when unused, like the cost model).
         facts["windows"] = mix.agreement_key() if requested.get("layout") == "balanced" else 0
         # The hierarchical exchange routes by node: every rank must see the same nodes.
-        ranks_per_node = ps.cp_ranks_per_node(group) if requested.get("kv_exchange") == "hierarchical" and cp > 1 else 0
+        ranks_per_node = ps.cp_ranks_per_node(ring_ranks or group) \
+            if requested.get("kv_exchange") == "hierarchical" and cp > 1 else 0
         facts["ranks_per_node"] = ranks_per_node
+        facts["ulysses_size"] = u
         # Which rank to name in another rank's error: the lowest with a bad knob, the lowest with the
         # worst input error (its code above, the complement of its rank below), 0 when none.
         facts["knob_error_rank"] = rank if knob_error else cp
@@ -370,6 +433,11 @@ class BlockDiagCPState:
                 f"CP knobs differ across the CP ranks: {described}; configure every rank alike "
                 "(the same --cp-* flags / configure_cp_varlen / configure_cp_layout / "
                 "configure_cp_kv_backward / shard_batch arguments)")
+        if not agreed.agreed("ulysses_size"):
+            raise BlockDiagCPError(
+                f"ulysses_size differs across the CP ranks ({agreed.min('ulysses_size')} vs "
+                f"{agreed.max('ulysses_size')}; this rank: {u}); configure every rank alike (the same "
+                "--cp-ulysses-size / --hierarchical-context-parallel-sizes / configure_cp_ulysses_size)")
         if not agreed.agreed("cost_model"):
             if not agreed.agreed("local_world_size"):
                 raise BlockDiagCPError(
@@ -396,7 +464,8 @@ class BlockDiagCPState:
         layout_name = requested["layout"]
         host_route = None  # the hierarchical route, when it was planned ahead for these nodes
         window_plans, window_routes = {}, {}
-        if prepared is not None and prepared.matches(ids, cp, rank, layout_name, cost_model, mix):
+        ring_lay = ring_plan = None
+        if prepared is not None and not two_dim and prepared.matches(ids, cp, rank, layout_name, cost_model, mix):
             ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
             window_plans = dict(prepared.window_plans or {})
             if prepared.route is not None and prepared.ranks_per_node == ranks_per_node:
@@ -405,16 +474,22 @@ class BlockDiagCPState:
         else:
             if prepared is not None:  # never an error: one rank alone would raise after the agreement
                 log_once(logging.WARNING, "blockdiag-cp: the prepared plan was made for other doc ids, "
-                                          "group size, rank or layout; planning in line")
+                                          "group size, rank, layout or one dimension; planning in line")
             padded = padded_length(seq_len, layout_name, cp)
             ids = torch.nn.functional.pad(ids, (0, padded - seq_len))
-            lay = build_layout(layout_name, ids, cp, cost_model=cost_model, windows=mix,
-                               cu_seqlens_padded=source.cu_seqlens_padded)
             # Only the exchange in use is planned now; the other kind is built if ever read (ulysses
             # streams nothing: its head shards are attended with a single-rank plan, ``ulysses_on``).
             kind = chunk_kind(requested["kv_exchange"]) if cp > 1 else "needed"
-            plan = build_plan(ids, lay, rank,
-                              kinds=() if requested["kv_exchange"] == "ulysses" and cp > 1 else (kind,))
+            if two_dim:  # the batch's cut at cp, the exchange planned between the groups at cp / u
+                lay, ring_lay = two_dim_layouts(layout_name, ids, cp, u, cost_model=cost_model, windows=mix,
+                                                cu_seqlens_padded=source.cu_seqlens_padded)
+                plan = build_plan(ids, lay, rank, kinds=())
+                ring_plan = build_plan(ids, ring_lay, rank // u, kinds=(kind,))
+            else:
+                lay = build_layout(layout_name, ids, cp, cost_model=cost_model, windows=mix,
+                                   cu_seqlens_padded=source.cu_seqlens_padded)
+                head_parallel = cp > 1 and (requested["kv_exchange"] == "ulysses" or u == cp)
+                plan = build_plan(ids, lay, rank, kinds=() if head_parallel else (kind,))
 
         available = {b: agreed.max("unavailable_" + b) == 0 for b in ATTN_BACKEND_VALUES}
         backend_req = requested["attn_backend"]
@@ -426,39 +501,41 @@ class BlockDiagCPState:
                 f"({backend_reason}); install it, pick another --cp-attn-backend, or drop strict")
 
         exchange_req = requested["kv_exchange"]
-        exchange, exchange_reason = exchange_req, "as requested"
         if cp == 1:
-            exchange_reason = "single rank: nothing to exchange"
-        elif exchange_req == "hierarchical" and not (agreed.agreed("ranks_per_node") and 1 < ranks_per_node < cp):
-            why = {0: f"the CP group's ranks do not form equal node blocks ({ps.local_world_size()} processes per "
-                      "node)", 1: "one CP rank per node: nothing to share inside a node"}.get(
-                ranks_per_node, f"all {cp} CP ranks sit on one node")
-            if not agreed.agreed("ranks_per_node"):
-                why = "the CP ranks see different nodes (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE differ)"
-            exchange, exchange_reason = "a2a", "hierarchical not applicable: " + why
-            if strict:
-                raise BlockDiagCPError(f"strict mode: kv exchange 'hierarchical' falls back to 'a2a' "
-                                       f"({exchange_reason}); use --cp-kv-exchange a2a or drop strict")
-            log_once(logging.WARNING if kv_exchange is not None else logging.INFO,
-                     f"blockdiag-cp: kv exchange hierarchical -> a2a: {why}")
-        elif exchange_req == "halo" and not plan.exchange.halo_ok:
-            exchange, exchange_reason = "a2a", "halo not applicable: " + plan.exchange.halo_reason
-            if strict:
-                raise BlockDiagCPError(f"strict mode: kv exchange 'halo' falls back to 'a2a' "
-                                       f"({exchange_reason}); use --cp-kv-exchange a2a or drop strict")
-            log_once(logging.WARNING if kv_exchange is not None else logging.INFO,
-                     f"blockdiag-cp: kv exchange halo -> a2a: {plan.exchange.halo_reason}")
-
-        kv_backward_mode, kv_backward_reason = resolve_kv_backward(requested["kv_backward"], exchange, plan)
+            exchange, exchange_reason = exchange_req, "single rank: nothing to exchange"
+        elif u == cp and exchange_req != "ulysses":
+            exchange, exchange_reason = "ulysses", f"ulysses_size = cp = {cp}: head-parallel over the whole group"
+        else:  # one dimension, or the ring level of two
+            exchange, exchange_reason = _resolve_exchange(
+                exchange_req, cp // u if two_dim else cp, ring_plan if two_dim else plan, agreed, ranks_per_node,
+                strict, explicit=kv_exchange is not None)
+        common = dict(attn_backend_requested=backend_req, attn_backend=backend, attn_backend_reason=backend_reason,
+                      strict=strict, available=available, backend_explicit=attn_backend is not None,
+                      cost_model=cost_model if layout_name == "balanced" else None)
+        ring = None
+        if two_dim:
+            u_group, r_group = ps.ulysses_subgroups(group, u)  # created once, by every CP rank alike
+            ring_backward, ring_backward_reason = resolve_kv_backward(requested["kv_backward"], exchange, ring_plan)
+            ring = cls(group=r_group, cp=cp // u, rank=rank // u, layout=ring_lay, doc_ids=ids, seq_len=seq_len,
+                       plan=ring_plan, kv_exchange_requested=exchange_req, kv_exchange=exchange,
+                       kv_exchange_reason=exchange_reason, kv_backward_requested=requested["kv_backward"],
+                       kv_backward=ring_backward, kv_backward_reason=ring_backward_reason, **common)
+            ring.windows = mix
+            exchange_reason = (f"two-dimensional: ulysses inside {cp // u} groups of {u} CP ranks, {exchange} "
+                               f"between them ({exchange_reason})")
+            exchange, kv_backward_mode, kv_backward_reason = "ulysses", ring_backward, ring_backward_reason
+        else:
+            kv_backward_mode, kv_backward_reason = resolve_kv_backward(requested["kv_backward"], exchange, plan)
         state = cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=seq_len,
-                   plan=plan, attn_backend_requested=backend_req, attn_backend=backend,
-                   attn_backend_reason=backend_reason, kv_exchange_requested=exchange_req,
-                   kv_exchange=exchange, kv_exchange_reason=exchange_reason, strict=strict,
-                   available=available, backend_explicit=attn_backend is not None,
-                   kv_backward_requested=requested["kv_backward"], kv_backward=kv_backward_mode,
-                   kv_backward_reason=kv_backward_reason,
-                   cost_model=cost_model if layout_name == "balanced" else None)
+                    plan=plan, kv_exchange_requested=exchange_req, kv_exchange=exchange,
+                    kv_exchange_reason=exchange_reason, kv_backward_requested=requested["kv_backward"],
+                    kv_backward=kv_backward_mode, kv_backward_reason=kv_backward_reason, **common)
         state.windows = mix
+        if exchange == "ulysses" and cp > 1:
+            state.ulysses_size, state.ulysses_group = (u, u_group) if two_dim else (cp, group)
+        if ring is not None:
+            ring.kernel_failures = state.kernel_failures  # one list: a failure is agreed at the step's end
+            state.ring_state = ring
         state._window_plans.update(window_plans)  # planned ahead with the layout
         if host_route is not None and exchange == "hierarchical":
             state._host_routes[None] = host_route
@@ -507,8 +584,8 @@ class BlockDiagCPState:
                      "bytes_inter_node_received": self.comm_stats.get("bytes_inter_node_received")}
         elif self.cp == 1:
             sent_pos = recv_pos = 0
-        elif self.kv_exchange == "ulysses":  # every rank's q/k/v rows, all but its own block
-            sent_pos = recv_pos = (self.cp - 1) * self.local_len
+        elif self.kv_exchange == "ulysses":  # the group's q/k/v rows, all but its own block
+            sent_pos = recv_pos = (self.ulysses_size - 1) * self.local_len
         else:
             sent_pos, recv_pos = plan.positions_moved(chunk_kind(self.kv_exchange))
         work = plan.work_per_rank.to(torch.float64)
@@ -546,8 +623,20 @@ class BlockDiagCPState:
             "work_per_rank": plan.work_per_rank.tolist(),
             "work_max_over_mean": float(work.max()) / mean if mean > 0 else 1.0,
             "kernel_failures": list(self.kernel_failures),
+            "ulysses_size": self.ulysses_size,
             **inter,
+            **self._ring_report(),
         }
+
+    def _ring_report(self) -> Dict:
+        """Two dimensions: the ring level's exchange, positions and bytes (the report's own count the
+        Ulysses all-to-alls); {} otherwise."""
+        if self.ring_state is None:
+            return {}
+        ring = self.ring_state.report()
+        return {"ring_" + key: ring[key] for key in (
+            "kv_exchange", "kv_exchange_reason", "kv_backward", "cp", "rank", "positions_sent",
+            "positions_received", "bytes_sent", "bytes_received", "work_per_rank", "work_max_over_mean")}
 
     # -- device-side plan, cached per step -----------------------------------
 
@@ -595,15 +684,16 @@ class BlockDiagCPState:
         return self._device_index[key]
 
     def ulysses_on(self, device: torch.device):
-        """(the single-rank state the head shards are attended with, [P] the source-rank-major row of each
-        global position, [P] the global position of each source-rank-major row, both on the device), once
-        per step."""
+        """(the state the head shards are attended with: single-rank over the whole pack, or with two
+        dimensions the ring level's; [n] the group-rank-major row of each of its local rows; [n] its local
+        row of each group-rank-major row; both on the device), once per step."""
         from .ulysses import ulysses_orders, ulysses_single_rank_state
 
         key = ("ulysses", str(device))
         if key not in self._device_index:
-            to_global, to_ranks = ulysses_orders(self)
-            self._device_index[key] = (ulysses_single_rank_state(self), to_global.to(device), to_ranks.to(device))
+            to_local, to_ranks = ulysses_orders(self)
+            heads = self.ring_state if self.ring_state is not None else ulysses_single_rank_state(self)
+            self._device_index[key] = (heads, to_local.to(device), to_ranks.to(device))
         return self._device_index[key]
 
     def ring_gradients(self, window: Optional[int] = None) -> RingGradients:

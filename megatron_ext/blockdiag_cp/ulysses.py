@@ -17,10 +17,22 @@ merge, no plan of needed keys, every rank does the same work whatever the docume
 price is bytes that do not shrink with short documents: (cp - 1) / cp of the local q, k, v
 and out per layer forward.
 
-Heads: the query heads must split over the ranks (``Hq % cp == 0``; refused with the numbers
-otherwise). K/V heads split when ``Hkv % cp == 0``; otherwise every K/V head is repeated
-``r = cp / gcd(Hkv, cp)`` times first, so each rank's query heads keep their own K/V heads;
-the repeat's gradient sums back through autograd.
+Two dimensions (``ulysses_size`` u, 1 < u < cp; Megatron's ``a2a+p2p`` with
+``--hierarchical-context-parallel-sizes u r``): the all-to-alls run inside each Ulysses group of u
+consecutive CP ranks (one node's), and on the head shards the engine's streamed op runs with the
+ring level's state: cp / u ranks (this rank's place in every group), the layout whose rank j owns
+group j's positions (``layouts/two_dim.py``), the configured exchange (a2a, halo, allgather,
+hierarchical) of the needed K/V rows of H / u heads between the groups:
+
+    cp = 4 as 2 x 2, zigzag chunks a..h:   groups (0 1) (2 3), ring level (0 2) (1 3)
+        rank 0 holds a h, rank 1 b g   -->  ranks 0, 1 hold a b g h on heads [0, H/2), [H/2, H)
+        rank 2 holds c f, rank 3 d e   -->  ranks 2, 3 hold c d e f on heads [0, H/2), [H/2, H)
+        then ranks 0 and 2 exchange the K/V rows they need of heads [0, H/2); 1 and 3 of the rest
+
+Heads: the query heads must split over the group (``Hq % u == 0``, u = cp in one dimension;
+refused with the numbers otherwise). K/V heads split when ``Hkv % u == 0``; otherwise every K/V
+head is repeated ``r = u / gcd(Hkv, u)`` times first, so each rank's query heads keep their own
+K/V heads; the repeat's gradient sums back through autograd.
 
 Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the all-to-all primitives, one
 autograd Function for the all-to-all (either direction; backward is the other), and
@@ -97,16 +109,18 @@ def _count(stats: dict, prefix: str, x: torch.Tensor, cp: int) -> None:
 # ---------------------------------------------------------------------------
 
 
-def kv_head_repeats(q_heads: int, kv_heads: int, cp: int) -> Tuple[int, str]:
+def kv_head_repeats(q_heads: int, kv_heads: int, cp: int, size_name: str = "cp") -> Tuple[int, str]:
     """(how many times each K/V head is repeated so the K/V heads split over cp ranks, the error or '').
 
     With ``Hq = G * Hkv`` and ``cp | Hq``, ``r = cp / gcd(Hkv, cp)`` divides G (cp / gcd is coprime to
     Hkv / gcd), so the repeated heads always line up with the query heads: only ``cp | Hq`` is asked.
+    ``size_name`` names the group in the error (``ulysses_size`` for two dimensions).
     """
     if q_heads % cp:
-        return 1, (f"kv exchange 'ulysses' splits the {q_heads} query heads over the cp={cp} ranks, and "
-                   f"{q_heads} % {cp} = {q_heads % cp}; use a cp that divides the query heads or another kv "
-                   f"exchange (--cp-kv-exchange a2a)")
+        fix = ("a cp that divides the query heads or another kv exchange (--cp-kv-exchange a2a)"
+               if size_name == "cp" else f"a {size_name} that divides the query heads")
+        return 1, (f"kv exchange 'ulysses' splits the {q_heads} query heads over the {size_name}={cp} ranks, and "
+                   f"{q_heads} % {cp} = {q_heads % cp}; use {fix}")
     return cp // gcd(kv_heads, cp), ""
 
 
@@ -116,24 +130,27 @@ def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, ba
     order) -> [L, b, Hq, Dv]. Every CP rank calls it with the same shapes (agreed before)."""
     from .attention_op import streamed_attention  # imports this module: the single-rank op on the head shards
 
-    cp, group = state.cp, state.group
-    repeats, error = kv_head_repeats(q.shape[2], k.shape[2], cp)
+    cp, group = state.ulysses_size, state.ulysses_group  # the Ulysses group (the CP group in one dimension)
+    two_dim = state.ring_state is not None
+    repeats, error = kv_head_repeats(q.shape[2], k.shape[2], cp, "ulysses_size" if two_dim else "cp")
     if error:  # the shapes were agreed: every rank raises this, before any all-to-all
         raise BlockDiagCPError(error)
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-    inner, to_global, to_ranks = state.ulysses_on(q.device)
+    heads_state, to_local, to_ranks = state.ulysses_on(q.device)
     stats = state.comm_stats
     for key in [key for key in stats if not key.startswith("backward_")]:
         del stats[key]  # this call's figures only (a model's layers share the state)
-    # [cp * L, b, H / cp, D] source-rank major -> [P, b, H / cp, D] global order (index_select: its
-    # backward is the inverse scatter)
-    q_h, k_h, v_h = (_AllToAllHeads.apply(t, group, cp, stats, True).index_select(0, to_global) for t in (q, k, v))
+    # [cp * L, b, H / cp, D] source-rank major -> [n, b, H / cp, D] the heads state's local order: global
+    # order in one dimension, the ring layout's in two (index_select: its backward is the inverse scatter)
+    q_h, k_h, v_h = (_AllToAllHeads.apply(t, group, cp, stats, True).index_select(0, to_local) for t in (q, k, v))
+    if two_dim:
+        heads_state.kv_row_bytes = k_h[0].numel() * k_h.element_size() + v_h[0].numel() * v_h.element_size()
     sink = None
     if softmax_offset is not None:
-        share = q.shape[2] // cp
-        sink = softmax_offset[state.rank * share:(state.rank + 1) * share]  # [Hq / cp]: this rank's heads
-    out_h = streamed_attention(q_h, k_h, v_h, sink, inner, backend, scale, dropout_p, window)  # [P, b, Hq / cp, Dv]
+        share, place = q.shape[2] // cp, state.rank % cp  # place in the Ulysses group
+        sink = softmax_offset[place * share:(place + 1) * share]  # [Hq / cp]: this rank's heads
+    out_h = streamed_attention(q_h, k_h, v_h, sink, heads_state, backend, scale, dropout_p, window)  # [n, b, Hq / cp, Dv]
     return _AllToAllHeads.apply(out_h.index_select(0, to_ranks), group, cp, stats, False)
 
 
@@ -159,10 +176,16 @@ def ulysses_single_rank_state(state):
 
 
 def ulysses_orders(state) -> Tuple[torch.Tensor, torch.Tensor]:
-    """([P] source-rank-major index of each global position, [P] global position of each source-rank-major
-    row): the layout's positions, every rank's ascending, concatenated rank by rank."""
-    by_rank = state.layout.positions.reshape(-1)  # [P] global position of rank-major row j
-    return torch.argsort(by_rank), by_rank
+    """([n] the group-rank-major row of each of the heads state's local rows, [n] the local row of each
+    group-rank-major row): the Ulysses group's positions, each rank's ascending, concatenated rank by
+    rank, against their ascending union (the whole pack in one dimension, the ring layout's rank in two)."""
+    u = state.ulysses_size
+    first = state.rank // u * u  # the group's first CP rank
+    by_rank = state.layout.positions[first:first + u].reshape(-1)  # [n] global position of group-rank-major row m
+    to_local = torch.argsort(by_rank)
+    to_ranks = torch.empty_like(to_local)
+    to_ranks[to_local] = torch.arange(to_local.numel())
+    return to_local, to_ranks
 
 
 __all__ = ["ulysses_attention", "kv_head_repeats", "ulysses_single_rank_state", "ulysses_orders"]

@@ -9,7 +9,7 @@ Order of preference for the context-parallel group:
 
 import os
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch.distributed as dist
 
@@ -46,6 +46,9 @@ def require_cp_group() -> "dist.ProcessGroup":
 
 
 def group_size(group: Optional["dist.ProcessGroup"]) -> int:
+    """The group's size; a list of global ranks (a group not created yet) counts its ranks."""
+    if isinstance(group, (list, tuple)):
+        return len(group)
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -66,6 +69,8 @@ def get_cp_global_ranks(group: Optional["dist.ProcessGroup"] = None) -> list:
     group = get_cp_group() if group is None else group
     if group is None:
         return [0]
+    if isinstance(group, (list, tuple)):  # the global ranks of a group not created yet
+        return list(group)
     return dist.get_process_group_ranks(group)
 
 
@@ -113,3 +118,42 @@ def cp_ranks_per_node(group: Optional["dist.ProcessGroup"] = None) -> int:
             or len({nodes[i] for i in range(0, len(nodes), g)}) != len(nodes) // g:
         return 0
     return g
+
+
+def ulysses_subgroup_ranks(ranks: list, ulysses_size: int) -> Tuple[list, list]:
+    """(global ranks of this rank's Ulysses group, of its ring group) in a CP group of global ``ranks``
+    (CP-rank order) with CP rank c = j * u + i: Ulysses group j holds u consecutive CP ranks (one node's
+    when ranks are node-major), ring group i the CP ranks at place i of every Ulysses group, as
+    megatron-core's ``create_hierarchical_groups`` levels 0 and 1 of sizes [u, r]."""
+    me = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
+    u = ulysses_size
+    j, i = divmod(me, u)
+    return ranks[j * u:(j + 1) * u], ranks[i::u]
+
+
+def ulysses_subgroups(group, ulysses_size: int):
+    """(this rank's Ulysses group, its ring group) of the CP ``group`` (``ulysses_subgroup_ranks``).
+
+    megatron-core's hierarchical CP groups when it built them for sizes [u, cp / u] on this CP
+    group (``--hierarchical-context-parallel-sizes``); otherwise created once per CP group and size
+    with ``new_group(..., use_local_synchronization=True)``, so only the members take part; every CP
+    rank creates its Ulysses group first, then its ring group, so creations never cross. Kept in
+    ``_SUBGROUPS`` for the process's life, as megatron-core keeps its groups.
+    """
+    ranks = get_cp_global_ranks(group)
+    u_ranks, r_ranks = ulysses_subgroup_ranks(ranks, ulysses_size)
+    if megatron_initialized():
+        mpu = _megatron_parallel_state()
+        levels = mpu.get_hierarchical_context_parallel_groups(check_initialized=False)
+        if levels and len(levels) == 2 and [dist.get_process_group_ranks(g) for g in levels] == [u_ranks, r_ranks]:
+            return levels[0], levels[1]
+    key = (tuple(ranks), ulysses_size)
+    if key not in _SUBGROUPS:
+        u_group = dist.new_group(u_ranks, use_local_synchronization=True)
+        r_group = dist.new_group(r_ranks, use_local_synchronization=True)
+        _SUBGROUPS[key] = (u_group, r_group)
+    return _SUBGROUPS[key]
+
+
+# (CP group's global ranks, Ulysses size) -> (Ulysses group, ring group), created on first use.
+_SUBGROUPS: dict = {}

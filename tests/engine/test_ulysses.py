@@ -30,8 +30,10 @@ def _rel(a, b):
     return float((a.detach() - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def check_ulysses(case, heads, window, layouts=LAYOUTS, S=96):
-    """On every rank: {layout: [errors of out, dq, dk, dv, dsink], bytes sent, bytes received}."""
+def check_ulysses(case, heads, window, layouts=LAYOUTS, S=96, exchange="ulysses", ulysses_size=None,
+                  kv_backward=None):
+    """On every rank: {layout: ([errors of out, dq, dk, dv, dsink], bytes sent, bytes received, exchange,
+    local length, kv_backward, the report)}."""
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
@@ -57,7 +59,8 @@ def check_ulysses(case, heads, window, layouts=LAYOUTS, S=96):
         ref_sink = sink.clone().requires_grad_()
         ref = reference_attention(*ref_in, doc_ids, window=window, sink=ref_sink)
         (ref * w).sum().backward()
-        state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange="ulysses", attn_backend="dense")
+        state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                            ulysses_size=ulysses_size, kv_backward=kv_backward)
         local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
         offset = sink.clone().requires_grad_()
         with bdcp.blockdiag_cp_step(state):
@@ -69,7 +72,7 @@ def check_ulysses(case, heads, window, layouts=LAYOUTS, S=96):
         report = state.report()
         errs = [_rel(out, state.shard(ref))] + [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
         results[layout] = (errs + [_rel(d_sink, ref_sink.grad)], report["bytes_sent"], report["bytes_received"],
-                           report["kv_exchange"], report["local_len"], report["kv_backward"])
+                           report["kv_exchange"], report["local_len"], report["kv_backward"], report)
     return results
 
 
@@ -95,7 +98,7 @@ def test_matches_reference_every_layout(pool, case, heads):
     hq, hkv, dk, dv = heads
     repeats = cp // math.gcd(hkv, cp)
     for rank, per_rank in enumerate(results):
-        for layout, (errs, sent, received, exchange, L, kv_backward) in per_rank.items():
+        for layout, (errs, sent, received, exchange, L, kv_backward, _) in per_rank.items():
             assert max(errs) < TOL, (rank, layout, errs)
             assert exchange == "ulysses" and kv_backward == "save", (exchange, kv_backward)
             # The two all-to-alls: q, k, v (k and v after the repeat) in, out back; all but the own block.
