@@ -11,7 +11,7 @@ Our own knobs need the one line Megatron-LM offers for extra flags::
                                    args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})
 
 which adds ``--cp-attn-backend --cp-kv-exchange --cp-layout --cp-kv-backward
---cp-attn-backend-strict --cp-cost-model``. Bad values exit at parse time (argparse, code 2)
+--cp-ulysses-size --cp-attn-backend-strict --cp-cost-model``. Bad values exit at parse time (argparse, code 2)
 on every rank. Nothing else is to call: the model build applies them (``configure_from_args``
 is public for scripts that want the check earlier).
 
@@ -57,6 +57,7 @@ MEGATRON_LM_FLAGS = {
     "attention_backend": "--attention-backend",
     "cp_comm_type": "--cp-comm-type",
     "context_parallel_size": "--context-parallel-size",
+    "hierarchical_context_parallel_sizes": "--hierarchical-context-parallel-sizes",
     "softmax_type": "--softmax-type",
     "window_size": "--window-size",
     "experimental_attention_variant": "--experimental-attention-variant",
@@ -135,8 +136,14 @@ def add_blockdiag_cp_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                         "default: the engine's default with its fallbacks (under Megatron-LM: "
                         "--attention-backend's)")
     g.add_argument("--cp-kv-exchange", default=None, type=_checked(knobs.normalize_kv_exchange),
-                   help="allgather | halo | a2a | hierarchical, or a synonym; default: the engine's default "
-                        "(under Megatron-LM: --cp-comm-type's, p2p -> halo)")
+                   help="allgather | halo | a2a | hierarchical | ulysses, or a synonym; default: the engine's "
+                        "default (under Megatron-LM: --cp-comm-type's, p2p -> halo, a2a -> ulysses); with "
+                        "--cp-ulysses-size: the exchange between the Ulysses groups")
+    g.add_argument("--cp-ulysses-size", default=None, type=_checked(knobs.normalize_ulysses_size),
+                   help="two-dimensional CP: Ulysses (head-parallel) inside groups of this many consecutive "
+                        "CP ranks (one node's), --cp-kv-exchange between the groups; default 1 (one "
+                        "dimension; under Megatron-LM: --hierarchical-context-parallel-sizes' first with "
+                        "--cp-comm-type a2a+p2p)")
     g.add_argument("--cp-layout", default=None, type=_checked(knobs.normalize_layout),
                    help="contiguous | zigzag | balanced, or a synonym; default: the engine's default "
                         "(under Megatron-LM the data path fixes it: zigzag, thd for --sft)")
@@ -260,13 +267,16 @@ def configure_from_args(args) -> dict:
                 "cannot use (its batch arrives cut zigzag); drop --cp-cost-model")
     reset_pins(_given_on_command_line(MEGATRON_KNOB_FLAGS))
     ours = {"attn_backend": getattr(args, "cp_attn_backend", None),
-            "kv_exchange": getattr(args, "cp_kv_exchange", None)}
+            "kv_exchange": getattr(args, "cp_kv_exchange", None),
+            "ulysses_size": getattr(args, "cp_ulysses_size", None)}
     for knob, value in ours.items():
         if value is not None:
-            pin(knob, value, f"--{'cp-attn-backend' if knob == 'attn_backend' else 'cp-kv-exchange'} {value}")
+            pin(knob, value, f"--cp-{knob.replace('_', '-')} {value}")
     current = knobs.cp_varlen_runtime_config()
     knobs.configure_cp_varlen(ours["attn_backend"] or current["attn_backend"],
                               ours["kv_exchange"] or current["kv_exchange"])
+    if ours["ulysses_size"] is not None:
+        knobs.configure_cp_ulysses_size(ours["ulysses_size"])
     if hasattr(args, "cp_kv_backward"):  # our flags are present: they are the authority
         knobs.configure_cp_kv_backward(args.cp_kv_backward)
         knobs.configure_cp_strict(bool(args.cp_attn_backend_strict))

@@ -146,6 +146,8 @@ def plan_ahead_provider(batch):
     args = get_args()
     cp = ps.get_cp_world_size()
     exchange = args.cp_kv_exchange_canonical
+    if args.cp_ulysses_size_canonical > 1:
+        return None  # two dimensions plan both levels at the build (prepare_plan plans one)
     return bdcp.prepare_plan(
         bdcp.doc_ids_from_eod(batch["tokens"].cpu(), EOD), cp, ps.get_cp_rank(),
         layout=args.cp_layout_canonical, cost_model=cp_cost_model(),
@@ -171,7 +173,8 @@ def get_batch(data_iterator):
         batch, cp_group=None, layout=args.cp_layout_canonical, eod_token=EOD,
         attn_backend=args.cp_attn_backend_canonical, kv_exchange=args.cp_kv_exchange_canonical,
         strict=args.cp_attn_backend_strict, cost_model=cp_cost_model(), prepared=prepared,
-        kv_backward=args.cp_kv_backward_canonical, windows=model_windows())
+        kv_backward=args.cp_kv_backward_canonical, windows=model_windows(),
+        ulysses_size=args.cp_ulysses_size_canonical)
     return local, state, timing
 
 

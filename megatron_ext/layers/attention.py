@@ -76,8 +76,10 @@ CORE_ATTENTION_CONFIG: Dict[str, ConfigRule] = {
     "perform_initialization": _honoured("whether the learnable softmax offset is initialized, as megatron's"),
     "attention_backend": _honoured("mapped to our attention backend (flash -> flash, fused -> te, "
                                    "unfused -> dense, auto -> ours); local is refused (megatron_knobs)"),
-    "cp_comm_type": _honoured("mapped to our K/V exchange (p2p -> halo, a2a -> a2a, allgather -> "
-                              "allgather); a2a+p2p is refused (megatron_knobs)"),
+    "cp_comm_type": _honoured("mapped to our K/V exchange (p2p -> halo, a2a -> ulysses, allgather -> "
+                              "allgather, a2a+p2p -> two-dimensional: ulysses_size u of "
+                              "hierarchical_context_parallel_sizes [u, r], halo between the groups); a "
+                              "per-layer list naming several is refused (megatron_knobs)"),
     "softmax_type": _honoured("vanilla; off-by-one and learnable attention sinks: megatron's "
                               "softmax_offset (name, shape, init, TP sharding) as one more logit in every "
                               "row's denominator, applied once per row after the chunks' lse merge"),

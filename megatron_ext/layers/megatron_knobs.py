@@ -18,8 +18,9 @@ cp_comm_type allgather      kv_exchange ``allgather`` (also ``all_gather``)
 cp_comm_type a2a            kv_exchange ``ulysses`` (Megatron's a2a: heads scattered over the CP group,
                             DeepSpeed-Ulysses); ours that moves only the needed rows is ``a2a``
 cp_comm_type p2p            kv_exchange ``halo`` (the closest: neighbour p2p)
-cp_comm_type a2a+p2p        refused: two-dimensional CP (Ulysses in sub-groups, a ring between them)
-                            is not built; ours across nodes is ``--cp-kv-exchange hierarchical`` (a node's remote rows cross once)
+cp_comm_type a2a+p2p        two-dimensional CP: ulysses_size ``u`` of ``hierarchical_context_parallel_sizes
+                            [u, r]`` (``--hierarchical-context-parallel-sizes u r``; Ulysses inside groups of
+                            u consecutive CP ranks) and kv_exchange ``halo`` between the r groups (p2p's)
 ==========================  ==================================================
 
 Ours win where the user set them (``--cp-attn-backend`` / ``--cp-kv-exchange`` through
@@ -45,7 +46,7 @@ from ..megatron_lm import config_field
 ATTENTION_BACKEND_TO_OURS: Dict[str, Optional[str]] = {
     "flash": "flash", "fused": "te", "unfused": "dense", "auto": None}
 CP_COMM_TYPE_TO_OURS: Dict[str, str] = {"p2p": "halo", "a2a": "ulysses", "allgather": "allgather",
-                                        "all_gather": "allgather"}
+                                        "all_gather": "allgather", "a2a+p2p": "halo"}
 
 # Knob -> the value this module last set from Megatron's config (replaced on the next build).
 _APPLIED: Dict[str, str] = {}
@@ -69,15 +70,19 @@ def attention_backend_name(config) -> str:
 
 
 def layer_cp_comm_type(config, cp_comm_type) -> Optional[str]:
-    """The layer's cp_comm_type; a per-layer list must name one exchange (ours is per process)."""
+    """The layer's cp_comm_type; a per-layer list is honoured when it names one exchange (ours is per
+    process: one step state, one exchange for every layer) and refused, layer by layer, otherwise."""
     listed = getattr(config, "cp_comm_type", None)
     if isinstance(listed, (list, tuple)):
-        distinct = sorted({str(v) for v in listed})
+        distinct = list(dict.fromkeys(str(v) for v in listed))  # in layer order
         if len(distinct) > 1:
+            layers = {v: [str(i + 1) for i, w in enumerate(listed) if str(w) == v] for v in distinct}
+            per_layer = "; ".join(f"layer{'s' if len(n) > 1 else ''} {', '.join(n)}: {v}" for v, n in layers.items())
             raise BlockDiagCPError(
                 f"{config_field('cp_comm_type', list(listed))} gives layers different "
-                "CP exchanges; BlockDiagCPAttention uses one exchange for every layer of a process: give "
-                "one --cp-comm-type (or --cp-kv-exchange)")
+                f"CP exchanges ({per_layer}); BlockDiagCPAttention runs one exchange for every layer of a "
+                "process (one step state per micro batch), so every layer but those of the first value is "
+                "refused: give one --cp-comm-type (or --cp-kv-exchange)")
         if cp_comm_type is None and distinct:
             cp_comm_type = distinct[0]
     elif cp_comm_type is None:
@@ -99,14 +104,14 @@ def megatron_knob_values(config, cp_comm_type) -> Dict[str, Tuple[Optional[str],
             f"BlockDiagCPAttention; use one of {sorted(ATTENTION_BACKEND_TO_OURS)} or --cp-attn-backend")
     exchange = layer_cp_comm_type(config, cp_comm_type)
     if exchange is not None and exchange not in CP_COMM_TYPE_TO_OURS:
-        hint = (" (two-dimensional CP, Ulysses inside sub-groups and p2p between them, is not built yet; "
-                "our two-level exchange is --cp-kv-exchange hierarchical: what a node needs from another "
-                "node crosses once, shared inside the node; or --cp-comm-type a2a, head-parallel CP over "
-                "the whole group)") if exchange == "a2a+p2p" else ""
         raise BlockDiagCPError(
             f"{config_field('cp_comm_type', exchange)} is not supported by "
-            f"BlockDiagCPAttention{hint}; use p2p | a2a | allgather, or --cp-kv-exchange")
+            f"BlockDiagCPAttention; use p2p | a2a | allgather | a2a+p2p, or --cp-kv-exchange")
+    ulysses_size = _two_dim_size(config) if exchange == "a2a+p2p" else None
+    sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
     return {
+        "ulysses_size": (ulysses_size, f"--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes "
+                                       f"{' '.join(str(x) for x in sizes or ())}", ulysses_size is not None),
         "attn_backend": (ATTENTION_BACKEND_TO_OURS[backend], f"--attention-backend {backend}",
                          backend != "auto" or megatron_lm.megatron_flag_given("--attention-backend")),
         "kv_exchange": (None if exchange is None else CP_COMM_TYPE_TO_OURS[exchange],
@@ -115,18 +120,34 @@ def megatron_knob_values(config, cp_comm_type) -> Dict[str, Tuple[Optional[str],
     }
 
 
-_OUR_FLAG = {"attn_backend": "--cp-attn-backend", "kv_exchange": "--cp-kv-exchange"}
-_DEFAULT = {"attn_backend": knobs.ATTN_BACKEND_DEFAULT, "kv_exchange": knobs.KV_EXCHANGE_DEFAULT}
+def _two_dim_size(config) -> int:
+    """Megatron's a2a+p2p: the Ulysses size u of hierarchical_context_parallel_sizes [u, r] (u * r = cp)."""
+    sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
+    cp = getattr(config, "context_parallel_size", 1) or 1
+    if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != cp or min(sizes) < 1:
+        raise BlockDiagCPError(
+            f"{config_field('cp_comm_type', 'a2a+p2p')} is two-dimensional CP: Ulysses inside groups of u "
+            f"consecutive CP ranks, p2p between the r groups, so it needs "
+            f"{config_field('hierarchical_context_parallel_sizes')} = [u, r] with u * r = "
+            f"context_parallel_size ({cp}); got {list(sizes) if sizes else sizes}")
+    return int(sizes[0])
+
+
+_OUR_FLAG = {"attn_backend": "--cp-attn-backend", "kv_exchange": "--cp-kv-exchange", "ulysses_size": "--cp-ulysses-size"}
+_DEFAULT = {"attn_backend": knobs.ATTN_BACKEND_DEFAULT, "kv_exchange": knobs.KV_EXCHANGE_DEFAULT,
+            "ulysses_size": knobs.ULYSSES_SIZE_DEFAULT}
+_CONFIGURE = {"attn_backend": "configure_cp_varlen", "kv_exchange": "configure_cp_varlen",
+              "ulysses_size": "configure_cp_ulysses_size"}
 
 
 def _current() -> Dict[str, str]:
-    return knobs.cp_varlen_runtime_config()
+    return dict(knobs.cp_varlen_runtime_config(), **knobs.cp_ulysses_size_runtime_config())
 
 
 def apply_megatron_knobs(config, cp_comm_type=None) -> Dict[str, str]:
     """Set our knobs from Megatron's config (and Megatron-LM's arguments); refuse conflicts.
 
-    Returns the knobs in force (``cp_varlen_runtime_config()``). Raises BlockDiagCPError,
+    Returns the knobs in force (``cp_varlen_runtime_config()`` and the Ulysses size). Raises BlockDiagCPError,
     naming the flags, for Megatron values we cannot honour and for ours and Megatron's
     disagreeing.
     """
@@ -140,7 +161,7 @@ def apply_megatron_knobs(config, cp_comm_type=None) -> Dict[str, str]:
     for knob, (mapped, megatron_flag, given) in megatron.items():
         pinned = megatron_lm.pinned(knob)
         if pinned is None and current[knob] != _DEFAULT[knob] and current[knob] != _APPLIED.get(knob):
-            pinned = (current[knob], f"configure_cp_varlen({knob}={current[knob]!r})")
+            pinned = (current[knob], f"{_CONFIGURE[knob]}({knob}={current[knob]!r})")
         if pinned is not None:
             pinned_now.add(knob)
             if given and mapped is not None and mapped != pinned[0]:
@@ -155,6 +176,7 @@ def apply_megatron_knobs(config, cp_comm_type=None) -> Dict[str, str]:
             target[knob] = _DEFAULT[knob]  # an earlier model's Megatron value no longer applies
     if target != current:
         knobs.configure_cp_varlen(target["attn_backend"], target["kv_exchange"])
+        knobs.configure_cp_ulysses_size(target["ulysses_size"])
     for knob, (mapped, _, _) in megatron.items():  # remember what Megatron's values set, only that
         if knob in pinned_now:
             continue

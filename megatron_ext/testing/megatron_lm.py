@@ -224,9 +224,18 @@ SCENARIOS = {s["name"]: s for s in (
     _scenario("conflict", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--cp-kv-exchange", "a2a", "--cp-comm-type", "allgather"],
         ours=True, reference=False, expect_error="disagree"),
-    _scenario("a2a_p2p", 2, 2, BASE + SPEC + MASK + MOCK + [
+    # Megatron's a2a+p2p: two-dimensional CP, Ulysses inside groups of 2 CP ranks (megatron-core's
+    # hierarchical CP groups, level 0), p2p (our halo, or a2a where halo does not apply) between the 2.
+    _scenario("a2a_p2p", 4, 4, BASE + SPEC + MASK + MOCK + [
+        "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+        "2", "2"]),
+    _scenario("a2a_p2p_thd", 4, 4, BASE + SPEC + THD + DATA + [
+        "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+        "2", "2"]),
+    # Three levels have no two-dimensional reading: refused, naming the flag.
+    _scenario("a2a_p2p_three_levels", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
-        "2", "1"], reference=False, expect_error="a2a+p2p"),
+        "2", "1", "1"], reference=False, expect_error="a2a+p2p"),
     _scenario("attention_backend_local", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--attention-backend", "local"], reference=False,
         expect_error="--attention-backend local"),
@@ -252,7 +261,8 @@ def reference_argv(argv, control=False):
     out, skip = [], 0
     drop_with_value = {"--context-parallel-size": 1, "--pipeline-model-parallel-size": 1,
                        "--num-layers-per-virtual-pipeline-stage": 1, "--spec": 2,
-                       "--attention-backend": 1, "--cp-comm-type": 1}
+                       "--attention-backend": 1, "--cp-comm-type": 1,
+                       "--hierarchical-context-parallel-sizes": 2}
     for i, a in enumerate(argv):
         if skip:
             skip -= 1
@@ -454,7 +464,7 @@ def run_rank(scenario, rank, world, port, data, params, queue, control=False):
         states = _record_states()
         routes = _build_both_routes(args)
         knobs = dict(bdcp.cp_varlen_runtime_config(), **bdcp.cp_kv_backward_runtime_config(),
-                     **bdcp.cp_strict_runtime_config())
+                     **bdcp.cp_strict_runtime_config(), **bdcp.cp_ulysses_size_runtime_config())
         out = {"rank": rank, "knobs": knobs, "layers": {r: _describe(c) for r, c in routes.items()},
                "cp": args.context_parallel_size, "pp": args.pipeline_model_parallel_size,
                "vp": args.virtual_pipeline_model_parallel_size}

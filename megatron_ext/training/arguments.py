@@ -260,7 +260,8 @@ def validate_args(args, world_size: int) -> None:
     for flag, normalize in (("--cp-attn-backend", cp_state.normalize_attn_backend),
                             ("--cp-kv-exchange", cp_state.normalize_kv_exchange),
                             ("--cp-layout", cp_state.normalize_layout),
-                            ("--cp-kv-backward", cp_state.normalize_kv_backward)):
+                            ("--cp-kv-backward", cp_state.normalize_kv_backward),
+                            ("--cp-ulysses-size", cp_state.normalize_ulysses_size)):
         attr = flag[2:].replace("-", "_")
         try:
             value = normalize(getattr(args, attr))
@@ -277,6 +278,12 @@ def validate_args(args, world_size: int) -> None:
     _require(world_size % (tp * cp) == 0,
              f"world size {world_size} is not divisible by tensor-model-parallel-size ({tp}) x "
              f"context-parallel-size ({cp}) = {tp * cp}")
+    u = args.cp_ulysses_size_canonical
+    _require(cp % u == 0, f"--cp-ulysses-size {u} does not divide --context-parallel-size {cp} (two-dimensional "
+                          f"CP runs cp / u groups of u ranks); use a size dividing {cp}, or 1")
+    _require(u in (1, cp) or args.cp_kv_exchange_canonical != "ulysses",
+             f"--cp-kv-exchange ulysses is head-parallel over the whole CP group; with --cp-ulysses-size {u} < "
+             f"{cp} name the exchange between the groups (--cp-kv-exchange a2a | halo | allgather | hierarchical)")
     dp = world_size // (tp * cp)
     args.world_size, args.data_parallel_size = world_size, dp
     if args.global_batch_size is None:

@@ -41,6 +41,7 @@ def _restore_knobs():
     yield
     bdcp.configure_cp_varlen()
     bdcp.configure_cp_kv_backward()
+    bdcp.configure_cp_ulysses_size()
     bdcp.configure_cp_strict()
     megatron_lm.reset_pins()
     megatron_knobs._APPLIED.clear()
@@ -292,16 +293,22 @@ def test_megatron_values_map_to_our_knobs(backend, exchange, expected):
 def test_a_later_model_with_megatrons_defaults_restores_ours():
     from megatron_ext.layers.megatron_knobs import apply_megatron_knobs
 
-    assert apply_megatron_knobs(_cfg(attention_backend="flash"), "a2a") == {"attn_backend": "flash",
-                                                                            "kv_exchange": "ulysses"}
-    assert apply_megatron_knobs(_cfg(attention_backend="auto"), None) == {"attn_backend": "te",
-                                                                         "kv_exchange": "allgather"}
+    assert apply_megatron_knobs(_cfg(attention_backend="flash"), "a2a") == {
+        "attn_backend": "flash", "kv_exchange": "ulysses", "ulysses_size": 1}
+    # a2a+p2p: Ulysses inside the first level of the hierarchical sizes, p2p (our halo) between.
+    assert apply_megatron_knobs(_cfg(context_parallel_size=8, hierarchical_context_parallel_sizes=[4, 2]),
+                                "a2a+p2p") == {"attn_backend": "te", "kv_exchange": "halo", "ulysses_size": 4}
+    assert apply_megatron_knobs(_cfg(attention_backend="auto"), None) == {
+        "attn_backend": "te", "kv_exchange": "allgather", "ulysses_size": 1}
 
 
 @pytest.mark.parametrize("kw,exchange,needle", [
     ({"attention_backend": "local"}, None, "--attention-backend local"),
     ({}, "a2a+p2p", "--cp-comm-type a2a+p2p"),
-    ({"cp_comm_type": ["p2p", "a2a"]}, None, "gives layers different CP exchanges"),
+    ({"cp_comm_type": ["p2p", "a2a", "a2a"]}, None, "different CP exchanges (layer 1: p2p; layers 2, 3: a2a)"),
+    ({"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 1, 2]}, "a2a+p2p", "= [u, r]"),
+    ({"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 3]}, "a2a+p2p",
+     "u * r = context_parallel_size (4); got [2, 3]"),
 ])
 def test_megatron_values_we_cannot_honour_are_refused(kw, exchange, needle):
     from megatron_ext.layers.megatron_knobs import apply_megatron_knobs
@@ -317,7 +324,7 @@ def test_ours_set_in_python_win_over_megatrons_defaults_and_refuse_its_explicit_
     bdcp.configure_cp_varlen("dense", "a2a")
     # Megatron's defaults (auto, p2p) give way.
     assert apply_megatron_knobs(_cfg(attention_backend="auto"), "p2p") == {"attn_backend": "dense",
-                                                                          "kv_exchange": "a2a"}
+                                                                          "kv_exchange": "a2a", "ulysses_size": 1}
     assert apply_megatron_knobs(_cfg(attention_backend="unfused"), None)["attn_backend"] == "dense"
     # Megatron's a2a is head-parallel CP, not our needed-rows a2a: an explicit disagreement.
     with pytest.raises(bdcp.BlockDiagCPError, match=r"kv_exchange='a2a'.*--cp-comm-type a2a.*'ulysses'.*disagree"):
@@ -327,6 +334,11 @@ def test_ours_set_in_python_win_over_megatrons_defaults_and_refuse_its_explicit_
         apply_megatron_knobs(_cfg(attention_backend="flash"), None)
     with pytest.raises(bdcp.BlockDiagCPError, match="--cp-comm-type allgather"):
         apply_megatron_knobs(_cfg(), "allgather")
+    bdcp.configure_cp_varlen("dense", "halo")
+    bdcp.configure_cp_ulysses_size(2)
+    with pytest.raises(bdcp.BlockDiagCPError, match=r"configure_cp_ulysses_size\(ulysses_size=2\).*"
+                                                    r"--hierarchical-context-parallel-sizes 4 2.*disagree"):
+        apply_megatron_knobs(_cfg(context_parallel_size=8, hierarchical_context_parallel_sizes=[4, 2]), "a2a+p2p")
 
 
 # ---------------------------------------------------------------------------

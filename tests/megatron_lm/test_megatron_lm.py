@@ -169,7 +169,7 @@ def test_our_flags_through_extra_args_provider(results):
     _numbers(s)
     assert s["extra_args_provider"]
     assert all(k == {"attn_backend": "dense", "kv_exchange": "allgather", "kv_backward": "refetch",
-                     "strict": True} for k in s["knobs"]), s["knobs"]
+                     "strict": True, "ulysses_size": 1} for k in s["knobs"]), s["knobs"]
     state = s["states"][0]
     assert (state["kv_exchange"], state["kv_backward"], state["strict"]) == ("allgather", "refetch", True)
 
@@ -185,11 +185,23 @@ def test_ours_and_megatrons_disagreeing_is_refused(results):
     assert "--cp-kv-exchange a2a" in s["errors"][0] and "--cp-comm-type allgather" in s["errors"][0]
 
 
-def test_hierarchical_a2a_p2p_refused(results):
-    s = results["scenarios"]["a2a_p2p"]
+@pytest.mark.parametrize("scenario", ["a2a_p2p", "a2a_p2p_thd"])
+def test_a2a_p2p_runs_two_dimensional_cp(results, scenario):
+    # --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 at CP = 4, mask and THD paths: Ulysses
+    # inside groups of 2 CP ranks, Megatron's p2p (our halo, a2a where halo does not apply) between the 2.
+    s = results["scenarios"][scenario]
+    _numbers(s)
+    assert all(k["ulysses_size"] == 2 and k["kv_exchange"] == "halo" for k in s["knobs"]), s["knobs"]
+    for rank, states in enumerate(s["states_by_rank"]):
+        assert states and all(st["kv_exchange"] == "ulysses" and st["ulysses_size"] == 2 and st["ring_cp"] == 2
+                              and st["ring_rank"] == rank // 2 and st["ring_kv_exchange"] in ("halo", "a2a")
+                              for st in states), states
+
+
+def test_a2a_p2p_with_three_levels_refused(results):
+    s = results["scenarios"]["a2a_p2p_three_levels"]
     _refused(s, "--cp-comm-type a2a+p2p", 2)
-    # The error names our two-level exchange and the plain one, not a silent mapping.
-    assert "--cp-kv-exchange hierarchical" in s["errors"][0] and "--cp-comm-type a2a" in s["errors"][0]
+    assert "--hierarchical-context-parallel-sizes) = [u, r]" in s["errors"][0], s["errors"]
 
 
 def test_attention_backend_local_never_runs_without_our_layer(results):
