@@ -97,7 +97,7 @@ def test_megatron_flag_table_is_the_mapping():
         for name in [value] + aliases:
             documented[flag][name] = mapped
     want_backend = dict(megatron_knobs.ATTENTION_BACKEND_TO_OURS, local="refused")
-    want_exchange = dict(megatron_knobs.CP_COMM_TYPE_TO_OURS, **{"a2a+p2p": "refused"})
+    want_exchange = dict(megatron_knobs.CP_COMM_TYPE_TO_OURS)
     assert documented == {"--attention-backend": want_backend, "--cp-comm-type": want_exchange}
 
 
