@@ -37,6 +37,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+# The ulysses pricing is the library's (one place for the bench, the planner and a per-step chooser).
+from megatron_ext.blockdiag_cp.cost_options import (  # noqa: F401 - re-exported for the bench's tests
+    price_option, ulysses_forward_bytes, ulysses_link_bytes, ulysses_seconds)
+
 GPUS_PER_NODE = 8
 # model -> (Hq, Hkv, head dim, dtype bytes)
 MODELS = {"llama3_8b": (32, 8, 128, 2), "llama3_70b": (64, 8, 128, 2)}
@@ -53,45 +57,6 @@ def doc_ids(mix: str, S: int) -> torch.Tensor:
     from scale_mixes import scale_doc_ids
 
     return torch.ones(S, dtype=torch.long) if mix == "single" else scale_doc_ids(mix, S)
-
-
-def ulysses_forward_bytes(local_len: int, b: int, hq: int, hkv: int, d_qk: int, d_v: int, dtype_bytes: int,
-                          cp: int) -> Tuple[int, int, str]:
-    """(bytes one rank sends (= receives) in a layer's forward, K/V head repeats, refusal or '').
-
-    The two all-to-alls move all but the rank's own block of q [L, b, Hq, Dqk], k [L, b, Hkv*r, Dqk],
-    v [L, b, Hkv*r, Dv] and out [L, b, Hq, Dv], counted per tensor as the engine counts them
-    (``ulysses._count``: numel * element size * (cp - 1) // cp).
-    """
-    from megatron_ext.blockdiag_cp.ulysses import kv_head_repeats
-
-    repeats, error = kv_head_repeats(hq, hkv, cp)
-    if error:
-        return 0, repeats, error
-    tensors = (local_len * b * hq * d_qk, local_len * b * hkv * repeats * d_qk, local_len * b * hkv * repeats * d_v,
-               local_len * b * hq * d_v)
-    return sum(n * dtype_bytes * (cp - 1) // cp for n in tensors), repeats, ""
-
-
-def ulysses_link_bytes(local_len: int, hq: int, hkv: int, d: int, dtype_bytes: int, cp: int, repeats: int,
-                       ranks_per_node: int) -> Tuple[float, float]:
-    """(forward bytes a rank sends inside its node, across nodes): ranks node-major, g per node."""
-    g = min(ranks_per_node, cp) if ranks_per_node else cp
-    total = local_len * d * dtype_bytes * (2 * hq + 2 * hkv * repeats)  # q, k, v, out (b = 1)
-    return total * (g - 1) / cp, total * (cp - g) / cp
-
-
-def ulysses_seconds(cost, pairs: float, cp: int, bytes_intra: float, bytes_inter: float, row_bytes: int
-                    ) -> Tuple[float, float, float]:
-    """(modeled, ideal, communication) seconds of one layer forward + backward (module docstring)."""
-    from megatron_ext.blockdiag_cp.cost import Traffic
-
-    # In K/V-row units, where the cost model's seconds_per_position covers forward + backward.
-    intra, inter = torch.tensor([bytes_intra / row_bytes]), torch.tensor([bytes_inter / row_bytes])
-    zero = torch.zeros(1)
-    comm = float(cost.comm_seconds(Traffic(intra, intra, inter, inter, zero, zero))[0])
-    ideal = pairs / cp * cost.seconds_per_pair
-    return ideal + comm, ideal, comm
 
 
 def cost_model(link: str, dims, hierarchical: bool = True):
