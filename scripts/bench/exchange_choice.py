@@ -13,7 +13,7 @@ model's modeled time of one layer forward + backward (``megatron_ext/blockdiag_c
   (2 * Hkv * D * dtype), as the scale suite reads them.
 - ``ulysses``: any layout; per rank per layer forward the two all-to-alls move (cp - 1) / cp of its
   local q, k and v (K/V heads repeated r = cp / gcd(Hkv, cp) times) and out, whatever the
-  documents (``ulysses_forward_bytes``, the engine's own per-tensor count; tests/bench/
+  documents (``cost_options.ulysses_forward_bytes``, the engine's own per-tensor count; tests/bench/
   test_bench_exchange_choice.py checks it against ``report()["bytes_sent"]``). Modeled time
   (``ulysses_seconds``): every rank attends every document on Hq / cp heads, so compute is the
   ideal, total causal pairs / cp x ``seconds_per_pair``; the all-to-alls are priced on the cost
@@ -24,12 +24,23 @@ model's modeled time of one layer forward + backward (``megatron_ext/blockdiag_c
 
   (``CostModel.comm_seconds`` on those bytes in K/V-row units), with nothing overlapped: the
   attention needs the first all-to-all, the second needs the attention.
+- ``2d`` (two-dimensional CP, ``cost_options.price_option``): ulysses over u consecutive ranks inside
+  a node, then a2a or hierarchical between the r = cp / u groups, for every u dividing cp and the 8
+  GPUs per node with 1 < u < cp (128k / cp 8: u 2, 4; 1M / cp 64: u 2, 4, 8; hierarchical where a
+  node holds several groups), on both layouts at r:
+
+      modeled = 2 * B_u / 400e9 + plan_summary(ids, r, layout, CostModel(Hq / u, Hkv * rep / u))
+
+  B_u = (u - 1) / u of the local q, k (repeated u / gcd(Hkv, u) times), v and out; the outer
+  cost model's links: NVLink on one node, two levels with G / u groups per node, IB when u = 8.
+  Rows carry ``option`` ("2d u4 x r2 a2a"), ``ulysses_size``, ``outer_exchange``; ``choices``
+  compares the best of them with the 1-D exchanges.
 
 Llama-3-8B attention (32 query heads, 8 K/V heads, head dim 128, bf16) at both points. Ulysses needs
 cp to divide the query heads: at cp 64 the 8B is refused (a row with ``refused``), so the 1M / cp 64
 point is priced a second time with Llama-3-70B attention (64 query heads, 8 K/V heads, head dim
-128), where ulysses runs with every K/V head repeated 8 times. Two-dimensional CP (ulysses inside a
-node, needed-only across nodes) is not built and has no rows.
+128), where ulysses runs with every K/V head repeated 8 times. Every time is modeled (cost.py's
+constants above), none measured.
 """
 
 import time
@@ -49,7 +60,7 @@ POINTS = (("128k / cp 8", 131072, 8, "nvlink", ("llama3_8b",)),
           ("1M / cp 64", 1048576, 64, "2lvl", ("llama3_8b", "llama3_70b")))
 MIXES = ("short", "lognormal", "heavy", "single")
 LAYOUTS = ("balanced", "zigzag")
-EXCHANGES = ("allgather", "a2a", "hierarchical", "ulysses")
+EXCHANGES = ("allgather", "a2a", "hierarchical", "ulysses", "2d")  # "2d": the best 2-D option of the point
 
 
 def doc_ids(mix: str, S: int) -> torch.Tensor:
@@ -127,6 +138,7 @@ def run(points=POINTS, mixes=MIXES, log=print) -> List[Dict]:
                     if refused:
                         rows.append({**base, "exchange": "ulysses", "layout": "any", "cost_model": cost.name,
                                      "refused": refused})
+                        rows += two_d_rows(base, ids, cp, dims, link)
                         continue
                     intra, inter = ulysses_link_bytes(local_len, hq, hkv, d, nbytes, cp, repeats,
                                                       GPUS_PER_NODE if link == "2lvl" else 0)
@@ -134,26 +146,56 @@ def run(points=POINTS, mixes=MIXES, log=print) -> List[Dict]:
                     rows.append(_row(base, "ulysses", "any", cost, (0, 0, 0), row_bytes, modeled, modeled, ideal,
                                      bytes_max=moved, bytes_received_max=moved, inter_node_bytes_max=round(inter),
                                      kv_head_repeats=repeats, comm_seconds=comm, work_max_over_mean=1.0))
+                    rows += two_d_rows(base, ids, cp, dims, link)
                 log(f"  exchange_choice {label} {model}: {time.perf_counter() - t0:.1f}s")
     finally:
         torch.set_num_threads(threads)
     return rows
 
 
+def two_d_rows(base: Dict, ids: torch.Tensor, cp: int, dims, link: str) -> List[Dict]:
+    """2-D CP rows (``cost_options.price_option``): every ulysses size u with 1 < u < cp dividing cp
+    and the GPUs per node, outer a2a (and hierarchical where the outer level spans nodes with several
+    groups per node), each on LAYOUTS; ``exchange`` "2d", ``option`` e.g. "2d u4 x r2 a2a"."""
+    from megatron_ext.blockdiag_cp.cost_options import default_options
+
+    G = GPUS_PER_NODE if link == "2lvl" else cp
+    rows, cache = [], {}
+    for exchange, u in default_options(cp, dims[0], G):
+        if not 1 < u < cp:
+            continue
+        for layout in LAYOUTS:
+            t = time.thread_time()
+            o = price_option(ids, cp, layout, exchange, u, dims, G, "nvlink", cache)
+            row = {**base, "exchange": "2d", "option": o.name, "outer_exchange": exchange, "ulysses_size": u,
+                   "layout": o.layout, "cost_model": f"2d u{u}"}
+            if o.refused:
+                rows.append({**row, "refused": o.refused})
+                continue
+            rows.append({**row, "bytes_max": o.bytes_max, "bytes_received_max": o.bytes_max,
+                         "inter_node_bytes_max": o.inter_node_bytes_max, "modeled_seconds": o.modeled_seconds,
+                         "overlap_seconds": o.overlap_seconds, "ideal_seconds": o.ideal_seconds,
+                         "modeled_over_ideal": o.modeled_over_ideal, "summary_cpu_seconds": time.thread_time() - t})
+    return rows
+
+
 TIE = 0.01  # exchanges modeled within 1% of the least are named with it
 
 
-def _picks(timed: Dict[str, float]) -> str:
-    """The exchange of least time, and any within TIE of it ("a2a = hierarchical")."""
+def _picks(timed: Dict[str, float], names: Optional[Dict[str, str]] = None) -> str:
+    """The exchange of least time, and any within TIE of it ("a2a = hierarchical"); ``names``: how
+    to print one (the 2-D column as its option, "2d u8 x r8 a2a")."""
     if not timed:
         return "-"
     best = min(timed.values())
-    return " = ".join(ex for ex in EXCHANGES if ex in timed and timed[ex] <= best * (1 + TIE))
+    names = names or {}
+    return " = ".join(names.get(ex, ex) for ex in EXCHANGES if ex in timed and timed[ex] <= best * (1 + TIE))
 
 
 def choices(rows: List[Dict]) -> List[Dict]:
     """Per point, model and mix (in run order): each exchange's row of least modeled time over its
-    layouts (``by``; a refused exchange: its reason), its least streamed time (``streamed``), and the
+    layouts (``by``; a refused exchange: its reason; "2d": over every 2-D option, its ``option`` naming u,
+    r and the outer exchange), its least streamed time (``streamed``), and the
     exchanges of least time without overlap (``pick``) and with the streamed op (``pick_streamed``),
     ties within TIE named together."""
     ours = [r for r in rows if r["suite"] == "exchange_choice"]
@@ -171,11 +213,15 @@ def choices(rows: List[Dict]) -> List[Dict]:
             cands = [r for r in got if r["exchange"] == ex and not r.get("refused")]
             if cands:
                 rec["by"][ex] = min(cands, key=lambda r: r["modeled_seconds"])
-                rec["streamed"][ex] = min(r["overlap_seconds"] for r in cands)
+                streamed = min(cands, key=lambda r: r["overlap_seconds"])
+                rec["streamed"][ex] = streamed["overlap_seconds"]
+                if ex == "2d":
+                    rec["streamed_option"] = streamed["option"]
                 rec["ideal_seconds"] = rec["by"][ex]["ideal_seconds"]
             elif any(r["exchange"] == ex for r in got):
                 rec["by"][ex] = {"refused": next(r["refused"] for r in got if r["exchange"] == ex)}
-        rec["pick"] = _picks({ex: r["modeled_seconds"] for ex, r in rec["by"].items() if "modeled_seconds" in r})
-        rec["pick_streamed"] = _picks(rec["streamed"])
+        rec["pick"] = _picks({ex: r["modeled_seconds"] for ex, r in rec["by"].items() if "modeled_seconds" in r},
+                             {"2d": rec["by"].get("2d", {}).get("option", "2d")})
+        rec["pick_streamed"] = _picks(rec["streamed"], {"2d": rec.get("streamed_option", "2d")})
         out.append(rec)
     return out
