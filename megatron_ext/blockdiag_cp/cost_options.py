@@ -32,7 +32,6 @@ all-to-alls send what they receive), the inner all-to-alls plus the outer exchan
 """
 
 from dataclasses import dataclass, replace
-from math import gcd
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -224,7 +223,7 @@ def price_option(doc_ids, cp: int, layout: str, exchange: str, u: int = 1,
                    overlap_seconds=outer_overlap + inner_seconds)
 
 
-def default_options(cp: int, hq: int, gpus_per_node: Optional[int] = None) -> List[Tuple[str, int]]:
+def default_options(cp: int, gpus_per_node: Optional[int] = None) -> List[Tuple[str, int]]:
     """(exchange, u) pairs worth pricing: 1-D allgather, a2a, halo, hierarchical (several nodes of
     several ranks), ulysses; 2-D for every u with 1 < u < cp dividing cp and the GPUs per node, outer
     a2a, and hierarchical where the outer level spans nodes with several groups per node."""
@@ -254,8 +253,7 @@ def price_exchange_options(doc_ids, cp: int, layout: str = "balanced",
     hierarchical). Refused options come back with ``refused`` saying why (the numbers).
     Sorted as asked; pick with ``min(o for o in opts if not o.refused, key=modeled_seconds)``.
     """
-    hq = int(dims[0])
-    opts = default_options(cp, hq, gpus_per_node) if options is None else list(options)
+    opts = default_options(cp, gpus_per_node) if options is None else list(options)
     cache: dict = {}
     return [price_option(doc_ids, cp, layout, ex, u, dims, gpus_per_node, link, cache) for ex, u in opts]
 

@@ -161,7 +161,7 @@ def two_d_rows(base: Dict, ids: torch.Tensor, cp: int, dims, link: str) -> List[
 
     G = GPUS_PER_NODE if link == "2lvl" else cp
     rows, cache = [], {}
-    for exchange, u in default_options(cp, dims[0], G):
+    for exchange, u in default_options(cp, G):
         if not 1 < u < cp:
             continue
         for layout in LAYOUTS:

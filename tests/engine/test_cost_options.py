@@ -106,9 +106,9 @@ def test_refusals_name_the_numbers():
 
 
 def test_default_options_and_one_call():
-    assert [(x, u) for x, u in default_options(8, 32, 8)] == [
+    assert [(x, u) for x, u in default_options(8, 8)] == [
         ("allgather", 1), ("a2a", 1), ("halo", 1), ("ulysses", 8), ("a2a", 2), ("a2a", 4)]
-    assert default_options(64, 64, 8)[3:] == [
+    assert default_options(64, 8)[3:] == [
         ("hierarchical", 1), ("ulysses", 64), ("a2a", 2), ("hierarchical", 2), ("a2a", 4), ("hierarchical", 4),
         ("a2a", 8)]
     opts = price_exchange_options(_mixed(), 8, dims=DIMS, gpus_per_node=8)
