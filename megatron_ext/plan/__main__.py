@@ -15,6 +15,11 @@ receives per layer (and of them, across nodes), work max/mean, the modeled
 attention time over the ideal and the lower bound, the same with the exchange
 streamed behind compute (``CostModel.overlapped``, refetch in backward) and its
 exposed share, and the host plan time; with ``--plot PATH``, a PNG of modeled / ideal.
+A second table sets the exchanges side by side on the ``balanced`` layout, 1-D (allgather, a2a,
+halo, hierarchical, ulysses) and two-dimensional CP (ulysses over u ranks inside a node, a2a or
+hierarchical between the cp / u groups; ``cost_options.price_exchange_options``): the busiest
+rank's forward bytes (larger of sent and received; of them across nodes), modeled ms and over the
+ideal, streamed over the ideal, or why an option is refused.
 
 Refused before any work: a ``--cp`` above ``--seq-length`` (a rank would own no
 token), and a ``--cp`` whose plan tables (``[cp, cp]``, up to about 768 bytes per pair
@@ -165,12 +170,15 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from megatron_ext.blockdiag_cp import doc_ids_from_eod, plan_summary
+    from megatron_ext.blockdiag_cp.cost_options import price_exchange_options
 
     cost = cost_model_for(args)
+    dims = (args.heads, args.kv_heads, args.head_dim, args.dtype_bytes)
     two_level = cost.spans_nodes(args.cp)
     needed = "hier" if two_level and cost.hierarchical else "a2a"
     row_bytes = 2 * args.kv_heads * args.head_dim * args.dtype_bytes  # K and V of one position
     results = {(l, x): [] for l in LAYOUTS for x in (needed, "allgather")}
+    options = {}  # option name -> [ExchangeOption per sample]
     warm = True  # the first plan of a process pays one-time costs (lazy inits): plan once untimed
     for tokens in tqdm(sample_sequences(args.data_prefixes, args.seq_length, args.samples, args.seed,
                                         args.data_weights),
@@ -193,6 +201,8 @@ def main(argv=None) -> int:
                     "over_ideal": modeled / s["ideal_seconds"], "over_bound": modeled / s["lower_bound_seconds"],
                     "overlap_over_ideal": overlap / s["ideal_seconds"], "exposed": exposed,
                     "plan_ms": 1e3 * s["plan_seconds"]})
+        for o in price_exchange_options(ids, args.cp, "balanced", dims, args.gpus_per_node, args.link):
+            options.setdefault(o.name, []).append(o)
 
     topology = (f"{cost.nodes(args.cp)} nodes x {cost.ranks_per_node} (NVLink inside, IB between"
                 f"{', hierarchical' if cost.hierarchical else ', flat'})" if two_level else f"link={args.link}")
@@ -207,9 +217,29 @@ def main(argv=None) -> int:
               f"{mean(rs, 'balance'):>13.3f} {1e3 * mean(rs, 'modeled'):>10.3f} {mean(rs, 'over_ideal'):>7.2f} "
               f"{mean(rs, 'over_bound'):>7.2f} {mean(rs, 'overlap_over_ideal'):>13.2f} "
               f"{100 * mean(rs, 'exposed'):>7.0f}% {mean(rs, 'plan_ms'):>8.1f}")
+    print_options(options)
     if args.plot:
         write_plot(args.plot, results, args, cost)
     return 0
+
+
+def print_options(options) -> None:
+    """The 1-D and 2-D exchanges side by side (balanced layout), means over the samples."""
+    print("\nexchange options, balanced layout (2d uU x rR: ulysses over U ranks in a node, then the exchange "
+          "between the R groups); modeled per layer (H200 500e12 FLOP/s, NVLink 400e9 B/s, IB 50e9 B/s), "
+          "MiB forward, busiest rank, larger of sent and received")
+    print(f"{'option':<26} {'MiB max':>9} {'IB MiB max':>10} {'modeled ms':>10} {'/ideal':>7} {'streamed/ideal':>14}  "
+          "refused")
+    for name, os_ in options.items():
+        refused = next((o.refused for o in os_ if o.refused), "")
+        if refused:
+            print(f"{name:<26} {'-':>9} {'-':>10} {'-':>10} {'-':>7} {'-':>14}  {refused}")
+            continue
+        mean = lambda f: sum(f(o) for o in os_) / len(os_)  # noqa: E731
+        print(f"{name:<26} {mean(lambda o: o.bytes_max) / 2**20:>9.2f} "
+              f"{mean(lambda o: o.inter_node_bytes_max) / 2**20:>10.2f} {1e3 * mean(lambda o: o.modeled_seconds):>10.3f} "
+              f"{mean(lambda o: o.modeled_over_ideal):>7.2f} "
+              f"{mean(lambda o: o.overlap_seconds / o.ideal_seconds):>14.2f}")
 
 
 def write_plot(path, results, args, cost) -> None:

@@ -13,7 +13,7 @@ model's modeled time of one layer forward + backward (``megatron_ext/blockdiag_c
   (2 * Hkv * D * dtype), as the scale suite reads them.
 - ``ulysses``: any layout; per rank per layer forward the two all-to-alls move (cp - 1) / cp of its
   local q, k and v (K/V heads repeated r = cp / gcd(Hkv, cp) times) and out, whatever the
-  documents (``ulysses_forward_bytes``, the engine's own per-tensor count; tests/bench/
+  documents (``cost_options.ulysses_forward_bytes``, the engine's own per-tensor count; tests/bench/
   test_bench_exchange_choice.py checks it against ``report()["bytes_sent"]``). Modeled time
   (``ulysses_seconds``): every rank attends every document on Hq / cp heads, so compute is the
   ideal, total causal pairs / cp x ``seconds_per_pair``; the all-to-alls are priced on the cost
@@ -24,18 +24,33 @@ model's modeled time of one layer forward + backward (``megatron_ext/blockdiag_c
 
   (``CostModel.comm_seconds`` on those bytes in K/V-row units), with nothing overlapped: the
   attention needs the first all-to-all, the second needs the attention.
+- ``2d`` (two-dimensional CP, ``cost_options.price_option``): ulysses over u consecutive ranks inside
+  a node, then a2a or hierarchical between the r = cp / u groups, for every u dividing cp and the 8
+  GPUs per node with 1 < u < cp (128k / cp 8: u 2, 4; 1M / cp 64: u 2, 4, 8; hierarchical where a
+  node holds several groups), on both layouts at r:
+
+      modeled = 2 * B_u / 400e9 + plan_summary(ids, r, layout, CostModel(Hq / u, Hkv * rep / u))
+
+  B_u = (u - 1) / u of the local q, k (repeated u / gcd(Hkv, u) times), v and out; the outer
+  cost model's links: NVLink on one node, two levels with G / u groups per node, IB when u = 8.
+  Rows carry ``option`` ("2d u4 x r2 a2a"), ``ulysses_size``, ``outer_exchange``; ``choices``
+  compares the best of them with the 1-D exchanges.
 
 Llama-3-8B attention (32 query heads, 8 K/V heads, head dim 128, bf16) at both points. Ulysses needs
 cp to divide the query heads: at cp 64 the 8B is refused (a row with ``refused``), so the 1M / cp 64
 point is priced a second time with Llama-3-70B attention (64 query heads, 8 K/V heads, head dim
-128), where ulysses runs with every K/V head repeated 8 times. Two-dimensional CP (ulysses inside a
-node, needed-only across nodes) is not built and has no rows.
+128), where ulysses runs with every K/V head repeated 8 times. Every time is modeled (cost.py's
+constants above), none measured.
 """
 
 import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+# The ulysses pricing is the library's (one place for the bench, the planner and a per-step chooser).
+from megatron_ext.blockdiag_cp.cost_options import (  # noqa: F401 - re-exported for the bench's tests
+    price_option, ulysses_forward_bytes, ulysses_link_bytes, ulysses_seconds)
 
 GPUS_PER_NODE = 8
 # model -> (Hq, Hkv, head dim, dtype bytes)
@@ -45,7 +60,7 @@ POINTS = (("128k / cp 8", 131072, 8, "nvlink", ("llama3_8b",)),
           ("1M / cp 64", 1048576, 64, "2lvl", ("llama3_8b", "llama3_70b")))
 MIXES = ("short", "lognormal", "heavy", "single")
 LAYOUTS = ("balanced", "zigzag")
-EXCHANGES = ("allgather", "a2a", "hierarchical", "ulysses")
+EXCHANGES = ("allgather", "a2a", "hierarchical", "ulysses", "2d")  # "2d": the best 2-D option of the point
 
 
 def doc_ids(mix: str, S: int) -> torch.Tensor:
@@ -53,45 +68,6 @@ def doc_ids(mix: str, S: int) -> torch.Tensor:
     from scale_mixes import scale_doc_ids
 
     return torch.ones(S, dtype=torch.long) if mix == "single" else scale_doc_ids(mix, S)
-
-
-def ulysses_forward_bytes(local_len: int, b: int, hq: int, hkv: int, d_qk: int, d_v: int, dtype_bytes: int,
-                          cp: int) -> Tuple[int, int, str]:
-    """(bytes one rank sends (= receives) in a layer's forward, K/V head repeats, refusal or '').
-
-    The two all-to-alls move all but the rank's own block of q [L, b, Hq, Dqk], k [L, b, Hkv*r, Dqk],
-    v [L, b, Hkv*r, Dv] and out [L, b, Hq, Dv], counted per tensor as the engine counts them
-    (``ulysses._count``: numel * element size * (cp - 1) // cp).
-    """
-    from megatron_ext.blockdiag_cp.ulysses import kv_head_repeats
-
-    repeats, error = kv_head_repeats(hq, hkv, cp)
-    if error:
-        return 0, repeats, error
-    tensors = (local_len * b * hq * d_qk, local_len * b * hkv * repeats * d_qk, local_len * b * hkv * repeats * d_v,
-               local_len * b * hq * d_v)
-    return sum(n * dtype_bytes * (cp - 1) // cp for n in tensors), repeats, ""
-
-
-def ulysses_link_bytes(local_len: int, hq: int, hkv: int, d: int, dtype_bytes: int, cp: int, repeats: int,
-                       ranks_per_node: int) -> Tuple[float, float]:
-    """(forward bytes a rank sends inside its node, across nodes): ranks node-major, g per node."""
-    g = min(ranks_per_node, cp) if ranks_per_node else cp
-    total = local_len * d * dtype_bytes * (2 * hq + 2 * hkv * repeats)  # q, k, v, out (b = 1)
-    return total * (g - 1) / cp, total * (cp - g) / cp
-
-
-def ulysses_seconds(cost, pairs: float, cp: int, bytes_intra: float, bytes_inter: float, row_bytes: int
-                    ) -> Tuple[float, float, float]:
-    """(modeled, ideal, communication) seconds of one layer forward + backward (module docstring)."""
-    from megatron_ext.blockdiag_cp.cost import Traffic
-
-    # In K/V-row units, where the cost model's seconds_per_position covers forward + backward.
-    intra, inter = torch.tensor([bytes_intra / row_bytes]), torch.tensor([bytes_inter / row_bytes])
-    zero = torch.zeros(1)
-    comm = float(cost.comm_seconds(Traffic(intra, intra, inter, inter, zero, zero))[0])
-    ideal = pairs / cp * cost.seconds_per_pair
-    return ideal + comm, ideal, comm
 
 
 def cost_model(link: str, dims, hierarchical: bool = True):
@@ -162,6 +138,7 @@ def run(points=POINTS, mixes=MIXES, log=print) -> List[Dict]:
                     if refused:
                         rows.append({**base, "exchange": "ulysses", "layout": "any", "cost_model": cost.name,
                                      "refused": refused})
+                        rows += two_d_rows(base, ids, cp, dims, link)
                         continue
                     intra, inter = ulysses_link_bytes(local_len, hq, hkv, d, nbytes, cp, repeats,
                                                       GPUS_PER_NODE if link == "2lvl" else 0)
@@ -169,26 +146,56 @@ def run(points=POINTS, mixes=MIXES, log=print) -> List[Dict]:
                     rows.append(_row(base, "ulysses", "any", cost, (0, 0, 0), row_bytes, modeled, modeled, ideal,
                                      bytes_max=moved, bytes_received_max=moved, inter_node_bytes_max=round(inter),
                                      kv_head_repeats=repeats, comm_seconds=comm, work_max_over_mean=1.0))
+                    rows += two_d_rows(base, ids, cp, dims, link)
                 log(f"  exchange_choice {label} {model}: {time.perf_counter() - t0:.1f}s")
     finally:
         torch.set_num_threads(threads)
     return rows
 
 
+def two_d_rows(base: Dict, ids: torch.Tensor, cp: int, dims, link: str) -> List[Dict]:
+    """2-D CP rows (``cost_options.price_option``): every ulysses size u with 1 < u < cp dividing cp
+    and the GPUs per node, outer a2a (and hierarchical where the outer level spans nodes with several
+    groups per node), each on LAYOUTS; ``exchange`` "2d", ``option`` e.g. "2d u4 x r2 a2a"."""
+    from megatron_ext.blockdiag_cp.cost_options import default_options
+
+    G = GPUS_PER_NODE if link == "2lvl" else cp
+    rows, cache = [], {}
+    for exchange, u in default_options(cp, G):
+        if not 1 < u < cp:
+            continue
+        for layout in LAYOUTS:
+            t = time.thread_time()
+            o = price_option(ids, cp, layout, exchange, u, dims, G, "nvlink", cache)
+            row = {**base, "exchange": "2d", "option": o.name, "outer_exchange": exchange, "ulysses_size": u,
+                   "layout": o.layout, "cost_model": f"2d u{u}"}
+            if o.refused:
+                rows.append({**row, "refused": o.refused})
+                continue
+            rows.append({**row, "bytes_max": o.bytes_max, "bytes_received_max": o.bytes_max,
+                         "inter_node_bytes_max": o.inter_node_bytes_max, "modeled_seconds": o.modeled_seconds,
+                         "overlap_seconds": o.overlap_seconds, "ideal_seconds": o.ideal_seconds,
+                         "modeled_over_ideal": o.modeled_over_ideal, "summary_cpu_seconds": time.thread_time() - t})
+    return rows
+
+
 TIE = 0.01  # exchanges modeled within 1% of the least are named with it
 
 
-def _picks(timed: Dict[str, float]) -> str:
-    """The exchange of least time, and any within TIE of it ("a2a = hierarchical")."""
+def _picks(timed: Dict[str, float], names: Optional[Dict[str, str]] = None) -> str:
+    """The exchange of least time, and any within TIE of it ("a2a = hierarchical"); ``names``: how
+    to print one (the 2-D column as its option, "2d u8 x r8 a2a")."""
     if not timed:
         return "-"
     best = min(timed.values())
-    return " = ".join(ex for ex in EXCHANGES if ex in timed and timed[ex] <= best * (1 + TIE))
+    names = names or {}
+    return " = ".join(names.get(ex, ex) for ex in EXCHANGES if ex in timed and timed[ex] <= best * (1 + TIE))
 
 
 def choices(rows: List[Dict]) -> List[Dict]:
     """Per point, model and mix (in run order): each exchange's row of least modeled time over its
-    layouts (``by``; a refused exchange: its reason), its least streamed time (``streamed``), and the
+    layouts (``by``; a refused exchange: its reason; "2d": over every 2-D option, its ``option`` naming u,
+    r and the outer exchange), its least streamed time (``streamed``), and the
     exchanges of least time without overlap (``pick``) and with the streamed op (``pick_streamed``),
     ties within TIE named together."""
     ours = [r for r in rows if r["suite"] == "exchange_choice"]
@@ -206,11 +213,15 @@ def choices(rows: List[Dict]) -> List[Dict]:
             cands = [r for r in got if r["exchange"] == ex and not r.get("refused")]
             if cands:
                 rec["by"][ex] = min(cands, key=lambda r: r["modeled_seconds"])
-                rec["streamed"][ex] = min(r["overlap_seconds"] for r in cands)
+                streamed = min(cands, key=lambda r: r["overlap_seconds"])
+                rec["streamed"][ex] = streamed["overlap_seconds"]
+                if ex == "2d":
+                    rec["streamed_option"] = streamed["option"]
                 rec["ideal_seconds"] = rec["by"][ex]["ideal_seconds"]
             elif any(r["exchange"] == ex for r in got):
                 rec["by"][ex] = {"refused": next(r["refused"] for r in got if r["exchange"] == ex)}
-        rec["pick"] = _picks({ex: r["modeled_seconds"] for ex, r in rec["by"].items() if "modeled_seconds" in r})
-        rec["pick_streamed"] = _picks(rec["streamed"])
+        rec["pick"] = _picks({ex: r["modeled_seconds"] for ex, r in rec["by"].items() if "modeled_seconds" in r},
+                             {"2d": rec["by"].get("2d", {}).get("option", "2d")})
+        rec["pick_streamed"] = _picks(rec["streamed"], {"2d": rec.get("streamed_option", "2d")})
         out.append(rec)
     return out

@@ -51,7 +51,7 @@ def plot_comm(rows: List[Dict], out_dir: str) -> str:
     fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 4.5), squeeze=False)
     for ax, mix in zip(axes[0], mixes):
         labels, x = [], 0
-        width = 0.2
+        width = 0.8 / len(EXCHANGES)
         for cp in cps:
             for layout in LAYOUTS:
                 if (mix, cp, layout, "a2a") not in idx:
@@ -259,7 +259,7 @@ def plot_scale(rows: List[Dict], out_dir: str) -> str:
     return path
 
 
-CHOICE_COLORS = {"allgather": "#c44e52", "a2a": "#4c72b0", "hierarchical": "#55a868", "ulysses": "#8172b2"}
+CHOICE_COLORS = {"allgather": "#c44e52", "a2a": "#4c72b0", "hierarchical": "#55a868", "ulysses": "#8172b2", "2d": "#dd8452"}
 
 
 def plot_exchange_choice(rows: List[Dict], out_dir: str) -> str:
@@ -273,12 +273,12 @@ def plot_exchange_choice(rows: List[Dict], out_dir: str) -> str:
         if (r["point"], r["model"]) not in panels:
             panels.append((r["point"], r["model"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
-    width = 0.2
+    width = 0.8 / len(EXCHANGES)
     for ax, (point, model) in zip(axes[0], panels):
         got = [r for r in recs if (r["point"], r["model"]) == (point, model)]
         for i, r in enumerate(got):
             for j, ex in enumerate(EXCHANGES):
-                x = i + (j - 1.5) * width
+                x = i + (j - (len(EXCHANGES) - 1) / 2) * width
                 c = r["by"].get(ex)
                 if c is None:
                     continue
@@ -286,10 +286,11 @@ def plot_exchange_choice(rows: List[Dict], out_dir: str) -> str:
                     ax.text(x, r["ideal_seconds"] * 1e3, "refused", rotation=90, ha="center", va="bottom", fontsize=6,
                             color=CHOICE_COLORS[ex])
                     continue
-                ax.bar(x, c["modeled_seconds"] * 1e3, width, color=CHOICE_COLORS[ex], label=ex if i == 0 else None)
+                ax.bar(x, c["modeled_seconds"] * 1e3, width, color=CHOICE_COLORS[ex],
+                       label=(ex if ex != "2d" else "2d (best u, outer)") if i == 0 else None)
                 ax.plot([x - width / 2, x + width / 2], [r["streamed"][ex] * 1e3] * 2, "k-", lw=1.2,
                         label="streamed" if i == 0 and j == 0 else None)
-            ax.plot([i - 2 * width, i + 2 * width], [r["ideal_seconds"] * 1e3] * 2, "k:", lw=1,
+            ax.plot([i - 0.4, i + 0.4], [r["ideal_seconds"] * 1e3] * 2, "k:", lw=1,
                     label="ideal" if i == 0 else None)
         ax.set_xticks(range(len(got)))
         ax.set_xticklabels([r["mix"] for r in got], fontsize=8)

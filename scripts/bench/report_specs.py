@@ -826,6 +826,8 @@ def _choice_columns(records):
             + tuple(Column(f"{e} MiB", lambda r, e=e: mib(r, e), str) for e in exchanges)
             + (Column("ideal ms", "ideal_seconds", fmt(".2f", scale=1e3)),)
             + tuple(Column(f"{e} ms", lambda r, e=e: ms(r, e), str) for e in exchanges)
+            + ((Text("2d option", lambda r: r["by"].get("2d", {}).get("option", "-")),)
+               if "2d" in exchanges else ())
             + (Text("least", "pick"),)
             + tuple(Column(f"{e} streamed", lambda r, e=e: streamed(r, e), str) for e in exchanges)
             + (Text("least streamed", "pick_streamed"),))
@@ -843,8 +845,12 @@ def _choice_note(records):
             "and zigzag layouts (every row in the next table); all-gather: zigzag. Ulysses: (cp - 1) / cp of the "
             "local q, k and v (K/V heads repeated to split over cp) and out, its compute the ideal (total pairs / "
             "cp), the all-to-alls priced on NVLink inside a node and IB for the (cp - 8) / cp of each tensor that "
-            "leaves it. `least`: the exchange of least time (others within 1% named with it). Two-dimensional CP is "
-            "not built."
+            "leaves it. 2d: two-dimensional CP, ulysses over u ranks inside a node and the K/V exchange between the "
+            "r = cp / u groups (`cost_options.price_option`: (u - 1) / u of the local q, k, v and out on NVLink, "
+            "plus the layout at r priced with Hq / u and Hkv * repeats / u heads per rank over the outer level's "
+            "links), the best over u (every u dividing cp and 8, 1 < u < cp), outer a2a or hierarchical and the "
+            "two layouts; `2d option` names it (streamed: the outer exchange streamed, the all-to-alls exposed). "
+            "`least`: the exchange of least time (others within 1% named with it)."
             + (f" Ulysses is refused for {', '.join(refused)}: cp must divide the query heads." if refused else "")
             + " `scripts/bench/exchange_choice.py`.")
 
@@ -860,7 +866,7 @@ EXCHANGE_CHOICE = Suite(
               note=_choice_note, columns=_choice_columns),
         Table("Every exchange and layout", _choice_rows, level=3,
               columns=(Text("point", "point"), Text("model", "model"), Text("mix", "mix"),
-                       Text("exchange", "exchange"), Text("layout", "layout"),
+                       Text("exchange", lambda r: r.get("option", r["exchange"])), Text("layout", "layout"),
                        Column("MiB", lambda r: None if r.get("refused") else r["bytes_mib"], fmt(".1f")),
                        Column("received MiB", "bytes_received_max", fmt(".1f", scale=1 / MiB)),
                        Column("across nodes MiB", "inter_node_bytes_max", fmt(".1f", scale=1 / MiB)),

@@ -4,7 +4,8 @@
 ``state.report()["bytes_sent"]`` / ``["bytes_received"]`` of a real ulysses call on a gloo group
 at cp 2, with the K/V head repeated (Hkv 1 < cp), MLA-style head dims and b = 2, so the bench
 cannot drift from the code; the link split adds up to the same bytes; the suite's rows at a
-small point carry that figure and refuse a cp that does not divide the query heads.
+small point carry that figure and refuse a cp that does not divide the query heads, and the 2-D rows
+are the library's pricing and compete in ``choices``.
 """
 
 import os
@@ -82,3 +83,21 @@ def test_rows_at_a_small_point(bench):
     picks = bench.choices(rows)
     # short documents: a needed-only exchange is modeled fastest (ulysses moves every q/k/v/out block)
     assert [set(p["pick"].split(" = ")) <= {"a2a", "hierarchical"} for p in picks] == [True, True], picks
+
+
+def test_2d_rows_compete(bench):
+    # 32k / cp 8 on one node: u 2 and 4 with outer a2a, each on both layouts, priced by the library;
+    # one document of the pack: the best 2-D option beats a2a's every-key exchange and is named.
+    from megatron_ext.blockdiag_cp.cost_options import price_option
+
+    rows = bench.run(points=(("32k / cp 8", 32768, 8, "nvlink", ("llama3_8b",)),), mixes=("single",),
+                     log=lambda *_: None)
+    two_d = [r for r in rows if r["exchange"] == "2d"]
+    assert sorted((r["option"], r["layout"]) for r in two_d) == sorted(
+        (f"2d u{u} x r{8 // u} a2a", lay) for u in (2, 4) for lay in bench.LAYOUTS)
+    r = next(r for r in two_d if r["option"] == "2d u4 x r2 a2a" and r["layout"] == "zigzag")
+    o = price_option(torch.ones(32768, dtype=torch.long), 8, "zigzag", "a2a", 4, bench.MODELS["llama3_8b"])
+    assert (r["bytes_max"], r["modeled_seconds"]) == (o.bytes_max, o.modeled_seconds)
+    (pick,) = bench.choices(rows)
+    assert pick["by"]["2d"]["modeled_seconds"] < pick["by"]["a2a"]["modeled_seconds"], pick
+    assert "2d" not in pick["pick"].split(" = ")  # a 2-D pick is named by its option

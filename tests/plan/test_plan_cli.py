@@ -126,3 +126,23 @@ def test_the_plot_is_written_only_where_asked(two_datasets, capsys, tmp_path, mo
     assert f"wrote {plot}" in capsys.readouterr().out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.timeout(120)
+def test_the_exchange_options_table_sets_1d_and_2d_side_by_side(two_datasets, capsys, tmp_path, monkeypatch):
+    # cp 8 on 2 nodes of 4: 1-D allgather / a2a / halo / hierarchical / ulysses, 2-D u 2 (outer a2a
+    # and hierarchical: two groups per node) and u 4 (outer a2a over IB); 6 K/V heads: u 4 repeats them.
+    monkeypatch.chdir(tmp_path)
+    assert main(["--data-path", two_datasets[0], "--seq-length", "2048", "--cp", "8", "--nodes", "2",
+                 "--heads", "12", "--kv-heads", "6", "--samples", "1"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("exchange options"):].splitlines()
+    names = [line.split()[0] if not line.startswith("2d") else " ".join(line.split()[:5]) for line in table[2:]]
+    assert names == ["allgather", "a2a", "halo", "hierarchical", "ulysses", "2d u2 x r4 a2a",
+                     "2d u2 x r4 hierarchical", "2d u4 x r2 a2a"], table
+    assert "balanced" in out[:out.index("exchange options")]  # the per-layout table stays
+    ulysses = next(line for line in table if line.startswith("ulysses"))
+    assert "12 % 8 = 4" in ulysses  # 1-D ulysses refused with the numbers
+    two_d = next(line for line in table if line.startswith("2d u4 x r2 a2a")).split()
+    mib, ib_mib, ms, over = (float(x) for x in two_d[5:9])
+    assert 0 < ib_mib <= mib and ms > 0 and over >= 1.0, two_d

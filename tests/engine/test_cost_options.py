@@ -1,0 +1,118 @@
+"""``cost_options.price_exchange_options``: 1-D and 2-D CP priced on one pack, no process group.
+
+The 2-D option's edges are the 1-D options it generalizes (u = cp is ulysses, u = 1 the K/V
+exchange at cp), its bytes and seconds are checked by hand on a 16-token pack, and a ulysses_size
+the query heads, cp or a node cannot take is refused with the numbers.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.blockdiag_cp import plan_summary
+from megatron_ext.blockdiag_cp.cost import CostModel
+from megatron_ext.blockdiag_cp.cost_options import (default_options, price_exchange_options, price_option,
+                                                    ulysses_forward_bytes, ulysses_link_bytes, ulysses_seconds)
+
+DIMS = (32, 8, 128, 2)
+
+
+def _mixed(S=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 900, (S // 16,), generator=g)
+    lengths = lengths[:int((lengths.cumsum(0) < S).sum())]
+    lengths = torch.cat([lengths, torch.tensor([S - int(lengths.sum())])])
+    return torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)
+
+
+@pytest.mark.parametrize("cp,G", [(8, None), (16, 8), (16, 4)])
+def test_u_equal_to_cp_is_ulysses(cp, G):
+    ids = _mixed()
+    uly = price_option(ids, cp, "zigzag", "ulysses", dims=DIMS, gpus_per_node=G)
+    as_2d = price_option(ids, cp, "zigzag", "a2a", u=cp, dims=DIMS, gpus_per_node=G)
+    assert uly == as_2d and uly.name == "ulysses" and uly.ulysses_size == cp and not uly.refused
+    # The 1-D pricing: the engine's byte count, the link split, the cost model's links.
+    local_len = 4096 // cp
+    moved, repeats, _ = ulysses_forward_bytes(local_len, 1, 32, 8, 128, 128, 2, cp)
+    intra, inter = ulysses_link_bytes(local_len, 32, 8, 128, 2, cp, repeats, G or 0)
+    cost = CostModel.two_level(G, *DIMS) if G else CostModel.preset("nvlink", *DIMS)
+    lengths = torch.unique_consecutive(ids, return_counts=True)[1].double()
+    pairs = float((lengths * (lengths + 1) / 2).sum())
+    modeled, ideal, _ = ulysses_seconds(cost, pairs, cp, intra, inter, 2 * 8 * 128 * 2)
+    assert uly.bytes_max == moved and uly.inter_node_bytes_max == round(inter)
+    assert uly.modeled_seconds == pytest.approx(modeled, rel=1e-12)
+    assert uly.ideal_seconds == pytest.approx(ideal, rel=1e-12)
+
+
+@pytest.mark.parametrize("exchange", ["a2a", "allgather", "hierarchical"])
+def test_u_one_is_the_1d_exchange(exchange):
+    ids = _mixed()
+    cp, G = 16, 8
+    opt = price_option(ids, cp, "balanced", exchange, u=1, dims=DIMS, gpus_per_node=G)
+    cost = CostModel.two_level(G, *DIMS, hierarchical=exchange == "hierarchical")
+    s = plan_summary(ids, cp, layout="balanced", cost_model=cost)
+    traffic = s["traffic_allgather" if exchange == "allgather" else "traffic"]
+    both = torch.maximum(traffic.intra_in + traffic.inter_in, traffic.intra_out + traffic.inter_out)
+    assert opt.name == exchange and opt.ulysses_size == 1 and not opt.refused
+    assert opt.bytes_max == int(both.max()) * 2 * 8 * 128 * 2
+    assert opt.modeled_seconds == s["modeled_allgather_seconds" if exchange == "allgather" else "modeled_seconds"]
+    assert opt.ideal_seconds == pytest.approx(s["ideal_seconds"], rel=1e-12)
+
+
+def test_2d_bytes_and_seconds_by_hand():
+    # One document of 16 tokens, cp 4 = u 2 x r 2, contiguous; Hq 4, Hkv 2, D 8, 2-byte elements.
+    # Outer layout at r = 2: group 0 holds [0, 8), group 1 holds [8, 16) and needs keys 0-7.
+    # Per rank: Hq / u = 2 query heads, Hkv * rep / u = 1 K/V head (rep = 2 / gcd(2, 2) = 1).
+    ids = torch.ones(16, dtype=torch.long)
+    opt = price_option(ids, 4, "contiguous", "a2a", u=2, dims=(4, 2, 8, 2))
+    assert opt.name == "2d u2 x r2 a2a" and opt.exchange == "a2a" and opt.ulysses_size == 2
+    # Inner: local_len 16 / 4 = 4; q 4*4*8, k 4*2*8, v 4*2*8, out 4*4*8 elements, 2 bytes, half leaves.
+    inner = (128 + 64 + 64 + 128) * 2 // 2
+    row = 2 * 1 * 8 * 2  # K and V of one position, one K/V head per rank
+    assert opt.bytes_max == inner + 8 * row == 640
+    assert opt.inter_node_bytes_max == 0
+    # Busiest group: group 1, queries 8..15 over keys 0..p: 9 + ... + 16 = 100 pairs, 8 positions in.
+    pair = 14 * 2 * 8 / 500e12  # forward + backward flops of a pair on 2 query heads
+    position = 2 * row / 400e9  # a position's K/V forward and its gradient backward, NVLink
+    a2a = 2 * inner / 400e9  # the all-to-alls, forward and backward
+    assert opt.modeled_seconds == pytest.approx(100 * pair + 8 * position + a2a, rel=1e-12)
+    assert opt.ideal_seconds == pytest.approx(136 / 4 * 14 * 4 * 8 / 500e12, rel=1e-12)
+
+
+def test_2d_across_nodes_prices_the_outer_level_on_ib():
+    # u = G: one group per node, every outer transfer crosses IB; u < G: two levels between groups.
+    ids = _mixed()
+    whole = price_option(ids, 16, "balanced", "a2a", u=8, dims=DIMS, gpus_per_node=8)
+    inner, repeats, _ = ulysses_forward_bytes(4096 // 16, 1, 32, 8, 128, 128, 2, 8)
+    assert repeats == 1 and whole.inter_node_bytes_max == whole.bytes_max - inner > 0
+    cost = CostModel.preset("ib", 32 // 8, 8 // 8, 128, 2)
+    s = plan_summary(ids, 2, layout="balanced", cost_model=cost)
+    assert whole.modeled_seconds == pytest.approx(s["modeled_seconds"] + 2 * inner / 400e9, rel=1e-12)
+    half = price_option(ids, 16, "balanced", "hierarchical", u=4, dims=DIMS, gpus_per_node=8)
+    cost = CostModel.two_level(2, 32 // 4, 8 // 4, 128, 2, hierarchical=True)
+    s = plan_summary(ids, 4, layout="balanced", cost_model=cost)
+    inner, _, _ = ulysses_forward_bytes(4096 // 16, 1, 32, 8, 128, 128, 2, 4)
+    assert half.modeled_seconds == pytest.approx(s["modeled_seconds"] + 2 * inner / 400e9, rel=1e-12)
+
+
+def test_refusals_name_the_numbers():
+    ids = _mixed()
+    heads = price_option(ids, 8, "balanced", "a2a", u=4, dims=(6, 2, 64, 2))
+    assert heads.refused.startswith("ulysses_size 4 splits the 6 query heads") and "6 % 4 = 2" in heads.refused
+    node = price_option(ids, 16, "balanced", "a2a", u=8, dims=DIMS, gpus_per_node=4)
+    assert "divide the 4 GPUs per node (4 % 8 = 4)" in node.refused
+    assert "must divide cp=8" in price_option(ids, 8, "balanced", "a2a", u=3, dims=DIMS).refused
+    assert "32 % 64 = 32" in price_option(ids, 64, "balanced", "ulysses", dims=DIMS, gpus_per_node=8).refused
+    assert "span several nodes" in price_option(ids, 8, "balanced", "hierarchical", dims=DIMS).refused
+
+
+def test_default_options_and_one_call():
+    assert [(x, u) for x, u in default_options(8, 8)] == [
+        ("allgather", 1), ("a2a", 1), ("halo", 1), ("ulysses", 8), ("a2a", 2), ("a2a", 4)]
+    assert default_options(64, 8)[3:] == [
+        ("hierarchical", 1), ("ulysses", 64), ("a2a", 2), ("hierarchical", 2), ("a2a", 4), ("hierarchical", 4),
+        ("a2a", 8)]
+    opts = price_exchange_options(_mixed(), 8, dims=DIMS, gpus_per_node=8)
+    assert [o.name for o in opts] == ["allgather", "a2a", "halo", "ulysses", "2d u2 x r4 a2a", "2d u4 x r2 a2a"]
+    for o in opts:
+        if not o.refused:
+            assert o.modeled_seconds >= o.ideal_seconds * (1 - 1e-9) > 0, o
