@@ -146,8 +146,8 @@ def plan_ahead_provider(batch):
     args = get_args()
     cp = ps.get_cp_world_size()
     exchange = args.cp_kv_exchange_canonical
-    if args.cp_ulysses_size_canonical > 1:
-        return None  # two dimensions plan both levels at the build (prepare_plan plans one)
+    if args.cp_ulysses_size_canonical > 1 or exchange == "planned":
+        return None  # two dimensions, or a choice among them, are planned at the build (prepare_plan plans one)
     return bdcp.prepare_plan(
         bdcp.doc_ids_from_eod(batch["tokens"].cpu(), EOD), cp, ps.get_cp_rank(),
         layout=args.cp_layout_canonical, cost_model=cp_cost_model(),

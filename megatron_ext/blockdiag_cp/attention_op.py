@@ -473,6 +473,9 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
                  error=window_error, softmax_offset=softmax_offset)
     backend = call_backend(state, q, dropout_p, kv_heads=k.shape[2], window=window)
     state.kv_row_bytes = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+    if state.kv_exchange == "ulysses" and state.cp > 1 and state.kv_exchange_requested == "planned" \
+            and q.shape[2] % state.ulysses_size:
+        state.fall_back_from_heads(q.shape[2])  # q's shape is agreed: every rank switches alike
     if state.kv_exchange == "ulysses" and state.cp > 1:
         return ulysses_attention(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)
     return streamed_attention(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)

@@ -41,6 +41,9 @@ KV_EXCHANGE_SYNONYMS: Dict[str, Tuple[str, ...]] = {
     # Ours: head-parallel CP (DeepSpeed-Ulysses): q/k/v to head shards and the output back by
     # all-to-all, no K/V exchange.
     "ulysses": ("ulysses", "heads", "head_parallel", "a2a_heads", "deepspeed_ulysses"),
+    # Ours: each step takes the exchange (and two-dimensional split) of least modeled time for its
+    # documents (megatron_ext.blockdiag_cp.cost_options), decided from the global tables.
+    "planned": ("planned", "cheapest", "least_time", "by_cost"),
 }
 KV_EXCHANGE_VALUES: Tuple[str, ...] = tuple(KV_EXCHANGE_SYNONYMS)
 

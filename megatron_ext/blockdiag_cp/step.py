@@ -227,6 +227,34 @@ def _resolve_exchange(exchange_req: str, cp: int, plan: StepPlan, agreed, ranks_
     return exchange, reason
 
 
+def _planned_choice(ids: torch.Tensor, cp: int, layout: str, ranks_per_node: int, group):
+    """(the option of least modeled time, every option least first) for kv_exchange "planned".
+
+    Priced by ``cost_options.price_exchange_options`` from the replicated doc ids with the default
+    model dims (``cost.DEFAULT_DIMS``) on the group's topology (``ranks_per_node`` CP ranks per node:
+    one node when it is cp, one-level InfiniBand when the ranks form no equal node blocks). Every
+    rank computes the same list; one more tiny agreement keeps the ranks on one option should
+    floating point ever part a near tie (the earlier option in the list wins).
+    """
+    from .cost_options import price_exchange_options
+
+    G = ranks_per_node if 0 < ranks_per_node < cp else None
+    options = price_exchange_options(ids, cp, layout, gpus_per_node=G, link="ib" if ranks_per_node == 0 else "nvlink")
+    priced = [i for i, o in enumerate(options) if not o.refused]
+    best = min(priced, key=lambda i: (options[i].modeled_seconds, i))
+    agreed = agree({"planned_choice": best}, group, cp, kind=KIND_BUILD)
+    best = agreed.min("planned_choice")
+    ordered = sorted(options, key=lambda o: (bool(o.refused), o.modeled_seconds))
+    return options[best], [options[best]] + [o for o in ordered if o is not options[best]]
+
+
+def _planned_reason(options, resolved: str) -> str:
+    """The report's reason for a planned step: the option taken and the next ones, modeled."""
+    priced = [o for o in options if not o.refused][:4]
+    shown = ", ".join(f"{o.name} {o.modeled_seconds * 1e3:.3g} ms" for o in priced)
+    return f"planned: least modeled time of {len(options)} options ({shown}); {resolved}"
+
+
 class BlockDiagCPState:
     """Immutable per-step state: group, layout, doc ids, plan and the resolved knobs."""
 
@@ -270,6 +298,8 @@ class BlockDiagCPState:
         self.ulysses_size = 1
         self.ulysses_group = None
         self.ring_state: Optional["BlockDiagCPState"] = None
+        # kv_exchange "planned": every option's price for this step (cost_options.ExchangeOption), least first.
+        self.planned_options: Optional[list] = None
 
     # -- public contract ---------------------------------------------------
 
@@ -350,7 +380,9 @@ class BlockDiagCPState:
             u, knob_error = 1, knob_error or str(exc)
         two_dim_error = _two_dim_error(u, cp, requested.get("kv_exchange"))
         knob_error = knob_error or two_dim_error
-        two_dim = cp > 1 and 1 < u < cp and not two_dim_error and requested.get("kv_exchange") != "ulysses"
+        planned = cp > 1 and requested.get("kv_exchange") == "planned"  # chosen after the agreement
+        two_dim = cp > 1 and 1 < u < cp and not two_dim_error and requested.get("kv_exchange") not in ("ulysses",
+                                                                                                       "planned")
         # The ring level of two-dimensional CP: the ranks at this rank's place in every Ulysses group.
         ring_ranks = ps.ulysses_subgroup_ranks(ps.get_cp_global_ranks(group), u)[1] if two_dim else None
         try:
@@ -392,7 +424,7 @@ class BlockDiagCPState:
         facts["windows"] = mix.agreement_key() if requested.get("layout") == "balanced" else 0
         # The hierarchical exchange routes by node: every rank must see the same nodes.
         ranks_per_node = ps.cp_ranks_per_node(ring_ranks or group) \
-            if requested.get("kv_exchange") == "hierarchical" and cp > 1 else 0
+            if requested.get("kv_exchange") in ("hierarchical", "planned") and cp > 1 else 0
         facts["ranks_per_node"] = ranks_per_node
         facts["ulysses_size"] = u
         # Which rank to name in another rank's error: the lowest with a bad knob, the lowest with the
@@ -465,7 +497,15 @@ class BlockDiagCPState:
         host_route = None  # the hierarchical route, when it was planned ahead for these nodes
         window_plans, window_routes = {}, {}
         ring_lay = ring_plan = None
-        if prepared is not None and not two_dim and prepared.matches(ids, cp, rank, layout_name, cost_model, mix):
+        planned_options = None
+        if planned:  # the option of least modeled time for these documents, alike on every rank
+            choice, planned_options = _planned_choice(ids, cp, layout_name, ranks_per_node, group)
+            requested["kv_exchange"], u = choice.exchange, choice.ulysses_size
+            two_dim = 1 < u < cp
+            if two_dim:
+                ring_ranks = ps.ulysses_subgroup_ranks(ps.get_cp_global_ranks(group), u)[1]
+                ranks_per_node = ranks_per_node // u if ranks_per_node and ranks_per_node % u == 0 else 0
+        if prepared is not None and not two_dim and not planned and prepared.matches(ids, cp, rank, layout_name, cost_model, mix):
             ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
             window_plans = dict(prepared.window_plans or {})
             if prepared.route is not None and prepared.ranks_per_node == ranks_per_node:
@@ -500,15 +540,17 @@ class BlockDiagCPState:
                 f"strict mode: attention backend {backend_req!r} cannot run on every CP rank "
                 f"({backend_reason}); install it, pick another --cp-attn-backend, or drop strict")
 
-        exchange_req = requested["kv_exchange"]
+        exchange_req = "planned" if planned else requested["kv_exchange"]
         if cp == 1:
             exchange, exchange_reason = exchange_req, "single rank: nothing to exchange"
         elif u == cp and exchange_req != "ulysses":
             exchange, exchange_reason = "ulysses", f"ulysses_size = cp = {cp}: head-parallel over the whole group"
         else:  # one dimension, or the ring level of two
             exchange, exchange_reason = _resolve_exchange(
-                exchange_req, cp // u if two_dim else cp, ring_plan if two_dim else plan, agreed, ranks_per_node,
-                strict, explicit=kv_exchange is not None)
+                requested["kv_exchange"], cp // u if two_dim else cp, ring_plan if two_dim else plan, agreed,
+                ranks_per_node, strict, explicit=kv_exchange is not None)
+        if planned:
+            exchange_reason = _planned_reason(planned_options, exchange_reason)
         common = dict(attn_backend_requested=backend_req, attn_backend=backend, attn_backend_reason=backend_reason,
                       strict=strict, available=available, backend_explicit=attn_backend is not None,
                       cost_model=cost_model if layout_name == "balanced" else None)
@@ -517,7 +559,7 @@ class BlockDiagCPState:
             u_group, r_group = ps.ulysses_subgroups(group, u)  # created once, by every CP rank alike
             ring_backward, ring_backward_reason = resolve_kv_backward(requested["kv_backward"], exchange, ring_plan)
             ring = cls(group=r_group, cp=cp // u, rank=rank // u, layout=ring_lay, doc_ids=ids, seq_len=seq_len,
-                       plan=ring_plan, kv_exchange_requested=exchange_req, kv_exchange=exchange,
+                       plan=ring_plan, kv_exchange_requested=requested["kv_exchange"], kv_exchange=exchange,
                        kv_exchange_reason=exchange_reason, kv_backward_requested=requested["kv_backward"],
                        kv_backward=ring_backward, kv_backward_reason=ring_backward_reason, **common)
             ring.windows = mix
@@ -531,6 +573,7 @@ class BlockDiagCPState:
                     kv_exchange_reason=exchange_reason, kv_backward_requested=requested["kv_backward"],
                     kv_backward=kv_backward_mode, kv_backward_reason=kv_backward_reason, **common)
         state.windows = mix
+        state.planned_options = planned_options
         if exchange == "ulysses" and cp > 1:
             state.ulysses_size, state.ulysses_group = (u, u_group) if two_dim else (cp, group)
         if ring is not None:
@@ -624,6 +667,9 @@ class BlockDiagCPState:
             "work_max_over_mean": float(work.max()) / mean if mean > 0 else 1.0,
             "kernel_failures": list(self.kernel_failures),
             "ulysses_size": self.ulysses_size,
+            **({} if self.planned_options is None else {"planned_options": [
+                {"name": o.name, "modeled_seconds": o.modeled_seconds, "bytes_max": o.bytes_max,
+                 "refused": o.refused} for o in self.planned_options]}),
             **inter,
             **self._ring_report(),
         }
@@ -682,6 +728,19 @@ class BlockDiagCPState:
             self._device_index[key] = [_non_identity(t, self.local_len, device)
                                        for t in self.plan_for(window).exchange.send_index]
         return self._device_index[key]
+
+    def fall_back_from_heads(self, q_heads: int) -> None:
+        """kv_exchange "planned" chose a head-parallel option whose group the model's query heads do not
+        split (the choice priced the cost model's heads): this step runs ``a2a`` over the whole group
+        instead. Called at the step's first attention call, after every rank agreed on q's shape, so
+        every rank switches alike; the report says why."""
+        chosen = self.kv_exchange_reason
+        self.kv_exchange_reason = (f"planned: the chosen option splits heads over {self.ulysses_size} ranks, but "
+                                   f"{q_heads} % {self.ulysses_size} = {q_heads % self.ulysses_size}: a2a instead "
+                                   f"({chosen})")
+        self.kv_exchange, self.ulysses_size, self.ulysses_group, self.ring_state = "a2a", 1, None, None
+        self.kv_backward, self.kv_backward_reason = resolve_kv_backward(self.kv_backward_requested, "a2a", self.plan)
+        log_once(logging.WARNING, f"blockdiag-cp: {self.kv_exchange_reason}")
 
     def ulysses_on(self, device: torch.device):
         """(the state the head shards are attended with: single-rank over the whole pack, or with two

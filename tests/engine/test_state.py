@@ -45,7 +45,7 @@ def test_tables_and_defaults():
     assert st.KV_EXCHANGE_DEFAULT == "allgather"
     assert st.ATTN_BACKEND_VALUES == tuple(st.ATTN_BACKEND_SYNONYMS) == ("te", "flash", "dense")
     assert st.KV_EXCHANGE_VALUES == tuple(st.KV_EXCHANGE_SYNONYMS) == ("allgather", "halo", "a2a", "hierarchical",
-                                                                     "ulysses")
+                                                                     "ulysses", "planned")
     assert set(st.ATTN_BACKEND_SYNONYMS["flash"]) == {
         "flash", "flash_attn", "flash_attention", "flash_attention_2", "fa2"}
     assert set(st.ATTN_BACKEND_SYNONYMS["te"]) == {"te", "transformer_engine", "transformerengine"}

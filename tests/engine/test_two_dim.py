@@ -181,3 +181,71 @@ def test_bad_sizes_are_refused_alike_on_every_rank(pool):
         assert "ulysses_size differs across the CP ranks (1 vs 2" in got["differ"][1], got["differ"]
         bad = got["bad"][1]
         assert ("ulysses_size must be a positive integer" in bad) if rank == 1 else ("CP rank 1" in bad), bad
+
+
+def planned_step(case, local_world_size, hq, forced=None):
+    """kv_exchange "planned" at cp 4 with ``local_world_size`` ranks per node: (the report, the options
+    priced here independently of the state, max error against the fp64 reference). ``forced``: the
+    one (exchange, u) option offered, to make a head-parallel choice."""
+    import os
+
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import cost_options
+    from megatron_ext.testing import reference_attention
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    default_options = cost_options.default_options
+    if forced is not None:
+        cost_options.default_options = lambda cp, gpus_per_node=None: [forced]
+    try:
+        ids = make_doc_ids(case, 96, dist.get_world_size())
+        state = bdcp.BlockDiagCPState.build(ids, kv_exchange="planned", attn_backend="dense", layout="zigzag")
+        G = local_world_size if local_world_size < 4 else None
+        priced = cost_options.price_exchange_options(ids, 4, "zigzag", gpus_per_node=G)
+        g = torch.Generator().manual_seed(3)
+        n, b = ids.shape[-1], ids.shape[0] if ids.dim() == 2 else 1
+        q, k, v = (torch.randn(n, b, h, 8, generator=g, dtype=torch.float64) for h in (hq, 1, 1))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference_attention(*ref, ids).sum().backward()
+        local = [state.shard(t).requires_grad_() for t in (q, k, v)]
+        with bdcp.blockdiag_cp_step(state):
+            out = bdcp.blockdiag_cp_attention(*local)
+            out.sum().backward()
+        err = max([float((out - state.shard(reference_attention(q, k, v, ids))).abs().max())] +
+                  [float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref)])
+        return state.report(), [(o.name, o.modeled_seconds, o.refused) for o in priced], err
+    finally:
+        cost_options.default_options = default_options
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["short", "single", "b2"])
+@pytest.mark.parametrize("local_world_size", [4, 2])
+def test_planned_takes_the_least_modeled_option_alike_on_every_rank(pool, case, local_world_size):
+    results = pool.run(planned_step, case, local_world_size, 4)
+    names = {r["planned_options"][0]["name"] for r, _, _ in results}
+    assert len(names) == 1, names  # one choice on every rank
+    for report, priced, err in results:
+        assert err < TOL, err
+        best = min((o for o in priced if not o[2]), key=lambda o: o[1])
+        assert report["planned_options"][0]["name"] == best[0], (report["planned_options"], priced)
+        assert report["kv_exchange_requested"] == "planned" and report["kv_exchange_reason"].startswith(
+            f"planned: least modeled time of {len(priced)} options ({best[0]} ")
+        # Across nodes (2 x 2) the two-level options are priced, on one node they are not.
+        assert any(name.startswith("hierarchical") for name, *_ in priced) == (local_world_size == 2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("forced,hq", [(("a2a", 2), 4), (("ulysses", 4), 4), (("a2a", 2), 3), (("ulysses", 4), 6)])
+def test_planned_head_parallel_choice_runs_or_falls_back_when_heads_do_not_split(pool, forced, hq):
+    for rank, (report, _, err) in enumerate(pool.run(planned_step, "short", 2, hq, forced)):
+        assert err < TOL, err
+        u = 4 if forced[0] == "ulysses" else forced[1]
+        if hq % u == 0:
+            assert report["kv_exchange"] == "ulysses" and report["ulysses_size"] == u, report
+        else:  # the cost model's 32 heads split, the model's do not: a2a for the step, said in the report
+            assert report["kv_exchange"] == "a2a" and report["ulysses_size"] == 1, report
+            assert f"{hq} % {u} = {hq % u}: a2a instead" in report["kv_exchange_reason"], report
