@@ -113,7 +113,7 @@ def test_mask_path_both_routes_match_the_reference(results):
     assert state["layout"] == "zigzag" and state["cp"] == 2, state
     # Megatron's --cp-comm-type default p2p -> our halo exchange; --attention-backend auto -> ours.
     assert s["knobs"][0] == {"attn_backend": "te", "kv_exchange": "halo", "kv_backward": "auto",
-                             "strict": False}
+                             "strict": False, "ulysses_size": 1}
     assert state["kv_exchange_requested"] == "halo" and state["attn_backend"] == "dense"  # CPU fallback
 
 
