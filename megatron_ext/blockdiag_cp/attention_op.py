@@ -93,31 +93,50 @@ class _Accumulator:
         self.lse = torch.full((rows, heads), float("-inf"), dtype=dtype, device=device)
         self.fresh = True
 
-    def merge(self, index: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor) -> None:
+    def merge(self, index, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merge one call's [n, H, Dv] out and [n, H] lse into its rows (``step.Rows``): in place on a
+        run of rows (views), through a gather and a scatter for scattered rows."""
         out, lse = out.to(self.out.dtype), lse.to(self.lse.dtype)
+        scattered = isinstance(index, torch.Tensor)
         if self.fresh:  # nothing merged yet: a copy
-            if index is None:
-                self.out.copy_(out)
-                self.lse.copy_(lse)
-            else:
+            if scattered:
                 self.out.index_copy_(0, index, out)
                 self.lse.index_copy_(0, index, lse)
+            else:
+                self.out[_all(index)].copy_(out)
+                self.lse[_all(index)].copy_(lse)
             self.fresh = False
             return
-        old_out = self.out if index is None else self.out.index_select(0, index)
-        old_lse = self.lse if index is None else self.lse.index_select(0, index)
+        old_out = self.out.index_select(0, index) if scattered else self.out[_all(index)]
+        old_lse = self.lse.index_select(0, index) if scattered else self.lse[_all(index)]
         new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
         old_out.mul_(torch.exp(old_lse - new_lse).unsqueeze(-1))
         old_out.addcmul_(out, torch.exp(lse - new_lse).unsqueeze(-1))
-        if index is None:
-            self.lse.copy_(new_lse)
-        else:
+        if scattered:
             self.out.index_copy_(0, index, old_out)
             self.lse.index_copy_(0, index, new_lse)
+        else:
+            old_lse.copy_(new_lse)
 
 
-def _gather(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    return x if index is None else x.index_select(0, index)
+def _all(index) -> slice:
+    """A ``step.Rows`` that is not an index tensor, as a slice (None: every row)."""
+    return slice(None) if index is None else index
+
+
+def _gather(x: torch.Tensor, index) -> torch.Tensor:
+    """The rows ``index`` (``step.Rows``) of ``x``: a view for None or a run, a copy for an index."""
+    return x.index_select(0, index) if isinstance(index, torch.Tensor) else x[_all(index)]
+
+
+def _add_rows(dst: torch.Tensor, index, src: torch.Tensor) -> None:
+    """dst[index] += src for ``step.Rows`` (in place on a run, index_add_ for scattered rows)."""
+    if isinstance(index, torch.Tensor):
+        dst.index_add_(0, index, src.to(dst.dtype))
+    else:
+        dst[_all(index)].add_(src)
+
+
 
 
 def _transport(kind: str, k, v, state, plan, stats, prefix: str):
@@ -264,16 +283,9 @@ class _StreamedAttention(torch.autograd.Function):
                     record_kernel_failure(state, backend, "backward", exc)
                     failed[0] = True
                     continue
-                if qi is None:
-                    dq.add_(gq)
-                else:
-                    dq.index_add_(0, qi, gq.to(acc_dtype))
-                if ki is None:
-                    grad[..., :geo.dk].add_(gk)
-                    grad[..., geo.dk:].add_(gv)
-                else:
-                    grad[..., :geo.dk].index_add_(0, ki, gk.to(acc_dtype))
-                    grad[..., geo.dk:].index_add_(0, ki, gv.to(acc_dtype))
+                _add_rows(dq, qi, gq)
+                _add_rows(grad[..., :geo.dk], ki, gk)
+                _add_rows(grad[..., geo.dk:], ki, gv)
                 del gq, gk, gv
             stats["backward_compute_seconds"] += time.perf_counter() - t0
             return grad

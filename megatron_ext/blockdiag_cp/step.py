@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 import zlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -773,10 +773,15 @@ class BlockDiagCPState:
         return self._device_index[key]
 
 
-class DeviceCall:
-    """A ``chunks.CallPlan`` on the kernel's device: gather indices and ``kernels.Segments``."""
+# Rows of a buffer a kernel call reads: None (every row, in order), a ``slice`` (one ascending run: a
+# view, and merges in place), or an index tensor on the device (a gather, and merges through it).
+Rows = Union[None, slice, torch.Tensor]
 
-    def __init__(self, plan, q_index: Optional[torch.Tensor], k_index: torch.Tensor, seg: kernels.Segments):
+
+class DeviceCall:
+    """A ``chunks.CallPlan`` on the kernel's device: the rows it reads (``Rows``) and ``kernels.Segments``."""
+
+    def __init__(self, plan, q_index: Rows, k_index: Rows, seg: kernels.Segments):
         self.plan, self.q_index, self.k_index, self.seg = plan, q_index, k_index, seg
 
     @classmethod
@@ -785,9 +790,18 @@ class DeviceCall:
         cu_k = torch.tensor((0,) + call.k_lens, dtype=torch.long).cumsum(0).to(torch.int32)
         seg = kernels.Segments(cu_q.to(device), cu_k.to(device), max(call.q_lens), max(call.k_lens),
                                call.q_lens, call.k_lens, call.causal, call.window)
-        # None marks an identity index (every row used, in order): no gather copy needed.
-        return cls(call, _non_identity(call.q_index, q_rows, device), _non_identity(call.k_index, k_rows, device),
-                   seg)
+        return cls(call, device_rows(call.q_index, q_rows, device), device_rows(call.k_index, k_rows, device), seg)
+
+
+def device_rows(index: torch.Tensor, rows: int, device) -> Rows:
+    """A host index of ``rows`` buffer rows as ``Rows``: None for all of them in order, a slice for one
+    ascending run (no gather copy; a varlen call's queries usually are one: a document's local queries
+    sit together), else the index on the device."""
+    n = index.numel()
+    if n and int(index[-1]) - int(index[0]) + 1 == n and bool((index.diff() == 1).all()):
+        first = int(index[0])
+        return None if (first, n) == (0, rows) else slice(first, first + n)
+    return _non_identity(index, rows, device)
 
 
 def _non_identity(index: torch.Tensor, rows: int, device) -> Optional[torch.Tensor]:
