@@ -34,7 +34,7 @@ cp / 2 (LOCAL_WORLD_SIZE = cp / 2), so its cross-node messages and roofline byte
 
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -332,10 +332,9 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
                               "host_thread_s": thread, "host_wall_s": wall, "ops": dict(c.ops),
                               **price(c.events, run, target, hw, node_of)}
                       for phase, (c, thread, wall) in zip(("forward", "backward"), (fwd, bwd))})
-    counts = state.plan_for(window).exchange.counts.clone()
+    counts = state.plan_for(window).exchange.counts.clone()  # [cp, cp] positions src -> dst, global
     return {"calls": calls, "counts": counts, "per_node": per_node, "local_len": state.local_len,
-            "build_s": build_s, "chunk_rows": state.plan_for(window).stream["needed"].chunk_rows
-            if "needed" in state.plan_for(window).stream else None}
+            "build_s": build_s}
 
 
 # -- cases -> rows ------------------------------------------------------------------------------
@@ -444,10 +443,9 @@ def _brief(row: Dict) -> str:
             f"{row['roofline_fwd_s'] * 1e3:.2f} ratio {row['ratio']:.2f}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # rows to stdout; run_all.py --suites gpu_model writes them with the others
+    import json
     import sys
 
-    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-    quick = "--quick" in sys.argv
-    for r in run(QUICK_POINTS if quick else FULL_POINTS):
-        pass
+    for r in run(QUICK_POINTS if "--quick" in sys.argv else FULL_POINTS, log=lambda m: print(m, file=sys.stderr)):
+        print(json.dumps(r, default=str))

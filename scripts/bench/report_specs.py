@@ -944,8 +944,9 @@ GPU_MODEL = Suite(
                    "by `OpCounter(log=True)` on CPU (gloo, null kernel, small head dims, bf16), replayed at the "
                    "model's dims on the H200 constants of bench/README.md (7.5 µs host per launching op, "
                    "450e12 FLOP/s varlen forward, 2.5x for backward, 3.3e12 B/s HBM, NVLink 400e9 / IB 50e9 "
-                   "B/s). `host ms`: thread CPU time the CPU measured for the call with the null kernel (the slowest rank, the less "
-                   "disturbed of the two steady calls; at cp 8 eight processes share two cores, so it is noisy). "
+                   "B/s). `host ms`: thread CPU time the CPU measured for the call with the null kernel (the "
+                   "slowest rank, the less disturbed of the two steady calls; at cp 8 eight processes share two "
+                   "cores, so it is noisy). "
                    "`ideal`: the documents' attention FLOPs / cp at the kernel rate; `roofline`: max(ideal, "
                    "busiest rank's needed K/V bytes at link rate); `ratio`: modeled / roofline, forward + "
                    "backward. hierarchical: 2 nodes of cp / 2 (IB across). `scripts/bench/gpu_model.py`.",
