@@ -27,6 +27,13 @@ The rules, per region:
   either). ``Tensor.tolist()`` of a CPU tensor never reaches the dispatcher and is not seen.
 
 Ops outside any region are not recorded.
+
+``OpCounter(log=True)`` also keeps each region's ``events`` in order, for a replay that
+prices them (``scripts/bench/gpu_model.py``): ``OpEvent`` per launching op (its input and
+output tensors as (shape, dtype) pairs), ``KernelEvent`` per kernel call (its segments'
+query and key lengths), ``PostEvent`` per posted batch of transfers (bytes and peer of
+each) and ``WaitEvent`` when the op first waits on a request of that batch. The counts
+are the same with or without the log.
 """
 
 import contextlib
@@ -62,6 +69,53 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+TensorSpec = Tuple[Tuple[int, ...], torch.dtype]  # (shape, dtype) of one tensor an op read or wrote
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """A launching op: what it read and what it wrote (tensors only, in argument order)."""
+
+    name: str
+    inputs: Tuple[TensorSpec, ...]
+    outputs: Tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class KernelEvent:
+    """One kernel call: forward or backward, its segments and the tensors it was handed."""
+
+    backward: bool
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+    causal: bool
+    window: Optional[int]
+    inputs: Tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class PostEvent:
+    """One posted batch of transfers: (sent, bytes, peer global rank) per message."""
+
+    post: int  # this counter's running number of the batch, for its WaitEvent
+    messages: Tuple[Tuple[bool, int, int], ...]
+
+
+@dataclass(frozen=True)
+class WaitEvent:
+    post: int
+
+
+def _specs(values) -> Tuple[TensorSpec, ...]:
+    out = []
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            out.append((tuple(x.shape), x.dtype))
+        elif isinstance(x, (list, tuple)):
+            out += _specs(x)
+    return tuple(out)
+
+
 @dataclass
 class Counts:
     """One region's figures (see the module docstring for what each counts)."""
@@ -78,6 +132,7 @@ class Counts:
     syncs: int = 0
     ops: Counter = field(default_factory=Counter)  # launching ops by name
     sync_ops: Counter = field(default_factory=Counter)
+    events: List = field(default_factory=list)  # with OpCounter(log=True): Op/Kernel/Post/WaitEvent in order
 
     def add_transfer(self, sent: bool, messages: int, nbytes: int) -> None:
         if sent:
@@ -127,8 +182,10 @@ def _is_sync(func, args, kwargs) -> bool:
 class OpCounter(TorchDispatchMode):
     """Per-region ``Counts`` of the aten ops, kernel calls and transfers inside ``with counter:``."""
 
-    def __init__(self):
+    def __init__(self, log: bool = False):
         super().__init__()
+        self.log = log
+        self._posts = 0
         self.counts: Dict[Hashable, Counts] = {}
         self._label: Optional[Hashable] = None
         self._paused = 0  # inside a kernel or a transfer: its own ops are not ours
@@ -162,6 +219,11 @@ class OpCounter(TorchDispatchMode):
             else:
                 counts.launching += 1
                 counts.ops[name] += 1
+                if self.log:
+                    result = func(*args, **kwargs)
+                    counts.events.append(OpEvent(name, _specs(list(args) + list(kwargs.values())),
+                                                 _specs(result if isinstance(result, (list, tuple)) else [result])))
+                    return result
         return func(*args, **kwargs)
 
     # -- kernels and transfers: wrapped while the counter is entered ----------------------------
@@ -188,25 +250,80 @@ class OpCounter(TorchDispatchMode):
     def _counted_kernel(self, kernel):
         from megatron_ext.blockdiag_cp.kernels import Kernel
 
-        def record(counts, *args, **kwargs):
-            counts.kernel_calls += 1
+        def record_as(backward: bool):
+            def record(counts, *args, **kwargs):
+                counts.kernel_calls += 1
+                if self.log:
+                    seg = args[7] if backward else args[3]  # the Segments argument of either signature
+                    counts.events.append(KernelEvent(backward, tuple(seg.q_lens), tuple(seg.k_lens), seg.causal,
+                                                     seg.window, _specs(args)))
+            return record
 
-        return Kernel(self._recording(kernel.forward, record), self._recording(kernel.backward, record))
+        return Kernel(self._recording(kernel.forward, record_as(False)),
+                      self._recording(kernel.backward, record_as(True)))
+
+    def _logged_post(self, counts, messages, requests):
+        """Record the batch and hand back its requests, each logging the batch's first wait."""
+        if not self.log or counts is None:
+            return requests
+        self._posts += 1
+        post = self._posts
+        counts.events.append(PostEvent(post, tuple(messages)))
+        waited = []
+
+        class _Request:
+            def __init__(self, real):
+                self._real = real
+
+            def wait(inner, *args, **kwargs):
+                current = self._current()
+                if not waited and current is not None:
+                    waited.append(True)
+                    current.events.append(WaitEvent(post))
+                return inner._real.wait(*args, **kwargs)
+
+            def __getattr__(inner, name):
+                return getattr(inner._real, name)
+
+        if requests is None:
+            return None
+        if isinstance(requests, list):
+            return [_Request(r) for r in requests]
+        return _Request(requests)
 
     def _batch_isend_irecv(self, real):
         def record(counts, ops, *args, **kwargs):
             for op in ops:
                 counts.add_transfer(_P2P_NAMES[op.op.__name__] == "send", 1, _nbytes(op.tensor))
-        return self._recording(real, record)
+
+        def call(ops, *args, **kwargs):
+            counts = self._current()
+            messages = [(_P2P_NAMES[op.op.__name__] == "send", _nbytes(op.tensor), op.peer) for op in ops]
+            return self._logged_post(counts, messages, self._recording(real, record)(ops, *args, **kwargs))
+        return call
 
     def _all_to_all_single(self, real):
-        def record(counts, output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        def messages_of(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+            """(sent, bytes, peer global rank) per non-empty split."""
+            group = kwargs.get("group", args[0] if args else None)
+            world = dist.get_world_size(group)
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+            out = []
             for splits, tensor, sent in ((input_split_sizes, input, True), (output_split_sizes, output, False)):
                 row = _nbytes(tensor[:1]) if tensor.shape[0] else 0
-                world = dist.get_world_size(kwargs.get("group"))
-                moving = [n for n in (splits or [tensor.shape[0] // world] * world) if n]
-                counts.add_transfer(sent, len(moving), sum(moving) * row)
-        return self._recording(real, record)
+                out += [(sent, n * row, ranks[i])
+                        for i, n in enumerate(splits or [tensor.shape[0] // world] * world) if n]
+            return out
+
+        def record(counts, *args, **kwargs):
+            for sent, nbytes, _ in messages_of(*args, **kwargs):
+                counts.add_transfer(sent, 1, nbytes)
+
+        def call(*args, **kwargs):
+            counts = self._current()
+            messages = messages_of(*args, **kwargs) if counts is not None and self.log else []
+            return self._logged_post(counts, messages, self._recording(real, record)(*args, **kwargs))
+        return call
 
     def _collective(self, real):
         def record(counts, *args, **kwargs):
@@ -261,4 +378,5 @@ def layer_calls(state, q, k, v, layers: int = 3, **attention_kwargs) -> List[Tup
     return [(counter.counts[("forward", i)], counter.counts[("backward", i)]) for i in range(layers)]
 
 
-__all__ = ["OpCounter", "Counts", "layer_calls", "VIEW_OPS", "ALLOCATION_OPS", "SYNC_OPS"]
+__all__ = ["OpCounter", "Counts", "layer_calls", "VIEW_OPS", "ALLOCATION_OPS", "SYNC_OPS", "OpEvent", "KernelEvent",
+           "PostEvent", "WaitEvent"]

@@ -7,6 +7,7 @@
     memory_cp.png    busiest rank's peak memory vs cp, every layout x exchange, against local q/k/v/out
     scale.png        modeled / ideal attention time vs cp per layout (scale suite, largest S)
     exchange_choice.png  modeled ms per exchange per mix at 128k / cp 8 and 1M / cp 64 (exchange_choice suite)
+    gpu_model.png    modeled H200 time / roofline per mix, layout and exchange, GQA, no window (gpu_model suite)
 """
 
 import os
@@ -307,10 +308,61 @@ def plot_exchange_choice(rows: List[Dict], out_dir: str) -> str:
     return path
 
 
+GPU_MODEL_COLORS = {"a2a": "#4c72b0", "halo": "#55a868", "allgather": "#c44e52", "hierarchical": "#8172b2"}
+
+
+def plot_gpu_model(rows: List[Dict], out_dir: str) -> str:
+    got = [r for r in rows if r["suite"] == "gpu_model" and not r.get("refused") and r["model_key"] == "gqa"
+           and not r["window"]]
+    if not got:
+        return ""
+    points = []
+    for r in sorted(got, key=lambda r: (r["S"], r["cp"])):
+        if r["point"] not in points:
+            points.append(r["point"])
+    fig, axes = plt.subplots(len(points), 1, figsize=(11, 3.6 * len(points)), squeeze=False)
+    exchanges = [e for e in GPU_MODEL_COLORS if any(r["exchange"] == e for r in got)]
+    width = 0.8 / len(exchanges)
+    for ax, point in zip(axes[:, 0], points):
+        here = [r for r in got if r["point"] == point]
+        groups = []
+        for r in here:
+            if (r["mix"], r["layout"]) not in groups:
+                groups.append((r["mix"], r["layout"]))
+        for i, (mix, layout) in enumerate(groups):
+            for j, ex in enumerate(exchanges):
+                r = next((r for r in here if (r["mix"], r["layout"], r["exchange"]) == (mix, layout, ex)), None)
+                if r is None:
+                    continue
+                x = i + (j - (len(exchanges) - 1) / 2) * width
+                roof = r["roofline_fwd_s"] + r["roofline_bwd_s"]
+                ax.bar(x, r["ratio"], width, color=GPU_MODEL_COLORS[ex], label=ex)  # legend: one per label
+                ax.plot(x, (r["host_s_fwd"] + r["host_s_bwd"]) / roof, "k.", ms=4,
+                        label="host (CPU, null kernel) / roofline" if (i, j) == (0, 0) else None)
+        ax.axhline(1.2, color="k", ls=":", lw=1, label="1.2x roofline")
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{m}\n{l}" for m, l in groups], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("modeled / roofline (fwd + bwd)")
+        ax.set_title(f"{point}, Llama-3-8B attention, no window (modeled H200, busiest rank)", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        handles, labels = ax.get_legend_handles_labels()
+        seen = {}
+        for h, lab in zip(handles, labels):
+            seen.setdefault(lab, h)
+        ax.legend(seen.values(), seen.keys(), fontsize=6, ncol=3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "gpu_model.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(rows: List[Dict], out_dir: str) -> List[str]:
     return [p for p in (plot_comm(rows, out_dir), plot_balance(rows, out_dir),
                         plot_speed(rows, out_dir), plot_memory(rows, out_dir), plot_cp_memory(rows, out_dir),
-                        plot_scale(rows, out_dir), plot_exchange_choice(rows, out_dir)) if p]
+                        plot_scale(rows, out_dir), plot_exchange_choice(rows, out_dir),
+                        plot_gpu_model(rows, out_dir)) if p]
 
 
 if __name__ == "__main__":

@@ -879,6 +879,94 @@ EXCHANGE_CHOICE = Suite(
 )
 
 
+# --- gpu_model (recorded op sequence, modeled H200) ---------------------------------------------
+
+
+def _gpu_model_rows(rows):
+    return [r for r in rows if r["suite"] == "gpu_model" and not r.get("refused")]
+
+
+def _gm_label(r):
+    window = f"/w{r['window']}" if r["window"] else ""
+    return f"{r['point']}/{r['mix']}/{r['layout']}/{r['exchange']}{window}/{r['model_key']}"
+
+
+def _gm_within_roofline(rows):
+    return [Check(f"{_gm_label(r)}/{phase}", r[f"ratio_{phase}"] <= 1.2, r[f"ratio_{phase}"])
+            for r in _gpu_model_rows(rows) if r["exchange"] in ("a2a", "halo", "hierarchical")
+            for phase in ("fwd", "bwd")]
+
+
+def _gm_host_under_gpu(rows):
+    return [Check(f"{_gm_label(r)}/{phase}", r[f"host_s_{phase}"] <= r[f"modeled_s_{phase}"],
+                  r[f"host_s_{phase}"] / r[f"modeled_s_{phase}"])
+            for r in _gpu_model_rows(rows) if r["ideal_fwd_s"] >= 1e-3 for phase in ("fwd", "bwd")]
+
+
+def _gm_no_later_syncs(rows):
+    return [Check(_gm_label(r), r["syncs_max_fwd"] + r["syncs_max_bwd"] == 0) for r in _gpu_model_rows(rows)]
+
+
+def _gm_worst(checks, rows):
+    bad = [c for c in checks if not c.ok]
+    worst = max(checks, key=lambda c: c.value) if checks else None
+    return (f"{len(bad)} miss; worst {worst.label} {worst.value:.2f}×" if worst and worst.value is not None
+            else misses(checks))
+
+
+def _gm_records(rows):
+    return sorted(_gpu_model_rows(rows) + [r for r in rows if r["suite"] == "gpu_model" and r.get("refused")],
+                  key=lambda r: (-r["cp"], r["model_key"], r["window"], r["mix"], r["layout"], r["exchange"]))
+
+
+_MS = fmt(".2f", scale=1e3)
+
+
+def _gm_pair(a, b, spec=".0f", scale=1.0):
+    return lambda r: "-" if r.get(a) is None else f"{scale * r[a]:{spec}} / {scale * r[b]:{spec}}"
+
+
+GPU_MODEL = Suite(
+    "gpu_model", suite("gpu_model"),
+    targets=(
+        Target("gpu_model: no host sync in a layer call after a step's first (every rank)", _gm_no_later_syncs,
+               unit="cases"),
+        Target("gpu_model: modeled GPU time <= 1.2x the layout's roofline with a needed-only exchange "
+               "(a2a, halo, hierarchical), forward and backward, busiest rank", _gm_within_roofline,
+               _gm_worst, unit="case phases"),
+        Target("gpu_model: host time with a null kernel <= modeled GPU time where the ideal is >= 1 ms",
+               _gm_host_under_gpu, _gm_worst, unit="case phases"),
+    ),
+    tables=(
+        Table("Recorded op sequence on a modeled H200 (gpu_model: every GPU time modeled)", _gm_records,
+              split="point", split_title="{}",
+              note="Busiest rank, a steady layer call (the 2nd of a step), forward / backward. Counts recorded "
+                   "by `OpCounter(log=True)` on CPU (gloo, null kernel, small head dims, bf16), replayed at the "
+                   "model's dims on the H200 constants of bench/README.md (7.5 µs host per launching op, "
+                   "450e12 FLOP/s varlen forward, 2.5x for backward, 3.3e12 B/s HBM, NVLink 400e9 / IB 50e9 "
+                   "B/s). `host ms`: thread CPU time the CPU measured for the call with the null kernel (the "
+                   "slowest rank, the less disturbed of the two steady calls; at cp 8 eight processes share two "
+                   "cores, so it is noisy). "
+                   "`ideal`: the documents' attention FLOPs / cp at the kernel rate; `roofline`: max(ideal, "
+                   "busiest rank's needed K/V bytes at link rate); `ratio`: modeled / roofline, forward + "
+                   "backward. hierarchical: 2 nodes of cp / 2 (IB across). `scripts/bench/gpu_model.py`.",
+              columns=(Text("mix", "mix"), Text("layout", "layout"), Text("exchange", "exchange"),
+                       Column("window", "window"), Text("model", "model_key"),
+                       Column("calls", _gm_pair("kernel_calls_fwd", "kernel_calls_bwd"), str),
+                       Column("ops", _gm_pair("launching_fwd", "launching_bwd"), str),
+                       Column("syncs", _gm_pair("syncs_fwd", "syncs_bwd"), str),
+                       Column("1st-call syncs", "first_call_syncs"),
+                       Column("transfers", _gm_pair("transfers_fwd", "transfers_bwd"), str),
+                       Column("modeled ms", _gm_pair("modeled_s_fwd", "modeled_s_bwd", ".2f", 1e3), str),
+                       Column("host ms (CPU)", _gm_pair("host_s_fwd", "host_s_bwd", ".1f", 1e3), str),
+                       Column("ideal ms", _gm_pair("ideal_fwd_s", "ideal_bwd_s", ".2f", 1e3), str),
+                       Column("roofline ms", _gm_pair("roofline_fwd_s", "roofline_bwd_s", ".2f", 1e3), str),
+                       Column("ratio", "ratio", fmt(".2f")),
+                       Text("refused", lambda r: (r.get("refused") or "")[:80], str))),
+    ),
+)
+
+
 # --- dropin -----------------------------------------------------------------------------------
 
 DROPIN_PER = {"mask_derive": "micro batch", "mask_state": "micro batch", "layer_fwd_bwd": "layer",
@@ -903,4 +991,4 @@ DROPIN = Suite(
 )
 
 # The order of SUMMARY.md: targets of every suite first, then each suite's tables.
-SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, DROPIN)
+SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, GPU_MODEL, DROPIN)

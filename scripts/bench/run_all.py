@@ -17,6 +17,8 @@ scale_latency (plan only: balanced at the two-level points with a per-message la
 window (plan only: K/V bytes and work with and without a sliding window, 32k-128k at cp 8),
 exchange_choice (plan only: bytes and modeled time of allgather, a2a, hierarchical and ulysses on the
 scale mixes at 128k / cp 8 and 1M / cp 64),
+gpu_model (the op's recorded op sequence with a null kernel, replayed on a modeled H200 roofline:
+32k / cp 2 every case, 128k / cp 8 a subset; scripts/bench/gpu_model.py),
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
 Megatron-mask document derivation and the per-call q/k/v agreement against one layer at
 32k tokens, cp=4). One JSON object per
@@ -40,9 +42,9 @@ for _p in (HERE, REPO_ROOT):
         sys.path.insert(0, _p)
 
 ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
-              "window", "exchange_choice", "gpu_check", "dropin")
+              "window", "exchange_choice", "gpu_model", "gpu_check", "dropin")
 DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
-                  "window", "exchange_choice")  # gpu: a skipped row without CUDA
+                  "window", "exchange_choice", "gpu_model")  # gpu: a skipped row without CUDA
 
 
 def parse_args(argv=None):
@@ -180,6 +182,13 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows += exchange_choice.run(log=_log)  # seconds: the same points with --quick
         timings["exchange_choice"] = time.perf_counter() - t0
+
+    if "gpu_model" in suites:
+        import gpu_model
+
+        t0 = time.perf_counter()
+        rows += gpu_model.run(gpu_model.QUICK_POINTS if args.quick else gpu_model.FULL_POINTS, log=_log)
+        timings["gpu_model"] = time.perf_counter() - t0
 
     if "dropin" in suites:
         import dropin

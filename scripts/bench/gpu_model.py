@@ -1,0 +1,451 @@
+"""gpu_model suite: the streamed op's own op sequence, replayed on a modeled H200 (every GPU time modeled).
+
+Each rank of a gloo group runs the real engine on CPU (``BlockDiagCPState.build``, the op's forward
+and backward, three layer calls of one step) at small head dims (GQA: Hq 4, Hkv 1; MHA: Hq 2, Hkv 2;
+head dim 8; bf16, the dtype the GPU would see, so fp32 accumulators stay fp32) with a null kernel
+(outputs of the right shape and dtype, nothing computed), under ``OpCounter(log=True)``: every
+launching op with its tensors' shapes and dtypes, every kernel call with its segments' query and key
+lengths, every posted batch of transfers (bytes, peer) and the first wait on it. The replay
+(``price``) scales each tensor to the model's dims (Llama-3-8B attention: Hq 32, Hkv 8, D 128, bf16;
+MHA: 32 / 32 / 128) and walks the events in order on ``H200`` (the constants below, also in
+bench/README.md):
+
+- host: each launching op, kernel call and posted batch costs ``launch_s`` of host time, issued in
+  order; the device cannot start an op before the host issued it;
+- device stream, in order: an op takes its scaled bytes over ``hbm_bytes_per_s`` (what it reads and
+  writes: ``_op_bytes``); a kernel call max(FLOPs / ``kernel_flops``, its bytes / HBM), FLOPs = 4 ·
+  query-key pairs of its segments (causal and window as the call's ``Segments`` say) · Hq · D, and
+  ``backward_factor`` times that in backward;
+- transfers: a batch starts when the stream reaches it (its buffers are written) and its link is free,
+  and takes the larger of its sent and received bytes over the link (NVLink inside a node, IB across),
+  one queue per link class; the stream waits for it where the op waits (``WaitEvent``). Peers are
+  assumed to post at the same time as this rank (each rank is replayed on its own).
+
+modeled = the later of the stream's and the host's end. Per case, the busiest rank's figures of a
+steady layer call (the second of a step; the third is the same) are reported with the host time the
+CPU measured for it (thread CPU time, so the other ranks sharing the cores do not inflate it; the
+null kernel keeps the kernel out of it; it includes the CPU running the small-dim ops), the ideal
+(the documents' causal query-key pairs under the window, total / cp, at the kernel rate) and the
+layout's roofline: max(ideal, the busiest rank's needed K/V bytes (the plan's exchange counts x
+2 · Hkv · D · 2 bytes, the larger of received and sent per link class) at link rate). Topology:
+``allgather``, ``a2a``, ``halo`` on one node of cp GPUs (NVLink); ``hierarchical`` on 2 nodes of
+cp / 2 (LOCAL_WORLD_SIZE = cp / 2), so its cross-node messages and roofline bytes go over IB.
+"""
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag", "balanced", "thd")
+EXCHANGES = ("a2a", "halo", "allgather", "hierarchical")
+MIXES = ("short", "lognormal", "heavy", "single")
+LAYERS = 3  # a step's first call agrees and builds device tables; the 2nd and 3rd are steady
+
+
+@dataclass(frozen=True)
+class H200:
+    """Modeled device: the constants every modeled time of this suite uses."""
+
+    launch_s: float = 7.5e-6  # host time to issue one launching op, kernel call or transfer batch
+    kernel_flops: float = 450e12  # varlen attention forward, FLOP/s (bf16)
+    backward_factor: float = 2.5  # a backward kernel call takes this times its forward's time
+    hbm_bytes_per_s: float = 3.3e12  # every elementwise, gathering or scattering op
+    nvlink_bytes_per_s: float = 400e9  # per GPU, per direction
+    ib_bytes_per_s: float = 50e9  # per GPU, per direction
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Attention head dims; ``run`` the small ones the CPU runs, ``target`` the model's."""
+
+    name: str
+    hq: int
+    hkv: int
+    d: int
+    dtype_bytes: int = 2
+
+
+MODELS = {"gqa": Dims("llama3_8b", 32, 8, 128), "mha": Dims("mha_32", 32, 32, 128)}
+RUN_DIMS = {"gqa": Dims("run_gqa", 4, 1, 8), "mha": Dims("run_mha", 2, 2, 8)}  # same Hq / Hkv as the model
+
+
+@dataclass(frozen=True)
+class Case:
+    S: int
+    cp: int
+    mix: str
+    layout: str
+    exchange: str
+    window: Optional[int]
+    model: str  # key of MODELS
+
+
+def doc_ids(mix: str, S: int, layout: str = "zigzag", cp: int = 1) -> torch.Tensor:
+    """The scale suite's mix (seed 0), or ``single``: one document of S tokens. ``thd`` needs every
+    document's extent a multiple of 2 * cp (THD's padded cu_seqlens): each document is cut down to one
+    (at least 2 * cp tokens) and the tokens left over end the sequence as padding (id 0)."""
+    from scale_mixes import scale_doc_lengths
+
+    lengths = [S] if mix == "single" else scale_doc_lengths(mix, S)
+    if layout == "thd":
+        unit = 2 * cp
+        lengths = [max(unit, n - n % unit) for n in lengths]
+        while sum(lengths) > S:  # the floor of 2 * cp tokens can overshoot: drop the last documents
+            lengths.pop()
+    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
+    return torch.nn.functional.pad(ids, (0, S - ids.numel()))
+
+
+# -- pricing --------------------------------------------------------------------------------------
+
+
+def tensor_bytes(spec, run: Dims, target: Dims) -> float:
+    """Bytes of a recorded (shape, dtype) at the model's dims: a floating tensor whose last dim is a
+    multiple of the run's head dim is [rows, heads, dim]-like (scaled by the heads and the dim), any
+    other floating one [rows, heads]-like (lse: by the heads); integer and bool tensors (indices,
+    masks) keep their size. The run keeps the model's Hq / Hkv ratio, so one head factor serves
+    q- and K/V-shaped tensors alike."""
+    shape, dtype = spec
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not dtype.is_floating_point:
+        return float(n)
+    heads = target.hq / run.hq
+    if shape and shape[-1] % run.d == 0:
+        return n * heads * target.d / run.d
+    return n * heads
+
+
+_GATHER = frozenset({"index_select", "index", "gather"})
+_SCATTER = {"index_copy_": 2, "index_copy": 2, "index_add_": 3, "index_add": 3, "index_put_": 2, "index_put": 2}
+_WRITE_ONLY = frozenset({"zero_", "fill_", "zeros", "zeros_like", "full", "full_like", "new_zeros", "new_full",
+                         "ones", "ones_like", "arange", "scalar_tensor"})
+
+
+def _op_bytes(event, run: Dims, target: Dims) -> float:
+    """HBM bytes an op reads and writes: a gather reads the rows it writes (not its whole source), a
+    scatter reads its source and writes (index_add: also reads) that many destination rows, a fill
+    writes its output, a copy reads its source and writes as much; the rest read every input and
+    write every output (an in-place op's output is its input: read and written)."""
+    size = [tensor_bytes(s, run, target) for s in event.inputs]
+    out = [tensor_bytes(s, run, target) for s in event.outputs]
+    small = sum(b for s, b in zip(event.inputs, size) if not s[1].is_floating_point)  # indices
+    if event.name in _GATHER:
+        return 2 * sum(out) + small
+    if event.name in _SCATTER:
+        src = max((b for s, b in zip(event.inputs[1:], size[1:]) if s[1].is_floating_point), default=0.0)
+        return _SCATTER[event.name] * src + small
+    if event.name in _WRITE_ONLY:
+        return sum(out)
+    if event.name == "copy_":
+        return 2 * (size[1] if len(size) > 1 else sum(out))
+    if event.name == "cat":
+        return 2 * sum(out)
+    return sum(size) + sum(out)
+
+
+def segment_pairs(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, window: Optional[int]) -> int:
+    """Query-key pairs a varlen call attends (``kernels.Segments``: causal on square blocks, else every
+    key precedes every query; the window hides keys j < i + (nk - nq) - window of query i)."""
+    total = 0
+    for nq, nk in zip(q_lens, k_lens):
+        if not nq or not nk:
+            continue
+        i = torch.arange(nq, dtype=torch.long)
+        hi = i if causal else torch.full_like(i, nk - 1)
+        lo = torch.zeros_like(i) if window is None else (i + (nk - nq) - window).clamp(min=0)
+        total += int((hi - lo + 1).clamp(min=0).sum())
+    return total
+
+
+def document_pairs(ids: torch.Tensor, window: Optional[int]) -> int:
+    """Causal query-key pairs of every document under the window (padding, id 0, attends nothing)."""
+    _, lengths = torch.unique_consecutive(ids, return_counts=True)
+    docs = torch.unique_consecutive(ids)
+    total = 0
+    for n in lengths[docs != 0].tolist():
+        if window is None or window + 1 >= n:
+            total += n * (n + 1) // 2
+        else:  # the first window + 1 queries see all earlier keys, the rest window + 1 keys
+            w = window + 1
+            total += w * (w + 1) // 2 + (n - w) * w
+    return total
+
+
+def _kernel_seconds(event, run: Dims, target: Dims, hw: H200) -> Tuple[float, float]:
+    """(seconds, FLOPs) of one kernel call at the model's dims."""
+    pairs = segment_pairs(event.q_lens, event.k_lens, event.causal, event.window)
+    flops = 4.0 * pairs * target.hq * target.d
+    io = sum(tensor_bytes(s, run, target) for s in event.inputs)
+    tensors = [s for s in event.inputs if isinstance(s, tuple) and s[1].is_floating_point]
+    if event.backward:  # dout, q, k, v, out, lse in; dq, dk, dv out
+        io += sum(tensor_bytes(s, run, target) for s in tensors[1:4])
+        return max(hw.backward_factor * flops / hw.kernel_flops, io / hw.hbm_bytes_per_s), flops * hw.backward_factor
+    q = tensors[0]  # out [Nq, Hq, Dv] (Dv = D here) and lse [Nq, Hq] fp32
+    io += tensor_bytes(q, run, target) + tensor_bytes(((q[0][0], q[0][1]), torch.float32), run, target)
+    return max(flops / hw.kernel_flops, io / hw.hbm_bytes_per_s), flops
+
+
+def price(events, run: Dims, target: Dims, hw: H200, node_of) -> Dict[str, float]:
+    """Modeled seconds of one rank's layer call (the module docstring's rules); ``node_of(rank)``:
+    the node of a global rank, for the link class (this rank is ``node_of(None)``'s node)."""
+    from megatron_ext.testing.op_counter import KernelEvent, OpEvent, PostEvent, WaitEvent
+
+    host = stream = 0.0
+    links = {"nvlink": 0.0, "ib": 0.0}
+    done: Dict[int, float] = {}
+    out = {"kernel_s": 0.0, "elementwise_s": 0.0, "link_s": 0.0, "launch_s": 0.0, "flops": 0.0,
+           "elementwise_bytes": 0.0, "link_bytes": 0.0}
+    me = node_of(None)
+    for e in events:
+        if isinstance(e, (OpEvent, KernelEvent)):
+            host += hw.launch_s
+            if isinstance(e, KernelEvent):
+                dur, flops = _kernel_seconds(e, run, target, hw)
+                out["kernel_s"] += dur
+                out["flops"] += flops
+            else:
+                nbytes = _op_bytes(e, run, target)
+                dur = nbytes / hw.hbm_bytes_per_s
+                out["elementwise_s"] += dur
+                out["elementwise_bytes"] += nbytes
+            stream = max(stream, host) + dur
+        elif isinstance(e, PostEvent):
+            host += hw.launch_s
+            ready, end = max(stream, host), max(stream, host)
+            for link, bw in (("nvlink", hw.nvlink_bytes_per_s), ("ib", hw.ib_bytes_per_s)):
+                on = [(sent, b * _scale_message(run, target)) for sent, b, peer in e.messages
+                      if (node_of(peer) == me) == (link == "nvlink")]
+                nbytes = max(sum(b for s, b in on if s), sum(b for s, b in on if not s))
+                if nbytes:
+                    start = max(ready, links[link])
+                    links[link] = start + nbytes / bw
+                    end = max(end, links[link])
+                    out["link_s"] += nbytes / bw
+                    out["link_bytes"] += nbytes
+            done[e.post] = end
+        elif isinstance(e, WaitEvent):
+            stream = max(stream, done.get(e.post, stream))
+    out["launch_s"] = host
+    out["modeled_s"] = max(stream, host)
+    return out
+
+
+def _scale_message(run: Dims, target: Dims) -> float:
+    # Every message carries K/V rows or their gradients ([n, b, Hkv * (Dk + Dv)] in the input dtype).
+    return (target.hkv * target.d) / (run.hkv * run.d)
+
+
+def needed_seconds(counts: torch.Tensor, node_of, row_bytes: float, hw: H200) -> float:
+    """The busiest rank's needed K/V at link rate: ``counts[src, dst]`` positions, per rank and link
+    class the larger of received and sent, the classes in parallel."""
+    cp = counts.shape[0]
+    worst = 0.0
+    for r in range(cp):
+        t = 0.0
+        for same, bw in ((True, hw.nvlink_bytes_per_s), (False, hw.ib_bytes_per_s)):
+            peers = [p for p in range(cp) if p != r and (node_of(p) == node_of(r)) == same]
+            recv = sum(int(counts[p, r]) for p in peers)
+            sent = sum(int(counts[r, p]) for p in peers)
+            t = max(t, max(recv, sent) * row_bytes / bw)
+        worst = max(worst, t)
+    return worst
+
+
+# -- the run, on every rank -----------------------------------------------------------------------
+
+
+def _null_kernel():
+    from megatron_ext.blockdiag_cp import kernels
+
+    def forward(q, k, v, seg, scale, dropout_p, seed):
+        return (torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype),
+                torch.zeros(q.shape[:-1], dtype=kernels.lse_dtype(q.dtype)), None)
+
+    def backward(dout, q, k, v, out, lse, aux, seg, scale, dropout_p):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    return kernels.Kernel(forward, backward)
+
+
+def record_layers(state, q, k, v, layers: int = LAYERS, **attention_kwargs):
+    """``layer_calls``' loop with ``OpCounter(log=True)`` and each call's host time: per layer
+    ((forward Counts, thread s, wall s), (backward ...))."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing.op_counter import OpCounter
+
+    counter = OpCounter(log=True)
+    outs, times = [], {}
+    with bdcp.blockdiag_cp_step(state), counter:
+        for layer in range(layers):
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            with counter.region(("forward", layer)):
+                t, w = time.thread_time(), time.perf_counter()
+                out = bdcp.blockdiag_cp_attention(*inputs, **attention_kwargs)
+                times[("forward", layer)] = (time.thread_time() - t, time.perf_counter() - w)
+            outs.append(out)
+        upstream = torch.ones_like(outs[0])
+        for layer in reversed(range(layers)):
+            with counter.region(("backward", layer)):
+                t, w = time.thread_time(), time.perf_counter()
+                torch.autograd.backward(outs[layer], upstream)
+                times[("backward", layer)] = (time.thread_time() - t, time.perf_counter() - w)
+    return [tuple((counter.counts[(p, i)], *times[(p, i)]) for p in ("forward", "backward"))
+            for i in range(layers)]
+
+
+def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str,
+                hw: Optional[Dict] = None, layers: int = LAYERS) -> Dict:
+    """On every rank: build the step, run ``layers`` calls with the null kernel, price each call
+    (``hw``: ``asdict(H200(...))``, plain values so the worker unpickles it before importing us)."""
+    import os
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing.overrides import override_kernel
+
+    run, target = RUN_DIMS[model], MODELS[model]
+    hw = H200(**(hw or {}))
+    t0 = time.perf_counter()
+    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                        kv_backward="refetch", windows=window)
+    build_s = time.perf_counter() - t0
+    if state.kv_exchange != exchange:
+        return {"refused": f"resolved to {state.kv_exchange}: {state.kv_exchange_reason}"}
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", state.cp))
+    rank = torch.distributed.get_rank()
+
+    def node_of(peer):
+        return (rank if peer is None else peer) // per_node
+
+    g = torch.Generator().manual_seed(state.rank)
+    q, k, v = (torch.randn(state.local_len, 1, h, run.d, generator=g).to(torch.bfloat16)
+               for h in (run.hq, run.hkv, run.hkv))
+    kwargs = {} if window is None else {"window_size": (window, 0)}
+    with override_kernel("dense", _null_kernel()):
+        per_layer = record_layers(state, q, k, v, layers, **kwargs)
+    calls = []
+    for fwd, bwd in per_layer:
+        calls.append({phase: {**c.summary(), "sends": c.sends, "receives": c.receives,
+                              "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
+                              "host_thread_s": thread, "host_wall_s": wall, "ops": dict(c.ops),
+                              **price(c.events, run, target, hw, node_of)}
+                      for phase, (c, thread, wall) in zip(("forward", "backward"), (fwd, bwd))})
+    counts = state.plan_for(window).exchange.counts.clone()  # [cp, cp] positions src -> dst, global
+    return {"calls": calls, "counts": counts, "per_node": per_node, "local_len": state.local_len,
+            "build_s": build_s}
+
+
+# -- cases -> rows ------------------------------------------------------------------------------
+
+
+def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H200(), layer: int = 1) -> Dict:
+    """One JSON row: the busiest rank's (largest modeled forward + backward) figures of layer call
+    ``layer``, the host time of the steady calls, the ideal and the roofline."""
+    target = MODELS[case.model]
+    base = {"suite": "gpu_model", **asdict(case), "model": target.name, "model_key": case.model,
+            "heads": target.hq, "kv_heads": target.hkv, "head_dim": target.d, "backend": "null",
+            "point": f"{case.S // 1024}k / cp {case.cp}", "window": case.window or 0}
+    if "refused" in per_rank[0]:
+        return {**base, "refused": per_rank[0]["refused"]}
+    pairs = document_pairs(ids, case.window)
+    ideal_f = 4.0 * pairs * target.hq * target.d / case.cp / hw.kernel_flops
+    ideal_b = hw.backward_factor * ideal_f
+    per_node = per_rank[0]["per_node"]
+    row_bytes = 2 * target.hkv * target.d * target.dtype_bytes
+    link = needed_seconds(per_rank[0]["counts"], lambda r: r // per_node, row_bytes, hw)
+    roof_f, roof_b = max(ideal_f, link), max(ideal_b, link)
+    calls = [r["calls"][layer] for r in per_rank]
+    busiest = max(range(len(calls)), key=lambda r: calls[r]["forward"]["modeled_s"] + calls[r]["backward"]["modeled_s"])
+    row = {**base, "busiest_rank": busiest, "local_len": per_rank[0]["local_len"], "nodes": case.cp // per_node,
+           "ideal_fwd_s": ideal_f, "ideal_bwd_s": ideal_b, "needed_link_s": link,
+           "roofline_fwd_s": roof_f, "roofline_bwd_s": roof_b,
+           "build_s": max(r["build_s"] for r in per_rank),
+           "first_call_syncs": max(r["calls"][0]["forward"]["syncs"] + r["calls"][0]["backward"]["syncs"]
+                                   for r in per_rank)}
+    for phase, short in (("forward", "fwd"), ("backward", "bwd")):
+        c = calls[busiest][phase]
+        for key in ("kernel_calls", "launching", "transfers", "syncs", "bytes_sent", "bytes_received"):
+            row[f"{key}_{short}"] = c[key]
+        for key in ("modeled_s", "kernel_s", "elementwise_s", "link_s", "launch_s", "elementwise_bytes", "flops"):
+            row[f"{key}_{short}"] = c[key]
+        # every rank issues its own ops: the slowest rank, the less disturbed of the steady calls (the
+        # cores are shared by cp processes and whatever else runs)
+        steady = range(1, len(per_rank[0]["calls"]))
+        for key, field in (("host_s", "host_thread_s"), ("host_wall_s", "host_wall_s")):
+            row[f"{key}_{short}"] = min(max(r["calls"][i][phase][field] for r in per_rank) for i in steady)
+        row[f"kernel_calls_max_{short}"] = max(cc[phase]["kernel_calls"] for cc in calls)
+        row[f"modeled_max_s_{short}"] = max(cc[phase]["modeled_s"] for cc in calls)
+        row[f"ratio_{short}"] = c["modeled_s"] / (roof_f if short == "fwd" else roof_b)
+        row[f"syncs_max_{short}"] = max(cc[phase]["syncs"] for cc in calls)
+    row["ratio"] = (row["modeled_s_fwd"] + row["modeled_s_bwd"]) / (roof_f + roof_b)
+    return row
+
+
+# (S, cp, mixes, layouts, exchanges, windows, models). 32k / cp 2: every mix, layout, window and model
+# (hierarchical needs two nodes of several ranks: at cp 2 a node holds one rank and the engine resolves it
+# to a2a, so it runs at cp 8 only). 128k / cp 8 (8 processes sharing the CPU, 5-30 s a case): GQA, every
+# mix, zigzag / balanced / thd with a2a and hierarchical (2 x 4), the ring on zigzag, a 4k window on
+# balanced + a2a, and MHA on the long document; contiguous and halo are left to the cp 2 point.
+FULL_POINTS = (
+    (32768, 2, MIXES, LAYOUTS, ("a2a", "halo", "allgather"), (None, 4096), ("gqa", "mha")),
+    (131072, 8, MIXES, ("zigzag", "balanced", "thd"), ("a2a", "hierarchical"), (None,), ("gqa",)),
+    (131072, 8, MIXES, ("zigzag",), ("allgather",), (None,), ("gqa",)),
+    (131072, 8, MIXES, ("balanced",), ("a2a",), (4096,), ("gqa",)),
+    (131072, 8, ("single",), ("zigzag",), ("a2a",), (None,), ("mha",)),
+)
+QUICK_POINTS = ((32768, 2, ("short", "single"), ("zigzag", "balanced"), ("a2a", "allgather"), (None,), ("gqa",)),)
+
+
+def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[float] = None) -> List[Dict]:
+    """Rows of every case of ``points`` (a pool per cp, and one with 2 nodes for hierarchical)."""
+    from megatron_ext.testing import WorkerPool
+
+    rows: List[Dict] = []
+    t_start = time.perf_counter()
+    for S, cp, mixes, layouts, exchanges, windows, models in points:
+        for hier in (False, True):
+            ex_here = [e for e in exchanges if (e == "hierarchical") == hier]
+            if not ex_here:
+                continue
+            env = {"LOCAL_WORLD_SIZE": str(max(1, cp // 2))} if hier else {}
+            with WorkerPool(cp, env=env, timeout=900) as pool:
+                for mix in mixes:
+                    for layout in layouts:
+                        ids = doc_ids(mix, S, layout, cp)
+                        for exchange in ex_here:
+                            for window in windows:
+                                for model in models:
+                                    if budget_s is not None and time.perf_counter() - t_start > budget_s:
+                                        log(f"  gpu_model: budget {budget_s:.0f}s spent, later cases not run")
+                                        return rows
+                                    case = Case(S, cp, mix, layout, exchange, window, model)
+                                    t0 = time.perf_counter()
+                                    try:
+                                        got = pool.run(replay_rank, ids, layout, exchange, window, model, asdict(hw))
+                                        row = case_row(case, got, ids, hw)
+                                    except Exception as exc:  # noqa: BLE001 - a refused case is a row
+                                        row = {**case_row(case, [{"refused": ""}], ids, hw),
+                                               "refused": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"}
+                                    row["case_seconds"] = time.perf_counter() - t0
+                                    rows.append(row)
+                                    log(f"  gpu_model {case}: {_brief(row)} ({row['case_seconds']:.1f}s)")
+    return rows
+
+
+def _brief(row: Dict) -> str:
+    if row.get("refused"):
+        return f"refused: {row['refused']}"
+    return (f"calls {row['kernel_calls_fwd']}/{row['kernel_calls_bwd']} ops {row['launching_fwd']}/"
+            f"{row['launching_bwd']} modeled {row['modeled_s_fwd'] * 1e3:.2f}/{row['modeled_s_bwd'] * 1e3:.2f} ms "
+            f"host {row['host_s_fwd'] * 1e3:.1f}/{row['host_s_bwd'] * 1e3:.1f} ms roof "
+            f"{row['roofline_fwd_s'] * 1e3:.2f} ratio {row['ratio']:.2f}")
+
+
+if __name__ == "__main__":  # rows to stdout; run_all.py --suites gpu_model writes them with the others
+    import json
+    import sys
+
+    for r in run(QUICK_POINTS if "--quick" in sys.argv else FULL_POINTS, log=lambda m: print(m, file=sys.stderr)):
+        print(json.dumps(r, default=str))

@@ -1,0 +1,154 @@
+"""scripts/bench/gpu_model.py: the replay records what the op counter counts, and prices it as documented.
+
+At cp 2 on a small short-and-long pack (zigzag, a2a and the all-gather ring, null kernel, bf16):
+the recorded layer calls' counts equal ``layer_calls``' for the same state, and the event log
+holds one event per counted launching op, kernel call and message, with the counted bytes. The
+pricing on hand-made events (an op, a transfer waited on, a kernel call) and a case row's ideal
+and roofline equal the arithmetic written out here.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_ext.testing import WorkerPool, runs_to_doc_ids
+
+BENCH_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "scripts", "bench")
+
+
+def _bench():
+    if BENCH_SCRIPTS not in sys.path:
+        sys.path.insert(0, BENCH_SCRIPTS)
+    import gpu_model
+
+    return gpu_model
+
+
+def _ids() -> torch.Tensor:
+    runs = [(i + 1, 6 + (5 * i) % 11) for i in range(8)]
+    return runs_to_doc_ids(runs + [(99, 192 - sum(n for _, n in runs))])
+
+
+def record_and_count(exchange: str):
+    """On every rank: the replay's recorded layer calls and ``layer_calls``' counts of the same state."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing.op_counter import KernelEvent, OpEvent, PostEvent, layer_calls
+    from megatron_ext.testing.overrides import override_kernel
+
+    gm = _bench()
+
+    def build():  # one fresh state each: a step's first call builds the state's device tables
+        return bdcp.BlockDiagCPState.build(_ids(), layout="zigzag", kv_exchange=exchange, attn_backend="dense")
+
+    state = build()
+    run = gm.RUN_DIMS["gqa"]
+    q, k, v = (torch.randn(state.local_len, 1, h, run.d).to(torch.bfloat16) for h in (run.hq, run.hkv, run.hkv))
+    with override_kernel("dense", gm._null_kernel()):
+        recorded = gm.record_layers(state, q, k, v, layers=2)  # a step's first call and a steady one
+        counted = layer_calls(build(), q, k, v, layers=2)
+    out = []
+    for rec, cnt in zip(recorded, counted):
+        for (c, _, _), want in zip(rec, cnt):
+            ev = c.events
+            messages = [m for e in ev if isinstance(e, PostEvent) for m in e.messages]
+            out.append({
+                "recorded": (c.summary(), c.bytes_sent, c.bytes_received, dict(c.ops)),
+                "counted": (want.summary(), want.bytes_sent, want.bytes_received, dict(want.ops)),
+                "logged": {"kernel_calls": sum(isinstance(e, KernelEvent) for e in ev),
+                           "launching": sum(isinstance(e, OpEvent) for e in ev), "transfers": len(messages),
+                           "bytes_sent": sum(b for s, b, _ in messages if s),
+                           "bytes_received": sum(b for s, b, _ in messages if not s)},
+                "waits_after_posts": gm_waits_follow_posts(ev)})
+    return out
+
+
+def gm_waits_follow_posts(events) -> bool:
+    from megatron_ext.testing.op_counter import PostEvent, WaitEvent
+
+    posted = set()
+    for e in events:
+        if isinstance(e, PostEvent):
+            posted.add(e.post)
+        elif isinstance(e, WaitEvent) and e.post not in posted:
+            return False
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_recorded_counts_are_the_op_counters():
+    with WorkerPool(2) as pool:
+        for exchange in ("a2a", "allgather"):
+            for rank, calls in enumerate(pool.run(record_and_count, exchange, timeout=100)):
+                for i, c in enumerate(calls):
+                    assert c["recorded"] == c["counted"], (exchange, rank, i)
+                    summary, sent, received, _ = c["recorded"]
+                    assert c["logged"] == {"kernel_calls": summary["kernel_calls"], "launching": summary["launching"],
+                                           "transfers": summary["transfers"], "bytes_sent": sent,
+                                           "bytes_received": received}, (exchange, rank, i)
+                    assert c["waits_after_posts"], (exchange, rank, i)
+                    assert summary["kernel_calls"] > 0 and summary["transfers"] > 0, (exchange, rank, i, c)
+
+
+def test_price_on_hand_made_events():
+    from megatron_ext.testing.op_counter import KernelEvent, OpEvent, PostEvent, WaitEvent
+
+    gm = _bench()
+    hw = gm.H200(launch_s=1e-6, kernel_flops=1e12, backward_factor=2.0, hbm_bytes_per_s=1e9,
+                 nvlink_bytes_per_s=1e8, ib_bytes_per_s=1e7)
+    run, target = gm.Dims("run", 1, 1, 8), gm.Dims("model", 2, 2, 16)  # heads x2, dim x2
+    bf16, fp32 = torch.bfloat16, torch.float32
+    events = [
+        # [100, 1, 8] fp32 in and out: 3200 B each, x4 at the model's dims -> 25600 B over HBM: 25.6 us
+        OpEvent("add", (((100, 1, 8), fp32),), (((100, 1, 8), fp32),)),
+        # 1600 B each way to rank 1 (same node): x (2 * 16) / (1 * 8) = 6400 B over NVLink: 64 us
+        PostEvent(1, ((True, 1600, 1), (False, 1600, 1))),
+        WaitEvent(1),
+        # causal 4 x 4: 10 pairs -> 4 * 10 * 2 * 16 = 1280 FLOP (1.28 ns); bytes: q, k, v [4, 1, 8] bf16
+        # 64 B each x4 = 768, out 256, lse [4, 1] fp32 16 B x2 = 32 -> 1056 B: 1.056 us
+        KernelEvent(False, (4,), (4,), True, None, (((4, 1, 8), bf16), ((4, 1, 8), bf16), ((4, 1, 8), bf16))),
+    ]
+    got = gm.price(events, run, target, hw, lambda peer: (0 if peer is None else peer) // 2)
+    # host issues at 1, 2, 3 us; the add ends at 1 + 25.6; the transfer starts there, ends at 90.6;
+    # the wait holds the stream until then; the kernel ends at 91.656 us
+    assert got["modeled_s"] == pytest.approx(91.656e-6)
+    assert got["elementwise_s"] == pytest.approx(25.6e-6) and got["link_s"] == pytest.approx(64e-6)
+    assert got["kernel_s"] == pytest.approx(1.056e-6) and got["launch_s"] == pytest.approx(3e-6)
+    assert got["flops"] == 1280
+    # the same transfer to rank 2 (the other node) goes over IB: 640 us
+    events[1] = PostEvent(1, ((True, 1600, 2), (False, 1600, 2)))
+    got = gm.price(events, run, target, hw, lambda peer: (0 if peer is None else peer) // 2)
+    assert got["modeled_s"] == pytest.approx((26.6 + 640 + 1.056) * 1e-6)
+    # launch-bound: 100 tiny ops take 100 launches
+    tiny = [OpEvent("add", (((1,), fp32),), (((1,), fp32),))] * 100
+    assert gm.price(tiny, run, target, hw, lambda p: 0)["modeled_s"] == pytest.approx(100e-6 + 16 / 1e9)
+
+
+def test_pairs_and_case_row_arithmetic():
+    gm = _bench()
+    assert gm.segment_pairs((4,), (4,), True, None) == 10
+    assert gm.segment_pairs((4,), (4,), True, 1) == 1 + 2 + 2 + 2  # query i sees keys i - 1 .. i
+    assert gm.segment_pairs((2,), (5,), False, None) == 10
+    assert gm.segment_pairs((2,), (5,), False, 2) == 4 + 3  # query i sees keys i + 1 .. 4
+    ids = torch.tensor([1] * 8 + [2] * 4)
+    assert gm.document_pairs(ids, None) == 36 + 10
+    assert gm.document_pairs(ids, 2) == (1 + 2 + 3 * 6) + (1 + 2 + 3 + 3)
+    # counts[src, dst]: rank 0 receives 6 positions from rank 1 and sends it 2; K/V row of the 8B model
+    # = 2 * 8 * 128 * 2 = 4096 B -> 6 * 4096 / 400e9 on NVLink
+    hw = gm.H200()
+    counts = torch.tensor([[0, 2], [6, 0]])
+    assert gm.needed_seconds(counts, lambda r: 0, 4096, hw) == pytest.approx(6 * 4096 / 400e9)
+    assert gm.needed_seconds(counts, lambda r: r, 4096, hw) == pytest.approx(6 * 4096 / 50e9)
+    phase = {"kernel_calls": 1, "launching": 2, "transfers": 0, "syncs": 0, "bytes_sent": 0, "bytes_received": 0,
+             "modeled_s": 2e-3, "kernel_s": 0, "elementwise_s": 0, "link_s": 0, "launch_s": 0,
+             "elementwise_bytes": 0, "flops": 0, "host_thread_s": 1e-3, "host_wall_s": 1e-3}
+    rank = {"calls": [{"forward": phase, "backward": {**phase, "modeled_s": 4e-3}}] * 2, "counts": counts,
+            "per_node": 2, "local_len": 6, "build_s": 0.0}
+    row = gm.case_row(gm.Case(12, 2, "single", "zigzag", "a2a", None, "gqa"), [rank, rank], ids, hw)
+    ideal = 4.0 * 46 * 32 * 128 / 2 / 450e12
+    assert row["ideal_fwd_s"] == pytest.approx(ideal) and row["ideal_bwd_s"] == pytest.approx(2.5 * ideal)
+    assert row["roofline_fwd_s"] == pytest.approx(max(ideal, 6 * 4096 / 400e9))
+    assert row["ratio_fwd"] == pytest.approx(2e-3 / row["roofline_fwd_s"])
+    assert row["ratio"] == pytest.approx(6e-3 / (row["roofline_fwd_s"] + row["roofline_bwd_s"]))
