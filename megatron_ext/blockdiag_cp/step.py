@@ -797,9 +797,10 @@ def device_rows(index: torch.Tensor, rows: int, device) -> Rows:
     """A host index of ``rows`` buffer rows as ``Rows``: None for all of them in order, a slice for one
     ascending run (no gather copy; a varlen call's queries usually are one: a document's local queries
     sit together), else the index on the device."""
-    n = index.numel()
-    if n and int(index[-1]) - int(index[0]) + 1 == n and bool((index.diff() == 1).all()):
-        first = int(index[0])
+    host = index.numpy()  # a host table: read in numpy, no per-element tensor op
+    n = host.size
+    if n and host[-1] - host[0] + 1 == n and (n == 1 or bool((host[1:] - host[:-1] == 1).all())):
+        first = int(host[0])
         return None if (first, n) == (0, rows) else slice(first, first + n)
     return _non_identity(index, rows, device)
 
