@@ -503,8 +503,9 @@ TORCH_CP = Suite(
     tables=(
         Table("Ours beside torch's context parallelism (`scripts/bench/torch_cp.py`)", suite("torch_cp"),
               note=lambda rs: ("One causal document, cp=2, fp32, b=1, 8 heads x 64, forward + backward, gloo, one "
-                               "thread per rank. Ours: zigzag, dense backend. Torch "
-                               f"{rs[0].get('torch_version', '')}: `_templated_ring_attention` (+ backward) with "
+                               "thread per rank. Ours: zigzag, dense backend. Torch"
+                               + (f" {rs[0]['torch_version']}" if rs[0].get("torch_version") else "")
+                               + ": `_templated_ring_attention` (+ backward) with "
                                "head-tail load balancing and the CPU flash kernel, called directly because the "
                                "public `context_parallel` does not run on CPU (" + str(rs[0].get("public_api")) +
                                "). One fresh process pair per round runs both, alternated per iteration; seconds "

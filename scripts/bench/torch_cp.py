@@ -54,8 +54,6 @@ METHOD = ("one fresh gloo process pair per round (cp 2, 1 thread each) running b
 
 def head_tail_positions(S: int, cp: int, rank: int):
     """torch's _HeadTailLoadBalancer: 2 cp chunks, rank r holds chunk r then chunk 2 cp - 1 - r."""
-    import torch
-
     from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
     idx = _HeadTailLoadBalancer(S, cp, "cpu")._generate_indices()[0]
@@ -127,7 +125,6 @@ def _inputs(S: int, seed: int = 0):
 
 def _to_global(local, pos, S):
     """[s_local, 1, h, d] rows at global positions pos -> [S, 1, h, d], summed over ranks."""
-    import torch
     import torch.distributed as dist
 
     full = local.new_zeros((S,) + tuple(local.shape[1:]))
