@@ -479,6 +479,50 @@ LAYER_AB = Suite(
 )
 
 
+# --- torch_cp ---------------------------------------------------------------------------------
+
+
+def _torch_cp_checks(rows):
+    return [Check(f"S={r['S']} {r['exchange']}", r["seconds"] <= r["seconds_torch"], r["ratio_ours_over_torch"])
+            for r in rows if r["suite"] == "torch_cp"]
+
+
+def _torch_cp_agree(rows):
+    return [Check(f"S={r['S']} {r['exchange']}", max(r["max_rel_diff"].values()) <= 1e-4,
+                  max(r["max_rel_diff"].values()))
+            for r in rows if r["suite"] == "torch_cp" and r.get("max_rel_diff")]
+
+
+TORCH_CP = Suite(
+    "torch_cp", suite("torch_cp"),
+    targets=(Target("one causal document at cp=2 (fp32, 8 heads x 64, fwd+bwd): ours no slower than torch's ring "
+                    "attention (head-tail balanced; a2a vs its alltoall rotater, allgather vs its allgather)",
+                    _torch_cp_checks, _listed(".2f", word="ours / torch"), unit="S x exchange"),
+             Target("ours and torch's ring give the same output and dQ/dK/dV (max |diff| / max |value| <= 1e-4)",
+                    _torch_cp_agree, _listed(".1e", suffix="", word="max rel diff"), unit="S x exchange")),
+    tables=(
+        Table("Ours beside torch's context parallelism (`scripts/bench/torch_cp.py`)", suite("torch_cp"),
+              note=lambda rs: ("One causal document, cp=2, fp32, b=1, 8 heads x 64, forward + backward, gloo, one "
+                               "thread per rank. Ours: zigzag, dense backend. Torch"
+                               + (f" {rs[0]['torch_version']}" if rs[0].get("torch_version") else "")
+                               + ": `_templated_ring_attention` (+ backward) with "
+                               "head-tail load balancing and the CPU flash kernel, called directly because the "
+                               "public `context_parallel` does not run on CPU (" + str(rs[0].get("public_api")) +
+                               "). One fresh process pair per round runs both, alternated per iteration; seconds "
+                               "are the median over rounds of each round's median (slowest rank). `rel diff`: "
+                               "largest of out/dQ/dK/dV max |ours - torch| / max |torch|."),
+              columns=(Column("S", "S"), Text("exchange", "exchange"), Text("torch rotate", "torch_rotate"),
+                       Column("ours s", "seconds", ".3f"), Column("torch s", "seconds_torch", ".3f"),
+                       Column("ours / torch", "ratio_ours_over_torch", ".2f"),
+                       Text("per round", lambda r: ", ".join(f"{a / b:.2f}" for a, b in
+                                                            zip(r["seconds_rounds"], r["seconds_torch_rounds"])),
+                            str),
+                       Column("rel diff", lambda r: max(r["max_rel_diff"].values()) if r.get("max_rel_diff")
+                              else None, fmt(".1e")))),
+    ),
+)
+
+
 # --- window -----------------------------------------------------------------------------------
 
 
@@ -991,4 +1035,4 @@ DROPIN = Suite(
 )
 
 # The order of SUMMARY.md: targets of every suite first, then each suite's tables.
-SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, GPU_MODEL, DROPIN)
+SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, TORCH_CP, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, GPU_MODEL, DROPIN)

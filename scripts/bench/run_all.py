@@ -21,7 +21,8 @@ gpu_model (the op's recorded op sequence with a null kernel, replayed on a model
 32k / cp 2 every case, 128k / cp 8 a subset; scripts/bench/gpu_model.py),
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
 Megatron-mask document derivation and the per-call q/k/v agreement against one layer at
-32k tokens, cp=4). One JSON object per
+32k tokens, cp=4), torch_cp (not in the default set, about 10 minutes: one causal document at cp=2,
+8k and 16k, fwd+bwd beside torch's own ring attention; scripts/bench/torch_cp.py). One JSON object per
 measurement; re-running some suites replaces only their rows. Exit status 1 when a
 row says ``"passed": false`` (the checks of gpu_check).
 """
@@ -42,7 +43,7 @@ for _p in (HERE, REPO_ROOT):
         sys.path.insert(0, _p)
 
 ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
-              "window", "exchange_choice", "gpu_model", "gpu_check", "dropin")
+              "window", "exchange_choice", "gpu_model", "gpu_check", "dropin", "torch_cp")
 DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
                   "window", "exchange_choice", "gpu_model")  # gpu: a skipped row without CUDA
 
@@ -196,6 +197,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows += dropin.run(seq_lens=(8192,) if args.quick else (32768,), log=_log)
         timings["dropin"] = time.perf_counter() - t0
+
+    if "torch_cp" in suites:
+        import torch_cp
+
+        t0 = time.perf_counter()
+        rows += torch_cp.run(sizes=(2048,) if args.quick else (8192, 16384), reps=args.reps or (2 if args.quick else 3),
+                             rounds=1 if args.quick else 2, log=_log)
+        timings["torch_cp"] = time.perf_counter() - t0
 
     if "gpu" in suites:
         import gpu
