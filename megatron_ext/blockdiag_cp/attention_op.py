@@ -44,6 +44,7 @@ from .agreement import (
 from .backend import call_backend
 from .chunks import chunk_kind
 from .exchange import HierarchicalTransport, NeededTransport, RingTransport
+from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather, set_rows as _set_rows
 from .resolve import resolve_step_state
 from .state import count_cp_attn_fire
 from .ulysses import ulysses_attention
@@ -83,60 +84,6 @@ class _Geometry:
 
     def grad_chunk(self, n, dtype, device):  # zeros [n * R, g * Hkv, Dk + Dv]
         return torch.zeros(n * self.R, self.g * self.hkv, self.dk + self.dv, dtype=dtype, device=device)
-
-
-class _Accumulator:
-    """Online softmax over kernel calls: out and lse per flattened query row, merged in place."""
-
-    def __init__(self, rows: int, heads: int, dv: int, dtype, device):
-        self.out = torch.zeros(rows, heads, dv, dtype=dtype, device=device)
-        self.lse = torch.full((rows, heads), float("-inf"), dtype=dtype, device=device)
-        self.fresh = True
-
-    def merge(self, index, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Merge one call's [n, H, Dv] out and [n, H] lse into its rows (``step.Rows``): in place on a
-        run of rows (views), through a gather and a scatter for scattered rows."""
-        out, lse = out.to(self.out.dtype), lse.to(self.lse.dtype)
-        scattered = isinstance(index, torch.Tensor)
-        if self.fresh:  # nothing merged yet: a copy
-            if scattered:
-                self.out.index_copy_(0, index, out)
-                self.lse.index_copy_(0, index, lse)
-            else:
-                self.out[_all(index)].copy_(out)
-                self.lse[_all(index)].copy_(lse)
-            self.fresh = False
-            return
-        old_out = self.out.index_select(0, index) if scattered else self.out[_all(index)]
-        old_lse = self.lse.index_select(0, index) if scattered else self.lse[_all(index)]
-        new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
-        old_out.mul_(torch.exp(old_lse - new_lse).unsqueeze(-1))
-        old_out.addcmul_(out, torch.exp(lse - new_lse).unsqueeze(-1))
-        if scattered:
-            self.out.index_copy_(0, index, old_out)
-            self.lse.index_copy_(0, index, new_lse)
-        else:
-            old_lse.copy_(new_lse)
-
-
-def _all(index) -> slice:
-    """A ``step.Rows`` that is not an index tensor, as a slice (None: every row)."""
-    return slice(None) if index is None else index
-
-
-def _gather(x: torch.Tensor, index) -> torch.Tensor:
-    """The rows ``index`` (``step.Rows``) of ``x``: a view for None or a run, a copy for an index."""
-    return x.index_select(0, index) if isinstance(index, torch.Tensor) else x[_all(index)]
-
-
-def _add_rows(dst: torch.Tensor, index, src: torch.Tensor) -> None:
-    """dst[index] += src for ``step.Rows`` (in place on a run, index_add_ for scattered rows)."""
-    if isinstance(index, torch.Tensor):
-        dst.index_add_(0, index, src.to(dst.dtype))
-    else:
-        dst[_all(index)].add_(src)
-
-
 
 
 def _transport(kind: str, k, v, state, plan, stats, prefix: str):
@@ -184,14 +131,17 @@ class _StreamedAttention(torch.autograd.Function):
             stats[key] = 0
         stats["window"] = window  # report() gives this call's positions
         seed = _dropout_seed(backend, q, dropout_p)
-        acc = _Accumulator(geo.L * geo.R, geo.g * geo.hq, geo.dv, kernels.lse_dtype(q.dtype), q.device)
+        acc_dtype = kernels.lse_dtype(q.dtype)
+        merges = state.merges_on(kind, q.device, window, sink=softmax_offset is not None)
+        result = Result(merges, geo.g * geo.hq, geo.dv, q.dtype, acc_dtype, q.device, with_lse=True)
+        acc = Accumulator(merges.merged_count, geo.g * geo.hq, geo.dv, acc_dtype, q.device)
         q_flat = geo.q_flat(q)
         aux: List = []
         failed = []
 
-        def attend(step_calls, chunk_k, chunk_v):
+        def attend(step_calls, step_merges, chunk_k, chunk_v):
             t0 = time.perf_counter()
-            for call in step_calls:
+            for call, share in zip(step_calls, step_merges):
                 if failed:  # zeros from here on; the transfers still run
                     aux.append(None)
                     continue
@@ -205,7 +155,10 @@ class _StreamedAttention(torch.autograd.Function):
                     aux.append(None)
                     continue
                 aux.append(a)
-                acc.merge(call.q_index, o, lse)
+                if share.writes:
+                    result.write(call.q_index, o, lse)
+                if share.merges:
+                    acc.merge(share.target, _gather(o, share.source), _gather(lse, share.source), share.fresh)
                 del qp, kp, vp, o, lse  # before the next call allocates its own
             stats["compute_seconds"] += time.perf_counter() - t0
 
@@ -214,32 +167,35 @@ class _StreamedAttention(torch.autograd.Function):
         saved_at: List[int] = []  # per remote step, its index in ``saved`` (-1: not kept)
         transport = _transport(kind, k, v, state, plan, stats, "") if state.cp > 1 else None
         pending = transport.start((steps[1].round, steps[1].piece)) if len(steps) > 1 else None
-        attend(calls[0], geo.kv_flat(k), geo.kv_flat(v))
+        attend(calls[0], merges.calls[0], geo.kv_flat(k), geo.kv_flat(v))
         for s in range(1, len(steps)):
             chunk = pending.wait()
             transport.received(chunk)
             pending = transport.start((steps[s + 1].round, steps[s + 1].piece)) if s + 1 < len(steps) else None
             if chunk is not None:
-                attend(calls[s], *geo.split(chunk))
+                attend(calls[s], merges.calls[s], *geo.split(chunk))
             keep = save and chunk is not None and bool(calls[s])
             saved_at.append(len(saved) if keep else -1)
             if keep:
                 saved.append(chunk)
             del chunk  # refetch: gone before the next one lands (the ring's transport keeps it to forward)
-        sink = _sink_logits(softmax_offset, geo.g, acc.lse.dtype)
+        sink = _sink_logits(softmax_offset, geo.g, acc_dtype)
         if sink is not None:
-            # An attention sink: one more logit in every row's denominator, with no value. The
-            # merged lse makes it a rescale; the kernels' backward then sees the final lse.
+            # An attention sink: one more logit in every row's denominator, with no value (every row is
+            # merged then). The merged lse makes it a rescale; the kernels' backward sees the final lse.
             lse_total = torch.logaddexp(acc.lse, sink)
             acc.out.mul_(torch.exp(acc.lse - lse_total).unsqueeze(-1))
             acc.lse = lse_total
-        out = (acc.out.zero_() if failed else acc.out).to(q.dtype).view(geo.L, geo.b, geo.hq, geo.dv)
+        out, lse = result.finish(acc.out, acc.lse)
+        if failed:
+            out = torch.zeros_like(out)
+        out = out.view(geo.L, geo.b, geo.hq, geo.dv)
         stats["forward_seconds"] = time.perf_counter() - start
         ctx.state, ctx.backend, ctx.scale, ctx.dropout_p = state, backend, scale, dropout_p
         ctx.kind, ctx.aux, ctx.failed, ctx.saved_at, ctx.window = kind, aux, bool(failed), saved_at, window
         ctx.has_sink = sink is not None
         ctx.sink_dtype = None if softmax_offset is None else softmax_offset.dtype
-        ctx.save_for_backward(q, k, v, out, acc.lse, *(() if sink is None else (sink,)), *saved)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sink is None else (sink,)), *saved)
         return out
 
     @staticmethod
@@ -262,15 +218,21 @@ class _StreamedAttention(torch.autograd.Function):
         acc_dtype = kernels.lse_dtype(q.dtype)
         q_flat, o_flat = geo.q_flat(q), geo.q_flat(out)
         do_flat = geo.q_flat(dout.contiguous())
-        dq = torch.zeros(q_flat.shape, dtype=acc_dtype, device=q.device)
+        # dq has the forward's writers: a row one call attends takes that call's dq, the merged rows add up in
+        # float32 (the sink adds nothing to dq: all rows are merged then, as in forward)
+        merges = state.merges_on(ctx.kind, q.device, ctx.window, sink=ctx.has_sink)
+        dq = Result(merges, q_flat.shape[1], q_flat.shape[2], q.dtype, acc_dtype, q.device, with_lse=False)
+        dq_merged = torch.zeros((merges.merged_count,) + tuple(q_flat.shape[1:]), dtype=acc_dtype, device=q.device)
         aux = iter(ctx.aux)
         failed = [ctx.failed]
 
-        def differentiate(step_calls, chunk_k, chunk_v, n_rows):
-            """This step's dq into ``dq``; returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient."""
+        def differentiate(step_calls, step_merges, chunk_k, chunk_v, n_rows, keys=None):
+            """This step's dq into ``dq``; the own keys' gradients into ``keys`` (``KeyGradients``, step 0),
+            else returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient."""
             t0 = time.perf_counter()
-            grad = geo.grad_chunk(n_rows, acc_dtype, q.device)
-            for call in step_calls:
+            grad = geo.grad_chunk(n_rows, acc_dtype, q.device) if keys is None else None
+            key_shares = keys.plan.calls[0] if keys is not None else step_merges  # the own calls' key rows
+            for call, share, key_share in zip(step_calls, step_merges, key_shares):
                 a = next(aux)
                 if failed[0]:
                     continue
@@ -283,9 +245,18 @@ class _StreamedAttention(torch.autograd.Function):
                     record_kernel_failure(state, backend, "backward", exc)
                     failed[0] = True
                     continue
-                _add_rows(dq, qi, gq)
-                _add_rows(grad[..., :geo.dk], ki, gk)
-                _add_rows(grad[..., geo.dk:], ki, gv)
+                if share.writes:
+                    dq.write(qi, gq)
+                if share.merges:
+                    if share.fresh:
+                        _set_rows(dq_merged, share.target, _gather(gq, share.source))
+                    else:
+                        _add_rows(dq_merged, share.target, _gather(gq, share.source))
+                if keys is not None:
+                    keys.take(ki, key_share, gk, gv)
+                else:
+                    _add_rows(grad[..., :geo.dk], ki, gk)
+                    _add_rows(grad[..., geo.dk:], ki, gv)
                 del gq, gk, gv
             stats["backward_compute_seconds"] += time.perf_counter() - t0
             return grad
@@ -295,10 +266,12 @@ class _StreamedAttention(torch.autograd.Function):
         if len(steps) > 1:  # the first remote chunk moves while the local keys are differentiated
             transport = _transport(ctx.kind, k, v, state, plan, stats, "backward_")
             pending = transport.start((steps[1].round, steps[1].piece)) if refetch else None
-        dkv = differentiate(calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L).view(geo.L, geo.b, -1)
+        key_plan, key_slot = state.key_merges_on(ctx.kind, q.device, ctx.window)
+        dkv = KeyGradients(key_plan, geo.g * geo.hkv, geo.dk, geo.dv, k.dtype, acc_dtype, q.device, key_slot, geo.R)
+        differentiate(calls[0], merges.calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L, keys=dkv)
         if len(steps) > 1:
             in_flight = None  # the last gradient sent home
-            like = torch.empty((0,) + tuple(dkv.shape[1:]), dtype=k.dtype, device=k.device)
+            like = torch.empty((0, geo.b, geo.hkv * (geo.dk + geo.dv)), dtype=k.dtype, device=k.device)
             for s in range(1, len(steps)):
                 step = steps[s]
                 if refetch:
@@ -311,7 +284,7 @@ class _StreamedAttention(torch.autograd.Function):
                     chunk = saved[index] if index >= 0 else None
                 grad_chunk = None  # no call here: the transport sends zeros only where the home expects them
                 if calls[s]:
-                    grad_chunk = differentiate(calls[s], *geo.split(chunk), chunk.shape[0]).view(
+                    grad_chunk = differentiate(calls[s], merges.calls[s], *geo.split(chunk), chunk.shape[0]).view(
                         chunk.shape[0], geo.b, -1).to(k.dtype)
                 if in_flight is not None:  # one gradient transfer in flight: the last step's lands first
                     transport.settle(in_flight, dkv)
@@ -320,15 +293,20 @@ class _StreamedAttention(torch.autograd.Function):
             if in_flight is not None:
                 transport.settle(in_flight, dkv)
             transport.finish(dkv)
-        dkv = dkv.view(geo.L, geo.b, geo.hkv, geo.dk + geo.dv)
         stats["backward_seconds"] = time.perf_counter() - start
-        dk, dv = dkv[..., :geo.dk].to(k.dtype), dkv[..., geo.dk:].to(v.dtype)
+        dk, dv = dkv.finish()
+        if failed[0]:
+            dk, dv = torch.zeros_like(dk), torch.zeros_like(dv)
+        dk, dv = dk.view(geo.L, geo.b, geo.hkv, geo.dk), dv.view(geo.L, geo.b, geo.hkv, geo.dv)
         d_sink = None
         if sink is not None and ctx.needs_input_grad[3]:
             # d(loss)/d(sink) = -sum over rows of p_sink * (dout . out): the sink only rescales out.
             delta = (do_flat.to(acc_dtype) * o_flat.to(acc_dtype)).sum(-1)  # [rows, g * Hq]
             d_sink = -(torch.exp(sink - lse) * delta).sum(0).view(geo.g, geo.hq).sum(0).to(ctx.sink_dtype)
-        return dq.to(q.dtype).view(q.shape), dk, dv, d_sink, None, None, None, None, None
+        dq, _ = dq.finish(dq_merged)
+        if failed[0]:
+            dq = torch.zeros_like(dq)
+        return dq.view(q.shape), dk, dv, d_sink, None, None, None, None, None
 
 
 def record_kernel_failure(state, backend: str, phase: str, exc: Exception) -> None:

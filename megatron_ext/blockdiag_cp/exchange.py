@@ -127,18 +127,15 @@ class _DirectGradients:
         return return_gradient(grad_chunk, step[0], incoming, self.rank, self.cp, like, self.group, self.stats), rows
 
     @staticmethod
-    def settle(handle, dkv: torch.Tensor) -> None:
-        """Add what came back for our rows (they went to that rank at this step) into ``dkv``."""
+    def settle(handle, dkv) -> None:
+        """Add what came back for our rows (they went to that rank at this step) into ``dkv``
+        (``merge.KeyGradients``)."""
         transfer, rows = handle
         grad_back = transfer.wait()
-        if grad_back is None:
-            return
-        if isinstance(rows, slice):
-            dkv[rows].add_(grad_back)
-        else:
-            dkv.index_add_(0, rows, grad_back.to(dkv.dtype))
+        if grad_back is not None:
+            dkv.add(rows, grad_back)
 
-    def finish(self, dkv: torch.Tensor) -> None:
+    def finish(self, dkv) -> None:
         pass
 
 
@@ -305,18 +302,19 @@ class HierarchicalTransport:
     def settle(handle, dkv) -> None:
         pass
 
-    def finish(self, dkv: torch.Tensor) -> None:
-        """Every chunk's gradient back through the routes at once, summed into ``dkv`` [L, b, F]."""
+    def finish(self, dkv) -> None:
+        """Every chunk's gradient back through the routes at once, added into ``dkv`` (``merge.KeyGradients``)."""
         from .hierarchical_exchange import route_backward
 
         if self._moving is not None:  # save mode never reads the refetch it did not post; nothing is pending
             self.delivered()
         if self._grad is None:  # every rank takes part in the routes' transfers, gradient or not
-            self._grad = torch.zeros((self.route.out_rows,) + tuple(dkv.shape[1:]), dtype=self.k.dtype,
-                                     device=dkv.device)
+            width = self.k.shape[2] * self.k.shape[3] + self.v.shape[2] * self.v.shape[3]
+            self._grad = torch.zeros((self.route.out_rows, self.k.shape[1], width), dtype=self.k.dtype,
+                                     device=self.k.device)
         t0 = time.perf_counter()
         moved: Dict = {}
-        dkv.add_(route_backward(self._grad, self.route, self.group, False, moved).to(dkv.dtype))
+        dkv.add(None, route_backward(self._grad, self.route, self.group, False, moved))
         for key in ("grad_bytes_sent", "grad_bytes_received"):
             self.stats["backward_" + key] = self.stats.get("backward_" + key, 0) + moved[key]
         self.stats["backward_wait_seconds"] = (self.stats.get("backward_wait_seconds", 0.0)

@@ -15,6 +15,7 @@ import threading
 import zlib
 from typing import Dict, List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from .. import parallel_state as ps
@@ -35,6 +36,7 @@ from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .exchange import RingGradients
 from .layouts import Layout, build_layout, padded_length
+from .merge import MergePlan
 from .layouts.two_dim import two_dim_layouts
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
@@ -770,6 +772,43 @@ class BlockDiagCPState:
             self._device_index[key] = [[DeviceCall.of(call, self.local_len * self.rows, step.chunk_len * self.rows,
                                                       device) for call in step.calls]
                                        for step in self.plan_for(window).stream[kind].steps]
+        return self._device_index[key]
+
+    def merges_on(self, kind: str, device: torch.device, window: Optional[int] = None, sink: bool = False) -> MergePlan:
+        """Per call of ``stream_on``, which of its query rows it writes alone and which are merged (host work
+        once per step, kind, window and sink; with a sink every row is merged)."""
+        key = ("merges", kind, str(device), window, sink)
+        if key not in self._device_index:
+            steps = self.plan_for(window).stream[kind].steps
+            self._device_index[key] = MergePlan.of([[call.q_index for call in step.calls] for step in steps],
+                                                   self.local_len * self.rows, device, every_row_merged=sink)
+        return self._device_index[key]
+
+    def key_merges_on(self, kind: str, device: torch.device, window: Optional[int] = None):
+        """(``MergePlan`` over the local key rows, their buffer slots on the device or None): the own step's
+        calls write them; the rows whose gradients come back from other ranks are merged (every row with
+        several rows of doc ids, or through the hierarchical routes), once per step, kind and window."""
+        key = ("key_merges", kind, str(device), window)
+        if key not in self._device_index:
+            plan = self.plan_for(window)
+            L = self.local_len
+            own = [call.k_index for call in plan.stream[kind].steps[0].calls]
+            every = self.rows > 1 or self.kv_exchange == "hierarchical"
+            if kind == "ring":
+                c = plan.stream["ring"].chunk_rows
+                pieces = sorted({j for _, j in self.ring_gradients(window).returned})
+                back = [np.arange(j * c, min(L, (j + 1) * c)) for j in pieces]
+            else:
+                back = [t.numpy() for t in plan.exchange.send_index if t.numel()]
+            back = np.unique(np.concatenate(back)) if back else np.zeros(0, dtype=np.int64)  # host tables: numpy
+            merges = MergePlan.of([own], L * self.rows, device, every_row_merged=every,
+                                  also_merged=torch.from_numpy(back))
+            slot = None
+            if merges.merged is not None:
+                at = np.full(L, -1, dtype=np.int64)
+                at[np.flatnonzero(merges.merged_mask)] = np.arange(merges.merged_count)
+                slot = torch.from_numpy(at).to(device)
+            self._device_index[key] = (merges, slot)
         return self._device_index[key]
 
 

@@ -1,0 +1,232 @@
+"""Where each kernel call's output rows go: straight into the result, or into a float32 merge buffer.
+
+A query row that one kernel call attends (a short document's row sees only its own
+rank's keys) needs no online softmax: the call's output *is* the row's result, in
+the input dtype. Only rows that several calls write (a long document's rows, one
+call per chunk of earlier keys) are merged by log-sum-exp, in float32, in a buffer
+that holds just those rows. The plan is the same for forward's out / lse and
+backward's dq, so both read one ``MergePlan`` per step, kind and window:
+
+    query rows of this rank      0 .................................. L*R
+    calls writing a row          1 1 1 1 2 2 3 3 1 1 1 1 1 1 2 2 2 1 1
+    merged (>= 2): buffer rows           0 1 2 3             4 5 6
+    a call covering rows 4..9:   writes rows 8..9 into the result,
+                                 merges its rows 4..7 into buffer rows 0..3
+
+A call that covers every row and is the first to write the result lends it its
+output tensor (no copy). The buffer is written back into the result once, at the
+end. An attention sink is one more term in every row's denominator: with one,
+every row is merged.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+Rows = object  # step.Rows: None (every row), a slice (one ascending run) or an index tensor
+
+
+@dataclass(frozen=True)
+class CallMerge:
+    """One kernel call's share: rows it writes alone, rows it merges, and where."""
+
+    writes: bool  # some of its rows no other call writes: its output goes to the result rows
+    merges: bool  # some of its rows are merged
+    source: Rows  # rows of the call's output that are merged (``Rows`` over the call's rows)
+    target: Rows  # their rows in the merge buffer (``Rows`` over ``MergePlan.merged_count``)
+    fresh: bool  # no earlier call wrote any of its merged rows: a copy, not a merge
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    rows: int  # query rows of the result (local_len * R)
+    merged: Rows  # the result's rows held in the buffer, ascending (``Rows`` over ``rows``)
+    merged_count: int
+    covered: bool  # every row is written by some call (else the rest stay zero)
+    merged_mask: np.ndarray  # [rows] host: merged or not
+    calls: List[List[CallMerge]]  # per step, per call, as ``stream_on`` orders them
+
+    @classmethod
+    def of(cls, steps: Sequence[Sequence], rows: int, device, every_row_merged: bool = False,
+           also_merged: Optional[torch.Tensor] = None) -> "MergePlan":
+        """``steps``: per step, its calls' host row indices (``CallPlan.q_index``, [Nq] rows each);
+        ``also_merged``: host rows merged however many calls write them."""
+        from .step import device_rows
+
+        writers = np.zeros(rows, dtype=np.int64)
+        for step in steps:
+            for q_index in step:
+                writers[q_index.numpy()] += 1  # a call holds a row at most once
+        merged = (writers >= 2) | bool(every_row_merged)
+        if also_merged is not None:
+            merged[also_merged.numpy()] = True
+        slot = np.cumsum(merged) - 1  # a merged row's place in the buffer
+        count = int(merged.sum())
+        seen = np.zeros(rows, dtype=bool)
+        calls: List[List[CallMerge]] = []
+        for step in steps:
+            here = []
+            for q_index in step:
+                qi = q_index.numpy()
+                mine = merged[qi]
+                at = np.flatnonzero(mine)
+                if at.size:
+                    fresh = not bool(seen[qi[at]].any())
+                    seen[qi[at]] = True
+                    here.append(CallMerge(bool(at.size < qi.size), True,
+                                          device_rows(torch.from_numpy(at), qi.size, device),
+                                          device_rows(torch.from_numpy(slot[qi[at]]), count, device), fresh))
+                else:
+                    here.append(CallMerge(True, False, None, None, False))
+            calls.append(here)
+        target = device_rows(torch.from_numpy(np.flatnonzero(merged)), rows, device) if count else None
+        return cls(rows, target, count, bool((writers > 0).all()) or every_row_merged, merged, calls)
+
+
+class Accumulator:
+    """Online softmax over kernel calls on the merge buffer's rows: out and lse in float32."""
+
+    def __init__(self, rows: int, heads: int, dv: int, dtype, device):
+        self.out = torch.zeros(rows, heads, dv, dtype=dtype, device=device)
+        self.lse = torch.full((rows, heads), float("-inf"), dtype=dtype, device=device)
+
+    def merge(self, index: Rows, out: torch.Tensor, lse: torch.Tensor, fresh: bool) -> None:
+        """Merge one call's [n, H, Dv] out and [n, H] lse into buffer rows ``index``: in place on a run
+        (views), through a gather and a scatter for scattered rows."""
+        out, lse = out.to(self.out.dtype), lse.to(self.lse.dtype)
+        scattered = isinstance(index, torch.Tensor)
+        if fresh:  # nothing merged into these rows yet: a copy
+            if scattered:
+                self.out.index_copy_(0, index, out)
+                self.lse.index_copy_(0, index, lse)
+            else:
+                self.out[_all(index)].copy_(out)
+                self.lse[_all(index)].copy_(lse)
+            return
+        old_out = self.out.index_select(0, index) if scattered else self.out[_all(index)]
+        old_lse = self.lse.index_select(0, index) if scattered else self.lse[_all(index)]
+        new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
+        old_out.mul_(torch.exp(old_lse - new_lse).unsqueeze(-1))
+        old_out.addcmul_(out, torch.exp(lse - new_lse).unsqueeze(-1))
+        if scattered:
+            self.out.index_copy_(0, index, old_out)
+            self.lse.index_copy_(0, index, new_lse)
+        else:
+            old_lse.copy_(new_lse)
+
+
+class Result:
+    """A result tensor [rows, H, D] (and optionally lse [rows, H]) that calls write row ranges of."""
+
+    def __init__(self, plan: MergePlan, heads: int, dim: int, dtype, lse_dtype, device, with_lse: bool):
+        self.plan, self.shape = plan, (plan.rows, heads, dim)
+        self.dtype, self.lse_dtype, self.device, self.with_lse = dtype, lse_dtype, device, with_lse
+        self.value: Optional[torch.Tensor] = None
+        self.lse: Optional[torch.Tensor] = None
+
+    def _allocate(self) -> None:
+        make = torch.empty if self.plan.covered else torch.zeros
+        self.value = make(self.shape, dtype=self.dtype, device=self.device)
+        if self.with_lse:
+            self.lse = torch.full(self.shape[:2], float("-inf"), dtype=self.lse_dtype, device=self.device)
+
+    def write(self, index: Rows, value: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
+        """The result's rows ``index`` are ``value`` (rows merged later are overwritten by ``finish``)."""
+        if self.value is None and index is None:  # the first writer covers every row: its tensor is the result
+            self.value = value.to(self.dtype).contiguous()
+            self.lse = None if lse is None else lse.to(self.lse_dtype).contiguous()
+            return
+        if self.value is None:
+            self._allocate()
+        set_rows(self.value, index, value)
+        if lse is not None:
+            set_rows(self.lse, index, lse)
+
+    def finish(self, merged_value: Optional[torch.Tensor], merged_lse: Optional[torch.Tensor] = None):
+        """Write the merge buffer's rows back; (value, lse) of every row."""
+        if self.value is None:
+            self._allocate()
+        if merged_value is not None and self.plan.merged_count:
+            set_rows(self.value, self.plan.merged, merged_value)
+            if merged_lse is not None:
+                set_rows(self.lse, self.plan.merged, merged_lse)
+        return self.value, self.lse
+
+
+class KeyGradients:
+    """dK and dV of this rank's own keys ([rows, H, Dk] and [rows, H, Dv]).
+
+    A key row that one local kernel call attends alone takes that call's gradient, in the input
+    dtype; the rows several local calls attend, or that went to other ranks (their gradients come
+    back: ``add``), add up in a float32 buffer [merged rows, H, Dk + Dv], written back by ``finish``.
+    ``plan``: a ``MergePlan`` over the key rows (the own calls), the returned rows among its merged ones.
+    """
+
+    def __init__(self, plan: MergePlan, heads: int, dk: int, dv: int, dtype, acc_dtype, device, slot, rows: int = 1):
+        self.plan, self.dk_dim, self.R = plan, dk, rows
+        self.dk = Result(plan, heads, dk, dtype, acc_dtype, device, with_lse=False)
+        self.dv = Result(plan, heads, dv, dtype, acc_dtype, device, with_lse=False)
+        self.buffer = torch.zeros(plan.merged_count, heads, dk + dv, dtype=acc_dtype, device=device)
+        self.slot = slot  # [positions] a row's place in the buffer (-1: not merged); None: every row, in order
+
+    def take(self, index: Rows, share: CallMerge, gk: torch.Tensor, gv: torch.Tensor) -> None:
+        """One local call's key gradients over its key rows ``index``."""
+        if share.writes:
+            self.dk.write(index, gk)
+            self.dv.write(index, gv)
+        if share.merges:
+            into = set_rows if share.fresh else add_rows
+            into(self.buffer[..., :self.dk_dim], share.target, gather(gk, share.source))
+            into(self.buffer[..., self.dk_dim:], share.target, gather(gv, share.source))
+
+    def add(self, rows: Rows, grad: torch.Tensor) -> None:
+        """Gradients of our rows ``rows`` (local positions) coming back: [n, b, F] (F = Hkv * (Dk + Dv));
+        a position is R rows of doc ids (every row is merged then)."""
+        R = self.R
+        grad = grad.reshape(grad.shape[0] * R, self.buffer.shape[1], self.buffer.shape[2])
+        if self.slot is None:
+            if R > 1 and isinstance(rows, slice):
+                rows = slice(rows.start * R, rows.stop * R)
+            elif R > 1 and isinstance(rows, torch.Tensor):
+                rows = (rows.unsqueeze(1) * R + torch.arange(R, device=rows.device)).reshape(-1)
+            add_rows(self.buffer, rows, grad)
+        else:  # every returned row is merged: its place in the buffer, looked up on the device
+            index = self.slot.index_select(0, rows) if isinstance(rows, torch.Tensor) else self.slot[_all(rows)]
+            self.buffer.index_add_(0, index, grad.to(self.buffer.dtype))
+
+    def finish(self):
+        """(dk, dv) of every row."""
+        dk, _ = self.dk.finish(self.buffer[..., :self.dk_dim])
+        dv, _ = self.dv.finish(self.buffer[..., self.dk_dim:])
+        return dk, dv
+
+
+def add_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor) -> None:
+    """dst[index] += src for ``Rows`` (in place on a run, index_add_ for scattered rows)."""
+    if isinstance(index, torch.Tensor):
+        dst.index_add_(0, index, src.to(dst.dtype))
+    else:
+        dst[_all(index)].add_(src)
+
+
+def set_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor) -> None:
+    """dst[index] = src for ``Rows`` (a copy into a run, index_copy_ for scattered rows)."""
+    if isinstance(index, torch.Tensor):
+        dst.index_copy_(0, index, src.to(dst.dtype))
+    else:
+        dst[_all(index)].copy_(src)
+
+
+def _all(index) -> slice:
+    """A ``Rows`` that is not an index tensor, as a slice (None: every row)."""
+    return slice(None) if index is None else index
+
+
+def gather(x: torch.Tensor, index) -> torch.Tensor:
+    """The rows ``index`` (``Rows``) of ``x``: a view for None or a run, a copy for an index."""
+    return x.index_select(0, index) if isinstance(index, torch.Tensor) else x[_all(index)]
+
+
+__all__ = ["Accumulator", "CallMerge", "KeyGradients", "MergePlan", "Result", "add_rows", "gather", "set_rows"]

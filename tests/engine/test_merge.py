@@ -1,0 +1,115 @@
+"""Where a kernel call's rows go (``blockdiag_cp.merge``): straight into the result, or merged in float32.
+
+``MergePlan.of`` against a recount from the call tables; the op in bfloat16 at cp 2 keeps float32
+buffers only as large as the rows several calls attend, and its output and gradients stay within
+bfloat16's tolerance of the fp64 reference.
+"""
+
+import pytest
+import torch
+
+from megatron_ext.blockdiag_cp.merge import MergePlan
+from megatron_ext.testing import pool_fixture, reference_attention, runs_to_doc_ids
+
+
+def _rows(index, n):
+    """A ``Rows`` (None, slice or tensor) over n rows as the list of rows it names."""
+    if index is None:
+        return list(range(n))
+    if isinstance(index, slice):
+        return list(range(n))[index]
+    return index.tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_plan_against_a_recount_of_the_calls(seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = int(torch.randint(1, 40, (1,), generator=g))
+    steps = []
+    for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+        calls = []
+        for _ in range(int(torch.randint(0, 3, (1,), generator=g))):
+            picked = torch.randperm(rows, generator=g)[:int(torch.randint(1, rows + 1, (1,), generator=g))]
+            if seed % 2:  # runs, as most calls' rows are
+                start = int(torch.randint(0, rows, (1,), generator=g))
+                picked = torch.arange(start, int(torch.randint(start + 1, rows + 1, (1,), generator=g)))
+            calls.append(torch.sort(picked).values)
+        steps.append(calls)
+    also = torch.tensor([0]) if seed == 5 else None
+    plan = MergePlan.of(steps, rows, "cpu", also_merged=also)
+
+    writers = [0] * rows
+    for calls in steps:
+        for rows_of_call in calls:
+            for r in rows_of_call.tolist():
+                writers[r] += 1
+    merged = [r for r in range(rows) if writers[r] >= 2 or (also is not None and r == 0)]
+    assert _rows(plan.merged, rows) == merged if merged else plan.merged_count == 0
+    assert plan.merged_count == len(merged)
+    assert plan.covered == all(w > 0 for w in writers)
+    seen = set()
+    for calls, shares in zip(steps, plan.calls):
+        assert len(calls) == len(shares)
+        for rows_of_call, share in zip(calls, shares):
+            call_rows = rows_of_call.tolist()
+            mine = [r for r in call_rows if r in merged]
+            assert share.writes == (len(mine) < len(call_rows))
+            assert share.merges == bool(mine)
+            if mine:
+                # the call's merged rows, in its order, land on their buffer rows
+                assert [call_rows[i] for i in _rows(share.source, len(call_rows))] == mine
+                assert _rows(share.target, plan.merged_count) == [merged.index(r) for r in mine]
+                assert share.fresh == (not seen & set(mine))
+                seen |= set(mine)
+
+
+# -- the op in bfloat16 at cp 2 ------------------------------------------------------------------------
+
+pool2 = pool_fixture(2)
+
+
+def _short_then_long(S: int = 256) -> torch.Tensor:
+    runs = [(i + 1, 9 + (5 * i) % 13) for i in range(12)]
+    return runs_to_doc_ids(runs + [(99, S - sum(n for _, n in runs))])
+
+
+def bf16_case(exchange):
+    """Float32 buffers the forward allocates (their first dims), the rows merged, and the errors of out
+    and dq / dk / dv in bfloat16 against the fp64 reference."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.chunks import chunk_kind
+    from megatron_ext.testing.op_counter import OpCounter, OpEvent
+
+    ids = _short_then_long()
+    S = ids.shape[-1]
+    g = torch.Generator().manual_seed(11)
+    q, k, v, w = (torch.randn(S, 1, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = reference_attention(*ref, ids)
+    (out_ref * w).sum().backward()
+    state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange=exchange, attn_backend="dense")
+    local = [state.shard(t).to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    counter = OpCounter(log=True)
+    with bdcp.blockdiag_cp_step(state), counter:
+        with counter.region("forward"):
+            out = bdcp.blockdiag_cp_attention(*local)
+        (out.double() * state.shard(w)).sum().backward()
+    fp32_rows = sorted({e.outputs[0][0][0] for e in counter.counts["forward"].events
+                        if isinstance(e, OpEvent) and e.outputs and e.outputs[0][1] == torch.float32
+                        and len(e.outputs[0][0]) == 3})
+    merged = state.merges_on(chunk_kind(state.kv_exchange), torch.device("cpu")).merged_count
+
+    def rel(a, b):
+        return float((a.double() - b).abs().max() / b.abs().max())
+
+    errors = [rel(out, state.shard(out_ref.detach()))] + [rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref)]
+    return {"fp32_rows": fp32_rows, "merged": merged, "rows": state.local_len, "errors": errors}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange", ["a2a", "allgather"])
+def test_bf16_op_keeps_float32_only_for_merged_rows(pool2, exchange):
+    for rank, r in enumerate(pool2.run(bf16_case, exchange)):
+        assert 0 < r["merged"] < r["rows"], (rank, r)  # the long document's rows are merged, the short ones not
+        assert r["fp32_rows"] and max(r["fp32_rows"]) <= r["merged"], (rank, r)  # no [rows, H, D] float32 buffer
+        assert max(r["errors"]) < 2e-2, (rank, r)  # bfloat16's tolerance
