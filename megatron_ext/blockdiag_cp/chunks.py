@@ -3,7 +3,7 @@
 A rank attends its queries to one chunk of keys at a time and merges the partial
 outputs by their log-sum-exp, so it never holds more than a few chunks of remote
 K/V. A chunk is a key range of one source rank's K/V, at most ``chunk_rows``
-positions (an eighth of a shard): a long document's keys arrive in pieces, so the
+positions (half a shard): a long document's keys arrive in pieces, so the
 buffers in flight stay a fraction of a shard however many ranks it spans.
 
     step 0         the rank's own K/V (nothing to wait for)
@@ -84,10 +84,13 @@ class CallPlan:
         return total
 
 
-# A source's K/V arrives in chunks of at most ceil(local_len / CHUNKS_PER_SHARD) positions: with 8, the
+# A source's K/V arrives in chunks of at most ceil(local_len / CHUNKS_PER_SHARD) positions. A query row
+# merges once per chunk it sees, so the chunk's keys set what a merge costs against the kernel (on an
+# H200 a float32 merge pass costs about as much as attending ~1k keys: bench gpu_model); with 2, the
 # buffers a rank holds while the steps stream (the chunk computing, the next in flight, its gradient and
-# the last one going home) stay below what its own K/V step needs, so peak memory shrinks as 1 / cp.
-CHUNKS_PER_SHARD = 8
+# the last one going home) stay about its own K/V's size (2 chunks of half a shard at once), so peak
+# memory still shrinks as 1 / cp.
+CHUNKS_PER_SHARD = 2
 
 
 def chunk_rows_for(local_len: int) -> int:
@@ -305,18 +308,10 @@ def _exclusive(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
+def _emit(t: _Segments, diag: torch.Tensor, rank: int, R: int
           ) -> Dict[Tuple[int, int], Tuple[CallPlan, ...]]:
-    """Per (source, chunk), its kernel calls; a remote full call of more than ``cap`` query rows is cut
-    into calls of at most ``cap`` rows (segments cut too, keeping their keys).
-
-    A chunk's keys are an eighth of a shard at most; its queries need not be (a long document's
-    pieces see every chunk before them). Capping the rows per call keeps what a call gathers and
-    returns (q, out, dout and dq of its rows) as small. Windowed (banded) calls and the own
-    chunk's are left whole. A capped call's segments are cut into *bits* of ``cap`` rows and a
-    remainder, packed greedily in order (a call takes bits while its rows stay <= cap), so a
-    segment of more than ``cap`` rows closes the call before each of its bits, and a call holds
-    at most one bit of each segment: its segments are consecutive.
+    """Per (source, chunk), its kernel calls, each call whole: every query row that sees the chunk's keys
+    through one segment table, so a chunk costs at most two kernel calls (and a row one merge per chunk).
 
     Index tensors: a call's q_index is a slice of ``diag`` when its rows form one range of it,
     else a slice of one gather of every such call's rows; k_index a slice of an arange when its
@@ -327,39 +322,12 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
     if n_calls == 0:
         return {}
     seg_voff = _exclusive(t.seg_q)  # each segment's first row in the virtual concatenation of all
-    call_q = seg_voff[t.call_seg[1:]] - seg_voff[t.call_seg[:-1]]
-    capped = (t.call_src != rank) & (t.call_window < 0) & (call_q > cap)
-    seg_capped = np.repeat(capped, t.call_seg[1:] - t.call_seg[:-1])
-    whole = not (seg_capped & (t.seg_q > cap)).any()
-    if whole:
-        # No segment is cut (none of a 1M / cp 64 THD plan's): the bits are the segments, their tables
-        # views of the segments' (a dozen fewer arrays as long as the segments: fresh memory, ~5 ms there).
-        bit_seg = np.arange(n_seg)
-        bit_v, bit_m, bit_end, call_bit = seg_voff[:-1], t.seg_q, seg_voff[1:], t.call_seg
-    else:
-        nb = np.where(seg_capped, (t.seg_q + cap - 1) // cap, 1)  # bits per segment
-        bit_first = _exclusive(nb)
-        bit_seg = repeat_arange(nb)
-        bit_j = np.arange(bit_seg.size) - bit_first[bit_seg]
-        bit_v = seg_voff[bit_seg] + bit_j * cap  # bits tile the virtual rows in order
-        bit_m = np.where(seg_capped[bit_seg], np.minimum(cap, t.seg_q[bit_seg] - bit_j * cap), t.seg_q[bit_seg])
-        bit_end = bit_v + bit_m
-        call_bit = bit_first[t.call_seg]  # [calls + 1]
-
-    # Calls of bits: the whole call, or greedy runs of at most ``cap`` rows: from bit i, the call
-    # takes bits i .. nxt(i) - 1, the most whose rows stay <= cap (bit ends are the rows' prefix sums).
-    # nxt is searched only at the bits the chains visit (one per call they give), not at every bit,
-    # and every capped call's chain steps at once: one search per step of the longest chain, not
-    # one per call given (~700 numpy calls of a 1M / cp 64 THD plan).
+    # A call's bits are its segments: their tables are views of the segments'.
+    bit_seg = np.arange(n_seg)
+    bit_v, bit_m, bit_end, call_bit = seg_voff[:-1], t.seg_q, seg_voff[1:], t.call_seg
     bit_call = repeat_arange(call_bit[1:] - call_bit[:-1])
     starts = np.zeros(bit_seg.size, dtype=bool)
-    starts[call_bit[:-1][~capped]] = True  # an uncapped call is one call
-    at, stop = call_bit[:-1][capped], call_bit[1:][capped]  # each capped call's chain: where it is, its end
-    while at.size:
-        starts[at] = True
-        at = np.minimum(bit_end.searchsorted(bit_v[at] + cap, side="right"), stop)  # > at: a bit is <= cap rows
-        going = at < stop
-        at, stop = at[going], stop[going]
+    starts[call_bit[:-1]] = True  # a call is one kernel call, whatever its rows
     sub_lo = starts.nonzero()[0]
     sub_call = bit_call[sub_lo].tolist()
     n_sub = sub_lo.size
@@ -374,7 +342,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, cap: int, R: int
         # one piece and the searches below (most of the cost at cp x documents segments: THD) are not
         # needed. The pairs' virtual rows are then the segments' (seg_voff), a whole segment's piece its pair.
         piece_len, piece_sub = bit_m, bit_sub
-        piece_a = t.pair_a if whole else t.pair_a[bit_seg] + bit_v - seg_voff[bit_seg]
+        piece_a = t.pair_a
     else:
         pair_v = _exclusive(t.pair_n)[:-1]
         first = pair_v.searchsorted(bit_v, side="right") - 1
@@ -631,7 +599,7 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
                                       *(torch.from_numpy(x) for x in (row, ds, pa, pb, q_off)), mine_flat)
         else:
             segs = _full_segments(kind, runs, rank, intervals, c, R, row, doc, ds, pa, q_off, n_q, mine_flat)
-        calls = _emit(segs, diag, rank, c, R)
+        calls = _emit(segs, diag, rank, R)
         lens = tuple(n_q.tolist())
         causal = CallPlan(True, diag, diag, lens, lens,
                           window if window is not None and int(n_q.max()) > window + 1 else None)

@@ -177,33 +177,6 @@ def _windowed_calls(kind: str, runs: RankRuns, rank: int, counts, intervals, win
     return out
 
 
-def _cap_query_rows(call: CallPlan, cap: int) -> List[CallPlan]:
-    """A remote full call cut into calls of at most ``cap`` query rows (segments cut too, keeping their keys).
-
-    A chunk's keys are an eighth of a shard at most; its queries need not be (a long document's
-    pieces see every chunk before them). Capping the rows per call keeps what a call gathers and
-    returns (q, out, dout and dq of its rows) as small. Windowed calls are left whole.
-    """
-    if call.window is not None or call.causal or sum(call.q_lens) <= cap:
-        return [call]
-    q_parts = call.q_index.split(list(call.q_lens))
-    k_parts = call.k_index.split(list(call.k_lens))
-    out, q_acc, k_acc, ql, kl, rows = [], [], [], [], [], 0
-    for qs, ks in zip(q_parts, k_parts):
-        for start in range(0, qs.numel(), cap):
-            piece = qs[start:start + cap]
-            if rows + piece.numel() > cap and ql:
-                out.append(CallPlan(False, torch.cat(q_acc), torch.cat(k_acc), tuple(ql), tuple(kl)))
-                q_acc, k_acc, ql, kl, rows = [], [], [], [], 0
-            q_acc.append(piece)
-            k_acc.append(ks)
-            ql.append(piece.numel())
-            kl.append(ks.numel())
-            rows += piece.numel()
-    out.append(CallPlan(False, torch.cat(q_acc), torch.cat(k_acc), tuple(ql), tuple(kl)))
-    return out
-
-
 def reference_build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
                       counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                       window: Optional[int] = None) -> StreamPlan:
@@ -247,6 +220,5 @@ def reference_build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRun
         src = (rank - i) % cp
         delivered = L if kind == "ring" else int(counts[src, rank])
         n = max(0, min(c, delivered - j * c))
-        remote = tuple(piece for call in calls.get((src, j), ()) for piece in _cap_query_rows(call, c))
-        steps.append(Step(i, j, src, j * c, n, remote))
+        steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))

@@ -47,8 +47,9 @@ def _covered_pairs(plan, lay, kind, R, window=None):
         assert step.round == 0 or all(not call.causal for call in step.calls)
         if step.round == 0 and window is None:
             assert len(step.calls) <= 2  # the earlier local pieces (full), the diagonal (causal)
-        if step.round > 0 and window is None:  # a remote call gathers a quarter shard of queries at most
-            assert all(sum(call.q_lens) <= c for call in step.calls), step
+        if step.round > 0 and window is None:  # a received chunk: at most two calls, each row once
+            assert len(step.calls) <= 2, step
+            assert sum(sum(call.q_lens) for call in step.calls) <= stream.local_len * R, step
         for call in step.calls:
             # The op merges a call's outputs into its query rows by index: a row twice in one call
             # would keep only one of its segments.

@@ -163,8 +163,8 @@ def test_ring_sends_home_only_the_gradients_the_plan_says_were_produced(pool2, p
     for rank, r in enumerate(results):
         assert r["sent"][0] == r["sent"][1] and r["received"][0] == r["received"][1], (rank, r)
         assert max(r["errors"]) < 1e-12, (rank, r["errors"])
-    # Short documents: most pieces hold no key another rank attends (each once sent home regardless).
-    assert sum(r["sent"][0] for r in results) < sum(r["every_piece"] for r in results) / 2, results
+    # Short documents: some pieces hold no key another rank attends, and their gradients stay home.
+    assert sum(r["sent"][0] for r in results) < sum(r["every_piece"] for r in results), results
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -210,11 +210,11 @@ def _summary(kernel_calls, launching, transfers, syncs):
 # Per exchange, per rank: (forward, backward) of a later layer call, refetch, on ``_mix(128)``
 # (zigzag, GQA 4 / 2 heads of 8, fp32, dense kernel); cp 2, hierarchical at cp 4 = 2 nodes x 2.
 PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host syncs)
-    "allgather": [((5, 44, 16, 0), (5, 30, 19, 0)), ((3, 28, 16, 0), (3, 24, 19, 0))],
-    "a2a": [((5, 42, 3, 0), (5, 28, 6, 0)), ((3, 23, 3, 0), (3, 19, 6, 0))],
-    "halo": [((5, 42, 3, 0), (5, 28, 6, 0)), ((3, 23, 3, 0), (3, 19, 6, 0))],
-    "hierarchical": [((25, 203, 5, 0), (25, 113, 10, 0)), ((12, 99, 7, 0), (12, 71, 14, 0)),
-                     ((9, 75, 6, 0), (9, 71, 12, 0)), ((7, 59, 4, 0), (7, 47, 8, 0))],
+    "allgather": [((2, 16, 4, 0), (2, 15, 6, 0)), ((2, 16, 4, 0), (2, 15, 6, 0))],
+    "a2a": [((2, 17, 2, 0), (2, 17, 4, 0)), ((2, 17, 2, 0), (2, 17, 4, 0))],
+    "halo": [((2, 17, 2, 0), (2, 17, 4, 0)), ((2, 17, 2, 0), (2, 17, 4, 0))],
+    "hierarchical": [((3, 29, 5, 0), (3, 36, 10, 0)), ((3, 31, 7, 0), (3, 37, 14, 0)),
+                     ((3, 31, 6, 0), (3, 37, 12, 0)), ((2, 21, 4, 0), (2, 30, 8, 0))],
 }
 
 

@@ -3,7 +3,7 @@
 The builder was rewritten for speed (issue 19 item 4: slices of shared index tensors instead of
 materializing every call's rows); the kernel calls, their order, index tensors, lengths and
 windows must not change. Random document ids with padding holes and all-padding ranks, one to
-three rows, short and long documents (calls capped at a chunk's rows), windows from 0 to past a
+three rows, short and long documents, windows from 0 to past a
 shard, every layout and cp 1-8, every rank and both chunk kinds.
 """
 
@@ -75,15 +75,17 @@ def _compare(ids, layout, cp, window, counters):
             _assert_same(new, old, (layout, cp, window, rank, kind, ids.shape))
             _assert_same(plan.stream[kind], old, (layout, cp, window, rank, kind, ids.shape, "build_plan"))
             counters["calls"] += sum(len(s.calls) for s in new.steps)
-            counters["capped"] += sum(sum(c.q_lens) == new.chunk_rows and not c.causal
-                                      for s in new.steps[1:] for c in s.calls)
+            if window is None:  # a window's banded calls are one per band edge (the kernels take one window)
+                counters["most_calls_remote"] = max([counters["most_calls_remote"]] +
+                                                    [len(s.calls) for s in new.steps[1:]])
+                counters["most_calls_own"] = max(counters["most_calls_own"], len(new.steps[0].calls))
             counters["empty_rank"] += int(not new.steps[0].calls)
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_stream_plan_equals_the_reference_builder(seed):
     g = torch.Generator().manual_seed(100 + seed)
-    counters = {"calls": 0, "capped": 0, "empty_rank": 0}
+    counters = {"calls": 0, "most_calls_remote": 0, "most_calls_own": 0, "empty_rank": 0}
     for cp in range(1, 9):
         R = int(torch.randint(1, 4, (1,), generator=g))
         S = int(torch.randint(8, 40 * cp + 60, (1,), generator=g))
@@ -99,19 +101,19 @@ def test_stream_plan_equals_the_reference_builder(seed):
             ids = _thd_ids(torch.randint(1, 12 * cp, (int(torch.randint(1, 8, (1,), generator=g)),),
                                          generator=g).tolist(), cp)
             _compare(ids, "thd", cp, window, counters)
-    # The cases reach capped calls and ranks with no real query.
+    # The cases reach ranks with no real query; without a window a received chunk costs at most two kernel
+    # calls, and so do the local keys.
     assert counters["calls"] > 0
-    if seed:
-        assert counters["capped"] > 0, counters
+    assert counters["most_calls_remote"] <= 2 and counters["most_calls_own"] <= 2, counters
     if seed % 2:
         assert counters["empty_rank"] > 0, counters
 
 
 def test_one_long_document_at_cp_8_equals_the_reference_builder():
-    # The shape the rewrite is for: a document over every rank, so every remote call is capped.
+    # The shape the rewrite is for: a document over every rank, whose every remote chunk all later rows see.
     ids = torch.ones(1, 8 * 64, dtype=torch.long)
-    counters = {"calls": 0, "capped": 0, "empty_rank": 0}
+    counters = {"calls": 0, "most_calls_remote": 0, "most_calls_own": 0, "empty_rank": 0}
     for layout in ("contiguous", "zigzag", "balanced"):
         for window in (None, 40, 200):
             _compare(ids, layout, 8, window, counters)
-    assert counters["capped"] > 0
+    assert counters["most_calls_remote"] <= 2 and counters["most_calls_own"] <= 2, counters
