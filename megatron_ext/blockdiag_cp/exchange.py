@@ -30,9 +30,13 @@ r needs rows of (``RingGradients``, from the plan's needed exchange: the other p
 gradients are zero, and their home posts no receive for them), and with ``kv_backward="refetch"``
 moves the chunks again the same way instead of keeping them. Every transfer is counted from the tensors actually moved, and
 the time a rank spends waiting for a transfer (what compute did not hide) is
-recorded as exposed communication.
+recorded as exposed communication (``exposed_wait``): on the host for gloo, whose
+waits block it; with CUDA events around the wait on a device, where a wait only
+makes the stream wait (the host would read about 0 whatever the overlap), read
+back by ``resolve_waits`` when the figures are wanted, never during a step.
 """
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -53,6 +57,40 @@ def stage_collectives_on_cpu() -> bool:
     return os.environ.get(STAGE_COLLECTIVES_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+EVENTS_SUFFIX = "_events"  # stats[key + EVENTS_SUFFIX]: CUDA event pairs of waits not read back yet
+
+
+@contextlib.contextmanager
+def exposed_wait(stats: Dict, key: str, device: torch.device):
+    """Time the wait inside into ``stats[key]`` (seconds): host time, or on a CUDA device (transfers not
+    staged through the CPU) a pair of CUDA events around it on the current stream, kept under
+    ``key + EVENTS_SUFFIX`` until ``resolve_waits``: the stream's stall there is the exposed time."""
+    if device.type == "cuda" and not stage_collectives_on_cpu():
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        stats.setdefault(key + EVENTS_SUFFIX, []).append((start, end))
+        stats.setdefault(key, 0.0)
+        return
+    t0 = time.perf_counter()
+    yield
+    stats[key] = stats.get(key, 0.0) + time.perf_counter() - t0
+
+
+def resolve_waits(stats: Dict) -> Dict:
+    """Add the CUDA-event waits recorded so far into their keys (waits for the events: call it after a
+    step, not inside one); returns ``stats``."""
+    for pending in [name for name in stats if name.endswith(EVENTS_SUFFIX)]:
+        pairs = stats.pop(pending)
+        key = pending[:-len(EVENTS_SUFFIX)]
+        for start, end in pairs:
+            end.synchronize()
+            stats[key] = stats.get(key, 0.0) + start.elapsed_time(end) / 1e3  # ms
+    return stats
+
+
 def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -66,10 +104,9 @@ class Transfer:
 
     def wait(self) -> Optional[torch.Tensor]:
         """The received tensor (None when nothing was received), after every transfer finished."""
-        start = time.perf_counter()
-        for req in self._requests:
-            req.wait()
-        self._stats[self._key] = self._stats.get(self._key, 0.0) + time.perf_counter() - start
+        with exposed_wait(self._stats, self._key, self._device):
+            for req in self._requests:
+                req.wait()
         self._requests = []
         received = self._received
         if received is not None and received.device != self._device:
@@ -277,13 +314,11 @@ class HierarchicalTransport:
 
     def delivered(self) -> torch.Tensor:
         if self._buffer is None:
-            t0 = time.perf_counter()
             moving, self._moving = self._moving, None
-            self._buffer = moving.wait()
+            with exposed_wait(self.stats, self.prefix + "wait_seconds", self.k.device):
+                self._buffer = moving.wait()
             for key in ("bytes_sent", "bytes_received", "bytes_inter_node_sent", "bytes_inter_node_received"):
                 self.stats[self.prefix + key] = self.stats.get(self.prefix + key, 0) + moving.stats[key]
-            self.stats[self.prefix + "wait_seconds"] = (self.stats.get(self.prefix + "wait_seconds", 0.0)
-                                                         + time.perf_counter() - t0)
         return self._buffer
 
     def received(self, chunk) -> None:
@@ -312,13 +347,12 @@ class HierarchicalTransport:
             width = self.k.shape[2] * self.k.shape[3] + self.v.shape[2] * self.v.shape[3]
             self._grad = torch.zeros((self.route.out_rows, self.k.shape[1], width), dtype=self.k.dtype,
                                      device=self.k.device)
-        t0 = time.perf_counter()
         moved: Dict = {}
-        dkv.add(None, route_backward(self._grad, self.route, self.group, False, moved))
+        with exposed_wait(self.stats, "backward_wait_seconds", self.k.device):
+            back = route_backward(self._grad, self.route, self.group, False, moved)
+        dkv.add(None, back)
         for key in ("grad_bytes_sent", "grad_bytes_received"):
             self.stats["backward_" + key] = self.stats.get("backward_" + key, 0) + moved[key]
-        self.stats["backward_wait_seconds"] = (self.stats.get("backward_wait_seconds", 0.0)
-                                               + time.perf_counter() - t0)
 
 
 @dataclass(frozen=True)
@@ -368,4 +402,4 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
 
 
 __all__ = ["RingTransport", "RingGradients", "NeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows",
-           "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV"]
+           "exposed_wait", "resolve_waits", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV"]

@@ -120,7 +120,9 @@ def memory_worker(cfg: Dict) -> Dict:
     if cfg["kernel"] == "dense" and cfg.get("timed", True):
         dist.barrier()
         fwd_s, bwd_s = layer(False)
-        stats = state.comm_stats
+        from megatron_ext.blockdiag_cp.exchange import resolve_waits
+
+        stats = resolve_waits(state.comm_stats)  # CUDA-event waits read back after the step
         waits = stats.get("wait_seconds", 0.0) + stats.get("backward_wait_seconds", 0.0)
         compute = stats.get("compute_seconds", 0.0) + stats.get("backward_compute_seconds", 0.0)
         result.update(forward_seconds=fwd_s, backward_seconds=bwd_s, wait_seconds=waits, compute_seconds=compute,
