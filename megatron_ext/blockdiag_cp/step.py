@@ -288,6 +288,7 @@ class BlockDiagCPState:
         self.backend_explicit = backend_explicit  # fallbacks log WARNING (explicit) or INFO (default)
         self.comm_stats: Dict[str, int] = {}
         self.kv_row_bytes: Optional[int] = None
+        self.loopback = None  # testing.loopback.Loopback: this rank's transfers handed over in one process
         self.kernel_failures: list = []
         self.agreed_signatures: set = set()  # q/k/v signatures every CP rank agreed on (attention_op)
         self._window_plans: Dict[int, StepPlan] = {}

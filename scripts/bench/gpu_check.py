@@ -25,6 +25,11 @@ Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
   peak CUDA memory added by one layer's forward + backward (``max_memory_allocated`` above
   what was allocated before), the busiest rank's peak at cp=4 against cp=2 (target <= 0.6x),
   and what forward leaves for backward against the local q/k/v/out.
+- loopback_cp8: one rank of cp = 8 in one process (``megatron_ext.testing.loopback``: rank r's real
+  plan, its chunks handed over on the device, torch's fake process group for the agreements) on
+  128k tokens with the timing heads, one long document and the short mix, a2a: kernel calls,
+  launching ops and syncs per layer call, forward + backward wall ms (CUDA-synchronized) and the
+  host's own ms issuing it, for ranks 0 and 7.
 - te: not run (and said so) unless transformer_engine imports.
 
 How cp ranks share one GPU: NCCL refuses two ranks on one device, so each accuracy check
@@ -107,7 +112,9 @@ def w_memory(dry_run, backend):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
-            stats = state.comm_stats
+            from megatron_ext.blockdiag_cp.exchange import resolve_waits
+
+            stats = resolve_waits(state.comm_stats)  # CUDA-event waits read back after the step
             row["exposed_comm_fraction"] = round(
                 (stats["wait_seconds"] + stats["backward_wait_seconds"])
                 / max(1e-9, stats["forward_seconds"] + stats["backward_seconds"]), 4)
@@ -455,6 +462,40 @@ def run_engine(dry_run, backends, emit, peak):
     return ok_all
 
 
+def run_loopback(dry_run, emit, deadline):
+    """One rank of cp = 8 per process, its chunks handed over on the device: calls, wall and host ms."""
+    import subprocess
+    import sys
+
+    cfg = sizes(dry_run)
+    S = 2048 if dry_run else 131072
+    hq, hkv, d = cfg["time_heads"]
+    ok = True
+    for mix in ("single", "short"):
+        for rank in (0, 7):
+            if time.time() > deadline:
+                emit({"check": "loopback_cp8", "mix": mix, "rank": rank, "passed": False,
+                      "error": "skipped: out of time"})
+                return False
+            cmd = [sys.executable, "-m", "megatron_ext.testing.loopback", "--cp", "8", "--rank", str(rank),
+                   "--S", str(S), "--mix", mix, "--exchange", "a2a", "--heads", str(hq), str(hkv),
+                   "--head-dim", str(d)] + (["--device", "cpu"] if dry_run else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  timeout=max(30.0, min(180.0, deadline - time.time())))
+            if proc.returncode:
+                emit({"check": "loopback_cp8", "mix": mix, "rank": rank, "passed": False,
+                      "error": proc.stderr[-2000:]})
+                ok = False
+                continue
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            line = {"check": "loopback_cp8", "mix": mix, "S": S, **got,
+                    "fwd_bwd_ms": round(got["fwd_bwd_ms"], 3), "host_ms": round(got["host_ms"], 3)}
+            line["passed"] = got["syncs"] == [0, 0]
+            ok &= line["passed"]
+            emit(line)
+    return ok
+
+
 def run_kernel_timing(dry_run, backends, emit, deadline, peak):
     from megatron_ext.testing.timing import time_kernels, useful_tflops
 
@@ -558,6 +599,7 @@ def run(dry_run=False, budget_s=420.0, skip=(), block_megatron=False, log=print)
                   ("thd_indices", lambda: run_thd_indices(emit) if not dry_run else True),
                   ("engine", lambda: run_engine(dry_run, backends, emit, peak.get("tflops"))),
                   ("memory", lambda: run_memory(dry_run, backends, emit, deadline)),
+                  ("loopback_cp8", lambda: run_loopback(dry_run, emit, deadline)),
                   ("timing", lambda: run_kernel_timing(dry_run, backends, emit, deadline, peak.get("tflops"))))
         for name, fn in checks:
             if name.split("_")[0] in skip:

@@ -573,6 +573,9 @@ def test_gpu_check_dry_run(tmp_path):
     env_line = by_check["env"][0]
     assert env_line["engine_imported_megatron"] == [] and env_line["megatron_core_installed"] is False
     assert by_check["te"][0]["status"] == "not_run"  # no TransformerEngine here: said so, not faked
+    loopback = by_check["loopback_cp8"]  # one rank of cp 8 per process, chunks handed over on its device
+    assert {(r["mix"], r["rank"], r["cp"]) for r in loopback} == {(m, r, 8) for m in ("single", "short") for r in (0, 7)}
+    assert all(r["syncs"] == [0, 0] and min(r["kernel_calls"]) >= 1 and r["fwd_bwd_ms"] > 0 for r in loopback)
     accuracy = by_check["accuracy"]
     assert len(accuracy) == 2 * 3 * 9 * 2  # cp x cases (mix, rows2, variants) x layout-exchange x backends
     assert {(a["cp"], a["layout"], a["exchange"], a["backend"]) for a in accuracy} == {

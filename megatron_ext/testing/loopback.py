@@ -1,0 +1,197 @@
+"""One CP rank's real plan in one process: the streamed op at any cp, K/V handed over on the device.
+
+``run_rank`` builds rank r's state under torch's fake process group (its collectives leave each
+tensor as this rank made it, so every agreement reads as if the peers agreed: they would hold
+the same doc ids and knobs) and gives it a ``Loopback``: the chunks rank r would receive are cut
+from the whole K/V on r's device before the layer runs (``prepare``), a step's transfer hands
+over the ready chunk, and each K/V gradient that would come home is zeros (the other ranks are
+not computed). So one device runs a rank's kernel calls, merges and host work at cp 8 in one
+process (the GPU check): out and dq are rank r's exactly; dK/dV are its own share only.
+
+    python -m megatron_ext.testing.loopback --cp 8 --rank 3 --S 131072 --mix single
+"""
+
+import argparse
+import json
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..blockdiag_cp.exchange import NeededTransport, RingTransport
+
+
+class _Ready:
+    """A transfer that has landed: ``wait`` returns its tensor (None: nothing moves)."""
+
+    def __init__(self, tensor: Optional[torch.Tensor]):
+        self._tensor = tensor
+
+    def wait(self) -> Optional[torch.Tensor]:
+        return self._tensor
+
+
+class _Handover:
+    """The transports' step logic (pieces, rows, which gradients come home), transfers replaced."""
+
+    def __init__(self, chunks: Dict, zeros: torch.Tensor):
+        self.chunks, self.zeros = chunks, zeros
+
+    def start(self, step):
+        return _Ready(self.chunks.get(step))
+
+    def send_gradient(self, step, grad_chunk, like):
+        rows, incoming = self.sent_rows(step)
+        return _Ready(self.zeros[:incoming] if incoming else None), rows
+
+
+class _NeededHandover(_Handover, NeededTransport):
+    def __init__(self, chunks, zeros, *args):
+        NeededTransport.__init__(self, *args)
+        _Handover.__init__(self, chunks, zeros)
+
+
+class _RingHandover(_Handover, RingTransport):
+    def __init__(self, chunks, zeros, *args):
+        RingTransport.__init__(self, *args)
+        _Handover.__init__(self, chunks, zeros)
+
+
+class Loopback:
+    """``state.loopback``: rank r's transports over chunks cut beforehand from the whole K/V."""
+
+    def __init__(self, state, k_full: torch.Tensor, v_full: torch.Tensor):
+        self.state, self.k_full, self.v_full = state, k_full, v_full
+        self._chunks: Dict = {}
+
+    def _positions(self, kind: str, plan, step) -> torch.Tensor:
+        """Global positions of the chunk rank r receives at ``step`` (round i, piece j)."""
+        i, j = step
+        state, c = self.state, plan.stream[kind].chunk_rows
+        src = (state.rank - i) % state.cp
+        whole = (state.layout.rank_positions(src) if kind == "ring"
+                 else plan.exchange.recv_positions[src])  # the needed rows arrive ascending
+        return whole[j * c:(j + 1) * c]
+
+    def prepare(self, kind: str, window: Optional[int] = None) -> Dict:
+        """Every chunk of the step plan (kind, window), fused [n, b, Hkv * (Dk + Dv)] on the K/V's device."""
+        key = (kind, window)
+        if key not in self._chunks:
+            plan = self.state.plan_for(window)
+            chunks = {}
+            for step in plan.stream[kind].steps[1:]:
+                at = (step.round, step.piece)
+                pos = self._positions(kind, plan, at).to(self.k_full.device)
+                if pos.numel():
+                    k, v = self.k_full.index_select(0, pos), self.v_full.index_select(0, pos)
+                    chunks[at] = torch.cat([k, v], dim=-1).reshape(k.shape[0], k.shape[1], -1)
+            self._chunks[key] = chunks
+        return self._chunks[key]
+
+    def transport(self, kind: str, k, v, state, plan, stats: Dict, prefix: str):
+        """What ``attention_op`` asks its transport for, with the chunks handed over."""
+        chunks = self.prepare(kind, plan.window)
+        width = k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]
+        zeros = torch.zeros((state.local_len, k.shape[1], width), dtype=k.dtype, device=k.device)
+        chunk_rows = plan.stream[kind].chunk_rows
+        if kind == "ring":
+            return _RingHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats,
+                                 prefix, state.ring_gradients(plan.window))
+        return _NeededHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+                               state.send_indices_on(k.device, plan.window), plan.exchange.counts)
+
+
+def padded(state, x: torch.Tensor) -> torch.Tensor:
+    """x [S, ...] zero-padded to the state's padded length (global positions index it)."""
+    if x.shape[0] == state.padded_len:
+        return x
+    return torch.cat([x, x.new_zeros((state.padded_len - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+def fake_group(rank: int, cp: int) -> None:
+    """This process as rank ``rank`` of ``cp`` in torch's fake process group (no peers, no transfers)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("loopback: torch.distributed is already initialized in this process; run a rank's "
+                           "loopback in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+
+
+def loopback_state(ids: torch.Tensor, rank: int, cp: int, q, k, v, **build):
+    """(rank r's state with its ``Loopback``, r's q, k, v) from the whole q/k/v [S, b, h, d]."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    fake_group(rank, cp)
+    state = bdcp.BlockDiagCPState.build(ids, **build)
+    state.loopback = Loopback(state, padded(state, k), padded(state, v))
+    return state, state.shard(q), state.shard(k), state.shard(v)
+
+
+def run_rank(ids, rank: int, cp: int, heads=(32, 8), head_dim: int = 128, layers: int = 3, device="cpu",
+             dtype=torch.bfloat16, reps: int = 3, **build) -> Dict:
+    """Rank r's layer calls (forward + backward) through the loopback: kernel calls, and the steady calls'
+    wall time (CUDA-synchronized on a device)."""
+    from .op_counter import layer_calls
+
+    device = torch.device(device)
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(ids.shape[-1], 1, h, head_dim, generator=g).to(dtype).to(device) for h in (hq, hkv, hkv))
+    state, ql, kl, vl = loopback_state(ids, rank, cp, q, k, v, device=device, **build)
+    try:
+        counts = layer_calls(state, ql, kl, vl, layers=layers)
+        for kind in ("ring", "needed"):
+            state.loopback.prepare(kind)
+        import megatron_ext.blockdiag_cp as bdcp
+
+        wall: List[float] = []
+        host: List[float] = []
+        upstream = torch.ones_like(ql[..., :1]).expand(ql.shape[:3] + (vl.shape[-1],))
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0, h0 = time.perf_counter(), time.thread_time()
+            with bdcp.blockdiag_cp_step(state):
+                leaves = [t.detach().requires_grad_() for t in (ql, kl, vl)]
+                out = bdcp.blockdiag_cp_attention(*leaves)
+                out.backward(upstream)
+            host.append(time.thread_time() - h0)  # the host's own time issuing the layer (a device runs behind)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wall.append(time.perf_counter() - t0)
+        fwd, bwd = counts[1]
+        return {"rank": rank, "cp": cp, "kv_exchange": state.kv_exchange, "layout": state.layout.name,
+                "attn_backend": state.attn_backend, "local_len": state.local_len,
+                "kernel_calls": [fwd.kernel_calls, bwd.kernel_calls], "launching": [fwd.launching, bwd.launching],
+                "syncs": [fwd.syncs, bwd.syncs], "fwd_bwd_ms": sorted(wall)[len(wall) // 2] * 1e3,
+                "host_ms": sorted(host)[len(host) // 2] * 1e3}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    from .mixes import make_doc_ids
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cp", type=int, default=8)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--S", type=int, default=16384)
+    p.add_argument("--mix", default="single")
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--exchange", default="a2a")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--heads", type=int, nargs=2, default=(32, 8))
+    p.add_argument("--head-dim", type=int, default=128)
+    args = p.parse_args(argv)
+    ids = make_doc_ids(args.mix, args.S)
+    dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
+    print(json.dumps(run_rank(ids, args.rank, args.cp, heads=tuple(args.heads), head_dim=args.head_dim,
+                              device=args.device, dtype=dtype, layout=args.layout, kv_exchange=args.exchange,
+                              attn_backend="dense" if args.device == "cpu" else None)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
