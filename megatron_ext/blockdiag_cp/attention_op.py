@@ -136,7 +136,7 @@ class _StreamedAttention(torch.autograd.Function):
         acc_dtype = kernels.lse_dtype(q.dtype)
         merges = state.merges_on(kind, q.device, window, sink=softmax_offset is not None)
         result = Result(merges, geo.g * geo.hq, geo.dv, q.dtype, acc_dtype, q.device, with_lse=True)
-        acc = Accumulator(merges.merged_count, geo.g * geo.hq, geo.dv, acc_dtype, q.device)
+        acc = Accumulator(merges.merged_count, geo.g * geo.hq, geo.dv, acc_dtype, q.device, zeros=merges.needs_zeros)
         q_flat = geo.q_flat(q)
         aux: List = []
         failed = []
@@ -224,7 +224,8 @@ class _StreamedAttention(torch.autograd.Function):
         # float32 (the sink adds nothing to dq: all rows are merged then, as in forward)
         merges = state.merges_on(ctx.kind, q.device, ctx.window, sink=ctx.has_sink)
         dq = Result(merges, q_flat.shape[1], q_flat.shape[2], q.dtype, acc_dtype, q.device, with_lse=False)
-        dq_merged = torch.zeros((merges.merged_count,) + tuple(q_flat.shape[1:]), dtype=acc_dtype, device=q.device)
+        dq_merged = (torch.zeros if merges.needs_zeros else torch.empty)(
+            (merges.merged_count,) + tuple(q_flat.shape[1:]), dtype=acc_dtype, device=q.device)
         aux = iter(ctx.aux)
         failed = [ctx.failed]
 
@@ -232,7 +233,9 @@ class _StreamedAttention(torch.autograd.Function):
             """This step's dq into ``dq``; the own keys' gradients into ``keys`` (``KeyGradients``, step 0),
             else returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient."""
             t0 = time.perf_counter()
-            grad = geo.grad_chunk(n_rows, acc_dtype, q.device) if keys is None else None
+            # A received chunk whose one call reads every row in order: its gradient is that call's, as sent
+            whole = keys is None and len(step_calls) == 1 and step_calls[0].k_index is None
+            grad = geo.grad_chunk(n_rows, acc_dtype, q.device) if keys is None and not whole else None
             key_shares = keys.plan.calls[0] if keys is not None else step_merges  # the own calls' key rows
             for call, share, key_share in zip(step_calls, step_merges, key_shares):
                 a = next(aux)
@@ -256,6 +259,8 @@ class _StreamedAttention(torch.autograd.Function):
                         _add_rows(dq_merged, share.target, _gather(gq, share.source))
                 if keys is not None:
                     keys.take(ki, key_share, gk, gv)
+                elif whole:
+                    grad = torch.cat([gk, gv.to(gk.dtype)], dim=-1)  # [n * R, g * Hkv, Dk + Dv], k's dtype
                 else:
                     _add_rows(grad[..., :geo.dk], ki, gk)
                     _add_rows(grad[..., geo.dk:], ki, gv)
@@ -286,8 +291,10 @@ class _StreamedAttention(torch.autograd.Function):
                     chunk = saved[index] if index >= 0 else None
                 grad_chunk = None  # no call here: the transport sends zeros only where the home expects them
                 if calls[s]:
-                    grad_chunk = differentiate(calls[s], merges.calls[s], *geo.split(chunk), chunk.shape[0]).view(
-                        chunk.shape[0], geo.b, -1).to(k.dtype)
+                    grad_chunk = differentiate(calls[s], merges.calls[s], *geo.split(chunk), chunk.shape[0])
+                    if grad_chunk is None:  # the kernel failed: zeros go home, as every transfer still runs
+                        grad_chunk = geo.grad_chunk(chunk.shape[0], k.dtype, q.device)
+                    grad_chunk = grad_chunk.view(chunk.shape[0], geo.b, -1).to(k.dtype)
                 if in_flight is not None:  # one gradient transfer in flight: the last step's lands first
                     transport.settle(in_flight, dkv)
                 in_flight = transport.send_gradient((step.round, step.piece), grad_chunk, like)

@@ -46,6 +46,7 @@ class MergePlan:
     merged_count: int
     covered: bool  # every row is written by some call (else the rest stay zero)
     merged_mask: np.ndarray  # [rows] host: merged or not
+    needs_zeros: bool  # some merged row is merged into (or read) before a call copies it: the buffer starts at 0
     calls: List[List[CallMerge]]  # per step, per call, as ``stream_on`` orders them
 
     @classmethod
@@ -65,6 +66,7 @@ class MergePlan:
         slot = np.cumsum(merged) - 1  # a merged row's place in the buffer
         count = int(merged.sum())
         seen = np.zeros(rows, dtype=bool)
+        needs_zeros = False
         calls: List[List[CallMerge]] = []
         for step in steps:
             here = []
@@ -74,6 +76,7 @@ class MergePlan:
                 at = np.flatnonzero(mine)
                 if at.size:
                     fresh = not bool(seen[qi[at]].any())
+                    needs_zeros |= not fresh and not bool(seen[qi[at]].all())
                     seen[qi[at]] = True
                     here.append(CallMerge(bool(at.size < qi.size), True,
                                           device_rows(torch.from_numpy(at), qi.size, device),
@@ -82,15 +85,18 @@ class MergePlan:
                     here.append(CallMerge(True, False, None, None, False))
             calls.append(here)
         target = device_rows(torch.from_numpy(np.flatnonzero(merged)), rows, device) if count else None
-        return cls(rows, target, count, bool((writers > 0).all()) or every_row_merged, merged, calls)
+        needs_zeros |= not bool(seen[merged].all())  # a merged row no call writes (a ring piece's padding)
+        return cls(rows, target, count, bool((writers > 0).all()) or every_row_merged, merged, needs_zeros, calls)
 
 
 class Accumulator:
     """Online softmax over kernel calls on the merge buffer's rows: out and lse in float32."""
 
-    def __init__(self, rows: int, heads: int, dv: int, dtype, device):
-        self.out = torch.zeros(rows, heads, dv, dtype=dtype, device=device)
-        self.lse = torch.full((rows, heads), float("-inf"), dtype=dtype, device=device)
+    def __init__(self, rows: int, heads: int, dv: int, dtype, device, zeros: bool = True):
+        # zeros=False: every row's first call copies it (``MergePlan.needs_zeros``), so nothing is read unset
+        self.out = (torch.zeros if zeros else torch.empty)(rows, heads, dv, dtype=dtype, device=device)
+        self.lse = (torch.full((rows, heads), float("-inf"), dtype=dtype, device=device) if zeros
+                    else torch.empty(rows, heads, dtype=dtype, device=device))
 
     def merge(self, index: Rows, out: torch.Tensor, lse: torch.Tensor, fresh: bool) -> None:
         """Merge one call's [n, H, Dv] out and [n, H] lse into buffer rows ``index``: in place on a run
@@ -108,8 +114,8 @@ class Accumulator:
         old_out = self.out.index_select(0, index) if scattered else self.out[_all(index)]
         old_lse = self.lse.index_select(0, index) if scattered else self.lse[_all(index)]
         new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
-        old_out.mul_(torch.exp(old_lse - new_lse).unsqueeze(-1))
-        old_out.addcmul_(out, torch.exp(lse - new_lse).unsqueeze(-1))
+        # old * exp(old_lse - new_lse) + out * exp(lse - new_lse): the weights sum to 1, so one pass
+        old_out.lerp_(out, torch.exp(lse - new_lse).unsqueeze(-1))
         if scattered:
             self.out.index_copy_(0, index, old_out)
             self.lse.index_copy_(0, index, new_lse)
@@ -168,7 +174,8 @@ class KeyGradients:
         self.plan, self.dk_dim, self.R = plan, dk, rows
         self.dk = Result(plan, heads, dk, dtype, acc_dtype, device, with_lse=False)
         self.dv = Result(plan, heads, dv, dtype, acc_dtype, device, with_lse=False)
-        self.buffer = torch.zeros(plan.merged_count, heads, dk + dv, dtype=acc_dtype, device=device)
+        self.buffer = (torch.zeros if plan.needs_zeros else torch.empty)(plan.merged_count, heads, dk + dv,
+                                                                         dtype=acc_dtype, device=device)
         self.slot = slot  # [positions] a row's place in the buffer (-1: not merged); None: every row, in order
 
     def take(self, index: Rows, share: CallMerge, gk: torch.Tensor, gv: torch.Tensor) -> None:

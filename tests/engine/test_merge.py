@@ -47,7 +47,7 @@ def test_merge_plan_against_a_recount_of_the_calls(seed):
     assert _rows(plan.merged, rows) == merged if merged else plan.merged_count == 0
     assert plan.merged_count == len(merged)
     assert plan.covered == all(w > 0 for w in writers)
-    seen = set()
+    seen, needs_zeros = set(), False
     for calls, shares in zip(steps, plan.calls):
         assert len(calls) == len(shares)
         for rows_of_call, share in zip(calls, shares):
@@ -60,7 +60,10 @@ def test_merge_plan_against_a_recount_of_the_calls(seed):
                 assert [call_rows[i] for i in _rows(share.source, len(call_rows))] == mine
                 assert _rows(share.target, plan.merged_count) == [merged.index(r) for r in mine]
                 assert share.fresh == (not seen & set(mine))
+                needs_zeros |= not share.fresh and not set(mine) <= seen  # merged into before any copy
                 seen |= set(mine)
+    needs_zeros |= not set(merged) <= seen  # a merged row no call writes
+    assert plan.needs_zeros == needs_zeros
 
 
 # -- the op in bfloat16 at cp 2 ------------------------------------------------------------------------
