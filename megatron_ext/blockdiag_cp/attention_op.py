@@ -253,10 +253,7 @@ class _StreamedAttention(torch.autograd.Function):
                 if share.writes:
                     dq.write(qi, gq)
                 if share.merges:
-                    if share.fresh:
-                        _set_rows(dq_merged, share.target, _gather(gq, share.source))
-                    else:
-                        _add_rows(dq_merged, share.target, _gather(gq, share.source))
+                    (_set_rows if share.fresh else _add_rows)(dq_merged, share.target, _gather(gq, share.source))
                 if keys is not None:
                     keys.take(ki, key_share, gk, gv)
                 elif whole:

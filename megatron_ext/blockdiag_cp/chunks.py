@@ -86,10 +86,10 @@ class CallPlan:
 
 # A source's K/V arrives in chunks of at most ceil(local_len / CHUNKS_PER_SHARD) positions. A query row
 # merges once per chunk it sees, so the chunk's keys set what a merge costs against the kernel (on an
-# H200 a float32 merge pass costs about as much as attending ~1k keys: bench gpu_model); with 2, the
+# H200 a float32 merge pass costs about as much as attending ~1k keys: bench gpu_model). With 2, the
 # buffers a rank holds while the steps stream (the chunk computing, the next in flight, its gradient and
-# the last one going home) stay about its own K/V's size (2 chunks of half a shard at once), so peak
-# memory still shrinks as 1 / cp.
+# the last one going home) are four half shards of K/V at most: O(S / cp), but twice its own K/V where
+# eighths held half of it (bench memory: the peak at cp 4 is 0.45-0.83x the one at cp 2).
 CHUNKS_PER_SHARD = 2
 
 
@@ -322,48 +322,36 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, R: int
     if n_calls == 0:
         return {}
     seg_voff = _exclusive(t.seg_q)  # each segment's first row in the virtual concatenation of all
-    # A call's bits are its segments: their tables are views of the segments'.
-    bit_seg = np.arange(n_seg)
-    bit_v, bit_m, bit_end, call_bit = seg_voff[:-1], t.seg_q, seg_voff[1:], t.call_seg
-    bit_call = repeat_arange(call_bit[1:] - call_bit[:-1])
-    starts = np.zeros(bit_seg.size, dtype=bool)
-    starts[call_bit[:-1]] = True  # a call is one kernel call, whatever its rows
-    sub_lo = starts.nonzero()[0]
-    sub_call = bit_call[sub_lo].tolist()
-    n_sub = sub_lo.size
-    sub_hi = np.append(sub_lo[1:], bit_seg.size)
-    bit_sub = repeat_arange(sub_hi - sub_lo)
-    seg_lo, seg_hi = bit_seg[sub_lo], bit_seg[sub_hi - 1] + 1
+    seg_lo, seg_hi = t.call_seg[:-1], t.call_seg[1:]  # [calls] each call's segments [lo, hi) (never empty)
+    seg_call = repeat_arange(seg_hi - seg_lo)  # [segments] the call of each
 
-    # Query rows: each bit cut at its pairs' starts; each piece lies in one bit and one pair, so maps
-    # to diag linearly; touching pieces of one call merge into one range.
+    # Query rows: each segment cut at its pairs' starts; each piece lies in one segment and one pair, so
+    # maps to diag linearly; touching pieces of one call merge into one range.
     if t.pair_n.size == n_seg and bool((t.pair_n > 0).all()):
-        # One pair per segment (every segment has one): a bit lies inside its segment's pair, so it is
-        # one piece and the searches below (most of the cost at cp x documents segments: THD) are not
-        # needed. The pairs' virtual rows are then the segments' (seg_voff), a whole segment's piece its pair.
-        piece_len, piece_sub = bit_m, bit_sub
-        piece_a = t.pair_a
+        # One pair per segment (every segment has one): a segment is one piece, and the searches below
+        # (most of the cost at cp x documents segments: THD) are not needed.
+        piece_len, piece_call, piece_a = t.seg_q, seg_call, t.pair_a
     else:
         pair_v = _exclusive(t.pair_n)[:-1]
-        first = pair_v.searchsorted(bit_v, side="right") - 1
-        count = pair_v.searchsorted(bit_end - 1, side="right") - first
-        bit = repeat_arange(count)
-        pair = np.arange(bit.size) - _exclusive(count)[bit] + first[bit]
-        x = np.maximum(bit_v[bit], pair_v[pair])
-        piece_len = np.minimum(bit_end[bit], pair_v[pair] + t.pair_n[pair]) - x
-        piece_sub = bit_sub[bit]
+        first = pair_v.searchsorted(seg_voff[:-1], side="right") - 1
+        count = pair_v.searchsorted(seg_voff[1:] - 1, side="right") - first
+        seg = repeat_arange(count)
+        pair = np.arange(seg.size) - _exclusive(count)[seg] + first[seg]
+        x = np.maximum(seg_voff[seg], pair_v[pair])
+        piece_len = np.minimum(seg_voff[seg + 1], pair_v[pair] + t.pair_n[pair]) - x
+        piece_call = seg_call[seg]
         piece_a = t.pair_a[pair] + x - pair_v[pair]
     new = np.ones(piece_a.size, dtype=bool)
-    new[1:] = (piece_sub[1:] != piece_sub[:-1]) | (piece_a[1:] != piece_a[:-1] + piece_len[:-1])
+    new[1:] = (piece_call[1:] != piece_call[:-1]) | (piece_a[1:] != piece_a[:-1] + piece_len[:-1])
     heads = new.nonzero()[0]
-    r_a, r_len, r_sub = piece_a[heads], np.add.reduceat(piece_len, heads), piece_sub[heads]
-    n_ranges = np.bincount(r_sub, minlength=n_sub)
+    r_a, r_len, r_call = piece_a[heads], np.add.reduceat(piece_len, heads), piece_call[heads]
+    n_ranges = np.bincount(r_call, minlength=n_calls)
     r_first = _exclusive(n_ranges)
-    many = n_ranges[r_sub] > 1
+    many = n_ranges[r_call] > 1
     gathered = ranges(torch.from_numpy(r_a[many]), torch.from_numpy(r_len[many]))
     gathered = diag[gathered] if gathered.numel() else gathered
-    sub_rows = np.add.reduceat(bit_m, sub_lo)
-    g_off = _exclusive(np.where(n_ranges > 1, sub_rows, 0)).tolist()
+    call_rows = np.add.reduceat(t.seg_q, seg_lo)
+    g_off = _exclusive(np.where(n_ranges > 1, call_rows, 0)).tolist()
 
     # Keys: a slice of one arange when R = 1 and the call's segments' key ranges touch in order (one
     # segment, or consecutive documents of one chunk: ~99.8% of a 1M / cp 64 THD plan's segments), so
@@ -372,7 +360,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, R: int
     gap = np.zeros(n_seg, dtype=bool)  # [segments] where a key range does not follow the one before
     np.not_equal(t.seg_slot[1:], t.seg_slot[:-1] + t.seg_k[:-1], out=gap[1:])
     gap_before = gap.cumsum()  # [segments] gaps up to each segment
-    one_seg = (gap_before[seg_hi - 1] == gap_before[seg_lo]) & (R == 1)  # [sub-calls] keys: one range
+    one_seg = (gap_before[seg_hi - 1] == gap_before[seg_lo]) & (R == 1)  # [calls] keys: one range
     if one_seg.all():  # every call's keys one range (each of a 1M / cp 64 THD plan's): nothing to join
         joined, key_lo, key_hi = None, None, None
     else:
@@ -387,15 +375,14 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, R: int
         key_lo, key_hi = koff[seg_lo].tolist(), koff[seg_hi].tolist()  # per call: its slice of ``joined``
     base = torch.arange(int((t.seg_slot + t.seg_k).max())) if one_seg.any() else None
     k_all = _exclusive(t.seg_k)
-    k_span = (k_all[seg_hi] - k_all[seg_lo]).tolist()  # [sub-calls] keys of each (one range or not)
+    k_span = (k_all[seg_hi] - k_all[seg_lo]).tolist()  # [calls] keys of each (one range or not)
 
     seg_lo_l, seg_hi_l, one_l = seg_lo.tolist(), seg_hi.tolist(), one_seg.tolist()
-    q_lens, k_lens = bit_m.tolist(), t.seg_k.tolist()
+    q_lens, k_lens = t.seg_q.tolist(), t.seg_k.tolist()
     slot_l = t.seg_slot[seg_lo].tolist()  # per call: the first key slot of its (first) segment
     single_a, single_n = r_a[r_first[:-1]].tolist(), r_len[r_first[:-1]].tolist()
     counts = n_ranges.tolist()
     windows = [None if w < 0 else w for w in t.call_window.tolist()]
-    lo_l, hi_l = sub_lo.tolist(), sub_hi.tolist()
     # A call of one query range and one segment (R = 1) is fixed by (range, key slots, window): the
     # steps of a long document repeat the same few (every chunk before it seen by the same rows),
     # so they share one CallPlan (immutable), as calls share their index tensors.
@@ -404,10 +391,10 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, R: int
     key_views: Dict[Tuple[int, int], torch.Tensor] = {}
     query_views: Dict[Tuple[int, int], torch.Tensor] = {}
     plans: List[CallPlan] = []
-    for u in range(n_sub):
+    for u in range(n_calls):
         s0, s1 = seg_lo_l[u], seg_hi_l[u]
-        ql = tuple(q_lens[lo_l[u]:hi_l[u]])
-        w = windows[sub_call[u]]
+        ql = tuple(q_lens[s0:s1])
+        w = windows[u]
         if one_l[u] and s1 - s0 > 1:  # several segments, keys one range: a view of ``base``
             q = _view(query_views, diag, single_a[u], single_n[u]) if counts[u] == 1 else \
                 gathered[g_off[u]:g_off[u + 1]]
@@ -426,8 +413,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, R: int
                 gathered[g_off[u]:g_off[u + 1]]
             call = CallPlan(False, q, joined[key_lo[u]:key_hi[u]], ql, tuple(k_lens[s0:s1]), w)
         plans.append(call)
-    # Calls of one (source, chunk) are adjacent (segments are sorted by it), so are their pieces.
-    sub_of_call = _exclusive(np.bincount(bit_call[sub_lo], minlength=n_calls)).tolist()
+    # Calls of one (source, chunk) are adjacent (segments are sorted by it).
     out: Dict[Tuple[int, int], Tuple[CallPlan, ...]] = {}
     src_l, chunk_l = t.call_src.tolist(), t.call_chunk.tolist()
     ci = 0
@@ -435,7 +421,7 @@ def _emit(t: _Segments, diag: torch.Tensor, rank: int, R: int
         cj = ci + 1
         while cj < n_calls and src_l[cj] == src_l[ci] and chunk_l[cj] == chunk_l[ci]:
             cj += 1
-        out[(src_l[ci], chunk_l[ci])] = tuple(plans[sub_of_call[ci]:sub_of_call[cj]])
+        out[(src_l[ci], chunk_l[ci])] = tuple(plans[ci:cj])
         ci = cj
     return out
 

@@ -141,6 +141,11 @@ def post(sends, recv_from: Optional[int], recv_shape, like: torch.Tensor, group,
     return Transfer(requests, received, like.device, stats, wait_key)
 
 
+def fused_width(k: torch.Tensor, v: torch.Tensor) -> int:
+    """F of a fused K/V buffer [n, b, F]: Hkv * (Dk + Dv)."""
+    return k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]
+
+
 def fused_rows(k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
     """[n, b, Hkv * (Dk + Dv)]: K and V of local ``rows`` (a slice or an index tensor) in one buffer."""
     k, v = (t[rows] if isinstance(rows, slice) else t.index_select(0, rows) for t in (k, v))
@@ -247,7 +252,7 @@ class NeededTransport(_DirectGradients):
         send = fused_rows(self.k, self.v, rows) if n_send else None
         n_recv = self.received_rows(step)
         like = self.k[:0]
-        shape = (n_recv, self.k.shape[1], self.k.shape[2] * self.k.shape[3] + self.v.shape[2] * self.v.shape[3])
+        shape = (n_recv, self.k.shape[1], fused_width(self.k, self.v))
         return post([(send, dst)], src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
                     self.prefix + "bytes")
 
@@ -344,9 +349,8 @@ class HierarchicalTransport:
         if self._moving is not None:  # save mode never reads the refetch it did not post; nothing is pending
             self.delivered()
         if self._grad is None:  # every rank takes part in the routes' transfers, gradient or not
-            width = self.k.shape[2] * self.k.shape[3] + self.v.shape[2] * self.v.shape[3]
-            self._grad = torch.zeros((self.route.out_rows, self.k.shape[1], width), dtype=self.k.dtype,
-                                     device=self.k.device)
+            self._grad = torch.zeros((self.route.out_rows, self.k.shape[1], fused_width(self.k, self.v)),
+                                     dtype=self.k.dtype, device=self.k.device)
         moved: Dict = {}
         with exposed_wait(self.stats, "backward_wait_seconds", self.k.device):
             back = route_backward(self._grad, self.route, self.group, False, moved)
@@ -401,5 +405,5 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows", "fused_width",
            "exposed_wait", "resolve_waits", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV"]

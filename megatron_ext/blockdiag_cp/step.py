@@ -36,8 +36,8 @@ from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .exchange import RingGradients
 from .layouts import Layout, build_layout, padded_length
-from .merge import MergePlan
 from .layouts.two_dim import two_dim_layouts
+from .merge import MergePlan
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
     ATTN_BACKEND_VALUES,

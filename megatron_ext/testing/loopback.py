@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..blockdiag_cp.exchange import NeededTransport, RingTransport
+from ..blockdiag_cp.exchange import NeededTransport, RingTransport, fused_width
 
 
 class _Ready:
@@ -64,6 +64,7 @@ class Loopback:
     def __init__(self, state, k_full: torch.Tensor, v_full: torch.Tensor):
         self.state, self.k_full, self.v_full = state, k_full, v_full
         self._chunks: Dict = {}
+        self._zeros: Dict = {}  # (shape, dtype, device) -> the gradients coming home, allocated once
 
     def _positions(self, kind: str, plan, step) -> torch.Tensor:
         """Global positions of the chunk rank r receives at ``step`` (round i, piece j)."""
@@ -92,8 +93,10 @@ class Loopback:
     def transport(self, kind: str, k, v, state, plan, stats: Dict, prefix: str):
         """What ``attention_op`` asks its transport for, with the chunks handed over."""
         chunks = self.prepare(kind, plan.window)
-        width = k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]
-        zeros = torch.zeros((state.local_len, k.shape[1], width), dtype=k.dtype, device=k.device)
+        shape = (state.local_len, k.shape[1], fused_width(k, v))
+        zeros = self._zeros.get((shape, k.dtype, k.device))
+        if zeros is None:  # once, not per layer call: the loopback's own work stays out of what it times
+            zeros = self._zeros[(shape, k.dtype, k.device)] = torch.zeros(shape, dtype=k.dtype, device=k.device)
         chunk_rows = plan.stream[kind].chunk_rows
         if kind == "ring":
             return _RingHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats,
