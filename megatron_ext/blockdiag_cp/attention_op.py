@@ -158,7 +158,7 @@ class _StreamedAttention(torch.autograd.Function):
                     continue
                 aux.append(a)
                 if share.writes:
-                    result.write(call.q_index, o, lse)
+                    result.write(call.q_index, o, lse, alone=share.alone)
                 if share.merges:
                     acc.merge(share.target, _gather(o, share.source), _gather(lse, share.source), share.fresh)
                 del qp, kp, vp, o, lse  # before the next call allocates its own
@@ -220,9 +220,10 @@ class _StreamedAttention(torch.autograd.Function):
         acc_dtype = kernels.lse_dtype(q.dtype)
         q_flat, o_flat = geo.q_flat(q), geo.q_flat(out)
         do_flat = geo.q_flat(dout.contiguous())
-        # dq has the forward's writers: a row one call attends takes that call's dq, the merged rows add up in
-        # float32 (the sink adds nothing to dq: all rows are merged then, as in forward)
-        merges = state.merges_on(ctx.kind, q.device, ctx.window, sink=ctx.has_sink)
+        # dq has the forward's writers: a row one call attends takes that call's dq, a row two attend is their
+        # sum in dq's dtype (one rounding), rows of three or more add up in float32 (the sink adds nothing to
+        # dq: all rows are merged then, as in forward)
+        merges = state.merges_on(ctx.kind, q.device, ctx.window, sink=ctx.has_sink, sums=True)
         dq = Result(merges, q_flat.shape[1], q_flat.shape[2], q.dtype, acc_dtype, q.device, with_lse=False)
         dq_merged = (torch.zeros if merges.needs_zeros else torch.empty)(
             (merges.merged_count,) + tuple(q_flat.shape[1:]), dtype=acc_dtype, device=q.device)
@@ -251,7 +252,9 @@ class _StreamedAttention(torch.autograd.Function):
                     failed[0] = True
                     continue
                 if share.writes:
-                    dq.write(qi, gq)
+                    dq.write(qi, gq, alone=share.alone)
+                if share.adds is not None:
+                    dq.add(share.adds, gq)
                 if share.merges:
                     (_set_rows if share.fresh else _add_rows)(dq_merged, share.target, _gather(gq, share.source))
                 if keys is not None:

@@ -4,14 +4,18 @@ A query row that one kernel call attends (a short document's row sees only its o
 rank's keys) needs no online softmax: the call's output *is* the row's result, in
 the input dtype. Only rows that several calls write (a long document's rows, one
 call per chunk of earlier keys) are merged by log-sum-exp, in float32, in a buffer
-that holds just those rows. The plan is the same for forward's out / lse and
-backward's dq, so both read one ``MergePlan`` per step, kind and window:
+that holds just those rows. Forward's out / lse and backward's dq have the same
+writers, so both read a ``MergePlan`` per step, kind and window:
 
     query rows of this rank      0 .................................. L*R
     calls writing a row          1 1 1 1 2 2 3 3 1 1 1 1 1 1 2 2 2 1 1
     merged (>= 2): buffer rows           0 1 2 3             4 5 6
     a call covering rows 4..9:   writes rows 8..9 into the result,
                                  merges its rows 4..7 into buffer rows 0..3
+
+Gradients add (``sums``): a row two calls write is the first call's value plus the
+second's, added in the result's dtype (one rounding, as through float32), so only
+rows of three or more writers take the buffer there.
 
 A call that covers every row and is the first to write the result lends it its
 output tensor (no copy). The buffer is written back into the result once, at the
@@ -20,7 +24,7 @@ every row is merged.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,11 +36,16 @@ Rows = object  # step.Rows: None (every row), a slice (one ascending run) or an 
 class CallMerge:
     """One kernel call's share: rows it writes alone, rows it merges, and where."""
 
-    writes: bool  # some of its rows no other call writes: its output goes to the result rows
+    writes: bool  # some of its rows are, so far, its output alone: those go to the result rows
     merges: bool  # some of its rows are merged
     source: Rows  # rows of the call's output that are merged (``Rows`` over the call's rows)
     target: Rows  # their rows in the merge buffer (``Rows`` over ``MergePlan.merged_count``)
     fresh: bool  # no earlier call wrote any of its merged rows: a copy, not a merge
+    # (rows of the call's output, their result rows) it writes: only those where it adds into a pair
+    # (``MergePlan.of(sums=True)``) or where they are at most half its rows (the merged rest is written by
+    # ``Result.finish``: writing it here too would only be overwritten). None: every row it covers.
+    alone: Optional[Tuple[Rows, Rows]] = None
+    adds: Optional[Tuple[Rows, Rows]] = None  # (rows of its output, result rows) it adds: a pair's second
 
 
 @dataclass(frozen=True)
@@ -44,28 +53,36 @@ class MergePlan:
     rows: int  # query rows of the result (local_len * R)
     merged: Rows  # the result's rows held in the buffer, ascending (``Rows`` over ``rows``)
     merged_count: int
-    covered: bool  # every row is written by some call (else the rest stay zero)
+    covered: bool  # every row is written by some call or merged (else the rest stay zero)
+    uncovered: Rows  # the rows no call writes and none is merged: zeros in the result (None when covered)
     merged_mask: np.ndarray  # [rows] host: merged or not
     needs_zeros: bool  # some merged row is merged into (or read) before a call copies it: the buffer starts at 0
     calls: List[List[CallMerge]]  # per step, per call, as ``stream_on`` orders them
 
     @classmethod
     def of(cls, steps: Sequence[Sequence], rows: int, device, every_row_merged: bool = False,
-           also_merged: Optional[torch.Tensor] = None) -> "MergePlan":
+           also_merged: Optional[torch.Tensor] = None, sums: bool = False) -> "MergePlan":
         """``steps``: per step, its calls' host row indices (``CallPlan.q_index``, [Nq] rows each);
-        ``also_merged``: host rows merged however many calls write them."""
+        ``also_merged``: host rows merged however many calls write them; ``sums``: the calls' outputs add
+        up (gradients), so a row two calls write is the first's output plus the second's, added in the
+        result's dtype: one rounding, as the float32 buffer gives; only rows of three or more go there."""
         from .step import device_rows
+
+        def on_device(index: np.ndarray, n: int) -> Rows:
+            return device_rows(torch.from_numpy(index), n, device)
 
         writers = np.zeros(rows, dtype=np.int64)
         for step in steps:
             for q_index in step:
                 writers[q_index.numpy()] += 1  # a call holds a row at most once
-        merged = (writers >= 2) | bool(every_row_merged)
+        merged = (writers >= (3 if sums else 2)) | bool(every_row_merged)
         if also_merged is not None:
             merged[also_merged.numpy()] = True
+        paired = (writers == 2) & ~merged  # sums: the second writer adds into the result
         slot = np.cumsum(merged) - 1  # a merged row's place in the buffer
         count = int(merged.sum())
-        seen = np.zeros(rows, dtype=bool)
+        seen = np.zeros(rows, dtype=bool)  # merged rows some call wrote
+        written = np.zeros(rows, dtype=bool)  # paired rows their first writer wrote
         needs_zeros = False
         calls: List[List[CallMerge]] = []
         for step in steps:
@@ -73,20 +90,31 @@ class MergePlan:
             for q_index in step:
                 qi = q_index.numpy()
                 mine = merged[qi]
+                second = paired[qi] & written[qi]
+                written[qi[paired[qi]]] = True
+                own = np.flatnonzero(~mine & ~second)  # the rows this call's output is the result of, so far
                 at = np.flatnonzero(mine)
+                late = np.flatnonzero(second)
+                alone = None
+                # Writing every row would overwrite a first writer's half of a pair; merged rows are only
+                # overwritten later, so those are skipped when that saves bytes
+                if own.size and (late.size or (at.size and 2 * own.size <= qi.size)):
+                    alone = (on_device(own, qi.size), on_device(qi[own], rows))
+                adds = (on_device(late, qi.size), on_device(qi[late], rows)) if late.size else None
                 if at.size:
                     fresh = not bool(seen[qi[at]].any())
                     needs_zeros |= not fresh and not bool(seen[qi[at]].all())
                     seen[qi[at]] = True
-                    here.append(CallMerge(bool(at.size < qi.size), True,
-                                          device_rows(torch.from_numpy(at), qi.size, device),
-                                          device_rows(torch.from_numpy(slot[qi[at]]), count, device), fresh))
+                    here.append(CallMerge(bool(own.size), True, on_device(at, qi.size),
+                                          on_device(slot[qi[at]], count), fresh, alone, adds))
                 else:
-                    here.append(CallMerge(True, False, None, None, False))
+                    here.append(CallMerge(bool(own.size), False, None, None, False, alone, adds))
             calls.append(here)
-        target = device_rows(torch.from_numpy(np.flatnonzero(merged)), rows, device) if count else None
+        target = on_device(np.flatnonzero(merged), rows) if count else None
         needs_zeros |= not bool(seen[merged].all())  # a merged row no call writes (a ring piece's padding)
-        return cls(rows, target, count, bool((writers > 0).all()) or every_row_merged, merged, needs_zeros, calls)
+        empty = np.flatnonzero((writers == 0) & ~merged)  # never written: a padding row's zeros
+        uncovered = on_device(empty, rows) if empty.size else None
+        return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls)
 
 
 class Accumulator:
@@ -101,16 +129,12 @@ class Accumulator:
     def merge(self, index: Rows, out: torch.Tensor, lse: torch.Tensor, fresh: bool) -> None:
         """Merge one call's [n, H, Dv] out and [n, H] lse into buffer rows ``index``: in place on a run
         (views), through a gather and a scatter for scattered rows."""
-        out, lse = out.to(self.out.dtype), lse.to(self.lse.dtype)
         scattered = isinstance(index, torch.Tensor)
-        if fresh:  # nothing merged into these rows yet: a copy
-            if scattered:
-                self.out.index_copy_(0, index, out)
-                self.lse.index_copy_(0, index, lse)
-            else:
-                self.out[_all(index)].copy_(out)
-                self.lse[_all(index)].copy_(lse)
+        if fresh:  # nothing merged into these rows yet: a copy (into a run, cast on the way)
+            set_rows(self.out, index, out)
+            set_rows(self.lse, index, lse)
             return
+        out, lse = out.to(self.out.dtype), lse.to(self.lse.dtype)
         old_out = self.out.index_select(0, index) if scattered else self.out[_all(index)]
         old_lse = self.lse.index_select(0, index) if scattered else self.lse[_all(index)]
         new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
@@ -133,22 +157,35 @@ class Result:
         self.lse: Optional[torch.Tensor] = None
 
     def _allocate(self) -> None:
-        make = torch.empty if self.plan.covered else torch.zeros
-        self.value = make(self.shape, dtype=self.dtype, device=self.device)
+        self.value = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if not self.plan.covered:  # only the rows nothing writes start at zero
+            _zero_rows(self.value, self.plan.uncovered)
         if self.with_lse:
             self.lse = torch.full(self.shape[:2], float("-inf"), dtype=self.lse_dtype, device=self.device)
 
-    def write(self, index: Rows, value: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
-        """The result's rows ``index`` are ``value`` (rows merged later are overwritten by ``finish``)."""
+    def write(self, index: Rows, value: torch.Tensor, lse: Optional[torch.Tensor] = None,
+              alone: Optional[Tuple[Rows, Rows]] = None) -> None:
+        """The result's rows ``index`` are ``value``; with ``alone`` (``CallMerge.alone``) only the rows the
+        call writes alone (the merged ones are ``finish``'s)."""
         if self.value is None and index is None:  # the first writer covers every row: its tensor is the result
             self.value = value.to(self.dtype).contiguous()
             self.lse = None if lse is None else lse.to(self.lse_dtype).contiguous()
             return
         if self.value is None:
             self._allocate()
+        if alone is not None:
+            source, index = alone
+            value = gather(value, source)
+            lse = None if lse is None else gather(lse, source)
         set_rows(self.value, index, value)
         if lse is not None:
             set_rows(self.lse, index, lse)
+
+    def add(self, adds: Tuple[Rows, Rows], value: torch.Tensor) -> None:
+        """A pair's second writer: the result's rows ``adds[1]`` += ``value``'s rows ``adds[0]`` (in the
+        result's dtype: the first writer's value plus this one, rounded once)."""
+        source, index = adds
+        add_rows(self.value, index, gather(value, source))
 
     def finish(self, merged_value: Optional[torch.Tensor], merged_lse: Optional[torch.Tensor] = None):
         """Write the merge buffer's rows back; (value, lse) of every row."""
@@ -165,9 +202,10 @@ class KeyGradients:
     """dK and dV of this rank's own keys ([rows, H, Dk] and [rows, H, Dv]).
 
     A key row that one local kernel call attends alone takes that call's gradient, in the input
-    dtype; the rows several local calls attend, or that went to other ranks (their gradients come
-    back: ``add``), add up in a float32 buffer [merged rows, H, Dk + Dv], written back by ``finish``.
-    ``plan``: a ``MergePlan`` over the key rows (the own calls), the returned rows among its merged ones.
+    dtype, and one two calls attend their sum; the rows three or more local calls attend, or that went
+    to other ranks (their gradients come back: ``add``), add up in a float32 buffer
+    [merged rows, H, Dk + Dv], written back by ``finish``. ``plan``: a ``MergePlan(sums=True)`` over
+    the key rows (the own calls), the returned rows among its merged ones.
     """
 
     def __init__(self, plan: MergePlan, heads: int, dk: int, dv: int, dtype, acc_dtype, device, slot, rows: int = 1):
@@ -181,8 +219,11 @@ class KeyGradients:
     def take(self, index: Rows, share: CallMerge, gk: torch.Tensor, gv: torch.Tensor) -> None:
         """One local call's key gradients over its key rows ``index``."""
         if share.writes:
-            self.dk.write(index, gk)
-            self.dv.write(index, gv)
+            self.dk.write(index, gk, alone=share.alone)
+            self.dv.write(index, gv, alone=share.alone)
+        if share.adds is not None:
+            self.dk.add(share.adds, gk)
+            self.dv.add(share.adds, gv)
         if share.merges:
             into = set_rows if share.fresh else add_rows
             into(self.buffer[..., :self.dk_dim], share.target, gather(gk, share.source))
@@ -224,6 +265,13 @@ def set_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor) -> None:
         dst.index_copy_(0, index, src.to(dst.dtype))
     else:
         dst[_all(index)].copy_(src)
+
+
+def _zero_rows(dst: torch.Tensor, index: Rows) -> None:
+    if isinstance(index, torch.Tensor):
+        dst.index_fill_(0, index, 0)
+    else:
+        dst[_all(index)].zero_()
 
 
 def _all(index) -> slice:

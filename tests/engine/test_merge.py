@@ -21,8 +21,9 @@ def _rows(index, n):
     return index.tolist()
 
 
+@pytest.mark.parametrize("sums", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_merge_plan_against_a_recount_of_the_calls(seed):
+def test_merge_plan_against_a_recount_of_the_calls(seed, sums):
     g = torch.Generator().manual_seed(seed)
     rows = int(torch.randint(1, 40, (1,), generator=g))
     steps = []
@@ -36,25 +37,43 @@ def test_merge_plan_against_a_recount_of_the_calls(seed):
             calls.append(torch.sort(picked).values)
         steps.append(calls)
     also = torch.tensor([0]) if seed == 5 else None
-    plan = MergePlan.of(steps, rows, "cpu", also_merged=also)
+    plan = MergePlan.of(steps, rows, "cpu", also_merged=also, sums=sums)
 
     writers = [0] * rows
     for calls in steps:
         for rows_of_call in calls:
             for r in rows_of_call.tolist():
                 writers[r] += 1
-    merged = [r for r in range(rows) if writers[r] >= 2 or (also is not None and r == 0)]
+    merged = [r for r in range(rows) if writers[r] >= (3 if sums else 2) or (also is not None and r == 0)]
+    paired = {r for r in range(rows) if writers[r] == 2 and r not in merged}
     assert _rows(plan.merged, rows) == merged if merged else plan.merged_count == 0
     assert plan.merged_count == len(merged)
-    assert plan.covered == all(w > 0 for w in writers)
-    seen, needs_zeros = set(), False
+    never = [r for r in range(rows) if writers[r] == 0 and r not in merged]
+    assert plan.covered == (not never)
+    assert (_rows(plan.uncovered, rows) if never else plan.uncovered) == (never or None)
+    seen, needs_zeros, written = set(), False, set()
     for calls, shares in zip(steps, plan.calls):
         assert len(calls) == len(shares)
         for rows_of_call, share in zip(calls, shares):
             call_rows = rows_of_call.tolist()
             mine = [r for r in call_rows if r in merged]
-            assert share.writes == (len(mine) < len(call_rows))
+            late = [r for r in call_rows if r in paired and r in written]  # a pair's second writer
+            written |= {r for r in call_rows if r in paired}
+            own = [r for r in call_rows if r not in merged and r not in late]
+            assert share.writes == bool(own)
             assert share.merges == bool(mine)
+            if late:
+                source, target = share.adds
+                assert [call_rows[i] for i in _rows(source, len(call_rows))] == late
+                assert _rows(target, rows) == late
+            else:
+                assert share.adds is None
+            if own and (late or (mine and 2 * len(own) <= len(call_rows))):  # it writes only its own rows
+                source, target = share.alone
+                assert [call_rows[i] for i in _rows(source, len(call_rows))] == own
+                assert _rows(target, rows) == own
+            else:
+                assert share.alone is None
             if mine:
                 # the call's merged rows, in its order, land on their buffer rows
                 assert [call_rows[i] for i in _rows(share.source, len(call_rows))] == mine
@@ -64,6 +83,18 @@ def test_merge_plan_against_a_recount_of_the_calls(seed):
                 seen |= set(mine)
     needs_zeros |= not set(merged) <= seen  # a merged row no call writes
     assert plan.needs_zeros == needs_zeros
+
+
+def test_a_pair_added_in_bfloat16_rounds_once_as_through_float32():
+    """Why ``sums`` adds a row's two gradients in the result's dtype: bf16 + bf16 is computed in float32
+    and rounded once, the same bits as the float32 buffer's sum written back."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(4096, generator=g).mul(10 ** torch.randn(4096, generator=g)).to(torch.bfloat16)
+            for _ in range(2))
+    through_fp32 = (a.float() + b.float()).to(torch.bfloat16)
+    in_place = a.clone().add_(b)
+    indexed = a.clone().index_add_(0, torch.arange(4096), b)
+    assert torch.equal(in_place, through_fp32) and torch.equal(indexed, through_fp32)
 
 
 # -- the op in bfloat16 at cp 2 ------------------------------------------------------------------------

@@ -210,11 +210,11 @@ def _summary(kernel_calls, launching, transfers, syncs):
 # Per exchange, per rank: (forward, backward) of a later layer call, refetch, on ``_mix(128)``
 # (zigzag, GQA 4 / 2 heads of 8, fp32, dense kernel); cp 2, hierarchical at cp 4 = 2 nodes x 2.
 PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host syncs)
-    "allgather": [((2, 11, 4, 0), (2, 13, 6, 0)), ((2, 11, 4, 0), (2, 13, 6, 0))],
-    "a2a": [((2, 12, 2, 0), (2, 13, 4, 0)), ((2, 12, 2, 0), (2, 13, 4, 0))],
-    "halo": [((2, 12, 2, 0), (2, 13, 4, 0)), ((2, 12, 2, 0), (2, 13, 4, 0))],
-    "hierarchical": [((3, 21, 5, 0), (3, 30, 10, 0)), ((3, 23, 7, 0), (3, 31, 14, 0)),
-                     ((3, 23, 6, 0), (3, 31, 12, 0)), ((2, 16, 4, 0), (2, 26, 8, 0))],
+    "allgather": [((2, 11, 4, 0), (2, 11, 6, 0)), ((2, 11, 4, 0), (2, 11, 6, 0))],
+    "a2a": [((2, 12, 2, 0), (2, 11, 4, 0)), ((2, 12, 2, 0), (2, 11, 4, 0))],
+    "halo": [((2, 12, 2, 0), (2, 11, 4, 0)), ((2, 12, 2, 0), (2, 11, 4, 0))],
+    "hierarchical": [((3, 21, 5, 0), (3, 30, 10, 0)), ((3, 23, 7, 0), (3, 28, 14, 0)),
+                     ((3, 23, 6, 0), (3, 28, 12, 0)), ((2, 16, 4, 0), (2, 24, 8, 0))],
 }
 
 
