@@ -44,7 +44,7 @@ from .agreement import (
 from .backend import call_backend
 from .chunks import chunk_kind
 from .exchange import HierarchicalTransport, NeededTransport, RingTransport
-from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather, set_rows as _set_rows
+from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather
 from .resolve import resolve_step_state
 from .state import count_cp_attn_fire
 from .ulysses import ulysses_attention
@@ -251,12 +251,7 @@ class _StreamedAttention(torch.autograd.Function):
                     record_kernel_failure(state, backend, "backward", exc)
                     failed[0] = True
                     continue
-                if share.writes:
-                    dq.write(qi, gq, alone=share.alone)
-                if share.adds is not None:
-                    dq.add(share.adds, gq)
-                if share.merges:
-                    (_set_rows if share.fresh else _add_rows)(dq_merged, share.target, _gather(gq, share.source))
+                dq.take(qi, share, gq, dq_merged)
                 if keys is not None:
                     keys.take(ki, key_share, gk, gv)
                 elif whole:

@@ -187,6 +187,16 @@ class Result:
         source, index = adds
         add_rows(self.value, index, gather(value, source))
 
+    def take(self, index: Rows, share: CallMerge, grad: torch.Tensor, buffer: torch.Tensor) -> None:
+        """One call's gradient over its rows ``index`` (a ``MergePlan.of(sums=True)`` share): the rows it
+        writes alone into the result, a pair's second added there, the merged rows into ``buffer``."""
+        if share.writes:
+            self.write(index, grad, alone=share.alone)
+        if share.adds is not None:
+            self.add(share.adds, grad)
+        if share.merges:
+            (set_rows if share.fresh else add_rows)(buffer, share.target, gather(grad, share.source))
+
     def finish(self, merged_value: Optional[torch.Tensor], merged_lse: Optional[torch.Tensor] = None):
         """Write the merge buffer's rows back; (value, lse) of every row."""
         if self.value is None:
@@ -218,16 +228,8 @@ class KeyGradients:
 
     def take(self, index: Rows, share: CallMerge, gk: torch.Tensor, gv: torch.Tensor) -> None:
         """One local call's key gradients over its key rows ``index``."""
-        if share.writes:
-            self.dk.write(index, gk, alone=share.alone)
-            self.dv.write(index, gv, alone=share.alone)
-        if share.adds is not None:
-            self.dk.add(share.adds, gk)
-            self.dv.add(share.adds, gv)
-        if share.merges:
-            into = set_rows if share.fresh else add_rows
-            into(self.buffer[..., :self.dk_dim], share.target, gather(gk, share.source))
-            into(self.buffer[..., self.dk_dim:], share.target, gather(gv, share.source))
+        self.dk.take(index, share, gk, self.buffer[..., :self.dk_dim])
+        self.dv.take(index, share, gv, self.buffer[..., self.dk_dim:])
 
     def add(self, rows: Rows, grad: torch.Tensor) -> None:
         """Gradients of our rows ``rows`` (local positions) coming back: [n, b, F] (F = Hkv * (Dk + Dv));
