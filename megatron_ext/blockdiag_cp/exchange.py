@@ -343,8 +343,9 @@ class HierarchicalTransport:
         pass
 
     def finish(self, dkv) -> None:
-        """Every chunk's gradient back through the routes at once, added into ``dkv`` (``merge.KeyGradients``)."""
-        from .hierarchical_exchange import route_backward
+        """Every chunk's gradient back through the routes at once; the rows that come home (those this rank
+        sent in stage 1) added into ``dkv`` (``merge.KeyGradients``)."""
+        from .hierarchical_exchange import returned_rows
 
         if self._moving is not None:  # save mode never reads the refetch it did not post; nothing is pending
             self.delivered()
@@ -353,8 +354,9 @@ class HierarchicalTransport:
                                      dtype=self.k.dtype, device=self.k.device)
         moved: Dict = {}
         with exposed_wait(self.stats, "backward_wait_seconds", self.k.device):
-            back = route_backward(self._grad, self.route, self.group, False, moved)
-        dkv.add(None, back)
+            back = returned_rows(self._grad, self.route, self.group, False, moved)
+        if back is not None:
+            dkv.add(self.route.send1_index, back)
         for key in ("grad_bytes_sent", "grad_bytes_received"):
             self.stats["backward_" + key] = self.stats.get("backward_" + key, 0) + moved[key]
 

@@ -97,27 +97,39 @@ def route_forward(kv: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bo
     return RouteForward(kv, route, group, use_p2p, stats).wait()
 
 
+def returned_rows(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool,
+                  stats: Optional[Dict] = None) -> Optional[torch.Tensor]:
+    """The received rows' part of ``route_backward``: [sum(send1_counts), b, F], the gradient of each
+    row this rank sent in stage 1 (rows of ``route.send1_index``, which may repeat), or None when no
+    stage moves anything. The local rows' part (``grad[:L]``) is not read.
+
+    ``stats`` gets grad_bytes_sent / grad_bytes_received: the gradient rows both stages moved.
+    """
+    if stats is not None:
+        row = grad[0].numel() * grad.element_size() if grad.shape[0] else 0
+        stats.update(grad_bytes_sent=(sum(route.recv1_counts) + sum(route.recv2_counts)) * row,
+                     grad_bytes_received=(sum(route.send1_counts) + sum(route.send2_counts)) * row)
+    tail = tuple(grad.shape[1:])
+    grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)  # rows fetched for the node only stay 0
+    grad1.index_copy_(0, route.kept1, grad.index_select(0, route.kept1_slot))
+    if route.stage2_moves:
+        back2 = _move(grad.index_select(0, route.slot2), route.recv2_counts, route.send2_counts, group, use_p2p)
+        grad1.index_add_(0, route.send2_index, back2)  # the fetcher sums its peers' grads with its own
+    if not route.stage1_moves:
+        return None
+    return _move(grad1, route.recv1_counts, route.send1_counts, group, use_p2p)
+
+
 def route_backward(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool,
                    stats: Optional[Dict] = None) -> torch.Tensor:
     """The gradient of ``route_forward``: [L + needed, b, F] -> [L, b, F], stages reversed (no autograd).
 
     ``stats`` gets grad_bytes_sent / grad_bytes_received: the gradient rows both stages moved.
     """
-    L = route.local_len
-    if stats is not None:
-        row = grad[0].numel() * grad.element_size() if grad.shape[0] else 0
-        stats.update(grad_bytes_sent=(sum(route.recv1_counts) + sum(route.recv2_counts)) * row,
-                     grad_bytes_received=(sum(route.send1_counts) + sum(route.send2_counts)) * row)
-    tail = tuple(grad.shape[1:])
     grad = grad.contiguous()
-    grad_kv = grad[:L].clone()
-    grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)  # rows fetched for the node only stay 0
-    grad1.index_copy_(0, route.kept1, grad.index_select(0, route.kept1_slot))
-    if route.stage2_moves:
-        back2 = _move(grad.index_select(0, route.slot2), route.recv2_counts, route.send2_counts, group, use_p2p)
-        grad1.index_add_(0, route.send2_index, back2)  # the fetcher sums its peers' grads with its own
-    if route.stage1_moves:
-        back1 = _move(grad1, route.recv1_counts, route.send1_counts, group, use_p2p)
+    grad_kv = grad[:route.local_len].clone()
+    back1 = returned_rows(grad, route, group, use_p2p, stats)
+    if back1 is not None:
         grad_kv.index_add_(0, route.send1_index, back1)  # an owner sums every rank's grads of a row
     return grad_kv
 
@@ -153,4 +165,4 @@ def hierarchical_needed_kv(kv: torch.Tensor, route: HierarchicalRoute, group, st
     return _HierarchicalKV.apply(kv, route, group, use_p2p, stats)
 
 
-__all__ = ["hierarchical_needed_kv"]
+__all__ = ["hierarchical_needed_kv", "returned_rows", "route_backward"]

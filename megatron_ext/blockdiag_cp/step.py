@@ -791,17 +791,19 @@ class BlockDiagCPState:
     def key_merges_on(self, kind: str, device: torch.device, window: Optional[int] = None):
         """(``MergePlan`` over the local key rows, their buffer slots on the device or None): the own step's
         calls write them; the rows whose gradients come back from other ranks are merged (every row with
-        several rows of doc ids, or through the hierarchical routes), once per step, kind and window."""
+        several rows of doc ids), once per step, kind and window."""
         key = ("key_merges", kind, str(device), window)
         if key not in self._device_index:
             plan = self.plan_for(window)
             L = self.local_len
             own = [call.k_index for call in plan.stream[kind].steps[0].calls]
-            every = self.rows > 1 or self.kv_exchange == "hierarchical"
+            every = self.rows > 1
             if kind == "ring":
                 c = plan.stream["ring"].chunk_rows
                 pieces = sorted({j for _, j in self.ring_gradients(window).returned})
                 back = [np.arange(j * c, min(L, (j + 1) * c)) for j in pieces]
+            elif self.kv_exchange == "hierarchical":  # the rows sent in stage 1 (to a peer or a node's fetcher)
+                back = [self.hierarchical_route_on(torch.device("cpu"), window).send1_index.numpy()]
             else:
                 back = [t.numpy() for t in plan.exchange.send_index if t.numel()]
             back = np.unique(np.concatenate(back)) if back else np.zeros(0, dtype=np.int64)  # host tables: numpy

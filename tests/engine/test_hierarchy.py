@@ -244,7 +244,13 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window, prepared=Fa
             float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
         report = state.report()
         stats = state.comm_stats
-        out[exchange] = {"errs": errs, "exchange": report["kv_exchange"], "kv_backward": report["kv_backward"],
+        key_plan, _ = state.key_merges_on("needed", torch.device("cpu"), window)
+        sent = [t for t in state.plan_for(window).exchange.send_index if t.numel()]
+        returned = state.hierarchical_route_on(torch.device("cpu"), window).send1_index if exchange == "hierarchical" else None
+        out[exchange] = {"errs": errs, "key_merged": key_plan.merged_mask.nonzero()[0].tolist(),
+                         "local_len": state.local_len,
+                         "sent": torch.cat(sent).unique().tolist() if sent else [],
+                         "returned": None if returned is None else returned.unique().tolist(), "exchange": report["kv_exchange"], "kv_backward": report["kv_backward"],
                          "report": {k: v for k, v in report.items() if "positions" in k or "bytes" in k},
                          "stats": {k: v for k, v in stats.items() if "bytes" in k},
                          "route_planned": route_planned, "route_is_prepared": state._host_routes.get(None) is (
@@ -258,6 +264,7 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window, prepared=Fa
     ("pad_middle", "balanced", "refetch", None),  # on "short" balanced needs no keys: nothing would move
     ("single", "zigzag", "refetch", 9), ("pad_middle", "contiguous", "save", 30)])
 def test_op_with_the_hierarchical_exchange_on_2_nodes_of_2(pool4, case, layout, kv_backward, window):
+    merged_rows = []
     for r in pool4.run(op_with_hierarchical_exchange, case, layout, kv_backward, window):
         hier, flat = r["hierarchical"], r["a2a"]
         assert hier["exchange"] == "hierarchical" and hier["kv_backward"] == kv_backward, hier
@@ -278,6 +285,13 @@ def test_op_with_the_hierarchical_exchange_on_2_nodes_of_2(pool4, case, layout, 
             assert stats["backward_bytes_received"] == 0, hier
         # A node's remote rows cross once: never more inter-node rows than the flat exchange moves.
         assert rep["positions_inter_node_received"] <= flat["report"]["positions_received"], (hier, flat)
+        # The routes bring gradients home to the rows some rank needs (stage 1 sends each to a peer or to a
+        # node's fetcher); the own keys' float32 buffer holds those (and rows three local calls attend).
+        assert hier["returned"] == hier["sent"], hier
+        assert set(hier["sent"]) <= set(hier["key_merged"]), hier
+        merged_rows.append(len(hier["key_merged"]) / hier["local_len"])
+    if case == "pad_middle" and layout == "balanced":  # short documents: some ranks send no keys at all
+        assert min(merged_rows) == 0.0, merged_rows
 
 
 @pytest.mark.timeout(300)
