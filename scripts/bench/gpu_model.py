@@ -23,8 +23,9 @@ bench/README.md):
 
 modeled = the later of the stream's and the host's end. Per case, the busiest rank's figures of a
 steady layer call (the second of a step; the third is the same) are reported with the host time the
-CPU measured for it (thread CPU time, so the other ranks sharing the cores do not inflate it; the
-null kernel keeps the kernel out of it; it includes the CPU running the small-dim ops), the ideal
+CPU measured for it, run again in the same step without the counter (whose per-op Python is not the
+op's; thread CPU time, so the other ranks sharing the cores do not inflate it; the null kernel keeps
+the kernel out of it; it includes the CPU running the small-dim ops), the ideal
 (the documents' causal query-key pairs under the window, total / cp, at the kernel rate) and the
 layout's roofline: max(ideal, the busiest rank's needed K/V bytes (the plan's exchange counts x
 2 · Hkv · D · 2 bytes, the larger of received and sent per link class) at link rate). Topology:
@@ -32,6 +33,7 @@ layout's roofline: max(ideal, the busiest rank's needed K/V bytes (the plan's ex
 cp / 2 (LOCAL_WORLD_SIZE = cp / 2), so its cross-node messages and roofline bytes go over IB.
 """
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -271,27 +273,38 @@ def _null_kernel():
 
 
 def record_layers(state, q, k, v, layers: int = LAYERS, **attention_kwargs):
-    """``layer_calls``' loop with ``OpCounter(log=True)`` and each call's host time: per layer
-    ((forward Counts, thread s, wall s), (backward ...))."""
+    """``layer_calls``' loop under ``OpCounter(log=True)``, then the same ``layers`` calls again in the
+    same step without it, timed: per layer ((forward Counts, thread s, wall s), (backward ...)).
+
+    The counter is a dispatch mode: its Python runs on every aten op (views included), which would be
+    host time the op itself does not spend, so the timed calls run outside it. By then the step's
+    device tables are built, so every timed call is a steady one."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.op_counter import OpCounter
 
     counter = OpCounter(log=True)
-    outs, times = [], {}
-    with bdcp.blockdiag_cp_step(state), counter:
+    times = {}
+
+    def run_layers(region):
+        outs = []
         for layer in range(layers):
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            with counter.region(("forward", layer)):
+            with region(("forward", layer)):
                 t, w = time.thread_time(), time.perf_counter()
                 out = bdcp.blockdiag_cp_attention(*inputs, **attention_kwargs)
                 times[("forward", layer)] = (time.thread_time() - t, time.perf_counter() - w)
             outs.append(out)
         upstream = torch.ones_like(outs[0])
         for layer in reversed(range(layers)):
-            with counter.region(("backward", layer)):
+            with region(("backward", layer)):
                 t, w = time.thread_time(), time.perf_counter()
                 torch.autograd.backward(outs[layer], upstream)
                 times[("backward", layer)] = (time.thread_time() - t, time.perf_counter() - w)
+
+    with bdcp.blockdiag_cp_step(state):
+        with counter:
+            run_layers(counter.region)
+        run_layers(lambda label: contextlib.nullcontext())  # overwrites ``times``: the uncounted calls'
     return [tuple((counter.counts[(p, i)], *times[(p, i)]) for p in ("forward", "backward"))
             for i in range(layers)]
 
