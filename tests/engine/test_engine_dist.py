@@ -10,7 +10,7 @@ finite difference of the whole group's loss and by replaying the same masks.
 import pytest
 import torch
 
-from megatron_ext.testing import pool_per_cp_fixture, reference_attention
+from megatron_ext.testing import pool_fixture, pool_per_cp_fixture, reference_attention
 from megatron_ext.testing.cases import CASES, make_doc_ids
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
@@ -60,6 +60,7 @@ def check_case(case, S, b, hq, hkv, d, layouts=LAYOUTS, exchanges=EXCHANGES, sca
 
 
 pool = pool_per_cp_fixture([1, 2, 3, 4])
+pool_two_nodes = pool_fixture(4, env={"LOCAL_WORLD_SIZE": "2"})  # hierarchical needs nodes of several ranks
 
 
 @pytest.mark.timeout(600)
@@ -73,6 +74,17 @@ def test_matches_reference_every_layout_and_exchange(pool, case):
             assert max(errs) < TOL, (rank, layout, exchange, kv_backward, errs)
             assert report["layout"] == layout
             assert report["kv_backward"] == (kv_backward if cp > 1 else "save"), report
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_with_the_hierarchical_exchange_on_2_nodes_of_2(pool_two_nodes, case):
+    b = 2 if case == "b2" else 1  # b2: a row of doc ids per batch row
+    results = pool_two_nodes.run(check_case, case, 96, b, 4, 2, 8, LAYOUTS, ("hierarchical",))
+    for rank, per_rank in enumerate(results):
+        for (layout, exchange, kv_backward), (errs, report) in per_rank.items():
+            assert max(errs) < TOL, (rank, layout, kv_backward, errs)
+            assert report["kv_exchange"] == "hierarchical" and report["kv_backward"] == kv_backward, report
 
 
 @pytest.mark.timeout(300)
