@@ -86,7 +86,7 @@ class _Geometry:
         return torch.zeros(n * self.R, self.g * self.hkv, self.dk + self.dv, dtype=dtype, device=device)
 
 
-def _transport(kind: str, k, v, state, plan, stats, prefix: str):
+def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: bool = False):
     if state.loopback is not None:  # testing.loopback: one rank in one process, chunks handed over on its device
         return state.loopback.transport(kind, k, v, state, plan, stats, prefix)
     chunk_rows = plan.stream[kind].chunk_rows
@@ -97,7 +97,7 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str):
         return HierarchicalTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                                      plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window))
     return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
-                           state.send_indices_on(k.device, plan.window), plan.exchange.counts)
+                           state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends)
 
 
 def _sink_logits(softmax_offset: Optional[torch.Tensor], groups: int, dtype) -> Optional[torch.Tensor]:
@@ -167,7 +167,7 @@ class _StreamedAttention(torch.autograd.Function):
         save = state.kv_backward == "save"
         saved: List[torch.Tensor] = []  # save mode: the received chunks that have calls
         saved_at: List[int] = []  # per remote step, its index in ``saved`` (-1: not kept)
-        transport = _transport(kind, k, v, state, plan, stats, "") if state.cp > 1 else None
+        transport = _transport(kind, k, v, state, plan, stats, "", fuse_sends=True) if state.cp > 1 else None
         pending = transport.start((steps[1].round, steps[1].piece)) if len(steps) > 1 else None
         attend(calls[0], merges.calls[0], geo.kv_flat(k), geo.kv_flat(v))
         for s in range(1, len(steps)):

@@ -225,13 +225,31 @@ class NeededTransport(_DirectGradients):
     kind = "needed"
 
     def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
-                 send_index: List[Optional[torch.Tensor]], counts: torch.Tensor):
+                 send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, fuse_sends: bool = False):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
         self.send_index = send_index
         # The host table as Python ints: reading a tensor element per step costs a dispatch each
         # (and on a device it would be a sync, were the table ever moved there).
         self.sent_to, self.received_from = counts[rank].tolist(), counts[:, rank].tolist()
+        self._fused = None  # [L, b, F] K and V of every local row, when the steps gather from it
+        self._fuse_once = fuse_sends and self._fusing_once_is_cheaper()
+
+    def _fusing_once_is_cheaper(self) -> bool:
+        """A step's send buffer is K and V of its rows side by side: a gather of K, one of V and a cat
+        (a cat alone on a run of rows), about 4 (2) bytes moved per byte sent. Fusing every local row
+        once costs 2 per local byte, and a step then gathers from it at 2 (a run is a view): cheaper
+        once a layer call sends the local rows more than about once over (a row several ranks need).
+        The caller asks for it in forward only (``fuse_sends``): backward holds the layer's peak (the
+        K/V gradients in flight), where a buffer of every local row would raise it."""
+        per_step = fused = 0
+        for dst, n in enumerate(self.sent_to):
+            if dst == self.rank or not n:
+                continue
+            run = self.send_index[dst] is None
+            per_step += (2 if run else 4) * n
+            fused += 0 if run else 2 * n
+        return 2 * self.k.shape[0] + fused < per_step
 
     def _piece(self, count: int, j: int) -> int:
         return max(0, min(self.c, count - j * self.c))
@@ -249,12 +267,19 @@ class NeededTransport(_DirectGradients):
         i, j = step
         dst, src = (self.rank + i) % self.cp, (self.rank - i) % self.cp
         rows, n_send = self.sent_rows(step)
-        send = fused_rows(self.k, self.v, rows) if n_send else None
+        send = self._send_buffer(rows) if n_send else None
         n_recv = self.received_rows(step)
         like = self.k[:0]
         shape = (n_recv, self.k.shape[1], fused_width(self.k, self.v))
         return post([(send, dst)], src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
                     self.prefix + "bytes")
+
+    def _send_buffer(self, rows) -> torch.Tensor:  # [n, b, F]
+        if not self._fuse_once:
+            return fused_rows(self.k, self.v, rows)
+        if self._fused is None:
+            self._fused = fused_rows(self.k, self.v, slice(None))
+        return self._fused[rows] if isinstance(rows, slice) else self._fused.index_select(0, rows)
 
     def received_rows(self, step) -> int:
         i, j = step

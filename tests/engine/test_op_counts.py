@@ -218,6 +218,22 @@ PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host s
 }
 
 
+def steady_counts_at(exchange, ids):
+    per_layer = count_layers(exchange, "refetch", ids)
+    return tuple(tuple(c.summary().values()) for c in per_layer[1])
+
+
+@pytest.mark.timeout(120)
+def test_a2a_at_cp4_fuses_the_forward_sends_of_rows_several_ranks_need(pool4):
+    """One document over 4 ranks (zigzag): a rank's rows go to up to three ranks, so forward fuses K and V of
+    every local row once and each send gathers from it (``NeededTransport``), one op a step instead of three;
+    backward builds each step's buffer (a local-sized buffer there would raise the layer's peak)."""
+    got = pool4.run(steady_counts_at, "a2a", torch.ones(128, dtype=torch.long))
+    # Forward with each step's own two gathers and cat: 48, 45, 39, 26 launching ops.
+    assert got == [((8, 43, 9, 0), (8, 36, 18, 0)), ((7, 40, 9, 0), (7, 33, 18, 0)),
+                   ((6, 34, 9, 0), (6, 31, 18, 0)), ((4, 21, 9, 0), (4, 24, 18, 0))], got
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("exchange", list(PINNED))
 def test_layer_call_counts_are_pinned(pool2, pool4, exchange):

@@ -1,0 +1,38 @@
+"""``exchange.NeededTransport``'s send buffers: K and V of the rows a step sends, fused once per layer
+call where the local rows go out more than about once over."""
+
+import torch
+
+from megatron_ext.blockdiag_cp.exchange import NeededTransport, fused_rows
+
+
+def _transport(sent_to, send_index, L=10, fuse_sends=True):
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(L, 2, 3, generator=g), torch.randn(L, 2, 5, generator=g)
+    cp = len(sent_to)
+    counts = torch.zeros(cp, cp, dtype=torch.long)
+    counts[0] = torch.tensor(sent_to)
+    return NeededTransport(k, v, 0, cp, 4, None, {}, "", send_index, counts, fuse_sends=fuse_sends)
+
+
+def test_fusing_once_where_it_moves_fewer_bytes():
+    idx = torch.tensor([1, 3, 4, 6, 8, 9])
+    # Gathered rows cost 4 bytes moved per byte sent per step, 2 from a fused buffer that costs 2 per local byte.
+    assert _transport([0, 6, 6], [None, idx, idx])._fuse_once  # 48 > 20 + 24
+    assert not _transport([0, 6, 0], [None, idx, None])._fuse_once  # 24 < 20 + 12
+    # Runs of rows cost a cat (2) per step, and nothing from the fused buffer (a view).
+    assert _transport([0, 10, 10], [None, None, None])._fuse_once  # 40 > 20
+    assert not _transport([0, 10, 0], [None, None, None])._fuse_once  # 20 = 20: no gain
+    assert not _transport([0, 6, 6], [None, idx, idx], fuse_sends=False)._fuse_once  # backward: never
+
+
+def test_send_buffers_are_the_same_rows_fused_or_not():
+    idx = torch.tensor([1, 3, 4, 6, 8, 9])
+    for send_index in ([None, idx, idx], [None, None, None]):
+        fused, per_step = (_transport([0, 6, 6], send_index, fuse_sends=f) for f in (True, False))
+        assert fused._fuse_once and not per_step._fuse_once
+        for step in ((1, 0), (1, 1), (2, 0), (2, 1)):
+            rows, n = fused.sent_rows(step)
+            want = fused_rows(per_step.k, per_step.v, rows)
+            assert torch.equal(fused._send_buffer(rows), want) and torch.equal(per_step._send_buffer(rows), want)
+            assert want.shape == (n, 2, 8), (step, want.shape)
