@@ -85,6 +85,13 @@ class _Geometry:
     def grad_chunk(self, n, dtype, device):  # zeros [n * R, g * Hkv, Dk + Dv]
         return torch.zeros(n * self.R, self.g * self.hkv, self.dk + self.dv, dtype=dtype, device=device)
 
+    @staticmethod
+    def fused_grad(gk, gv):  # [n * R, g * Hkv, Dk] and [.., Dv] -> [n * R, g * Hkv, Dk + Dv], k's dtype
+        if kernels.kv_halves(gk, gv):  # TE's thd_th2d gradient: already the fused chunk's layout
+            t, h, d = gk.shape
+            return gk.as_strided((t, h, 2 * d), (2 * h * d, 2 * d, 1))
+        return torch.cat([gk, gv.to(gk.dtype)], dim=-1)
+
 
 def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: bool = False):
     if state.loopback is not None:  # testing.loopback: one rank in one process, chunks handed over on its device
@@ -255,7 +262,7 @@ class _StreamedAttention(torch.autograd.Function):
                 if keys is not None:
                     keys.take(ki, key_share, gk, gv)
                 elif whole:
-                    grad = torch.cat([gk, gv.to(gk.dtype)], dim=-1)  # [n * R, g * Hkv, Dk + Dv], k's dtype
+                    grad = geo.fused_grad(gk, gv)
                 else:
                     _add_rows(grad[..., :geo.dk], ki, gk)
                     _add_rows(grad[..., geo.dk:], ki, gv)

@@ -20,6 +20,8 @@ global). That is what lets the streamed op attend K/V chunk by chunk, merge the
 partial outputs by their lse, and differentiate each chunk on its own. ``aux`` is
 what the backward needs to replay the forward's dropout (a seed, or the CUDA
 kernel's RNG state). Hq % Hkv == 0 (GQA), never repeated into Hq heads on CUDA.
+k and v may be the two halves of one received chunk ([t, h, 2, d], ``kv_halves``): ``te``
+(as ``thd_th2d``) and ``flash`` read them in place, and hand dk / dv back the same way.
 
 ``te`` and ``flash`` are imported lazily and are only ever "available" on CUDA
 with fp16/bf16 inputs; each availability check returns (ok, reason) and never
@@ -97,6 +99,15 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def kv_halves(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether k and v [t, h, d] are the two halves of one [t, h, 2, d] buffer (a received chunk, split)."""
+    if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        return False
+    t, h, d = k.shape
+    return (k.stride() == v.stride() == (2 * h * d, 2 * d, 1)
+            and v.data_ptr() == k.data_ptr() + d * k.element_size())
 
 
 def _segment_generator(seed: int, segment: int, device) -> torch.Generator:
@@ -350,7 +361,10 @@ def _flash_width(q, v) -> int:
 
 
 def _flash_padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    return _pad_last(t, width).contiguous()
+    # flash reads rows and heads by their strides and needs only a contiguous last dim: a received
+    # chunk's K and V halves go in as they are
+    t = _pad_last(t, width)
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def flash_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
@@ -388,7 +402,11 @@ def flash_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dr
               max_seqlen_k=seg.max_seqlen_k)
     if impl == "flash_attn":
         fn = _flash_attn_interface()._flash_attn_varlen_backward
-        dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq = torch.empty_like(q)
+        if kv_halves(k, v):  # flash writes dk / dv by their strides: one [t, h, 2, d] buffer, as the chunk
+            dk_, dv_ = torch.empty(k.shape[:2] + (2, k.shape[2]), dtype=k.dtype, device=k.device).unbind(2)
+        else:
+            dk_, dv_ = torch.empty_like(k), torch.empty_like(v)
         # Every argument by name: from 2.7 window_size_left/right, softcap, alibi_slopes and
         # deterministic have no defaults in the custom op's schema.
         fn(**_by_name(
@@ -501,20 +519,29 @@ def _te_dtype(dtype: torch.dtype):
     return table[dtype]
 
 
-def _te_call(fn, seg: Segments, q, k, v, scale: float, dropout_p: float) -> Dict:
+def _te_inputs(q, k, v):
+    """q, k, v as TE's C++ reads them, and their layout: it takes data pointers and derives every stride
+    from the layout. K and V halves of one buffer go in place as ``thd_th2d``; anything else is copied
+    contiguous for ``thd_thd_thd``."""
+    if kv_halves(k, v):
+        return q.contiguous(), k, v, "thd_th2d"
+    return q.contiguous(), k.contiguous(), v.contiguous(), "thd_thd_thd"
+
+
+def _te_call(fn, seg: Segments, q, k, v, scale: float, dropout_p: float, layout: str) -> Dict:
     """The arguments fused_attn_fwd and fused_attn_bwd share, by name."""
     (max_q, max_k, cu_q, cu_k), mask = _te_call_args(seg)
     return dict(max_seqlen_q=max_q, max_seqlen_kv=max_k, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, q=q, k=k, v=v,
                 fake_dtype=q.dtype, fused_attention_backend=_te_backend(_library(TE_FUSED_ATTN)),
-                attn_scale=scale, dropout=dropout_p, qkv_layout="thd_thd_thd", attn_mask_type=mask,
+                attn_scale=scale, dropout=dropout_p, qkv_layout=layout, attn_mask_type=mask,
                 **_te_window(fn, seg))
 
 
 def te_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, seed: int = 0):
     fn = _library(TE_FUSED_ATTN).fused_attn_fwd
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    out, aux = fn(**_by_name(fn, "TransformerEngine", dict(is_training=True, **_te_call(fn, seg, q, k, v, scale,
-                                                                                         dropout_p)),
+    q, k, v, layout = _te_inputs(q, k, v)
+    out, aux = fn(**_by_name(fn, "TransformerEngine",
+                             dict(is_training=True, **_te_call(fn, seg, q, k, v, scale, dropout_p, layout)),
                              dict(o_format="thd")))[:2]
     out = out.view(q.shape[0], q.shape[1], v.shape[-1])
     return out, _te_stats_rows(aux[0], seg).to(lse_dtype(q.dtype)), list(aux)
@@ -523,13 +550,15 @@ def te_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, see
 def te_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dropout_p: float = 0.0):
     fn = _library(TE_FUSED_ATTN).fused_attn_bwd
     aux = [_te_stats_like(lse, aux[0], seg)] + list(aux[1:])
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v, layout = _te_inputs(q, k, v)
     required = dict(o=out.contiguous(), d_o=dout.contiguous(), aux_ctx_tensors=aux,
-                    **_te_call(fn, seg, q, k, v, scale, dropout_p))
+                    **_te_call(fn, seg, q, k, v, scale, dropout_p, layout))
     if "dqkv_dtype" in _parameters(fn):  # TE 2.1-2.14: a required tex.DType (2.15 dropped it)
         required["dqkv_dtype"] = _te_dtype(q.dtype)
+    # dk and dv in the inputs' layout: with thd_th2d they come back as the halves of one buffer, which the
+    # op sends home as it is (``kv_halves``)
     grads = fn(**_by_name(fn, "TransformerEngine", required,
-                          dict(o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd")))
+                          dict(o_format="thd", do_format="thd", dqkv_layout=layout)))
     return grads[0], grads[1], grads[2]
 
 

@@ -119,6 +119,31 @@ def varlen_math_backward(dout, q, k, v, out, lse, cq, ck, scale, causal, window=
     return dq, dk, dv
 
 
+TE_THD_LAYOUTS = ("thd_thd_thd", "thd_th2d")
+
+
+def te_layout_reads(q, k, v, layout: str):
+    """q, k, v [t, h, d] as TE's C++ reads them: from each data pointer, with the strides the layout
+    says, whatever strides the torch tensors carry (``thd_th2d``: K and V interleaved per head)."""
+    _check(layout in TE_THD_LAYOUTS, f"qkv_layout {layout!r}: the engine passes {TE_THD_LAYOUTS}")
+    def read(t, interleave):  # [t, h, d], each row of h heads and each head `interleave` times d apart
+        return t.as_strided(t.shape, (interleave * t.shape[1] * t.shape[2], interleave * t.shape[2], 1))
+
+    kv = 1 if layout == "thd_thd_thd" else 2
+    _check(kv == 1 or k.shape == v.shape, f"thd_th2d takes k and v of one shape: {tuple(k.shape)}, {tuple(v.shape)}")
+    return read(q, 1), read(k, kv), read(v, kv)
+
+
+def te_layout_grads(dq, dk, dv, layout: str):
+    """dq, dk, dv as TE's C++ allocates them for ``layout``: with ``thd_th2d`` dk and dv are the halves
+    of one [t, h, 2, d] buffer."""
+    _check(layout in TE_THD_LAYOUTS, f"dqkv_layout {layout!r}: the engine passes {TE_THD_LAYOUTS}")
+    if layout == "thd_thd_thd":
+        return dq, dk, dv
+    dkv = torch.stack([dk, dv], dim=2)  # [t, h, 2, d]
+    return dq, dkv[:, :, 0], dkv[:, :, 1]
+
+
 CALLS: List[dict] = []  # metadata of every double call in this process (tests read and clear it)
 
 
@@ -270,16 +295,18 @@ class FakeFusedAttn(types.SimpleNamespace):
     """
 
     def __init__(self, stats_layout: str = "thd"):
-        super().__init__(FusedAttnBackend={"F16_arbitrary_seqlen": 1}, stats_layout=stats_layout, calls=[])
+        super().__init__(FusedAttnBackend={"F16_arbitrary_seqlen": 1}, stats_layout=stats_layout, calls=[],
+                         layouts=[])
 
     def _common(self, max_q, max_k, cu_q, cu_k, q, k, v, fake_dtype, backend, qkv_layout, attn_mask_type):
         _check(backend == 1, f"fused attention backend {backend!r}, expected F16_arbitrary_seqlen")
-        _check(qkv_layout == "thd_thd_thd", f"qkv_layout {qkv_layout!r}")
+        q, k, v = te_layout_reads(q, k, v, qkv_layout)
         _check(attn_mask_type in ("padding", "padding_causal"), f"attn_mask_type {attn_mask_type!r}")
         _check(fake_dtype == q.dtype, "fake_dtype must be q's dtype")
         causal = attn_mask_type == "padding_causal"
         cq, ck = check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal, round_to=64)
-        return cq, ck, causal
+        self.layouts.append(qkv_layout)
+        return cq, ck, causal, q, k, v
 
     def _window(self, window_size, bottom_right_diagonal, causal):
         if tuple(window_size) == (-1, -1):
@@ -297,8 +324,8 @@ class FakeFusedAttn(types.SimpleNamespace):
                        bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False):
         _check(is_training and dropout == 0.0 and o_format == "thd", "training, no dropout, thd output")
         _check(softmax_type == "vanilla", "sinks are the engine's (once per row), never a kernel's (once per call)")
-        cq, ck, causal = self._common(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
-                                      fake_dtype, fused_attention_backend, qkv_layout, attn_mask_type)
+        cq, ck, causal, q, k, v = self._common(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
+                                               fake_dtype, fused_attention_backend, qkv_layout, attn_mask_type)
         window = self._window(window_size, bottom_right_diagonal, causal)
         self.calls.append({"mask": attn_mask_type, "max_seqlen_q": max_seqlen_q, "max_seqlen_kv": max_seqlen_kv})
         _record("te", q, k, cq, causal, window=window)
@@ -318,9 +345,10 @@ class FakeFusedAttn(types.SimpleNamespace):
                        do_format="sbhd", dqkv_layout="sbh3d", attn_bias_type="no_bias",
                        attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
                        bottom_right_diagonal=None, deterministic=False):
-        _check((o_format, do_format, dqkv_layout) == ("thd", "thd", "thd_thd_thd"), "thd formats expected")
-        cq, ck, causal = self._common(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
-                                      fake_dtype, fused_attention_backend, qkv_layout, attn_mask_type)
+        _check((o_format, do_format) == ("thd", "thd"), "thd formats expected")
+        _check(dqkv_layout == qkv_layout, f"dqkv_layout {dqkv_layout!r} differs from qkv_layout {qkv_layout!r}")
+        cq, ck, causal, q, k, v = self._common(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
+                                               fake_dtype, fused_attention_backend, qkv_layout, attn_mask_type)
         stats = aux_ctx_tensors[0]
         _check(len(aux_ctx_tensors) == 2 and aux_ctx_tensors[1].numel() == 2, "aux must be [stats, rng_state]")
         if self.stats_layout == "thd":
@@ -333,7 +361,7 @@ class FakeFusedAttn(types.SimpleNamespace):
         d_o = d_o.view(o.shape)
         dq, dk, dv = varlen_math_backward(d_o, q, k, v, o, lse.to(q.dtype), cq, ck, attn_scale, causal,
                                           self._window(window_size, bottom_right_diagonal, causal))
-        return [dq, dk, dv, None, None]
+        return list(te_layout_grads(dq, dk, dv, dqkv_layout)) + [None, None]
 
 
 FAKE_TE_DTYPE = {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16", torch.float32: "kFloat32",
@@ -366,7 +394,7 @@ def _te_2_14_spelling(fused: FakeFusedAttn):
         _check(dqkv_dtype == FAKE_TE_DTYPE[q.dtype], f"dqkv_dtype {dqkv_dtype!r}, expected TE_DType[{q.dtype}]")
         return bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
                    aux_ctx_tensors, fused_attention_backend, attn_scale=attn_scale, dropout=dropout,
-                   qkv_layout=qkv_layout, o_format="thd", do_format="thd", dqkv_layout="thd_thd_thd",
+                   qkv_layout=qkv_layout, o_format="thd", do_format="thd", dqkv_layout=qkv_layout,
                    attn_mask_type=attn_mask_type, softmax_type=softmax_type, window_size=window_size,
                    bottom_right_diagonal=bottom_right_diagonal)
 

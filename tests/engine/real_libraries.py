@@ -15,7 +15,9 @@ the shipped files, imported and run as they are; only its compiled extension is 
 - ``transformer_engine_torch``: the enums and classes TE's Python reads (members made on first
   read, each an int with its name) and ``fused_attn_fwd`` / ``fused_attn_bwd`` taking that
   release's C++ argument list; a ``tex.DType`` where the C++ takes one, a ``torch.dtype`` where it
-  takes a ``py::object``. TE's package ``__init__`` files load its C++ libraries and import every
+  takes a ``py::object``. Like the C++, it reads q, k and v from their data pointers with the strides
+  the ``qkv_layout`` says (``thd_thd_thd``, or ``thd_th2d``: K and V interleaved per head), not the
+  tensors' own, and hands dk / dv back as the halves of one buffer for ``thd_th2d``. TE's package ``__init__`` files load its C++ libraries and import every
   module, so they are not run: ``transformer_engine``, ``.common``, ``.pytorch``,
   ``.pytorch.tensor`` and ``.pytorch.cpp_extensions`` are empty packages over the shipped folders,
   and ``cpp_extensions/fused_attn.py`` with everything it imports (``quantized_tensor``,
@@ -31,6 +33,8 @@ import sys
 import types
 
 import torch
+
+from megatron_ext.testing.doubles import te_layout_grads, te_layout_reads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GL = os.path.join(ROOT, ".gl")
@@ -159,6 +163,7 @@ def _cu(t, name, device):
 
 
 CALLS = []  # what the emulated kernels were called with in this process (tests read and clear it)
+GRAD_LAYOUTS = []  # what the dk / dv each backward call wrote say of their memory (strided_layout)
 
 
 # ---------------------------------------------------------------------------
@@ -198,6 +203,14 @@ def _flash_common(a, q, k, v):
     return cq, ck, left, right
 
 
+def strided_layout(k, v) -> str:
+    """What K and V's strides say of their memory, in TE's layout names (flash reads the strides)."""
+    t, h, d = k.shape
+    if k.stride() == v.stride() == (2 * h * d, 2 * d, 1) and v.data_ptr() == k.data_ptr() + d * k.element_size():
+        return "thd_th2d"
+    return "thd_thd_thd" if k.is_contiguous() and v.is_contiguous() else "other"
+
+
 def flash_cuda_module(version: str):
     """An emulated ``flash_attn_2_cuda`` of flash-attn ``version``."""
     four_results = _vt(version) >= (2, 7)
@@ -207,7 +220,7 @@ def flash_cuda_module(version: str):
         q, k, v = a["q"], a["k"], a["v"]
         cq, ck, left, right = _flash_common(a, q, k, v)
         CALLS.append({"kind": "flash_attn", "version": version, "window": (left, right), "causal": a["is_causal"],
-                      "hq": q.shape[1], "hkv": k.shape[1], "d": q.shape[-1]})
+                      "hq": q.shape[1], "hkv": k.shape[1], "d": q.shape[-1], "layout": strided_layout(k, v)})
         out, lse = segments_forward(q, k, v, cq, ck, a["softmax_scale"], left, right, True)
         lse = lse.t().contiguous().float()  # [H, total_q]
         rng = torch.zeros(2, dtype=torch.int64)
@@ -224,6 +237,8 @@ def flash_cuda_module(version: str):
                f"softmax_lse must be [H, total_q] float32, got {tuple(lse.shape)} {lse.dtype}")
         _check(a["rng_state"] is None or a["rng_state"].numel() == 2, "rng_state is not a forward's")
         grads = segments_backward(a["dout"], q, k, v, a["out"], lse.t(), cq, ck, a["softmax_scale"], left, right, True)
+        if a["dk_"] is not None:
+            GRAD_LAYOUTS.append(strided_layout(a["dk_"], a["dv_"]))
         outs = []
         for given, grad in zip((a["dq_"], a["dk_"], a["dv_"]), grads):
             if given is not None:
@@ -377,6 +392,10 @@ TE_CPP_ARGS = {
 TE_CPP_ARGS["2.20"] = TE_CPP_ARGS["2.15"]
 
 
+# The layouts the engine passes, as the C++ enum's members print, and what they say of memory.
+_TE_LAYOUTS = {"NVTE_QKV_Layout.NVTE_THD_THD_THD": "thd_thd_thd", "NVTE_QKV_Layout.NVTE_THD_TH2D": "thd_th2d"}
+
+
 def _te_args_key(version: str) -> str:
     """The TE_CPP_ARGS entry of ``version``: the release that last changed the C++ argument lists."""
     v = _vt(version)
@@ -417,8 +436,6 @@ def te_torch_module(version: str, stats_layout: str = "thd"):
                    f"incompatible function arguments: {name} must be transformer_engine_torch.DType, got {value!r}")
 
     def mask(a):
-        layout = a["qkv_layout"]
-        _check(repr(layout) == "NVTE_QKV_Layout.NVTE_THD_THD_THD", f"the emulation takes thd_thd_thd, got {layout!r}")
         mask_name = a["attn_mask_type"].name
         _check(mask_name in ("NVTE_PADDING_MASK", "NVTE_PADDING_CAUSAL_MASK",
                              "NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK"), f"mask {mask_name}")
@@ -433,9 +450,14 @@ def te_torch_module(version: str, stats_layout: str = "thd"):
             right = 0
         return causal, left, right, bottom_right
 
+    def layout(a, name="qkv_layout"):
+        value = a[name]
+        _check(repr(value) in _TE_LAYOUTS, f"the emulation takes {sorted(_TE_LAYOUTS.values())}, got {value!r}")
+        return _TE_LAYOUTS[repr(value)]
+
     def fused_attn_fwd(*args, **kwargs):
         a = _bind("fused_attn_fwd", fwd_names, args, kwargs)
-        q, k, v = a["q"], a["k"], a["v"]
+        q, k, v = te_layout_reads(a["q"], a["k"], a["v"], layout(a))
         dtype_arg(a, "fake_dtype" if "fake_dtype" in a else "qkv_dtype")
         _check(a["dropout"] == 0.0 and a["is_training"], "training without dropout")
         if "o_format" in a:
@@ -445,7 +467,7 @@ def te_torch_module(version: str, stats_layout: str = "thd"):
         _check(cq[-1] == q.shape[0] and ck[-1] == k.shape[0], "cu_seqlens end past the rows")
         _check(q.shape[-1] == k.shape[-1] and q.shape[1] % k.shape[1] == 0, "head dims / heads")
         CALLS.append({"kind": "te", "version": version, "window": (left, right), "causal": causal,
-                      "bottom_right": bottom_right, "hq": q.shape[1], "hkv": k.shape[1]})
+                      "bottom_right": bottom_right, "hq": q.shape[1], "hkv": k.shape[1], "layout": layout(a)})
         out, lse = segments_forward(q, k, v, cq, ck, a["attn_scale"], left, right, bottom_right)
         if stats_layout == "thd":
             stats = lse.float().unsqueeze(-1)  # [tq, h, 1]
@@ -457,12 +479,12 @@ def te_torch_module(version: str, stats_layout: str = "thd"):
 
     def fused_attn_bwd(*args, **kwargs):
         a = _bind("fused_attn_bwd", bwd_names, args, kwargs)
-        q, k, v = a["q"], a["k"], a["v"]
+        q, k, v = te_layout_reads(a["q"], a["k"], a["v"], layout(a))
+        grad_layout = layout(a, "dqkv_layout") if "dqkv_layout" in a else layout(a)  # before 2.15: qkv_layout's
         dtype_arg(a, "fake_dtype" if "fake_dtype" in a else "qkv_dtype")
         if "dqkv_dtype" in a:
             dtype_arg(a, "dqkv_dtype")
         if "dqkv_layout" in a:
-            _check(repr(a["dqkv_layout"]) == "NVTE_QKV_Layout.NVTE_THD_THD_THD", f"dqkv_layout {a['dqkv_layout']!r}")
             _check(a["o_format"].name == "NVTE_THD" and a["do_format"].name == "NVTE_THD", "o/do formats")
         causal, left, right, bottom_right = mask(a)
         cq, ck = _cu(a["cu_seqlens_q"], "cu_seqlens_q", q.device), _cu(a["cu_seqlens_kv"], "cu_seqlens_kv", q.device)
@@ -477,6 +499,8 @@ def te_torch_module(version: str, stats_layout: str = "thd"):
         o = a["o"].view(q.shape[0], q.shape[1], -1)
         d_o = a["d_o"].view(o.shape)
         grads = segments_backward(d_o, q, k, v, o, lse, cq, ck, a["attn_scale"], left, right, bottom_right)
+        grads = te_layout_grads(*grads, grad_layout)
+        GRAD_LAYOUTS.append(strided_layout(grads[1], grads[2]))
         return list(grads) + [None, None]
 
     mod.fused_attn_fwd, mod.fused_attn_bwd = fused_attn_fwd, fused_attn_bwd
@@ -544,6 +568,7 @@ def register_aten_flash_cpu():
         _check(d % 8 == 0 and d <= 256, f"head dim {d}: flash takes a multiple of 8, at most 256")
         _check(q.shape[1] % k.shape[1] == 0, "Number of heads in key/value must divide number of heads in query")
         _check(a["dropout_p"] == 0.0, "the emulation has no dropout")
+        _check(all(t.stride(-1) == 1 for t in (q, k, v)), "Input tensor must have contiguous last dimension")
         cq, ck = _cu(a["cum_seq_q"], "cum_seq_q", q.device), _cu(a["cum_seq_k"], "cum_seq_k", q.device)
         scale = a.get("scale")
         return cq, ck, d ** -0.5 if scale is None else scale, window(a, a["max_k"], a["is_causal"])
@@ -552,7 +577,8 @@ def register_aten_flash_cpu():
         a = _schema_bind(aten._flash_attention_forward, args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         cq, ck, scale, (left, right) = common(a, q, k, v)
-        CALLS.append({"kind": "torch_flash", "window": (left, right), "causal": a["is_causal"]})
+        CALLS.append({"kind": "torch_flash", "window": (left, right), "causal": a["is_causal"],
+                      "layout": strided_layout(a["key"], a["value"])})
         out, lse = segments_forward(q, k, v, cq, ck, scale, left, right, True)
         seed = torch.zeros((), dtype=torch.int64)
         return out, lse.t().contiguous().float(), seed, seed.clone(), torch.empty(0, dtype=q.dtype)

@@ -530,6 +530,47 @@ def test_library_versions_are_gated():
     assert te_old[0] is False and "1.13.0" in te_old[1] and "transformer-engine[pytorch]>=2.1" in te_old[1], te_old
 
 
+def test_te_reads_a_received_chunks_k_and_v_in_place():
+    """A received chunk is K and V fused per head ([n, h, Dk + Dv]); split, its halves are TE's thd_th2d
+    layout. They reach fused_attn as they are, and dk / dv come back as the halves of one buffer, which
+    the op sends home without a cat. Same numbers as contiguous copies; anything else is copied."""
+    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import doubles as fd
+    from megatron_ext.testing import override_libraries
+
+    g = torch.Generator().manual_seed(3)
+    n, m, hq, h, d = 24, 10, 4, 2, 8
+    chunk = torch.randn(n, h, 2 * d, generator=g, dtype=torch.float64)
+    k, v = chunk[..., :d], chunk[..., d:]
+    q, dout = (torch.randn(m, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = [torch.tensor([0, 4, m], dtype=torch.int32), torch.tensor([0, 9, n], dtype=torch.int32)]
+    seg = kernels.Segments(cu[0], cu[1], 6, 15, (4, 6), (9, 15), causal=False)
+    assert kernels.kv_halves(k, v) and not kernels.kv_halves(k.contiguous(), v.contiguous())
+    assert not kernels.kv_halves(k[::2], v[1::2]) and not kernels.kv_halves(v, k)
+
+    results = {}
+    for version in ("2.14.0", "2.15.0"):  # dk / dv in the qkv layout (2.14) and in dqkv_layout (2.15)
+        for name, (kk, vv) in {"halves": (k, v), "copies": (k.contiguous(), v.contiguous())}.items():
+            libraries = fd.fake_te(version=version)
+            with override_libraries(libraries):
+                assert kernels._te_inputs(q, kk, vv)[1] is kk  # halves in place; contiguous ones as they are
+                out, lse, aux = kernels.te_forward(q, kk, vv, seg, 0.3)
+                dq, dk, dv = kernels.te_backward(dout, q, kk, vv, out, lse, aux, seg, 0.3)
+            results[version, name] = (out, lse, dq, dk, dv)
+            layout = "thd_th2d" if name == "halves" else "thd_thd_thd"
+            assert libraries["transformer_engine.pytorch.cpp_extensions.fused_attn"].layouts == [layout] * 2
+            assert kernels.kv_halves(dk, dv) == (name == "halves")
+        for a, b in zip(results[version, "halves"], results[version, "copies"]):
+            assert torch.equal(a, b)
+    # MLA's unequal head dims and gathered rows are not one buffer's halves: copied, thd_thd_thd
+    libraries = fd.fake_te()
+    with override_libraries(libraries):
+        gathered = kernels.Segments(cu[0], torch.tensor([0, 5, 12], dtype=torch.int32), 6, 7, (4, 6), (5, 7), False)
+        kernels.te_forward(q, k.index_select(0, torch.arange(0, n, 2)), v[::2], gathered, 0.3)
+        kernels.te_forward(q, k, v[..., :4], seg, 0.3)
+    assert libraries["transformer_engine.pytorch.cpp_extensions.fused_attn"].layouts == ["thd_thd_thd"] * 2
+
+
 def test_te_needs_cudnn_9_6_for_grouped_kv_heads():
     from megatron_ext.blockdiag_cp import kernels
     from megatron_ext.testing import doubles as fd

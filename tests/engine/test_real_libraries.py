@@ -203,6 +203,7 @@ def w_engine(cp, case, window, heads, strict=False):
     combos = [("contiguous", "allgather")] if cp == 1 else [("zigzag", "a2a"), ("balanced", "allgather")]
     results = {}
     rl.CALLS.clear()
+    rl.GRAD_LAYOUTS.clear()
     with _hooks(kind):
         for layout, exchange in combos:
             try:
@@ -219,7 +220,8 @@ def w_engine(cp, case, window, heads, strict=False):
             report = state.report()
             errs = [_rel(o, state.shard(ref))] + [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
             results[(layout, exchange)] = (errs, report["attn_backend"], report["attn_backend_reason"])
-    return results, sorted({c["kind"] for c in rl.CALLS}), sorted({c["window"] for c in rl.CALLS})
+    return (results, sorted({c["kind"] for c in rl.CALLS}), sorted({c["window"] for c in rl.CALLS}),
+            sorted({c["layout"] for c in rl.CALLS if "layout" in c}), sorted(set(rl.GRAD_LAYOUTS)))
 
 
 # ---------------------------------------------------------------------------
@@ -304,7 +306,7 @@ def test_flash_custom_ops_fake_kernels_give_the_shapes_we_read(library):
 def test_engine_streamed_op_against_the_reference(library, cp, case, window, heads):
     kind, version, pool = library
     backend = _backend(kind)
-    for results, kinds, windows in pool.run(w_engine, cp, case, window, heads):
+    for results, kinds, windows, layouts, grad_layouts in pool.run(w_engine, cp, case, window, heads):
         falls_back = (kind, version) in REFUSED or (window is not None and (kind, version) in NO_WINDOW)
         for key, r in results.items():
             assert isinstance(r, tuple), (kind, version, key, r)
@@ -320,6 +322,11 @@ def test_engine_streamed_op_against_the_reference(library, cp, case, window, hea
             assert kinds == [{"te": "te"}.get(kind, "flash_attn")], kinds
             if window is not None:  # the engine narrows the window per call; some calls must get one
                 assert any(left >= 0 for left, _ in windows), windows
+            # A received chunk's K and V halves reach the kernel in place (no copy): TE as thd_th2d, flash by
+            # their strides. The own keys are contiguous; MLA's unequal head dims always go apart.
+            # dk / dv come back as one buffer's halves where K and V went in so, the chunk's gradient as it is
+            expected = ["thd_th2d", "thd_thd_thd"] if cp > 1 and heads[2] == heads[3] else ["thd_thd_thd"]
+            assert layouts == expected and grad_layouts == expected, (layouts, grad_layouts)
 
 
 @pytest.mark.timeout(120)
@@ -332,7 +339,7 @@ def test_old_releases_are_refused_with_the_version_and_the_fix(library):
             assert ok, reason
     if (kind, version) not in REFUSED:
         return
-    for results, kinds, _ in pool.run(w_engine, 2, "short", None, (4, 2, 8, 8), True):
+    for results, kinds, *_ in pool.run(w_engine, 2, "short", None, (4, 2, 8, 8), True):
         assert kinds == []
         for key, r in results.items():
             assert isinstance(r, str) and "strict mode" in r and version in r, (key, r)
@@ -343,7 +350,7 @@ def test_window_fallback_names_the_missing_te_feature(library):
     kind, version, pool = library
     if (kind, version) not in NO_WINDOW:
         pytest.skip("this release takes bottom-right sliding windows")
-    for results, _, _ in pool.run(w_engine, 2, "single", 20, (4, 2, 8, 8)):
+    for results, *_ in pool.run(w_engine, 2, "single", 20, (4, 2, 8, 8)):
         for key, (_, got, reason) in results.items():
             assert got == "dense" and "bottom_right_diagonal" in reason, (key, got, reason)
 
@@ -390,7 +397,7 @@ def test_our_torch_flash_calls_run_through_torch_meta_kernels():
 @pytest.mark.parametrize("cp", [1, 2])
 @pytest.mark.parametrize("case,window,heads", ENGINE_CASES, ids=["causal_gqa", "window_mla"])
 def test_engine_over_torch_flash_ops(torch_flash, cp, case, window, heads):
-    for results, kinds, windows in torch_flash.run(w_engine, cp, case, window, heads):
+    for results, kinds, windows, layouts, grad_layouts in torch_flash.run(w_engine, cp, case, window, heads):
         for key, r in results.items():
             assert isinstance(r, tuple), (key, r)
             errs, got, reason = r
@@ -399,6 +406,9 @@ def test_engine_over_torch_flash_ops(torch_flash, cp, case, window, heads):
         assert kinds == ["torch_flash"], kinds
         if window is not None:
             assert any(left >= 0 for left, _ in windows), windows
+        assert layouts == (["thd_th2d", "thd_thd_thd"] if cp > 1 and heads[2] == heads[3] else ["thd_thd_thd"]), \
+            layouts  # a received chunk's K and V halves go in by their strides
+        assert grad_layouts == [], grad_layouts  # torch's ops allocate dk / dv themselves
 
 
 @pytest.mark.timeout(120)
