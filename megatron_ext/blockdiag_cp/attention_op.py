@@ -87,10 +87,24 @@ class _Geometry:
 
     @staticmethod
     def fused_grad(gk, gv):  # [n * R, g * Hkv, Dk] and [.., Dv] -> [n * R, g * Hkv, Dk + Dv], k's dtype
-        if kernels.kv_halves(gk, gv):  # TE's thd_th2d gradient: already the fused chunk's layout
-            t, h, d = gk.shape
-            return gk.as_strided((t, h, 2 * d), (2 * h * d, 2 * d, 1))
-        return torch.cat([gk, gv.to(gk.dtype)], dim=-1)
+        fused = kernels.kv_fused(gk, gv)  # te / flash-attn hand a chunk's gradient back in its own layout
+        return fused if fused is not None else torch.cat([gk, gv.to(gk.dtype)], dim=-1)
+
+    @staticmethod
+    def gather_kv(chunk_k, chunk_v, index):  # a call's K and V rows: one gather where they are one chunk's
+        fused = kernels.kv_fused(chunk_k, chunk_v) if isinstance(index, torch.Tensor) else None
+        if fused is None:
+            return _gather(chunk_k, index), _gather(chunk_v, index)
+        rows = fused.index_select(0, index)  # [n, g * Hkv, 2 * D]: its halves are again one buffer's
+        return rows[..., :chunk_k.shape[-1]], rows[..., chunk_k.shape[-1]:]
+
+    def add_kv_rows(self, grad, index, gk, gv):  # grad [n * R, g * Hkv, Dk + Dv][index] += (gk, gv)
+        fused = kernels.kv_fused(gk, gv)
+        if fused is not None:
+            _add_rows(grad, index, fused)
+        else:
+            _add_rows(grad[..., :self.dk], index, gk)
+            _add_rows(grad[..., self.dk:], index, gv)
 
 
 def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: bool = False):
@@ -155,7 +169,7 @@ class _StreamedAttention(torch.autograd.Function):
                     aux.append(None)
                     continue
                 qp = _gather(q_flat, call.q_index)
-                kp, vp = _gather(chunk_k, call.k_index), _gather(chunk_v, call.k_index)
+                kp, vp = geo.gather_kv(chunk_k, chunk_v, call.k_index)
                 try:
                     o, lse, a = kernel.forward(qp, kp, vp, call.seg, scale, dropout_p, seed + len(aux))
                 except Exception as exc:  # noqa: BLE001 - recorded, raised on every rank later
@@ -252,7 +266,7 @@ class _StreamedAttention(torch.autograd.Function):
                 qi, ki = call.q_index, call.k_index
                 try:
                     gq, gk, gv = kernel.backward(
-                        _gather(do_flat, qi), _gather(q_flat, qi), _gather(chunk_k, ki), _gather(chunk_v, ki),
+                        _gather(do_flat, qi), _gather(q_flat, qi), *geo.gather_kv(chunk_k, chunk_v, ki),
                         _gather(o_flat, qi), _gather(lse, qi), a, call.seg, scale, dropout_p)
                 except Exception as exc:  # noqa: BLE001
                     record_kernel_failure(state, backend, "backward", exc)
@@ -264,8 +278,7 @@ class _StreamedAttention(torch.autograd.Function):
                 elif whole:
                     grad = geo.fused_grad(gk, gv)
                 else:
-                    _add_rows(grad[..., :geo.dk], ki, gk)
-                    _add_rows(grad[..., geo.dk:], ki, gv)
+                    geo.add_kv_rows(grad, ki, gk, gv)
                 del gq, gk, gv
             stats["backward_compute_seconds"] += time.perf_counter() - t0
             return grad

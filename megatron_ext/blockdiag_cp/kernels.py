@@ -110,6 +110,14 @@ def kv_halves(k: torch.Tensor, v: torch.Tensor) -> bool:
             and v.data_ptr() == k.data_ptr() + d * k.element_size())
 
 
+def kv_fused(k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+    """The [t, h, 2 * d] buffer whose halves k and v are (``kv_halves``), as a view; else None."""
+    if not kv_halves(k, v):
+        return None
+    t, h, d = k.shape
+    return k.as_strided((t, h, 2 * d), (2 * h * d, 2 * d, 1))
+
+
 def _segment_generator(seed: int, segment: int, device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + segment * 7_919) % (1 << 63))

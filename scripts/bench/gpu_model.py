@@ -3,7 +3,8 @@
 Each rank of a gloo group runs the real engine on CPU (``BlockDiagCPState.build``, the op's forward
 and backward, three layer calls of one step) at small head dims (GQA: Hq 4, Hkv 1; MHA: Hq 2, Hkv 2;
 head dim 8; bf16, the dtype the GPU would see, so fp32 accumulators stay fp32) with a null kernel
-(outputs of the right shape and dtype, nothing computed), under ``OpCounter(log=True)``: every
+(outputs of the right shape and dtype, nothing computed; dk / dv of a received chunk's K and V halves
+come back as one buffer's halves, as te and flash-attn give them), under ``OpCounter(log=True)``: every
 launching op with its tensors' shapes and dtypes, every kernel call with its segments' query and key
 lengths, every posted batch of transfers (bytes, peer) and the first wait on it. The replay
 (``price``) scales each tensor to the model's dims (Llama-3-8B attention: Hq 32, Hkv 8, D 128, bf16;
@@ -267,6 +268,8 @@ def _null_kernel():
                 torch.zeros(q.shape[:-1], dtype=kernels.lse_dtype(q.dtype)), None)
 
     def backward(dout, q, k, v, out, lse, aux, seg, scale, dropout_p):
+        if kernels.kv_halves(k, v):  # as te (thd_th2d) and flash-attn: dk / dv as one buffer's halves
+            return (torch.zeros_like(q),) + torch.zeros(k.shape[:2] + (2, k.shape[2]), dtype=k.dtype).unbind(2)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     return kernels.Kernel(forward, backward)

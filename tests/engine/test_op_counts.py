@@ -234,6 +234,40 @@ def test_a2a_at_cp4_fuses_the_forward_sends_of_rows_several_ranks_need(pool4):
                    ((6, 34, 9, 0), (6, 31, 18, 0)), ((4, 21, 9, 0), (4, 24, 18, 0))], got
 
 
+def _thd_mix() -> torch.Tensor:
+    """Ten short documents (multiples of 2 * cp at cp 2, as thd needs), then one long one."""
+    runs = [(i + 1, 4 * (1 + i % 5)) for i in range(10)]
+    return runs_to_doc_ids(runs + [(99, 128 - sum(n for _, n in runs))])
+
+
+def dense_and_te_counts(window):
+    """Steady (forward, backward) counts of thd / a2a on ``_thd_mix``: the dense kernel, then TE's kernel
+    functions over the TE double (te_forward / te_backward as they run on a GPU, K and V as thd_th2d)."""
+    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import doubles as fd
+    from megatron_ext.testing import override_kernel, override_libraries
+
+    kwargs = {} if window is None else {"window_size": (window, 0)}
+    dense = count_layers("a2a", "refetch", _thd_mix(), layout="thd", **kwargs)[1]
+    with override_libraries(fd.fake_te()), override_kernel("dense", kernels.kernel_for("te")):
+        te = count_layers("a2a", "refetch", _thd_mix(), layout="thd", **kwargs)[1]
+    return [tuple(tuple(c.summary().values()) for c in calls) for calls in (dense, te)]
+
+
+@pytest.mark.timeout(120)
+def test_te_hands_a_chunks_gradient_back_in_the_chunks_layout(pool2):
+    """TE (and flash-attn) write a received chunk's dK / dV as the halves of one [t, h, 2, d] buffer, the
+    chunk's own layout: a chunk that one call reads whole sends that buffer home as it is (no cat), and a
+    call on part of a chunk adds its rows once, not once per half. Forward is the same as dense's."""
+    got = {window: pool2.run(dense_and_te_counts, window) for window in (None, 5)}
+    assert got == {  # per rank: [dense (fwd, bwd), te (fwd, bwd)]
+        None: [[((4, 29, 3, 0), (4, 35, 6, 0)), ((4, 29, 3, 0), (4, 33, 6, 0))],
+               [((2, 12, 3, 0), (2, 10, 6, 0)), ((2, 12, 3, 0), (2, 9, 6, 0))]],
+        5: [[((9, 64, 3, 0), (9, 61, 6, 0)), ((9, 64, 3, 0), (9, 54, 6, 0))],
+            [((3, 32, 3, 0), (3, 33, 6, 0)), ((3, 32, 3, 0), (3, 31, 6, 0))]],
+    }, got
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("exchange", list(PINNED))
 def test_layer_call_counts_are_pinned(pool2, pool4, exchange):
