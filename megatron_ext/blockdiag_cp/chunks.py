@@ -21,6 +21,11 @@ bottom-right alignment coincide):
     own chunk:              full   over this rank's positions in [ds, pa)   (earlier local pieces)
                             causal over [pa, pb) itself
 
+Without a window, pieces of one document that touch in local storage (zigzag's two
+pieces of a long document, THD's two chunks of every document) take their own chunk
+as one causal block over all of them (in local order a later piece sees every key of
+an earlier one), with the full segment over the own positions before the first.
+
 A remote chunk never holds a position of this rank's queries, so it needs no mask
 at all. Pieces of one document that see the same keys of a chunk (zigzag's two
 pieces of a long document, for the keys before the first) share one segment: the
@@ -548,6 +553,43 @@ def _windowed_segments(kind: str, runs: RankRuns, rank: int, intervals, window: 
                      k_first.numpy(), row[p].numpy(), q_off[p].numpy(), nq.numpy())
 
 
+def _touching(row, doc, q_first, n_q) -> np.ndarray:
+    """[groups] the first piece of each run of pieces of one document (and row of ids) that touch in
+    local storage, one after the other (zigzag's two pieces of a long document: the end of the first
+    half of the shard and the start of the second; THD's two chunks of every document)."""
+    new = np.ones(n_q.size, dtype=bool)
+    new[1:] = (row[1:] != row[:-1]) | (doc[1:] != doc[:-1]) | (q_first[1:] != q_first[:-1] + n_q[:-1])
+    return new.nonzero()[0]
+
+
+def _joined_own_calls(runs: RankRuns, rank: int, R: int, heads, row, ds, pa, q_off, n_q, diag
+                      ) -> Tuple[CallPlan, ...]:
+    """The own step (no window) with each run of touching pieces as one causal segment.
+
+    The pieces of a run hold increasing positions of one document, so in local order a causal block
+    over the run is exactly what its queries see of its keys: a later piece sees every key of an
+    earlier one. The run then takes one call where it took two (a full segment over the earlier
+    pieces, the causal blocks), and its later rows no merge. The keys between the pieces belong to
+    other ranks and stay with the remote chunks. Full segments keep the own positions in [ds, pa)
+    before the run's first piece.
+    """
+    L = runs.local_len
+    g_nq = np.add.reduceat(n_q, heads)
+    g_ds, g_pa = ds[heads], pa[heads]
+    before_ds = runs.flat_before_np(g_ds, rank)
+    n_k = runs.flat_before_np(g_pa, rank) - before_ds
+    has = (n_k > 0).nonzero()[0]
+    full: Tuple[CallPlan, ...] = ()
+    if has.size:
+        seg_row = row[heads][has] if R > 1 else np.zeros(has.size, dtype=np.int64)
+        segs = _Segments(np.array([rank]), np.zeros(1, dtype=np.int64), np.full(1, -1, dtype=np.int64),
+                         np.array([0, has.size]), np.arange(has.size + 1), g_nq[has], n_k[has],
+                         before_ds[has] - rank * L, seg_row, q_off[heads][has], g_nq[has])
+        full = _emit(segs, diag, rank, R)[(rank, 0)]
+    lens = tuple(g_nq.tolist())
+    return full + (CallPlan(True, diag, diag, lens, lens, None),)
+
+
 def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
                       counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                       window: Optional[int] = None, mine_flat=None) -> StreamPlan:
@@ -586,10 +628,14 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
         else:
             segs = _full_segments(kind, runs, rank, intervals, c, R, row, doc, ds, pa, q_off, n_q, mine_flat)
         calls = _emit(segs, diag, rank, R)
-        lens = tuple(n_q.tolist())
-        causal = CallPlan(True, diag, diag, lens, lens,
-                          window if window is not None and int(n_q.max()) > window + 1 else None)
-        own = calls.get((rank, 0), ()) + (causal,)
+        joined = _touching(row, doc, q_first, n_q) if window is None else None
+        if joined is not None and joined.size < n_q.size:
+            own = _joined_own_calls(runs, rank, R, joined, row, ds, pa, q_off, n_q, diag)
+        else:
+            lens = tuple(n_q.tolist())
+            causal = CallPlan(True, diag, diag, lens, lens,
+                              window if window is not None and int(n_q.max()) > window + 1 else None)
+            own = calls.get((rank, 0), ()) + (causal,)
     steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
     received = counts[:, rank].tolist()
     for i, j in remote_steps(kind, counts, L, c):

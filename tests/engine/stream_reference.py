@@ -2,6 +2,9 @@
 one fix both builders carry (09308a2: a call holds a query row at most once); the transfer order
 (``chunks.remote_steps``, unchanged by the new builder) is imported, not copied.
 
+One change both builders carry since: without a window, a document's pieces that touch in local
+storage take their own keys as one causal block (``chunks._joined_own_calls``).
+
 Kept as the reference the new ``chunks.build_stream_plan`` must equal, field for field (every
 step, call, index tensor and length), on random document ids: every layout, windows, several
 rows, empty chunks and all-padding ranks. It materializes every call's query and key indices
@@ -214,6 +217,26 @@ def reference_build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRun
         diag = ranges(q_first, n_q) * R + torch.repeat_interleave(row, n_q)
         lens = tuple(n_q.tolist())
         causal = CallPlan(True, diag, diag, lens, lens)
+        # Pieces of one document (and row) that touch in local storage attend their own keys as one
+        # causal block; its full segment is the own keys before the run's first piece.
+        runs_of = []  # [first, last] piece of each run
+        for p in range(n_q.numel()):
+            last = runs_of[-1][1] if runs_of else None
+            if last is not None and row[p] == row[last] and doc[p] == doc[last] \
+                    and q_first[p] == q_first[last] + n_q[last]:
+                runs_of[-1][1] = p
+            else:
+                runs_of.append([p, p])
+        if len(runs_of) < n_q.numel():
+            first = torch.tensor([a for a, _ in runs_of])
+            total = torch.tensor([int(n_q[a:b + 1].sum()) for a, b in runs_of])
+            seen = n_k[rank, first]
+            h, nk, nq = first[seen > 0], seen[seen > 0], total[seen > 0]
+            own_full = _group_calls(torch.full_like(h, rank), torch.zeros_like(h), row[h], doc[h], nk,
+                                    slot[rank, h], q_first[h], nq, R, torch.zeros_like(h))
+            calls[(rank, 0)] = (own_full[(rank, 0)],) if own_full else ()
+            lens = tuple(total.tolist())
+            causal = CallPlan(True, diag, diag, lens, lens)
     own = calls.get((rank, 0), ()) + ((causal,) if causal is not None else ())
     steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
     for i, j in remote_steps(kind, counts, L, c):

@@ -134,6 +134,27 @@ def test_zigzag_prefix_keys_are_gathered_once_per_chunk():
     assert max(int(c.k_index.numel()) for s in ring.steps[1:] for c in s.calls) <= ring.chunk_rows
 
 
+def test_touching_pieces_of_a_document_attend_their_own_keys_in_one_causal_block():
+    # One document over cp = 4 zigzag: rank r holds chunks r and 7 - r, which touch in its local storage
+    # (the end of the first half, the start of the second). The own step is one causal call over both,
+    # with no full call between them, so the second piece's rows take one output there, not a merge.
+    # With a window the pieces stay apart (a window counts positions, not local rows).
+    ids = torch.ones(1, 64, dtype=torch.long)
+    lay = build_layout("zigzag", ids, 4)
+    for rank in range(4):
+        own = build_plan(ids, lay, rank).stream["needed"].steps[0].calls
+        assert [(c.causal, c.q_lens) for c in own] == [(True, (16,))], rank
+        if rank < 3:  # rank 3's chunks 3 and 4 are one run of positions: one piece either way
+            own = build_plan(ids, lay, rank, window=40).stream["needed"].steps[0].calls
+            assert own[-1].causal and own[-1].q_lens == (8, 8), rank
+    # THD: every document's two chunks on a rank touch, so each is one block of the one causal call.
+    ids = torch.repeat_interleave(torch.arange(1, 5), torch.tensor([16, 32, 8, 8])).unsqueeze(0)
+    lay = build_layout("thd", ids, 4)
+    for rank in range(4):
+        own = build_plan(ids, lay, rank).stream["needed"].steps[0].calls
+        assert [(c.causal, c.q_lens) for c in own] == [(True, (4, 8, 2, 2))], rank
+
+
 def test_every_rank_walks_the_same_steps():
     # The transfers pair up only if every rank posts its steps in one order.
     ids = torch.cat([torch.ones(70, dtype=torch.long), torch.full((26,), 2)]).unsqueeze(0)
