@@ -110,6 +110,11 @@ def kv_halves(k: torch.Tensor, v: torch.Tensor) -> bool:
             and v.data_ptr() == k.data_ptr() + d * k.element_size())
 
 
+def new_kv_halves(k: torch.Tensor, factory: Callable = torch.empty) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two tensors shaped like k [t, h, d] that are the halves of one new [t, h, 2, d] buffer (``kv_halves``)."""
+    return factory(k.shape[:2] + (2, k.shape[2]), dtype=k.dtype, device=k.device).unbind(2)
+
+
 def kv_fused(k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
     """The [t, h, 2 * d] buffer whose halves k and v are (``kv_halves``), as a view; else None."""
     if not kv_halves(k, v):
@@ -412,7 +417,7 @@ def flash_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dr
         fn = _flash_attn_interface()._flash_attn_varlen_backward
         dq = torch.empty_like(q)
         if kv_halves(k, v):  # flash writes dk / dv by their strides: one [t, h, 2, d] buffer, as the chunk
-            dk_, dv_ = torch.empty(k.shape[:2] + (2, k.shape[2]), dtype=k.dtype, device=k.device).unbind(2)
+            dk_, dv_ = new_kv_halves(k)
         else:
             dk_, dv_ = torch.empty_like(k), torch.empty_like(v)
         # Every argument by name: from 2.7 window_size_left/right, softcap, alibi_slopes and

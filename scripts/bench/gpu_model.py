@@ -269,7 +269,7 @@ def _null_kernel():
 
     def backward(dout, q, k, v, out, lse, aux, seg, scale, dropout_p):
         if kernels.kv_halves(k, v):  # as te (thd_th2d) and flash-attn: dk / dv as one buffer's halves
-            return (torch.zeros_like(q),) + torch.zeros(k.shape[:2] + (2, k.shape[2]), dtype=k.dtype).unbind(2)
+            return (torch.zeros_like(q),) + kernels.new_kv_halves(k, torch.zeros)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     return kernels.Kernel(forward, backward)
