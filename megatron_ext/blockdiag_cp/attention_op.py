@@ -181,7 +181,7 @@ class _StreamedAttention(torch.autograd.Function):
                 if share.writes:
                     result.write(call.q_index, o, lse, alone=share.alone)
                 if share.merges:
-                    acc.merge(share.target, _gather(o, share.source), _gather(lse, share.source), share.fresh)
+                    acc.merge(share.target, o, lse, share.fresh, share.source)
                 del qp, kp, vp, o, lse  # before the next call allocates its own
             stats["compute_seconds"] += time.perf_counter() - t0
 

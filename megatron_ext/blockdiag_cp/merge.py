@@ -29,6 +29,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .merge_kernel import merge_rows_
+
 Rows = object  # step.Rows: None (every row), a slice (one ascending run) or an index tensor
 
 
@@ -126,25 +128,22 @@ class Accumulator:
         self.lse = (torch.full((rows, heads), float("-inf"), dtype=dtype, device=device) if zeros
                     else torch.empty(rows, heads, dtype=dtype, device=device))
 
-    def merge(self, index: Rows, out: torch.Tensor, lse: torch.Tensor, fresh: bool) -> None:
-        """Merge one call's [n, H, Dv] out and [n, H] lse into buffer rows ``index``: in place on a run
-        (views), through a gather and a scatter for scattered rows."""
-        scattered = isinstance(index, torch.Tensor)
+    def merge(self, index: Rows, out: torch.Tensor, lse: torch.Tensor, fresh: bool, source: Rows = None) -> None:
+        """Merge rows ``source`` of one call's [n, H, Dv] out and [n, H] lse into buffer rows ``index``:
+        one ``merge_rows_`` (views for runs, its index arguments for scattered rows)."""
         if fresh:  # nothing merged into these rows yet: a copy (into a run, cast on the way)
-            set_rows(self.out, index, out)
-            set_rows(self.lse, index, lse)
+            set_rows(self.out, index, gather(out, source))
+            set_rows(self.lse, index, gather(lse, source))
             return
-        out, lse = out.to(self.out.dtype), lse.to(self.lse.dtype)
-        old_out = self.out.index_select(0, index) if scattered else self.out[_all(index)]
-        old_lse = self.lse.index_select(0, index) if scattered else self.lse[_all(index)]
-        new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
-        # old * exp(old_lse - new_lse) + out * exp(lse - new_lse): the weights sum to 1, so one pass
-        old_out.lerp_(out, torch.exp(lse - new_lse).unsqueeze(-1))
-        if scattered:
-            self.out.index_copy_(0, index, old_out)
-            self.lse.index_copy_(0, index, new_lse)
+        acc_out, acc_lse, target = self.out, self.lse, None
+        if isinstance(index, torch.Tensor):
+            target = index
+        elif index is not None:
+            acc_out, acc_lse = acc_out[index], acc_lse[index]
+        if isinstance(source, torch.Tensor):
+            merge_rows_(acc_out, acc_lse, out, lse, source, target)
         else:
-            old_lse.copy_(new_lse)
+            merge_rows_(acc_out, acc_lse, out[_all(source)], lse[_all(source)], None, target)
 
 
 class Result:

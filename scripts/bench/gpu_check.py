@@ -394,6 +394,45 @@ def run_thd_indices(emit):
     return ok
 
 
+def run_merge_kernel(dry_run, emit):
+    """The fused merge (``merge_rows_``: Triton on CUDA where it imports) against its eager body on the same
+    tensors, on runs and on scattered rows, and both timed (CUDA events) at 16k rows x 32 heads x 128."""
+    import torch
+
+    from megatron_ext.blockdiag_cp import merge_kernel
+
+    device, _ = device_and_dtype(dry_run)
+    triton = device.type == "cuda" and merge_kernel._triton() is not None
+    n, H, D = (64, 4, 8) if dry_run else (16384, 32, 128)
+    g = torch.Generator().manual_seed(0)
+    acc_out, out = (torch.randn(n, H, D, generator=g) for _ in range(2))
+    acc_lse, lse = (3 * torch.randn(n, H, generator=g) for _ in range(2))
+    acc_out, acc_lse, lse = acc_out.to(device), acc_lse.to(device), lse.to(device)
+    out = out.to(device, torch.bfloat16)
+    source, target = (torch.randperm(n, generator=g)[: n // 2].to(device) for _ in range(2))
+    ok = True
+    for name, args in (("runs", (None, None)), ("scattered", (source, target))):
+        fused, eager = (acc_out.clone(), acc_lse.clone()), (acc_out.clone(), acc_lse.clone())
+        merge_kernel.merge_rows_(*fused, out, lse, *args)
+        merge_kernel.merge_rows_eager(*eager, out, lse, *args)
+        err = max(float((fused[0] - eager[0]).abs().max()), float((fused[1] - eager[1]).abs().max()))
+        row = {"check": "merge_kernel", "rows": name, "triton": triton, "max_abs_diff": err, "passed": err < 1e-4}
+        if device.type == "cuda":
+            for label, fn in (("fused", merge_kernel.merge_rows_), ("eager", merge_kernel.merge_rows_eager)):
+                a, b = acc_out.clone(), acc_lse.clone()
+                fn(a, b, out, lse, *args)  # warm (Triton compiles on first use)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    fn(a, b, out, lse, *args)
+                end.record()
+                torch.cuda.synchronize()
+                row[f"{label}_ms"] = start.elapsed_time(end) / 20
+        ok &= row["passed"]
+        emit(row)
+    return ok
+
+
 def run_matmul_peak(dry_run, emit):
     from megatron_ext.testing import matmul_tflops
 
@@ -597,6 +636,7 @@ def run(dry_run=False, budget_s=420.0, skip=(), block_megatron=False, log=print)
                   ("accuracy_cp4", lambda: run_accuracy(4, dry_run, emit, deadline)),
                   ("dropin_paths", lambda: run_dropin_paths(dry_run, backends, emit)),
                   ("thd_indices", lambda: run_thd_indices(emit) if not dry_run else True),
+                  ("merge_kernel", lambda: run_merge_kernel(dry_run, emit)),
                   ("engine", lambda: run_engine(dry_run, backends, emit, peak.get("tflops"))),
                   ("memory", lambda: run_memory(dry_run, backends, emit, deadline)),
                   ("loopback_cp8", lambda: run_loopback(dry_run, emit, deadline)),

@@ -146,6 +146,10 @@ def _op_bytes(event, run: Dims, target: Dims) -> float:
         return 2 * (size[1] if len(size) > 1 else sum(out))
     if event.name == "cat":
         return 2 * sum(out)
+    if event.name == "merge_rows_":  # (acc_out, acc_lse, out, lse, [source], [target]): n rows of each merged
+        n = event.inputs[4][0][0] if len(event.inputs) > 4 else event.inputs[2][0][0]
+        acc_rows, out_rows = max(1, event.inputs[0][0][0]), max(1, event.inputs[2][0][0])
+        return (size[2] + size[3]) * n / out_rows + 2 * (size[0] + size[1]) * n / acc_rows + small
     return sum(size) + sum(out)
 
 

@@ -126,6 +126,30 @@ def test_price_on_hand_made_events():
     assert gm.price(tiny, run, target, hw, lambda p: 0)["modeled_s"] == pytest.approx(100e-6 + 16 / 1e9)
 
 
+def test_a_merge_is_priced_at_the_rows_it_merges():
+    """``merge_rows_`` reads the call's merged rows of out / lse and reads and writes as many buffer rows,
+    whatever the sizes of the tensors it indexes; the op as the counter records it (an OpEvent)."""
+    from megatron_ext.blockdiag_cp.merge_kernel import merge_rows_
+    from megatron_ext.testing.op_counter import OpCounter
+
+    gm = _bench()
+    run, target = gm.Dims("run", 1, 1, 8), gm.Dims("model", 2, 2, 16)  # [.., 1, 8] -> x4, [.., 1] -> x2
+    counter = OpCounter(log=True)
+    acc_out, acc_lse = torch.zeros(50, 1, 8), torch.zeros(50, 1)
+    out, lse = torch.zeros(30, 1, 8, dtype=torch.bfloat16), torch.zeros(30, 1)
+    source, target_rows = torch.arange(10), torch.arange(10) * 2
+    with counter, counter.region("scattered"):
+        merge_rows_(acc_out, acc_lse, out, lse, source, target_rows)
+    with counter, counter.region("runs"):
+        merge_rows_(acc_out[:30], acc_lse[:30], out, lse)
+    (scattered,), (runs,) = counter.counts["scattered"].events, counter.counts["runs"].events
+    assert scattered.name == runs.name == "merge_rows_"
+    # 10 rows: out 10 x 8 x 2 B x4 = 640, lse 10 x 4 B x2 = 80; buffer 2 x (10 x 8 x 4 x4 + 10 x 4 x2) =
+    # 2 x 1360; the two index tensors 80 B each
+    assert gm._op_bytes(scattered, run, target) == pytest.approx(640 + 80 + 2 * 1360 + 160)
+    assert gm._op_bytes(runs, run, target) == pytest.approx(3 * (640 + 80 + 2 * 1360))
+
+
 def test_pairs_and_case_row_arithmetic():
     gm = _bench()
     assert gm.segment_pairs((4,), (4,), True, None) == 10

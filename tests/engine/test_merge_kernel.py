@@ -1,0 +1,131 @@
+"""The fused log-sum-exp merge (``blockdiag_cp.merge_kernel``): its eager body and its Triton kernel
+against a float64 merge written from the definition (weights exp(lse_i) / sum exp(lse_j)), and the op as
+one launch of the dispatcher.
+
+The Triton kernel runs on CPU tensors under ``TRITON_INTERPRET=1``, in a fresh interpreter (the variable
+must be set before Triton compiles anything).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_ext.blockdiag_cp.merge_kernel import merge_rows_, merge_rows_eager
+
+# (rows of the buffer, heads, head dim, call output dtype, buffer dtype)
+SHAPES = [(7, 3, 5, torch.bfloat16, torch.float32), (9, 4, 8, torch.float32, torch.float32),
+          (6, 2, 16, torch.float64, torch.float64), (5, 40, 130, torch.float16, torch.float32)]
+
+
+def _case(seed, N, H, D, dtype, acc_dtype, by_source, by_target):
+    """A buffer with some rows not yet written (lse -inf), a call output read through strides (a padded
+    head dim, lse transposed), and the rows to merge."""
+    g = torch.Generator().manual_seed(seed)
+    n = 4 if (by_source or by_target) else N
+    acc_out = torch.randn(N, H, D, generator=g, dtype=torch.float64).to(acc_dtype)
+    acc_lse = torch.randn(N, H, generator=g, dtype=torch.float64).to(acc_dtype)
+    acc_lse[0, : H // 2 + 1] = float("-inf")
+    rows = n + 2 if by_source else n
+    out = torch.randn(rows, H, D + 3, generator=g, dtype=torch.float64).to(dtype)[..., :D]
+    lse = (3 * torch.randn(H, rows, generator=g, dtype=torch.float64)).to(acc_dtype).t()
+    source = torch.randperm(rows, generator=g)[:n] if by_source else None
+    target = torch.randperm(N, generator=g)[:n] if by_target else None
+    if target is None:  # a run of the buffer: the op gets its view
+        target_rows = torch.arange(n)
+    else:
+        target_rows = target
+    return acc_out, acc_lse, out, lse, source, target, target_rows
+
+
+def _reference(acc_out, acc_lse, out, lse, source, target_rows):
+    """The merged rows from the definition, in float64."""
+    o1, l1 = acc_out[target_rows].double(), acc_lse[target_rows].double()
+    src = torch.arange(out.shape[0]) if source is None else source
+    o2, l2 = out[src].double(), lse[src].double()
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+    merged_out = (w1.unsqueeze(-1) * o1 + w2.unsqueeze(-1) * o2) / (w1 + w2).unsqueeze(-1)
+    return merged_out, top + torch.log(w1 + w2)
+
+
+def _apply(fn, acc_out, acc_lse, out, lse, source, target, target_rows):
+    a, b = acc_out.clone(), acc_lse.clone()
+    if target is None:
+        fn(a[: len(target_rows)], b[: len(target_rows)], out, lse, source, None)
+    else:
+        fn(a, b, out, lse, source, target)
+    return a, b
+
+
+def _check(name, got, case):
+    acc_out, acc_lse, out, lse, source, target, target_rows = case
+    want_out, want_lse = _reference(acc_out, acc_lse, out, lse, source, target_rows)
+    a, b = got
+    tol = 1e-12 if acc_out.dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(a[target_rows].double(), want_out, atol=tol, rtol=tol, msg=name)
+    torch.testing.assert_close(b[target_rows].double(), want_lse, atol=tol, rtol=tol, msg=name)
+    untouched = torch.ones(acc_out.shape[0], dtype=torch.bool)
+    untouched[target_rows] = False
+    assert torch.equal(a[untouched], acc_out[untouched]) and torch.equal(b[untouched], acc_lse[untouched]), name
+
+
+def _all_cases():
+    for i, shape in enumerate(SHAPES):
+        for by_source in (False, True):
+            for by_target in (False, True):
+                yield f"{shape} source={by_source} target={by_target}", _case(i, *shape, by_source, by_target)
+
+
+def test_eager_merge_against_the_definition():
+    for name, case in _all_cases():
+        _check(name, _apply(merge_rows_eager, *case), case)
+
+
+def test_the_op_is_one_launch_and_merges_as_the_eager_body():
+    from megatron_ext.testing.op_counter import OpCounter
+
+    counter = OpCounter()
+    for name, case in _all_cases():
+        with counter, counter.region(name):
+            got = _apply(merge_rows_, *case)
+        _check(name, got, case)
+        # the clones, then the merge: one op whatever the rows (the eager body's 5-9 ops are not seen)
+        assert dict(counter.counts[name].ops) == {"clone": 2, "merge_rows_": 1}, (name, counter.counts[name].ops)
+
+
+def test_mismatched_rows_are_refused_with_both_counts():
+    acc_out, acc_lse = torch.zeros(4, 2, 3), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="3 source rows against 4 target rows"):
+        merge_rows_(acc_out, acc_lse, torch.zeros(3, 2, 3), torch.zeros(3, 2))
+
+
+def test_cuda_has_its_own_kernel_registered():
+    for key in ("CPU", "CUDA", "Meta"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("megatron_ext::merge_rows_", key), key
+
+
+_INTERPRETED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import test_merge_kernel as t
+    from megatron_ext.blockdiag_cp import merge_kernel
+    for name, case in t._all_cases():
+        t._check(name, t._apply(merge_kernel.triton_merge_rows_, *case), case)
+        # the CUDA registration's body: the Triton kernel where Triton imports
+        t._check(name, t._apply(merge_kernel._merge_rows_cuda, *case), case)
+    print("interpreted", len(list(t._all_cases())))
+""")
+
+
+@pytest.mark.timeout(300)
+def test_triton_kernel_under_the_interpreter_against_the_definition():
+    pytest.importorskip("triton", reason="Triton is in the test extras (pip install -e '.[test]')")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = _INTERPRETED.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "interpreted 16" in done.stdout
