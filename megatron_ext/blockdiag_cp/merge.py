@@ -2,20 +2,23 @@
 
 A query row that one kernel call attends (a short document's row sees only its own
 rank's keys) needs no online softmax: the call's output *is* the row's result, in
-the input dtype. Only rows that several calls write (a long document's rows, one
-call per chunk of earlier keys) are merged by log-sum-exp, in float32, in a buffer
-that holds just those rows. Forward's out / lse and backward's dq have the same
-writers, so both read a ``MergePlan`` per step, kind and window:
+the input dtype. A row two calls attend is merged in the result itself: the first
+call writes it (out and lse), the second merges into it in place (``merge_rows_``
+reads the row, merges in float32 and rounds once: the bits the float32 buffer gives).
+Only rows that three or more calls write (a long document's rows, one call per chunk
+of earlier keys) are merged by log-sum-exp in float32, in a buffer that holds just
+those rows. Forward's out / lse and backward's dq have the same writers, so both
+read a ``MergePlan`` per step, kind and window:
 
     query rows of this rank      0 .................................. L*R
-    calls writing a row          1 1 1 1 2 2 3 3 1 1 1 1 1 1 2 2 2 1 1
-    merged (>= 2): buffer rows           0 1 2 3             4 5 6
+    calls writing a row          1 1 1 1 3 3 3 3 1 1 1 1 1 1 2 2 2 1 1
+    merged (>= 3): buffer rows           0 1 2 3
     a call covering rows 4..9:   writes rows 8..9 into the result,
                                  merges its rows 4..7 into buffer rows 0..3
 
-Gradients add (``sums``): a row two calls write is the first call's value plus the
-second's, added in the result's dtype (one rounding, as through float32), so only
-rows of three or more writers take the buffer there.
+Gradients add instead: a row two calls write is the first call's value plus the
+second's, added in the result's dtype (one rounding, as through float32). Both read
+the same plan.
 
 A call that covers every row and is the first to write the result lends it its
 output tensor (no copy). The buffer is written back into the result once, at the
@@ -43,11 +46,12 @@ class CallMerge:
     source: Rows  # rows of the call's output that are merged (``Rows`` over the call's rows)
     target: Rows  # their rows in the merge buffer (``Rows`` over ``MergePlan.merged_count``)
     fresh: bool  # no earlier call wrote any of its merged rows: a copy, not a merge
-    # (rows of the call's output, their result rows) it writes: only those where it adds into a pair
-    # (``MergePlan.of(sums=True)``) or where they are at most half its rows (the merged rest is written by
+    # (rows of the call's output, their result rows) it writes: only those where it is a pair's second
+    # writer (``adds``) or where they are at most half its rows (the merged rest is written by
     # ``Result.finish``: writing it here too would only be overwritten). None: every row it covers.
     alone: Optional[Tuple[Rows, Rows]] = None
-    adds: Optional[Tuple[Rows, Rows]] = None  # (rows of its output, result rows) it adds: a pair's second
+    # (rows of its output, result rows) it merges into (gradients: adds to) the result: a pair's second writer
+    adds: Optional[Tuple[Rows, Rows]] = None
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,11 @@ class MergePlan:
 
     @classmethod
     def of(cls, steps: Sequence[Sequence], rows: int, device, every_row_merged: bool = False,
-           also_merged: Optional[torch.Tensor] = None, sums: bool = False) -> "MergePlan":
+           also_merged: Optional[torch.Tensor] = None) -> "MergePlan":
         """``steps``: per step, its calls' host row indices (``CallPlan.q_index``, [Nq] rows each);
-        ``also_merged``: host rows merged however many calls write them; ``sums``: the calls' outputs add
-        up (gradients), so a row two calls write is the first's output plus the second's, added in the
-        result's dtype: one rounding, as the float32 buffer gives; only rows of three or more go there."""
+        ``also_merged``: host rows merged however many calls write them. A row two calls write is the
+        first's output, then the second's merged into it (gradients: added) in the result's dtype, rounded
+        once as the float32 buffer gives; only rows of three or more go there."""
         from .step import device_rows
 
         def on_device(index: np.ndarray, n: int) -> Rows:
@@ -77,10 +81,10 @@ class MergePlan:
         for step in steps:
             for q_index in step:
                 writers[q_index.numpy()] += 1  # a call holds a row at most once
-        merged = (writers >= (3 if sums else 2)) | bool(every_row_merged)
+        merged = (writers >= 3) | bool(every_row_merged)
         if also_merged is not None:
             merged[also_merged.numpy()] = True
-        paired = (writers == 2) & ~merged  # sums: the second writer adds into the result
+        paired = (writers == 2) & ~merged  # the second writer merges (adds) into the result
         slot = np.cumsum(merged) - 1  # a merged row's place in the buffer
         count = int(merged.sum())
         seen = np.zeros(rows, dtype=bool)  # merged rows some call wrote
@@ -135,15 +139,22 @@ class Accumulator:
             set_rows(self.out, index, gather(out, source))
             set_rows(self.lse, index, gather(lse, source))
             return
-        acc_out, acc_lse, target = self.out, self.lse, None
-        if isinstance(index, torch.Tensor):
-            target = index
-        elif index is not None:
-            acc_out, acc_lse = acc_out[index], acc_lse[index]
-        if isinstance(source, torch.Tensor):
-            merge_rows_(acc_out, acc_lse, out, lse, source, target)
-        else:
-            merge_rows_(acc_out, acc_lse, out[_all(source)], lse[_all(source)], None, target)
+        merge_into(self.out, self.lse, index, out, lse, source)
+
+
+def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, index: Rows, out: torch.Tensor,
+               lse: torch.Tensor, source: Rows = None) -> None:
+    """``acc_out`` / ``acc_lse``'s rows ``index`` merged with ``out`` / ``lse``'s rows ``source``: one
+    ``merge_rows_`` (views for runs, its index arguments for scattered rows)."""
+    target = None
+    if isinstance(index, torch.Tensor):
+        target = index
+    elif index is not None:
+        acc_out, acc_lse = acc_out[index], acc_lse[index]
+    if isinstance(source, torch.Tensor):
+        merge_rows_(acc_out, acc_lse, out, lse, source, target)
+    else:
+        merge_rows_(acc_out, acc_lse, out[_all(source)], lse[_all(source)], None, target)
 
 
 class Result:
@@ -180,6 +191,12 @@ class Result:
         if lse is not None:
             set_rows(self.lse, index, lse)
 
+    def merge(self, adds: Tuple[Rows, Rows], value: torch.Tensor, lse: torch.Tensor) -> None:
+        """A pair's second writer in forward: its rows ``adds[0]`` merged into the result's rows ``adds[1]``
+        (which the first writer wrote, value and lse), in float32, rounded once into the result."""
+        source, index = adds
+        merge_into(self.value, self.lse, index, value, lse, source)
+
     def add(self, adds: Tuple[Rows, Rows], value: torch.Tensor) -> None:
         """A pair's second writer: the result's rows ``adds[1]`` += ``value``'s rows ``adds[0]`` (in the
         result's dtype: the first writer's value plus this one, rounded once)."""
@@ -187,7 +204,7 @@ class Result:
         add_rows(self.value, index, gather(value, source))
 
     def take(self, index: Rows, share: CallMerge, grad: torch.Tensor, buffer: torch.Tensor) -> None:
-        """One call's gradient over its rows ``index`` (a ``MergePlan.of(sums=True)`` share): the rows it
+        """One call's gradient over its rows ``index`` (a ``MergePlan`` share): the rows it
         writes alone into the result, a pair's second added there, the merged rows into ``buffer``."""
         if share.writes:
             self.write(index, grad, alone=share.alone)
@@ -213,7 +230,7 @@ class KeyGradients:
     A key row that one local kernel call attends alone takes that call's gradient, in the input
     dtype, and one two calls attend their sum; the rows three or more local calls attend, or that went
     to other ranks (their gradients come back: ``add``), add up in a float32 buffer
-    [merged rows, H, Dk + Dv], written back by ``finish``. ``plan``: a ``MergePlan(sums=True)`` over
+    [merged rows, H, Dk + Dv], written back by ``finish``. ``plan``: a ``MergePlan`` over
     the key rows (the own calls), the returned rows among its merged ones.
     """
 
@@ -285,4 +302,5 @@ def gather(x: torch.Tensor, index) -> torch.Tensor:
     return x.index_select(0, index) if isinstance(index, torch.Tensor) else x[_all(index)]
 
 
-__all__ = ["Accumulator", "CallMerge", "KeyGradients", "MergePlan", "Result", "add_rows", "gather", "set_rows"]
+__all__ = ["Accumulator", "CallMerge", "KeyGradients", "MergePlan", "Result", "add_rows", "gather", "merge_into",
+           "set_rows"]

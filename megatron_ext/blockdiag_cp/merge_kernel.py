@@ -4,8 +4,11 @@
 
     r, t = source[i], target[i]                  (identity where None)
     new = logaddexp(acc_lse[t], lse[r])
-    acc_out[t] += exp(lse[r] - new) * (out[r] - acc_out[t])       # [H, D], in acc's dtype
+    acc_out[t] += exp(lse[r] - new) * (out[r] - acc_out[t])       # [H, D], in acc_lse's dtype
     acc_lse[t] = new
+
+acc_out is the float32 merge buffer, or the result itself in the input dtype (a row
+two calls write: the second merges into the first's output, rounded once).
 
 in one pass: it reads the call's rows where they lie (no gathered copy), reads and
 writes the buffer's rows once (no gather / scatter pair around the math) and casts
@@ -36,20 +39,25 @@ _LIB.define("merge_rows_(Tensor(a!) acc_out, Tensor(b!) acc_lse, Tensor out, Ten
 
 def merge_rows_eager(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      source: Optional[torch.Tensor], target: Optional[torch.Tensor]) -> None:
-    """``merge_rows_`` as torch ops: acc_out [N, H, D], acc_lse [N, H] (same dtype), out [n', H, D],
-    lse [n', H], source / target [n] int64 rows of out / acc (None: rows 0..n-1)."""
+    """``merge_rows_`` as torch ops: acc_out [N, H, D] (float32 buffer, or the result in the input dtype),
+    acc_lse [N, H] (the merge's dtype), out [n', H, D], lse [n', H], source / target [n] int64 rows of
+    out / acc (None: rows 0..n-1). The merge runs in acc_lse's dtype, rounded once into acc_out."""
+    dtype = acc_lse.dtype
     if source is not None:
         out, lse = out.index_select(0, source), lse.index_select(0, source)
-    out, lse = out.to(acc_out.dtype), lse.to(acc_lse.dtype)
+    out, lse = out.to(dtype), lse.to(dtype)
     old_out = acc_out if target is None else acc_out.index_select(0, target)
+    old_out = old_out.to(dtype)  # acc_out itself when it is the buffer (in place on a run)
     old_lse = acc_lse if target is None else acc_lse.index_select(0, target)
     new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
     # old * exp(old_lse - new_lse) + out * exp(lse - new_lse): the weights sum to 1, so one pass
     old_out.lerp_(out, torch.exp(lse - new_lse).unsqueeze(-1))
     if target is None:
         old_lse.copy_(new_lse)
+        if old_out.data_ptr() != acc_out.data_ptr():
+            acc_out.copy_(old_out)
     else:
-        acc_out.index_copy_(0, target, old_out)
+        acc_out.index_copy_(0, target, old_out.to(acc_out.dtype))
         acc_lse.index_copy_(0, target, new_lse)
 
 
@@ -64,7 +72,7 @@ def _check(acc_out, acc_lse, out, lse, source, target) -> None:
     if (target.numel() if target is not None else acc_out.shape[0]) != n:
         raise ValueError(f"merge_rows_: {n} source rows against "
                          f"{target.numel() if target is not None else acc_out.shape[0]} target rows")
-    if acc_out.dtype != acc_lse.dtype or out.shape[1:] != acc_out.shape[1:] or lse.shape[1:] != acc_lse.shape[1:]:
+    if not acc_lse.dtype.is_floating_point or out.shape[1:] != acc_out.shape[1:] or lse.shape[1:] != acc_lse.shape[1:]:
         raise ValueError(f"merge_rows_: acc {tuple(acc_out.shape)} {acc_out.dtype} / {tuple(acc_lse.shape)} "
                          f"{acc_lse.dtype} against out {tuple(out.shape)} / lse {tuple(lse.shape)}")
 
@@ -105,7 +113,7 @@ def _kernel():
             t = i.to(tl.int64)
         mh = h < H
         m = mh[:, None] & (d < D)[None, :]
-        acc_t = acc_out.dtype.element_ty
+        acc_t = acc_lse.dtype.element_ty  # the merge's dtype (float32; float64 in fp64 runs)
         lse_new = tl.load(lse + r * sl_n + h * sl_h, mask=mh, other=0.0).to(acc_t)  # [BH]
         lse_old = tl.load(acc_lse + t * sal_n + h * sal_h, mask=mh, other=0.0)
         top = tl.maximum(lse_old, lse_new)  # lse_new is finite, so top is
@@ -113,8 +121,8 @@ def _kernel():
         w = tl.exp(lse_new - merged)
         o_new = tl.load(out + r * so_n + h[:, None] * so_h + d[None, :] * so_d, mask=m, other=0.0).to(acc_t)
         at = acc_out + t * sa_n + h[:, None] * sa_h + d[None, :] * sa_d
-        o_old = tl.load(at, mask=m, other=0.0)
-        tl.store(at, o_old + w[:, None] * (o_new - o_old), mask=m)
+        o_old = tl.load(at, mask=m, other=0.0).to(acc_t)
+        tl.store(at, (o_old + w[:, None] * (o_new - o_old)).to(acc_out.dtype.element_ty), mask=m)
         tl.store(acc_lse + t * sal_n + h * sal_h, merged, mask=mh)
 
     _KERNEL.append(_merge_rows_kernel)

@@ -775,17 +775,16 @@ class BlockDiagCPState:
                                        for step in self.plan_for(window).stream[kind].steps]
         return self._device_index[key]
 
-    def merges_on(self, kind: str, device: torch.device, window: Optional[int] = None, sink: bool = False,
-                  sums: bool = False) -> MergePlan:
+    def merges_on(self, kind: str, device: torch.device, window: Optional[int] = None,
+                  sink: bool = False) -> MergePlan:
         """Per call of ``stream_on``, which of its query rows it writes alone and which are merged (host work
-        once per step, kind, window and sink; with a sink every row is merged); ``sums``: dq's plan, where
-        a row two calls write is added up in the result (``MergePlan.of``)."""
-        key = ("merges", kind, str(device), window, sink, sums)
+        once per step, kind, window and sink; with a sink every row is merged): forward's out and
+        backward's dq read the same plan (``MergePlan.of``)."""
+        key = ("merges", kind, str(device), window, sink)
         if key not in self._device_index:
             steps = self.plan_for(window).stream[kind].steps
             self._device_index[key] = MergePlan.of([[call.q_index for call in step.calls] for step in steps],
-                                                   self.local_len * self.rows, device, every_row_merged=sink,
-                                                   sums=sums)
+                                                   self.local_len * self.rows, device, every_row_merged=sink)
         return self._device_index[key]
 
     def key_merges_on(self, kind: str, device: torch.device, window: Optional[int] = None):
@@ -808,7 +807,7 @@ class BlockDiagCPState:
                 back = [t.numpy() for t in plan.exchange.send_index if t.numel()]
             back = np.unique(np.concatenate(back)) if back else np.zeros(0, dtype=np.int64)  # host tables: numpy
             merges = MergePlan.of([own], L * self.rows, device, every_row_merged=every,
-                                  also_merged=torch.from_numpy(back), sums=True)
+                                  also_merged=torch.from_numpy(back))
             slot = None
             if merges.merged is not None:
                 at = np.full(L, -1, dtype=np.int64)

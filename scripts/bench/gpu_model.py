@@ -130,7 +130,7 @@ _WRITE_ONLY = frozenset({"zero_", "fill_", "zeros", "zeros_like", "full", "full_
 def _op_bytes(event, run: Dims, target: Dims) -> float:
     """HBM bytes an op reads and writes: a gather reads the rows it writes (not its whole source), a
     scatter reads its source and writes (index_add: also reads) that many destination rows, a fill
-    writes its output, a copy reads its source and writes as much; the rest read every input and
+    writes its output, a copy reads its source and writes its destination; the rest read every input and
     write every output (an in-place op's output is its input: read and written)."""
     size = [tensor_bytes(s, run, target) for s in event.inputs]
     out = [tensor_bytes(s, run, target) for s in event.outputs]
@@ -142,8 +142,8 @@ def _op_bytes(event, run: Dims, target: Dims) -> float:
         return _SCATTER[event.name] * src + small
     if event.name in _WRITE_ONLY:
         return sum(out)
-    if event.name == "copy_":
-        return 2 * (size[1] if len(size) > 1 else sum(out))
+    if event.name == "copy_":  # reads its source, writes its destination (a cast: the two dtypes' bytes)
+        return size[0] + size[1] if len(size) > 1 else 2 * sum(out)
     if event.name == "cat":
         return 2 * sum(out)
     if event.name == "merge_rows_":  # (acc_out, acc_lse, out, lse, [source], [target]): n rows of each merged

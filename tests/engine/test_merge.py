@@ -21,9 +21,8 @@ def _rows(index, n):
     return index.tolist()
 
 
-@pytest.mark.parametrize("sums", [False, True])
-@pytest.mark.parametrize("seed", range(6))
-def test_merge_plan_against_a_recount_of_the_calls(seed, sums):
+@pytest.mark.parametrize("seed", range(12))
+def test_merge_plan_against_a_recount_of_the_calls(seed):
     g = torch.Generator().manual_seed(seed)
     rows = int(torch.randint(1, 40, (1,), generator=g))
     steps = []
@@ -36,15 +35,15 @@ def test_merge_plan_against_a_recount_of_the_calls(seed, sums):
                 picked = torch.arange(start, int(torch.randint(start + 1, rows + 1, (1,), generator=g)))
             calls.append(torch.sort(picked).values)
         steps.append(calls)
-    also = torch.tensor([0]) if seed == 5 else None
-    plan = MergePlan.of(steps, rows, "cpu", also_merged=also, sums=sums)
+    also = torch.tensor([0]) if seed % 6 == 5 else None
+    plan = MergePlan.of(steps, rows, "cpu", also_merged=also)
 
     writers = [0] * rows
     for calls in steps:
         for rows_of_call in calls:
             for r in rows_of_call.tolist():
                 writers[r] += 1
-    merged = [r for r in range(rows) if writers[r] >= (3 if sums else 2) or (also is not None and r == 0)]
+    merged = [r for r in range(rows) if writers[r] >= 3 or (also is not None and r == 0)]
     paired = {r for r in range(rows) if writers[r] == 2 and r not in merged}
     assert _rows(plan.merged, rows) == merged if merged else plan.merged_count == 0
     assert plan.merged_count == len(merged)
@@ -86,7 +85,7 @@ def test_merge_plan_against_a_recount_of_the_calls(seed, sums):
 
 
 def test_a_pair_added_in_bfloat16_rounds_once_as_through_float32():
-    """Why ``sums`` adds a row's two gradients in the result's dtype: bf16 + bf16 is computed in float32
+    """Why a row's two gradients add in the result's dtype: bf16 + bf16 is computed in float32
     and rounded once, the same bits as the float32 buffer's sum written back."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(4096, generator=g).mul(10 ** torch.randn(4096, generator=g)).to(torch.bfloat16)
@@ -132,18 +131,22 @@ def bf16_case(exchange):
                         if isinstance(e, OpEvent) and e.outputs and e.outputs[0][1] == torch.float32
                         and len(e.outputs[0][0]) == 3})
     merged = state.merges_on(chunk_kind(state.kv_exchange), torch.device("cpu")).merged_count
+    merge_ops = sum(isinstance(e, OpEvent) and e.name == "merge_rows_" for e in counter.counts["forward"].events)
 
     def rel(a, b):
         return float((a.double() - b).abs().max() / b.abs().max())
 
     errors = [rel(out, state.shard(out_ref.detach()))] + [rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref)]
-    return {"fp32_rows": fp32_rows, "merged": merged, "rows": state.local_len, "errors": errors}
+    return {"fp32_rows": fp32_rows, "merged": merged, "merge_ops": merge_ops, "rows": state.local_len,
+            "errors": errors}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("exchange", ["a2a", "allgather"])
 def test_bf16_op_keeps_float32_only_for_merged_rows(pool2, exchange):
     for rank, r in enumerate(pool2.run(bf16_case, exchange)):
-        assert 0 < r["merged"] < r["rows"], (rank, r)  # the long document's rows are merged, the short ones not
-        assert r["fp32_rows"] and max(r["fp32_rows"]) <= r["merged"], (rank, r)  # no [rows, H, D] float32 buffer
+        # the long document's rows see two calls at cp 2: merged in the bf16 result, in place; no row sees
+        # three, so no [rows, H, D] float32 buffer at all
+        assert r["merged"] == 0 and r["merge_ops"] >= 1, (rank, r)
+        assert max(r["fp32_rows"], default=0) <= r["merged"], (rank, r)
         assert max(r["errors"]) < 2e-2, (rank, r)  # bfloat16's tolerance

@@ -16,22 +16,25 @@ import torch
 
 from megatron_ext.blockdiag_cp.merge_kernel import merge_rows_, merge_rows_eager
 
-# (rows of the buffer, heads, head dim, call output dtype, buffer dtype)
-SHAPES = [(7, 3, 5, torch.bfloat16, torch.float32), (9, 4, 8, torch.float32, torch.float32),
-          (6, 2, 16, torch.float64, torch.float64), (5, 40, 130, torch.float16, torch.float32)]
+# (rows of the buffer, heads, head dim, call output dtype, buffer dtype, lse dtype): the float32 buffer,
+# or the result itself in bf16 / fp16 (a pair's second writer merges into the first's output)
+SHAPES = [(7, 3, 5, torch.bfloat16, torch.float32, torch.float32), (9, 4, 8, torch.float32, torch.float32, torch.float32),
+          (6, 2, 16, torch.float64, torch.float64, torch.float64), (5, 40, 130, torch.float16, torch.float32, torch.float32),
+          (8, 3, 8, torch.bfloat16, torch.bfloat16, torch.float32), (6, 5, 12, torch.float16, torch.float16, torch.float32)]
 
 
-def _case(seed, N, H, D, dtype, acc_dtype, by_source, by_target):
+def _case(seed, N, H, D, dtype, acc_dtype, lse_dtype, by_source, by_target):
     """A buffer with some rows not yet written (lse -inf), a call output read through strides (a padded
     head dim, lse transposed), and the rows to merge."""
     g = torch.Generator().manual_seed(seed)
     n = 4 if (by_source or by_target) else N
     acc_out = torch.randn(N, H, D, generator=g, dtype=torch.float64).to(acc_dtype)
-    acc_lse = torch.randn(N, H, generator=g, dtype=torch.float64).to(acc_dtype)
-    acc_lse[0, : H // 2 + 1] = float("-inf")
+    acc_lse = torch.randn(N, H, generator=g, dtype=torch.float64).to(lse_dtype)
+    if acc_dtype == lse_dtype:  # a buffer row no call has merged into yet (the result's rows are written)
+        acc_lse[0, : H // 2 + 1] = float("-inf")
     rows = n + 2 if by_source else n
     out = torch.randn(rows, H, D + 3, generator=g, dtype=torch.float64).to(dtype)[..., :D]
-    lse = (3 * torch.randn(H, rows, generator=g, dtype=torch.float64)).to(acc_dtype).t()
+    lse = (3 * torch.randn(H, rows, generator=g, dtype=torch.float64)).to(lse_dtype).t()
     source = torch.randperm(rows, generator=g)[:n] if by_source else None
     target = torch.randperm(N, generator=g)[:n] if by_target else None
     if target is None:  # a run of the buffer: the op gets its view
@@ -65,9 +68,11 @@ def _check(name, got, case):
     acc_out, acc_lse, out, lse, source, target, target_rows = case
     want_out, want_lse = _reference(acc_out, acc_lse, out, lse, source, target_rows)
     a, b = got
-    tol = 1e-12 if acc_out.dtype == torch.float64 else 2e-6
-    torch.testing.assert_close(a[target_rows].double(), want_out, atol=tol, rtol=tol, msg=name)
-    torch.testing.assert_close(b[target_rows].double(), want_lse, atol=tol, rtol=tol, msg=name)
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6}
+    # a result in bf16 / fp16: rounded once (an ulp of the output dtype at most)
+    out_tol = tol.get(a.dtype, 2 * torch.finfo(a.dtype).eps)
+    torch.testing.assert_close(a[target_rows].double(), want_out, atol=out_tol, rtol=out_tol, msg=name)
+    torch.testing.assert_close(b[target_rows].double(), want_lse, atol=tol[b.dtype], rtol=tol[b.dtype], msg=name)
     untouched = torch.ones(acc_out.shape[0], dtype=torch.bool)
     untouched[target_rows] = False
     assert torch.equal(a[untouched], acc_out[untouched]) and torch.equal(b[untouched], acc_lse[untouched]), name
@@ -83,6 +88,18 @@ def _all_cases():
 def test_eager_merge_against_the_definition():
     for name, case in _all_cases():
         _check(name, _apply(merge_rows_eager, *case), case)
+
+
+def test_merging_into_the_result_rounds_once_as_through_the_float32_buffer():
+    """A pair's second writer merges into the first's bf16 output: the same bits as merging in a float32
+    copy of it and rounding that once (what the float32 buffer and its write-back give)."""
+    for name, case in _all_cases():
+        acc_out, acc_lse, out, lse, source, target, target_rows = case
+        if acc_out.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        direct = _apply(merge_rows_eager, *case)
+        through = _apply(merge_rows_eager, acc_out.float(), *case[1:])
+        assert torch.equal(direct[0], through[0].to(acc_out.dtype)) and torch.equal(direct[1], through[1]), name
 
 
 def test_the_op_is_one_launch_and_merges_as_the_eager_body():
@@ -128,4 +145,4 @@ def test_triton_kernel_under_the_interpreter_against_the_definition():
     code = _INTERPRETED.format(tests=os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "interpreted 16" in done.stdout
+    assert f"interpreted {4 * len(SHAPES)}" in done.stdout
