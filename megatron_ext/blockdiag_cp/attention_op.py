@@ -290,8 +290,9 @@ class _StreamedAttention(torch.autograd.Function):
         if len(steps) > 1:  # the first remote chunk moves while the local keys are differentiated
             transport = _transport(ctx.kind, k, v, state, plan, stats, "backward_")
             pending = transport.start((steps[1].round, steps[1].piece)) if refetch else None
-        key_plan, key_slot = state.key_merges_on(ctx.kind, q.device, ctx.window)
-        dkv = KeyGradients(key_plan, geo.g * geo.hkv, geo.dk, geo.dv, k.dtype, acc_dtype, q.device, key_slot, geo.R)
+        key_plan, key_slot, key_returns = state.key_merges_on(ctx.kind, q.device, ctx.window)
+        dkv = KeyGradients(key_plan, geo.g * geo.hkv, geo.dk, geo.dv, k.dtype, acc_dtype, q.device, key_slot, geo.R,
+                           key_returns)
         differentiate(calls[0], merges.calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L, keys=dkv)
         if len(steps) > 1:
             in_flight = None  # the last gradient sent home

@@ -166,16 +166,17 @@ class _DirectGradients:
             grad_chunk = None
         elif grad_chunk is None:
             grad_chunk = like.new_zeros((outgoing,) + tuple(like.shape[1:]))
-        return return_gradient(grad_chunk, step[0], incoming, self.rank, self.cp, like, self.group, self.stats), rows
+        return (return_gradient(grad_chunk, step[0], incoming, self.rank, self.cp, like, self.group, self.stats),
+                rows, step)
 
     @staticmethod
     def settle(handle, dkv) -> None:
         """Add what came back for our rows (they went to that rank at this step) into ``dkv``
         (``merge.KeyGradients``)."""
-        transfer, rows = handle
+        transfer, rows, step = handle
         grad_back = transfer.wait()
         if grad_back is not None:
-            dkv.add(rows, grad_back)
+            dkv.add(rows, grad_back, step)
 
     def finish(self, dkv) -> None:
         pass

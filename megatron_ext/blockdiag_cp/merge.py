@@ -173,6 +173,12 @@ class Result:
         if self.with_lse:
             self.lse = torch.full(self.shape[:2], float("-inf"), dtype=self.lse_dtype, device=self.device)
 
+    def allocated(self) -> torch.Tensor:
+        """The result tensor, allocated if no call wrote it yet (the rows nothing writes at zero)."""
+        if self.value is None:
+            self._allocate()
+        return self.value
+
     def write(self, index: Rows, value: torch.Tensor, lse: Optional[torch.Tensor] = None,
               alone: Optional[Tuple[Rows, Rows]] = None) -> None:
         """The result's rows ``index`` are ``value``; with ``alone`` (``CallMerge.alone``) only the rows the
@@ -228,28 +234,43 @@ class KeyGradients:
     """dK and dV of this rank's own keys ([rows, H, Dk] and [rows, H, Dv]).
 
     A key row that one local kernel call attends alone takes that call's gradient, in the input
-    dtype, and one two calls attend their sum; the rows three or more local calls attend, or that went
-    to other ranks (their gradients come back: ``add``), add up in a float32 buffer
-    [merged rows, H, Dk + Dv], written back by ``finish``. ``plan``: a ``MergePlan`` over
+    dtype, and one two writers give (two local calls, or one and a gradient coming back: ``add``)
+    their sum, added in place; the rows of three or more writers, or every row that went to other
+    ranks where ``returns`` is None (the ring, hierarchical, several rows of doc ids), add up in a
+    float32 buffer [merged rows, H, Dk + Dv], written back by ``finish``. ``plan``: a ``MergePlan`` over
     the key rows (the own calls), the returned rows among its merged ones.
     """
 
-    def __init__(self, plan: MergePlan, heads: int, dk: int, dv: int, dtype, acc_dtype, device, slot, rows: int = 1):
+    def __init__(self, plan: MergePlan, heads: int, dk: int, dv: int, dtype, acc_dtype, device, slot, rows: int = 1,
+                 returns=None):
         self.plan, self.dk_dim, self.R = plan, dk, rows
         self.dk = Result(plan, heads, dk, dtype, acc_dtype, device, with_lse=False)
         self.dv = Result(plan, heads, dv, dtype, acc_dtype, device, with_lse=False)
         self.buffer = (torch.zeros if plan.needs_zeros else torch.empty)(plan.merged_count, heads, dk + dv,
                                                                          dtype=acc_dtype, device=device)
         self.slot = slot  # [positions] a row's place in the buffer (-1: not merged); None: every row, in order
+        self.returns = returns  # step.KeyReturns: per step, returned rows added in place or merged; None: merged
 
     def take(self, index: Rows, share: CallMerge, gk: torch.Tensor, gv: torch.Tensor) -> None:
         """One local call's key gradients over its key rows ``index``."""
         self.dk.take(index, share, gk, self.buffer[..., :self.dk_dim])
         self.dv.take(index, share, gv, self.buffer[..., self.dk_dim:])
 
-    def add(self, rows: Rows, grad: torch.Tensor) -> None:
-        """Gradients of our rows ``rows`` (local positions) coming back: [n, b, F] (F = Hkv * (Dk + Dv));
-        a position is R rows of doc ids (every row is merged then)."""
+    def add(self, rows: Rows, grad: torch.Tensor, step=None) -> None:
+        """Gradients of our rows ``rows`` (local positions) coming back at ``step``: [n, b, F] (F = Hkv *
+        (Dk + Dv)); a position is R rows of doc ids (every row is merged then)."""
+        if self.returns is not None and step in self.returns.steps:
+            added, merged = self.returns.steps[step]
+            grad = grad.reshape(grad.shape[0], self.buffer.shape[1], self.buffer.shape[2])
+            if added is not None:  # rows of at most two writers: added into dK / dV, in their dtype
+                source, index = added
+                part = gather(grad, source)
+                add_rows(self.dk.allocated(), index, part[..., :self.dk_dim])
+                add_rows(self.dv.allocated(), index, part[..., self.dk_dim:])
+            if merged is not None:
+                source, index = merged
+                add_rows(self.buffer, index, gather(grad, source))
+            return
         R = self.R
         grad = grad.reshape(grad.shape[0] * R, self.buffer.shape[1], self.buffer.shape[2])
         if self.slot is None:

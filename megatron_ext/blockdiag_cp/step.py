@@ -788,15 +788,21 @@ class BlockDiagCPState:
         return self._device_index[key]
 
     def key_merges_on(self, kind: str, device: torch.device, window: Optional[int] = None):
-        """(``MergePlan`` over the local key rows, their buffer slots on the device or None): the own step's
-        calls write them; the rows whose gradients come back from other ranks are merged (every row with
-        several rows of doc ids), once per step, kind and window."""
+        """(``MergePlan`` over the local key rows, their buffer slots on the device or None, the returned
+        gradients' ``KeyReturns`` or None), once per step, kind and window: the own step's calls write the
+        rows.
+
+        a2a / halo (one row of doc ids): a row whose own calls and returned gradients are at most two
+        writers takes them in dK / dV themselves (the second added in place, one rounding), only rows of
+        three or more in the float32 buffer; ``KeyReturns`` tells each returned gradient's rows where they
+        go. The ring, hierarchical and several rows of doc ids: every returned row is merged."""
         key = ("key_merges", kind, str(device), window)
         if key not in self._device_index:
             plan = self.plan_for(window)
             L = self.local_len
             own = [call.k_index for call in plan.stream[kind].steps[0].calls]
             every = self.rows > 1
+            direct = kind == "needed" and self.kv_exchange != "hierarchical" and not every
             if kind == "ring":
                 c = plan.stream["ring"].chunk_rows
                 pieces = sorted({j for _, j in self.ring_gradients(window).returned})
@@ -805,16 +811,53 @@ class BlockDiagCPState:
                 back = [self.hierarchical_route_on(torch.device("cpu"), window).send1_index.numpy()]
             else:
                 back = [t.numpy() for t in plan.exchange.send_index if t.numel()]
-            back = np.unique(np.concatenate(back)) if back else np.zeros(0, dtype=np.int64)  # host tables: numpy
+            back = np.concatenate(back) if back else np.zeros(0, dtype=np.int64)  # host tables: numpy
+            if direct:  # writers of a row: its own calls and every rank its gradient comes back from
+                writers = np.bincount(back, minlength=L)
+                for index in own:
+                    writers[index.numpy()] += 1
+                back = back[writers[back] >= 3]
             merges = MergePlan.of([own], L * self.rows, device, every_row_merged=every,
-                                  also_merged=torch.from_numpy(back))
-            slot = None
-            if merges.merged is not None:
-                at = np.full(L, -1, dtype=np.int64)
-                at[np.flatnonzero(merges.merged_mask)] = np.arange(merges.merged_count)
-                slot = torch.from_numpy(at).to(device)
-            self._device_index[key] = (merges, slot)
+                                  also_merged=torch.from_numpy(np.unique(back)))
+            at = np.full(L * self.rows, -1, dtype=np.int64)  # a row's buffer slot (-1: not merged)
+            at[np.flatnonzero(merges.merged_mask)] = np.arange(merges.merged_count)
+            slot = None if merges.merged is None else torch.from_numpy(at).to(device)  # None: every row, in order
+            returns = KeyReturns.of(plan, kind, merges, at, device) if direct else None
+            self._device_index[key] = (merges, slot, returns)
         return self._device_index[key]
+
+
+class KeyReturns:
+    """Per a2a / halo step (i, j), where the gradient coming back for the rows sent at that step goes:
+    ``added`` (its rows, their dK / dV rows: a row of at most two writers, added in place) and ``merged``
+    (its rows, their float32 buffer slots), each ``Rows`` or None when empty."""
+
+    def __init__(self, steps: Dict[Tuple[int, int], tuple]):
+        self.steps = steps  # (i, j) -> (added, merged): each None or (Rows of the gradient, Rows there)
+
+    @classmethod
+    def of(cls, plan, kind: str, merges: MergePlan, slot_of: Optional[np.ndarray], device) -> "KeyReturns":
+        L, cp, rank = plan.local_len, plan.cp, plan.rank
+        c = plan.stream[kind].chunk_rows
+        counts = plan.exchange.counts[rank].tolist()
+        steps = {}
+        for i in range(1, cp):
+            dst = (rank + i) % cp
+            rows = plan.exchange.send_index[dst].numpy()
+            for j in range(-(-counts[dst] // c)):
+                part = rows[j * c:j * c + min(c, counts[dst] - j * c)]
+                n = part.size
+                merged = merges.merged_mask[part]
+                added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
+
+                def on_device(index, size):
+                    return device_rows(torch.from_numpy(index), size, device)
+
+                steps[(i, j)] = (
+                    (on_device(added, n), on_device(part[added], L)) if added.size else None,
+                    (on_device(buffered, n), on_device(slot_of[part[buffered]], merges.merged_count))
+                    if buffered.size else None)
+        return cls(steps)
 
 
 # Rows of a buffer a kernel call reads: None (every row, in order), a ``slice`` (one ascending run: a

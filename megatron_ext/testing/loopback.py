@@ -43,7 +43,7 @@ class _Handover:
 
     def send_gradient(self, step, grad_chunk, like):
         rows, incoming = self.sent_rows(step)
-        return _Ready(self.zeros[:incoming] if incoming else None), rows
+        return _Ready(self.zeros[:incoming] if incoming else None), rows, step
 
 
 class _NeededHandover(_Handover, NeededTransport):

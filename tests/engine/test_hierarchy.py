@@ -244,7 +244,7 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window, prepared=Fa
             float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
         report = state.report()
         stats = state.comm_stats
-        key_plan, _ = state.key_merges_on("needed", torch.device("cpu"), window)
+        key_plan, _, _ = state.key_merges_on("needed", torch.device("cpu"), window)
         sent = [t for t in state.plan_for(window).exchange.send_index if t.numel()]
         returned = state.hierarchical_route_on(torch.device("cpu"), window).send1_index if exchange == "hierarchical" else None
         out[exchange] = {"errs": errs, "key_merged": key_plan.merged_mask.nonzero()[0].tolist(),

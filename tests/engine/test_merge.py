@@ -126,19 +126,25 @@ def bf16_case(exchange):
     with bdcp.blockdiag_cp_step(state), counter:
         with counter.region("forward"):
             out = bdcp.blockdiag_cp_attention(*local)
-        (out.double() * state.shard(w)).sum().backward()
+        with counter.region("backward"):
+            (out.double() * state.shard(w)).sum().backward()
     fp32_rows = sorted({e.outputs[0][0][0] for e in counter.counts["forward"].events
                         if isinstance(e, OpEvent) and e.outputs and e.outputs[0][1] == torch.float32
                         and len(e.outputs[0][0]) == 3})
     merged = state.merges_on(chunk_kind(state.kv_exchange), torch.device("cpu")).merged_count
     merge_ops = sum(isinstance(e, OpEvent) and e.name == "merge_rows_" for e in counter.counts["forward"].events)
+    kind = chunk_kind(state.kv_exchange)
+    key_merged = state.key_merges_on(kind, torch.device("cpu"))[0].merged_count
+    sent = sum(int(t.numel()) for t in state.plan_for(None).exchange.send_index)
+    backward_fp32_rows = sorted({o[0][0] for e in counter.counts["backward"].events if isinstance(e, OpEvent)
+                                 for o in e.outputs if o[1] == torch.float32 and len(o[0]) == 3})
 
     def rel(a, b):
         return float((a.double() - b).abs().max() / b.abs().max())
 
     errors = [rel(out, state.shard(out_ref.detach()))] + [rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref)]
     return {"fp32_rows": fp32_rows, "merged": merged, "merge_ops": merge_ops, "rows": state.local_len,
-            "errors": errors}
+            "key_merged": key_merged, "sent": sent, "backward_fp32_rows": backward_fp32_rows, "errors": errors}
 
 
 @pytest.mark.timeout(120)
@@ -149,4 +155,9 @@ def test_bf16_op_keeps_float32_only_for_merged_rows(pool2, exchange):
         # three, so no [rows, H, D] float32 buffer at all
         assert r["merged"] == 0 and r["merge_ops"] >= 1, (rank, r)
         assert max(r["fp32_rows"], default=0) <= r["merged"], (rank, r)
+        if exchange == "a2a":
+            # a key row sent to the other rank has its own call's gradient and the one coming back: added
+            # in place in dK / dV, so no float32 key buffer either (allgather's ring keeps returned rows in one)
+            assert r["sent"] > 0 and r["key_merged"] == 0, (rank, r)
+            assert not [n for n in r["backward_fp32_rows"] if n > 1], (rank, r)
         assert max(r["errors"]) < 2e-2, (rank, r)  # bfloat16's tolerance
