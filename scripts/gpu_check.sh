@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check of the block-diagonal CP kernels: the gpu_check suite of the bench runner
-# (flash / te / dense vs fp32 for every layout x exchange at cp=2 and 4, engine overhead, kernel
-# timing at 32k tokens, the bf16 matmul peak measured in the same run).
+# (flash / te / dense vs fp32 for every layout x exchange at cp=2 and 4, the fused Triton merge
+# against its eager body, engine overhead, kernel timing at 32k tokens, the bf16 matmul peak measured
+# in the same run).
 #
 #   bash scripts/gpu_check.sh              # on the GPU machine, from anywhere in the repo
 #   bash scripts/gpu_check.sh --dry-run    # CPU, fp32, tiny sizes, flash test double
