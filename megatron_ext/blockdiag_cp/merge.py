@@ -146,15 +146,13 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, index: Rows, out: t
                lse: torch.Tensor, source: Rows = None) -> None:
     """``acc_out`` / ``acc_lse``'s rows ``index`` merged with ``out`` / ``lse``'s rows ``source``: one
     ``merge_rows_`` (views for runs, its index arguments for scattered rows)."""
-    target = None
-    if isinstance(index, torch.Tensor):
-        target = index
-    elif index is not None:
-        acc_out, acc_lse = acc_out[index], acc_lse[index]
-    if isinstance(source, torch.Tensor):
-        merge_rows_(acc_out, acc_lse, out, lse, source, target)
-    else:
-        merge_rows_(acc_out, acc_lse, out[_all(source)], lse[_all(source)], None, target)
+    target = index if isinstance(index, torch.Tensor) else None
+    if target is None:  # a run (or every row): the op merges into its view
+        acc_out, acc_lse = gather(acc_out, index), gather(acc_lse, index)
+    rows = source if isinstance(source, torch.Tensor) else None
+    if rows is None:
+        out, lse = gather(out, source), gather(lse, source)
+    merge_rows_(acc_out, acc_lse, out, lse, rows, target)
 
 
 class Result:
@@ -187,8 +185,7 @@ class Result:
             self.value = value.to(self.dtype).contiguous()
             self.lse = None if lse is None else lse.to(self.lse_dtype).contiguous()
             return
-        if self.value is None:
-            self._allocate()
+        self.allocated()
         if alone is not None:
             source, index = alone
             value = gather(value, source)
@@ -221,8 +218,7 @@ class Result:
 
     def finish(self, merged_value: Optional[torch.Tensor], merged_lse: Optional[torch.Tensor] = None):
         """Write the merge buffer's rows back; (value, lse) of every row."""
-        if self.value is None:
-            self._allocate()
+        self.allocated()
         if merged_value is not None and self.plan.merged_count:
             set_rows(self.value, self.plan.merged, merged_value)
             if merged_lse is not None:
@@ -259,7 +255,7 @@ class KeyGradients:
     def add(self, rows: Rows, grad: torch.Tensor, step=None) -> None:
         """Gradients of our rows ``rows`` (local positions) coming back at ``step``: [n, b, F] (F = Hkv *
         (Dk + Dv)); a position is R rows of doc ids (every row is merged then)."""
-        if self.returns is not None and step in self.returns.steps:
+        if self.returns is not None:  # every step a gradient comes back at has its entry
             added, merged = self.returns.steps[step]
             grad = grad.reshape(grad.shape[0], self.buffer.shape[1], self.buffer.shape[2])
             if added is not None:  # rows of at most two writers: added into dK / dV, in their dtype

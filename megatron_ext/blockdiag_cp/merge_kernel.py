@@ -1,4 +1,4 @@
-"""One fused log-sum-exp merge of a kernel call's rows into the float32 merge buffer.
+"""One fused log-sum-exp merge of a kernel call's rows into the float32 merge buffer or the result.
 
 ``merge_rows_(acc_out, acc_lse, out, lse, source, target)`` does, for each i,
 
@@ -7,10 +7,9 @@
     acc_out[t] += exp(lse[r] - new) * (out[r] - acc_out[t])       # [H, D], in acc_lse's dtype
     acc_lse[t] = new
 
-acc_out is the float32 merge buffer, or the result itself in the input dtype (a row
-two calls write: the second merges into the first's output, rounded once).
-
-in one pass: it reads the call's rows where they lie (no gathered copy), reads and
+in one pass. acc_out is the float32 merge buffer, or the result itself in the input
+dtype (a row two calls write: the second merges into the first's output, rounded
+once). The op reads the call's rows where they lie (no gathered copy), reads and
 writes the buffer's rows once (no gather / scatter pair around the math) and casts
 on the way. Per merged element that is 2 bytes of a bf16 output and 8 of the
 float32 buffer; the same merge as separate torch ops (cast, lerp, index_select and
@@ -28,6 +27,7 @@ The Triton kernel runs on CPU tensors under ``TRITON_INTERPRET=1`` (the tests ru
 against ``merge_rows_eager`` that way: ``triton_merge_rows_``).
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -69,29 +69,26 @@ def merge_rows_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
 
 def _check(acc_out, acc_lse, out, lse, source, target) -> None:
     n = out.shape[0] if source is None else source.numel()
-    if (target.numel() if target is not None else acc_out.shape[0]) != n:
-        raise ValueError(f"merge_rows_: {n} source rows against "
-                         f"{target.numel() if target is not None else acc_out.shape[0]} target rows")
+    targets = acc_out.shape[0] if target is None else target.numel()
+    if targets != n:
+        raise ValueError(f"merge_rows_: {n} source rows against {targets} target rows")
     if not acc_lse.dtype.is_floating_point or out.shape[1:] != acc_out.shape[1:] or lse.shape[1:] != acc_lse.shape[1:]:
         raise ValueError(f"merge_rows_: acc {tuple(acc_out.shape)} {acc_out.dtype} / {tuple(acc_lse.shape)} "
                          f"{acc_lse.dtype} against out {tuple(out.shape)} / lse {tuple(lse.shape)}")
 
 
-def _triton():
+@functools.lru_cache(maxsize=None)
+def _triton_imports() -> bool:
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except ImportError:
-        return None
-    return _kernel()
+        return False
+    return True
 
 
-_KERNEL = []  # the jitted kernel, made on first use (importing Triton is slow and optional)
-
-
+@functools.lru_cache(maxsize=None)  # the jitted kernel, made on first use (importing Triton is slow and optional)
 def _kernel():
-    if _KERNEL:
-        return _KERNEL[0]
     import triton
     import triton.language as tl
 
@@ -125,7 +122,6 @@ def _kernel():
         tl.store(at, (o_old + w[:, None] * (o_new - o_old)).to(acc_out.dtype.element_ty), mask=m)
         tl.store(acc_lse + t * sal_n + h * sal_h, merged, mask=mh)
 
-    _KERNEL.append(_merge_rows_kernel)
     return _merge_rows_kernel
 
 
@@ -153,7 +149,7 @@ def _merge_rows_cpu(acc_out, acc_lse, out, lse, source, target) -> None:
 
 
 def _merge_rows_cuda(acc_out, acc_lse, out, lse, source, target) -> None:
-    if _triton() is None:
+    if not _triton_imports():
         _merge_rows_cpu(acc_out, acc_lse, out, lse, source, target)
     else:
         triton_merge_rows_(acc_out, acc_lse, out, lse, source, target)

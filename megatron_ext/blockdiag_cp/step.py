@@ -840,19 +840,19 @@ class KeyReturns:
         L, cp, rank = plan.local_len, plan.cp, plan.rank
         c = plan.stream[kind].chunk_rows
         counts = plan.exchange.counts[rank].tolist()
+
+        def on_device(index, size):
+            return device_rows(torch.from_numpy(index), size, device)
+
         steps = {}
         for i in range(1, cp):
             dst = (rank + i) % cp
             rows = plan.exchange.send_index[dst].numpy()
-            for j in range(-(-counts[dst] // c)):
-                part = rows[j * c:j * c + min(c, counts[dst] - j * c)]
+            for j in range(-(-counts[dst] // c)):  # NeededTransport.sent_rows' pieces of c rows
+                part = rows[j * c:(j + 1) * c]
                 n = part.size
                 merged = merges.merged_mask[part]
                 added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
-
-                def on_device(index, size):
-                    return device_rows(torch.from_numpy(index), size, device)
-
                 steps[(i, j)] = (
                     (on_device(added, n), on_device(part[added], L)) if added.size else None,
                     (on_device(buffered, n), on_device(slot_of[part[buffered]], merges.merged_count))
