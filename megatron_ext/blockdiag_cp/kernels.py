@@ -367,6 +367,16 @@ def _flash_window_args(fn, seg: Segments) -> Dict:
     return {"window_size_left": left, "window_size_right": right}
 
 
+def _flash_max_seqlen_k(seg: Segments) -> int:
+    # flash-attn 2 opens a window's right edge only max_seqlen_k past each segment's bottom-right
+    # diagonal (flash_api.cpp: window_size_right = seqlen_k), so in a band with more queries than
+    # max_seqlen_k + 1 the first queries would see no key (lse +inf, out 0). At least max_seqlen_q puts
+    # the edge past every key; flash takes max_seqlen_k as a bound, not a size.
+    if seg.window is None or seg.causal:
+        return seg.max_seqlen_k
+    return max(seg.max_seqlen_k, seg.max_seqlen_q)
+
+
 def _flash_width(q, v) -> int:
     # flash takes one head dim for q, k and v, a multiple of 8: a narrower V (MLA) or an odd head dim
     # is zero-padded (exact: zero columns add nothing to q.k, and the cut output columns are zero).
@@ -389,7 +399,7 @@ def flash_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, 
         res = fn(**_by_name(
             fn, "flash-attn",
             dict(q=q, k=k, v=v, cu_seqlens_q=seg.cu_seqlens_q, cu_seqlens_k=seg.cu_seqlens_k,
-                 max_seqlen_q=seg.max_seqlen_q, max_seqlen_k=seg.max_seqlen_k, dropout_p=dropout_p,
+                 max_seqlen_q=seg.max_seqlen_q, max_seqlen_k=_flash_max_seqlen_k(seg), dropout_p=dropout_p,
                  softmax_scale=scale, causal=seg.causal, **_flash_window_args(fn, seg)),
             dict(softcap=0.0, alibi_slopes=None, return_softmax=False)))
         lse_at = 1 if _flash_attn_version() >= FLASH_ATTN_FOUR_RESULTS else 5
@@ -400,7 +410,7 @@ def flash_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, 
                                                          _flash_window(seg)))
         out, lse, rng_state, unused, _ = fn(
             query=q, key=k, value=v, cum_seq_q=seg.cu_seqlens_q, cum_seq_k=seg.cu_seqlens_k,
-            max_q=seg.max_seqlen_q, max_k=seg.max_seqlen_k, dropout_p=dropout_p, is_causal=seg.causal,
+            max_q=seg.max_seqlen_q, max_k=_flash_max_seqlen_k(seg), dropout_p=dropout_p, is_causal=seg.causal,
             return_debug_mask=False, scale=scale, **window)
         aux = ("torch", (rng_state, unused))
     return out[..., :dv], _flash_lse_rows(lse, q.shape[0]), aux
@@ -412,7 +422,7 @@ def flash_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dr
     q, k, v, dout, out = (_flash_padded(t, width) for t in (q, k, v, dout, out))
     lse_hq = lse.t().contiguous().float()  # back to the kernel's [H, total_q]
     cu = dict(cu_seqlens_q=seg.cu_seqlens_q, cu_seqlens_k=seg.cu_seqlens_k, max_seqlen_q=seg.max_seqlen_q,
-              max_seqlen_k=seg.max_seqlen_k)
+              max_seqlen_k=_flash_max_seqlen_k(seg))
     if impl == "flash_attn":
         fn = _flash_attn_interface()._flash_attn_varlen_backward
         dq = torch.empty_like(q)
@@ -433,8 +443,8 @@ def flash_backward(dout, q, k, v, out, lse, aux, seg: Segments, scale: float, dr
                                                          _flash_window(seg)))
         dq, dk_, dv_ = _torch_flash_ops()._flash_attention_backward(
             grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse_hq, cum_seq_q=seg.cu_seqlens_q,
-            cum_seq_k=seg.cu_seqlens_k, max_q=seg.max_seqlen_q, max_k=seg.max_seqlen_k, dropout_p=dropout_p,
-            is_causal=seg.causal, rng_state=rng_state, unused=unused, scale=scale, **window)
+            cum_seq_k=seg.cu_seqlens_k, max_q=seg.max_seqlen_q, max_k=_flash_max_seqlen_k(seg),
+            dropout_p=dropout_p, is_causal=seg.causal, rng_state=rng_state, unused=unused, scale=scale, **window)
     return dq[..., :dk], dk_[..., :dk], dv_[..., :dv]
 
 

@@ -39,10 +39,11 @@ def _check(cond: bool, message: str) -> None:
 
 
 def check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, round_to: int = 1,
-                          same_head_dim: bool = False) -> tuple:
+                          same_head_dim: bool = False, k_bound: bool = False) -> tuple:
     """Validate what a real varlen kernel relies on; return host copies of cu_seqlens.
 
-    ``same_head_dim``: the kernel takes one head dim for q, k and v (flash).
+    ``same_head_dim``: the kernel takes one head dim for q, k and v (flash). ``k_bound``: max_seqlen_k
+    may exceed the longest key segment (flash reads it as a bound; the engine widens it for windows).
     """
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q/k/v must be [T, H, D]: {q.shape} {k.shape}")
     _check(k.shape[:2] == v.shape[:2], f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in rows/heads")
@@ -71,11 +72,12 @@ def check_varlen_metadata(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, round
     if round_to > 1:
         want_q, want_k = -(-want_q // round_to) * round_to, -(-want_k // round_to) * round_to
     _check(int(max_q) == want_q, f"max_seqlen_q={max_q}, expected {want_q}")
-    _check(int(max_k) == want_k, f"max_seqlen_k={max_k}, expected {want_k}")
+    _check(int(max_k) == want_k or (k_bound and int(max_k) >= want_k),
+           f"max_seqlen_k={max_k}, expected {want_k}{' or more' if k_bound else ''}")
     return cq, ck
 
 
-def _segment_scores(qs, ks, scale, causal, window=None):
+def _segment_scores(qs, ks, scale, causal, window=None, right=None):
     scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
     nq, nk = qs.shape[0], ks.shape[0]
     i, j = torch.arange(nq).unsqueeze(1), torch.arange(nk).unsqueeze(0)
@@ -84,32 +86,38 @@ def _segment_scores(qs, ks, scale, causal, window=None):
         hidden |= j > i
     if window is not None and window >= 0:  # flash's bottom-right sliding window
         hidden |= j < i + nk - nq - window
+    if right is not None:  # a right edge measured from the bottom-right diagonal too
+        hidden |= j > i + nk - nq + right
     return scores.masked_fill(hidden.to(scores.device), float("-inf"))
 
 
-def varlen_math(q, k, v, cq: List[int], ck: List[int], scale: float, causal: bool, window=None):
-    """(out [T, Hq, Dv], lse [T, Hq]): explicit per-segment softmax attention."""
+def varlen_math(q, k, v, cq: List[int], ck: List[int], scale: float, causal: bool, window=None, right=None,
+                empty_lse: float = float("-inf")):
+    """(out [T, Hq, Dv], lse [T, Hq]): explicit per-segment softmax attention. A query that sees no key
+    gets out 0 and lse ``empty_lse`` (flash-attn's kernels write +inf there)."""
     rep = q.shape[1] // k.shape[1]
     outs, lses = [], []
     for i in range(len(cq) - 1):
         qs = q[cq[i]:cq[i + 1]]
         ks = k[ck[i]:ck[i + 1]].repeat_interleave(rep, dim=1)
         vs = v[ck[i]:ck[i + 1]].repeat_interleave(rep, dim=1)
-        scores = _segment_scores(qs, ks, scale, causal, window)
+        scores = _segment_scores(qs, ks, scale, causal, window, right)
         lse = torch.logsumexp(scores, dim=-1)  # [H, n]
-        outs.append(torch.einsum("hqk,khd->qhd", torch.exp(scores - lse.unsqueeze(-1)), vs))
-        lses.append(lse.t())
+        probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, vs))
+        lses.append(lse.masked_fill(lse == float("-inf"), empty_lse).t())
     return torch.cat(outs), torch.cat(lses)
 
 
-def varlen_math_backward(dout, q, k, v, out, lse, cq, ck, scale, causal, window=None):
+def varlen_math_backward(dout, q, k, v, out, lse, cq, ck, scale, causal, window=None, right=None):
     """(dq, dk, dv) of this call, given the final out [T, Hq, Dv] and lse [T, Hq]."""
     rep = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for i in range(len(cq) - 1):
         a, b, c, e = cq[i], cq[i + 1], ck[i], ck[i + 1]
         ks, vs = k[c:e].repeat_interleave(rep, dim=1), v[c:e].repeat_interleave(rep, dim=1)
-        probs = torch.exp(_segment_scores(q[a:b], ks, scale, causal, window) - lse[a:b].t().unsqueeze(-1))
+        probs = torch.exp(_segment_scores(q[a:b], ks, scale, causal, window, right)
+                          - lse[a:b].t().unsqueeze(-1)).nan_to_num(0.0)
         d_probs = torch.einsum("qhd,khd->hqk", dout[a:b], vs)
         delta = (dout[a:b] * out[a:b]).sum(-1).t().unsqueeze(-1)  # [H, n, 1]
         d_scores = probs * (d_probs - delta) * scale
@@ -191,13 +199,19 @@ def _rng_state(device):
     return torch.zeros(2, dtype=torch.int64, device=device)
 
 
-def _window_of(left, right, causal):
-    """flash's (left, right) -> the double's window; a right edge other than the causal one is a misuse."""
+def _flash_edges(left, right, causal, max_k):
+    """flash's (left, right) -> the (window, right) edges its kernels apply, as flash-attn 2's C++ derives
+    them (flash_api.cpp): a window at least max_seqlen_k wide is none, causal is right = 0, and a window's
+    open right edge becomes max_seqlen_k past each segment's bottom-right diagonal. A right edge other
+    than the causal or the open one is a misuse."""
     left = -1 if left is None else left
     right = -1 if right is None else right
     _check(right == (0 if causal else -1) or (left == -1 and right == -1),
            f"window right edge {right} with causal={causal}")
-    return None if left < 0 else left
+    left = -1 if left >= max_k else left
+    if left < 0:
+        return None, None
+    return left, (None if causal else int(max_k))
 
 
 def fake_torch_flash_ops(window: bool = True):
@@ -229,12 +243,12 @@ def _torch_flash_ops_with_window():
                                  return_debug_mask, *, scale=None, window_size_left=None,
                                  window_size_right=None, seqused_k=None, alibi_slopes=None):
         _check(dropout_p == 0.0, "the double has no dropout")
-        window = _window_of(window_size_left, window_size_right, is_causal)
+        window, right = _flash_edges(window_size_left, window_size_right, is_causal, max_k)
         cq, ck = check_varlen_metadata(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
-                                       same_head_dim=True)
+                                       same_head_dim=True, k_bound=True)
         _record("torch_flash", query, key, cq, is_causal, window=window)
         out, lse = varlen_math(query, key, value, cq, ck, query.shape[-1] ** -0.5 if scale is None else scale,
-                               is_causal, window)
+                               is_causal, window, right, empty_lse=float("inf"))
         return out, lse.t().contiguous().float(), _rng_state(query.device), torch.empty(0), torch.empty(0)
 
     def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
@@ -243,10 +257,10 @@ def _torch_flash_ops_with_window():
         _check(logsumexp.shape == (query.shape[1], query.shape[0]), f"lse must be [H, T], got {logsumexp.shape}")
         _check(rng_state.numel() == 2, "rng_state is not the forward's")
         cq, ck = check_varlen_metadata(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
-                                       same_head_dim=True)
+                                       same_head_dim=True, k_bound=True)
         return varlen_math_backward(grad_out, query, key, value, out, logsumexp.t().to(query.dtype), cq, ck,
                                     query.shape[-1] ** -0.5 if scale is None else scale, is_causal,
-                                    _window_of(window_size_left, window_size_right, is_causal))
+                                    *_flash_edges(window_size_left, window_size_right, is_causal, max_k))
 
     return types.SimpleNamespace(_flash_attention_forward=_flash_attention_forward,
                                  _flash_attention_backward=_flash_attention_backward)
@@ -261,11 +275,11 @@ def fake_flash_attn(version: str = "2.8.3"):
                                    softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
                                    leftpad_k=None, seqused_k=None):
         _check(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None, "plain attention expected")
-        window = _window_of(window_size_left, window_size_right, causal)
+        window, right = _flash_edges(window_size_left, window_size_right, causal, max_seqlen_k)
         cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                       same_head_dim=True)
+                                       same_head_dim=True, k_bound=True)
         _record("flash_attn", q, k, cq, causal, window=window)
-        out, lse = varlen_math(q, k, v, cq, ck, softmax_scale, causal, window)
+        out, lse = varlen_math(q, k, v, cq, ck, softmax_scale, causal, window, right, empty_lse=float("inf"))
         return out, lse.t().contiguous().float(), None, _rng_state(q.device)
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -274,9 +288,10 @@ def fake_flash_attn(version: str = "2.8.3"):
                                     deterministic, rng_state=None, zero_tensors=False):  # 2.7+: no defaults
         _check(softmax_lse.shape == (q.shape[1], q.shape[0]), f"lse must be [H, T], got {softmax_lse.shape}")
         cq, ck = check_varlen_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                       same_head_dim=True)
+                                       same_head_dim=True, k_bound=True)
         grads = varlen_math_backward(dout, q, k, v, out, softmax_lse.t().to(q.dtype), cq, ck, softmax_scale,
-                                     causal, _window_of(window_size_left, window_size_right, causal))
+                                     causal, *_flash_edges(window_size_left, window_size_right, causal,
+                                                           max_seqlen_k))
         for dst, src in zip((dq, dk, dv), grads):
             dst.copy_(src)
         return None

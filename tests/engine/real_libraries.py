@@ -109,8 +109,9 @@ def _hidden(nq, nk, left, right, bottom_right):
     return hidden
 
 
-def segments_forward(q, k, v, cq, ck, scale, left, right, bottom_right):
-    """(out [T, Hq, Dv] in q's dtype, lse [T, Hq] float64)."""
+def segments_forward(q, k, v, cq, ck, scale, left, right, bottom_right, empty_lse=float("-inf")):
+    """(out [T, Hq, Dv] in q's dtype, lse [T, Hq] float64); a query that sees no key: out 0, lse
+    ``empty_lse`` (flash's softmax writes +inf there)."""
     rep = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
     lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float64)
@@ -123,7 +124,7 @@ def segments_forward(q, k, v, cq, ck, scale, left, right, bottom_right):
         m = torch.logsumexp(s, -1)  # [H, n]
         p = torch.exp(s - m.unsqueeze(-1)).nan_to_num(0.0)
         out[a:b] = torch.einsum("hqk,khd->qhd", p, vs).to(q.dtype)
-        lse[a:b] = m.t()
+        lse[a:b] = m.masked_fill(m == float("-inf"), empty_lse).t()
     return out, lse
 
 
@@ -200,7 +201,12 @@ def _flash_common(a, q, k, v):
         right = -1
     if a["is_causal"]:
         right = 0
-    return cq, ck, left, right
+    return cq, ck, *_open_right_edge(left, right, a["max_seqlen_k"])
+
+
+def _open_right_edge(left, right, max_k):
+    """set_params_fprop: a window's open right edge is max_seqlen_k past the bottom-right diagonal."""
+    return left, (max_k if left >= 0 and right < 0 else right)
 
 
 def strided_layout(k, v) -> str:
@@ -221,7 +227,7 @@ def flash_cuda_module(version: str):
         cq, ck, left, right = _flash_common(a, q, k, v)
         CALLS.append({"kind": "flash_attn", "version": version, "window": (left, right), "causal": a["is_causal"],
                       "hq": q.shape[1], "hkv": k.shape[1], "d": q.shape[-1], "layout": strided_layout(k, v)})
-        out, lse = segments_forward(q, k, v, cq, ck, a["softmax_scale"], left, right, True)
+        out, lse = segments_forward(q, k, v, cq, ck, a["softmax_scale"], left, right, True, float("inf"))
         lse = lse.t().contiguous().float()  # [H, total_q]
         rng = torch.zeros(2, dtype=torch.int64)
         p = torch.empty(0, dtype=q.dtype)
@@ -560,7 +566,7 @@ def register_aten_flash_cpu():
         right = -1 if a.get("window_size_right") is None else a["window_size_right"]
         left = -1 if left >= max_k else left
         right = 0 if causal else (-1 if right >= max_k else right)
-        return left, right
+        return _open_right_edge(left, right, max_k)
 
     def common(a, q, k, v):
         d = q.shape[-1]
@@ -579,7 +585,7 @@ def register_aten_flash_cpu():
         cq, ck, scale, (left, right) = common(a, q, k, v)
         CALLS.append({"kind": "torch_flash", "window": (left, right), "causal": a["is_causal"],
                       "layout": strided_layout(a["key"], a["value"])})
-        out, lse = segments_forward(q, k, v, cq, ck, scale, left, right, True)
+        out, lse = segments_forward(q, k, v, cq, ck, scale, left, right, True, float("inf"))
         seed = torch.zeros((), dtype=torch.int64)
         return out, lse.t().contiguous().float(), seed, seed.clone(), torch.empty(0, dtype=q.dtype)
 

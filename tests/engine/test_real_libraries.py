@@ -122,6 +122,9 @@ def w_kernel_pair():
         "full_mha": ((4, 6), (7, 3), False, None, (2, 2, 16, 16)),
         "causal_window_mla": ((9, 12), (9, 12), True, 3, (4, 2, 12, 8)),
         "full_window_gqa": ((6, 5), (8, 9), False, 4, (4, 1, 8, 8)),
+        # a band with more queries than max_seqlen_k + 1 (a short key run at a chunk edge): flash's open
+        # right edge must still reach every key
+        "window_band_more_queries_than_keys": ((9, 4), (2, 3), False, 1, (4, 2, 8, 8)),
     }
     g = torch.Generator().manual_seed(5)
     out = {}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_ext.testing import WorkerPool, pool_per_cp_fixture, reference_attention
-from megatron_ext.testing.cases import make_doc_ids
+from megatron_ext.testing.cases import make_doc_ids, runs_to_doc_ids
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 EXCHANGES = ("allgather", "halo", "a2a")
@@ -158,8 +158,9 @@ def _libraries(setup):
     return "te", fd.fake_te("2.14.0" if setup == "te_2_14" else "2.15.0")
 
 
-def check_through_double(setup, window, sink_kind, heads, strict=False):
-    """One step per layout x exchange with a backend's library double behind it; errors and backends."""
+def check_through_double(setup, window, sink_kind, heads, strict=False, runs=None):
+    """One step per layout x exchange with a backend's library double behind it; errors and backends.
+    ``runs``: the documents as (id, length) runs of 96 tokens (default: one document)."""
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
@@ -168,7 +169,7 @@ def check_through_double(setup, window, sink_kind, heads, strict=False):
 
     backend, libraries = _libraries(setup)
     hq, hkv, dk, dv = heads
-    doc_ids = make_doc_ids("single", 96, dist.get_world_size())
+    doc_ids = make_doc_ids("single", 96, dist.get_world_size()) if runs is None else runs_to_doc_ids(runs)
     g = torch.Generator().manual_seed(3)
     q, k, v, w = (torch.randn(96, 1, h, d, generator=g, dtype=torch.float64)
                   for h, d in ((hq, dk), (hkv, dk), (hkv, dv), (hq, dv)))
@@ -214,6 +215,22 @@ def test_windows_sinks_and_mla_through_the_library_doubles(pool2, setup):
         for key, (errs, backend, _) in out.items():
             assert backend == ("te" if setup.startswith("te") else "flash"), (key, backend)
             assert max(errs) < 1e-5, (key, errs)  # the libraries hand the lse back in fp32
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("setup", ["flash_attn", "torch_flash"])
+def test_flash_window_bands_with_more_queries_than_keys(pool2, setup):
+    # Documents that start a few tokens before a zigzag chunk edge (cp 2: chunks of 24): the other
+    # rank's first 20 queries see 3 (and 12) of their keys through a band. flash opens a window's right
+    # edge only max_seqlen_k past each segment's bottom-right diagonal (flash_api.cpp), so with
+    # max_seqlen_k = 3 the band's first 16 queries would see no key: lse +inf, NaN once merged (an
+    # H200 showed it through torch's flash ops). The doubles apply flash's edges and its +inf.
+    runs = [(1, 21), (2, 39), (3, 36)]
+    for out, windows, kinds in pool2.run(check_through_double, setup, 20, None, (4, 2, 8, 8), False, runs):
+        assert kinds == [setup], kinds
+        for key, (errs, backend, _) in out.items():
+            assert backend == "flash", (key, backend)
+            assert max(errs) < 1e-5, (key, errs)
 
 
 @pytest.mark.timeout(300)
