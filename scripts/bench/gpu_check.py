@@ -15,6 +15,10 @@ Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
   bf16 against an fp32 reference (same bf16-rounded inputs), max abs / rel error of out, dq, dk, dv;
   a ``variants`` case adds a sliding window (512), a learnable attention sink and MLA head dims
   (q/k 192, v 128), which flash / te must take (or fall back, which fails the check).
+- flash_calls: cp 4, the variants case (window, sink, MLA) per layout with a2a: every flash call's
+  out / lse and dq / dk / dv against the dense kernel on the same tensors, so a call the library reads
+  differently from the engine (a window edge, a stride, the lse of a query with no key) is named with
+  its segments, shapes and strides, not only seen in the layer's error.
 - engine_cp1: the whole engine call (forward + backward) at cp=1 on a realistic pack
   (32k tokens, 32 query heads, 8 KV heads, head dim 128), its error vs an fp32 dense run,
   and the engine's overhead: the fraction of its time not spent in the kernel itself.
@@ -320,6 +324,109 @@ def run_accuracy(cp, dry_run, emit, deadline):
             line["err_ratio_vs_dense"] = _round({n: line["max_rel"][n] / max(base[n], 1e-30) for n in base})
         emit(line)
     return all(line["passed"] for line in lines)
+
+
+def _compare(got, ref) -> dict:
+    """Largest |got - ref| over the entries finite in both, relative to max |ref|; the non-finite counts."""
+    import torch
+
+    got, ref = got.detach().float(), ref.detach().float()
+    both = torch.isfinite(got) & torch.isfinite(ref)
+    scale = float(ref[both].abs().max()) if bool(both.any()) else 0.0
+    diff = float((got - ref).abs()[both].max()) if bool(both.any()) else 0.0
+    return {"rel": diff / max(scale, 1.0), "nonfinite": int((~torch.isfinite(got)).sum()),
+            "nonfinite_ref": int((~torch.isfinite(ref)).sum())}
+
+
+def _call_meta(seg, q, k, v) -> dict:
+    return {"causal": seg.causal, "window": seg.window, "segments": len(seg.q_lens),
+            "q_lens": list(seg.q_lens[:4]), "k_lens": list(seg.k_lens[:4]), "max_seqlen_q": seg.max_seqlen_q,
+            "max_seqlen_k": seg.max_seqlen_k, "q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
+            "k_stride": list(k.stride())}
+
+
+def w_flash_calls(dry_run):
+    """On every rank (cp 4): each flash call of the variants case against the dense kernel on the same
+    tensors (forward: out, lse; backward: dq, dk, dv), so a wrong call is named with its metadata."""
+    import torch
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import override_kernel
+
+    device, dtype = device_and_dtype(dry_run)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tol = TOL_FP32 if dry_run else TOL_BF16
+    rows = []
+    with check_backends(dry_run) as _:
+        flash = kernels.kernel_for("flash")
+        log = {"calls": 0, "worst": {}, "bad": []}
+
+        def note(where, seg, q, k, v, pairs):
+            log["calls"] += where == "forward"
+            bad = False
+            for name, (got, ref) in pairs.items():
+                c = _compare(got, ref)
+                log["worst"][name] = max(log["worst"].get(name, 0.0), c["rel"])
+                limit = tol.get(name, tol["out"])
+                bad |= c["nonfinite"] > c["nonfinite_ref"] or c["rel"] > limit
+                pairs[name] = c
+            if bad and len(log["bad"]) < 3:
+                log["bad"].append({"where": where, **_call_meta(seg, q, k, v), **pairs})
+
+        def forward(q, k, v, seg, scale, dropout_p=0.0, seed=0):
+            out, lse, aux = flash.forward(q, k, v, seg, scale, dropout_p, seed)
+            ref_out, ref_lse, _ = kernels.dense_forward(q, k, v, seg, scale, dropout_p, seed)
+            note("forward", seg, q, k, v, {"out": (out, ref_out), "lse": (lse, ref_lse)})
+            return out, lse, aux
+
+        def backward(dout, q, k, v, out, lse, aux, seg, scale, dropout_p=0.0):
+            grads = flash.backward(dout, q, k, v, out, lse, aux, seg, scale, dropout_p)
+            ref = kernels.dense_backward(dout, q, k, v, out, lse, 0, seg, scale, dropout_p)
+            note("backward", seg, q, k, v, dict(zip(("dq", "dk", "dv"), zip(grads, ref))))
+            return grads
+
+        _, S, _ = [c for c in sizes(dry_run)["acc_cases"] if c[0] == "variants"][0]
+        variant = sizes(dry_run)["variants"]
+        hq, hkv, dk, dv = variant["heads"]
+        doc_ids = case_doc_ids(S, 1)
+        g = torch.Generator().manual_seed(8)
+        q, k, v, w = (torch.randn(S, 1, h, d, generator=g).to(dtype).to(device)
+                      for h, d in ((hq, dk), (hkv, dk), (hkv, dv), (hq, dv)))
+        for layout in LAYOUTS:
+            log.update(calls=0, worst={}, bad=[])
+            state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange="a2a", attn_backend="flash",
+                                                device=device)
+            local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+            with override_kernel("flash", kernels.Kernel(forward, backward)), bdcp.blockdiag_cp_step(state):
+                out = bdcp.blockdiag_cp_attention(*local, window_size=(variant["window"], 0))
+                (out.float() * state.shard(w).float()).sum().backward()
+            rows.append({"layout": layout, "calls": log["calls"],
+                         "worst_rel": {n: float(f"{x:.3e}") for n, x in log["worst"].items()},
+                         "bad_calls": list(log["bad"])})
+    return rows
+
+
+def run_flash_calls(dry_run, emit, deadline):
+    from megatron_ext.testing import WorkerPool
+
+    pool = WorkerPool(4, env={STAGE_ENV: "1"})
+    try:
+        per_rank = pool.run(w_flash_calls, dry_run, timeout=max(30.0, min(180.0, deadline - time.time())))
+    finally:
+        pool.close()
+    ok = True
+    for i, row in enumerate(per_rank[0]):
+        ranks = [rows[i] for rows in per_rank]
+        bad = [dict(rank=r, **call) for r, rows in enumerate(ranks) for call in rows["bad_calls"]]
+        line = {"check": "flash_calls", "cp": 4, "case": "variants", "layout": row["layout"], "exchange": "a2a",
+                "calls_per_rank": [r["calls"] for r in ranks],
+                "worst_rel": {n: max(r["worst_rel"].get(n, 0.0) for r in ranks) for n in row["worst_rel"]},
+                "bad_calls": bad[:3], "passed": not bad and min(r["calls"] for r in ranks) > 0}
+        ok &= line["passed"]
+        emit(line)
+    return ok
 
 
 # ---------------------------------------------------------------------------
@@ -634,6 +741,7 @@ def run(dry_run=False, budget_s=420.0, skip=(), block_megatron=False, log=print)
         checks = (("matmul_peak", lambda: peak.setdefault("tflops", run_matmul_peak(dry_run, emit)) > 0),
                   ("accuracy_cp2", lambda: run_accuracy(2, dry_run, emit, deadline)),
                   ("accuracy_cp4", lambda: run_accuracy(4, dry_run, emit, deadline)),
+                  ("flash_calls", lambda: run_flash_calls(dry_run, emit, deadline)),
                   ("dropin_paths", lambda: run_dropin_paths(dry_run, backends, emit)),
                   ("thd_indices", lambda: run_thd_indices(emit) if not dry_run else True),
                   ("merge_kernel", lambda: run_merge_kernel(dry_run, emit)),

@@ -622,6 +622,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert {(a["cp"], a["layout"], a["exchange"], a["backend"]) for a in accuracy} == {
         (cp, lay, ex, be) for cp in (2, 4) for lay in LAYOUTS for ex in EXCHANGES for be in ("flash", "dense")}
     assert all(a["resolved"] == [a["backend"]] and a["dry_run"] for a in accuracy)
+    # every flash call of the variants case against the dense kernel on the same tensors, per layout
+    assert [(c["cp"], c["layout"]) for c in by_check["flash_calls"]] == [(4, lay) for lay in LAYOUTS]
+    assert all(min(c["calls_per_rank"]) >= 1 and c["bad_calls"] == [] for c in by_check["flash_calls"])
     assert {e["backend"] for e in by_check["engine_cp1"]} == {"flash", "dense"}
     assert all(e["kernel_fwd_bwd_ms"] > 0 and "engine_overhead_fraction" in e for e in by_check["engine_cp1"])
     assert by_check["matmul_peak"][0]["tflops"] > 0
