@@ -32,10 +32,18 @@ layout's roofline: max(ideal, the busiest rank's needed K/V bytes (the plan's ex
 2 · Hkv · D · 2 bytes, the larger of received and sent per link class) at link rate). Topology:
 ``allgather``, ``a2a``, ``halo`` on one node of cp GPUs (NVLink); ``hierarchical`` on 2 nodes of
 cp / 2 (LOCAL_WORLD_SIZE = cp / 2), so its cross-node messages and roofline bytes go over IB.
+
+Each call is priced a second time with the kernel an H200 measured (``measured_kernel``: the
+forward rate and the backward / forward time of torch's flash kernels in the committed
+bench/gpu_check_h200.jsonl timing rows, every other constant as above): the ``*_measured_kernel``
+fields, and a roofline whose ideal uses that rate.
 """
 
 import contextlib
+import json
 import math
+import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -58,6 +66,35 @@ class H200:
     hbm_bytes_per_s: float = 3.3e12  # every elementwise, gathering or scattering op
     nvlink_bytes_per_s: float = 400e9  # per GPU, per direction
     ib_bytes_per_s: float = 50e9  # per GPU, per direction
+
+
+GPU_CHECK_ROWS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "bench", "gpu_check_h200.jsonl")
+
+
+def measured_kernel(path: str = GPU_CHECK_ROWS, base: "H200" = None) -> Optional["H200"]:
+    """``base`` (default ``H200()``) with the kernel a GPU measured: ``kernel_flops`` the median forward
+    rate over every rank of the gpu_check ``timing`` rows (4 · query-key pairs · Hq · D per forward ms,
+    flash), ``backward_factor`` the median of (fwd + bwd ms - fwd ms) / fwd ms. None without such rows."""
+    base = base or H200()
+    rates, factors = [], []
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            kernel = row.get("kernels", {}).get("flash") if row.get("check") == "timing" else None
+            if not kernel or row.get("dry_run"):
+                continue
+            for pairs, fwd, both in zip(row["pairs_per_rank"], kernel["fwd_ms_per_rank"],
+                                        kernel["fwd_bwd_ms_per_rank"]):
+                if fwd > 0:
+                    rates.append(4.0 * pairs * row["heads"][0] * row["head_dim"] / (fwd * 1e-3))
+                    factors.append((both - fwd) / fwd)
+    if not rates:
+        return None
+    return H200(**{**asdict(base), "kernel_flops": statistics.median(rates),
+                   "backward_factor": statistics.median(factors)})
 
 
 @dataclass(frozen=True)
@@ -317,9 +354,10 @@ def record_layers(state, q, k, v, layers: int = LAYERS, **attention_kwargs):
 
 
 def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str,
-                hw: Optional[Dict] = None, layers: int = LAYERS) -> Dict:
+                hw: Optional[Dict] = None, layers: int = LAYERS, hw_measured: Optional[Dict] = None) -> Dict:
     """On every rank: build the step, run ``layers`` calls with the null kernel, price each call
-    (``hw``: ``asdict(H200(...))``, plain values so the worker unpickles it before importing us)."""
+    (``hw``: ``asdict(H200(...))``, plain values so the worker unpickles it before importing us), and
+    again on ``hw_measured`` where given (``modeled_s_measured_kernel``)."""
     import os
 
     import megatron_ext.blockdiag_cp as bdcp
@@ -327,6 +365,7 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
 
     run, target = RUN_DIMS[model], MODELS[model]
     hw = H200(**(hw or {}))
+    measured = H200(**hw_measured) if hw_measured else None
     t0 = time.perf_counter()
     state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
                                         kv_backward="refetch", windows=window)
@@ -350,7 +389,10 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
         calls.append({phase: {**c.summary(), "sends": c.sends, "receives": c.receives,
                               "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
                               "host_thread_s": thread, "host_wall_s": wall, "ops": dict(c.ops),
-                              **price(c.events, run, target, hw, node_of)}
+                              **price(c.events, run, target, hw, node_of),
+                              **({} if measured is None else
+                                 {"modeled_s_measured_kernel": price(c.events, run, target, measured,
+                                                                     node_of)["modeled_s"]})}
                       for phase, (c, thread, wall) in zip(("forward", "backward"), (fwd, bwd))})
     counts = state.plan_for(window).exchange.counts.clone()  # [cp, cp] positions src -> dst, global
     return {"calls": calls, "counts": counts, "per_node": per_node, "local_len": state.local_len,
@@ -360,9 +402,11 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
 # -- cases -> rows ------------------------------------------------------------------------------
 
 
-def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H200(), layer: int = 1) -> Dict:
+def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H200(), layer: int = 1,
+             hw_measured: Optional[H200] = None) -> Dict:
     """One JSON row: the busiest rank's (largest modeled forward + backward) figures of layer call
-    ``layer``, the host time of the steady calls, the ideal and the roofline."""
+    ``layer``, the host time of the steady calls, the ideal and the roofline; with ``hw_measured``
+    (the calls priced on it too) the same ratio on the measured kernel (``ratio_*_measured_kernel``)."""
     target = MODELS[case.model]
     base = {"suite": "gpu_model", **asdict(case), "model": target.name, "model_key": case.model,
             "heads": target.hq, "kv_heads": target.hkv, "head_dim": target.d, "backend": "null",
@@ -400,6 +444,16 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
         row[f"ratio_{short}"] = c["modeled_s"] / (roof_f if short == "fwd" else roof_b)
         row[f"syncs_max_{short}"] = max(cc[phase]["syncs"] for cc in calls)
     row["ratio"] = (row["modeled_s_fwd"] + row["modeled_s_bwd"]) / (roof_f + roof_b)
+    if hw_measured is not None and "modeled_s_measured_kernel" in calls[busiest]["forward"]:
+        ideal_mf = 4.0 * pairs * target.hq * target.d / case.cp / hw_measured.kernel_flops
+        roofs = {"fwd": max(ideal_mf, link), "bwd": max(hw_measured.backward_factor * ideal_mf, link)}
+        row["measured_kernel_tflops"] = hw_measured.kernel_flops / 1e12
+        row["measured_backward_factor"] = hw_measured.backward_factor
+        for phase, short in (("forward", "fwd"), ("backward", "bwd")):
+            modeled = calls[busiest][phase]["modeled_s_measured_kernel"]
+            row[f"roofline_{short}_s_measured_kernel"] = roofs[short]
+            row[f"modeled_s_{short}_measured_kernel"] = modeled
+            row[f"ratio_{short}_measured_kernel"] = modeled / roofs[short]
     return row
 
 
@@ -424,6 +478,7 @@ def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[flo
 
     rows: List[Dict] = []
     t_start = time.perf_counter()
+    measured = measured_kernel(base=hw)
     for S, cp, mixes, layouts, exchanges, windows, models in points:
         for hier in (False, True):
             ex_here = [e for e in exchanges if (e == "hierarchical") == hier]
@@ -443,8 +498,9 @@ def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[flo
                                     case = Case(S, cp, mix, layout, exchange, window, model)
                                     t0 = time.perf_counter()
                                     try:
-                                        got = pool.run(replay_rank, ids, layout, exchange, window, model, asdict(hw))
-                                        row = case_row(case, got, ids, hw)
+                                        got = pool.run(replay_rank, ids, layout, exchange, window, model, asdict(hw),
+                                                       LAYERS, None if measured is None else asdict(measured))
+                                        row = case_row(case, got, ids, hw, hw_measured=measured)
                                     except Exception as exc:  # noqa: BLE001 - a refused case is a row
                                         row = {**case_row(case, [{"refused": ""}], ids, hw),
                                                "refused": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"}

@@ -7,6 +7,7 @@ pricing on hand-made events (an op, a transfer waited on, a kernel call) and a c
 and roofline equal the arithmetic written out here.
 """
 
+import json
 import os
 import sys
 
@@ -176,3 +177,46 @@ def test_pairs_and_case_row_arithmetic():
     assert row["roofline_fwd_s"] == pytest.approx(max(ideal, 6 * 4096 / 400e9))
     assert row["ratio_fwd"] == pytest.approx(2e-3 / row["roofline_fwd_s"])
     assert row["ratio"] == pytest.approx(6e-3 / (row["roofline_fwd_s"] + row["roofline_bwd_s"]))
+
+
+def test_measured_kernel_reads_the_gpu_check_timing_rows(tmp_path):
+    # rates per rank: 4 * pairs * Hq * D / forward seconds; backward factor (fwd+bwd - fwd) / fwd; medians
+    gm = _bench()
+    timing = {"suite": "gpu_check", "check": "timing", "heads": [2, 1], "head_dim": 8, "dry_run": False,
+              "pairs_per_rank": [1000, 3000],
+              "kernels": {"flash": {"fwd_ms_per_rank": [1.0, 2.0], "fwd_bwd_ms_per_rank": [4.0, 8.0]},
+                          "dense": {"fwd_ms_per_rank": [9.0, 9.0], "fwd_bwd_ms_per_rank": [9.0, 9.0]}}}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (
+        {"suite": "gpu_check", "check": "env"}, timing, {**timing, "dry_run": True, "pairs_per_rank": [1, 1]},
+        {**timing, "pairs_per_rank": [5000, 5000], "kernels": {"flash": {"fwd_ms_per_rank": [1.0, 1.0],
+                                                                       "fwd_bwd_ms_per_rank": [3.0, 3.0]}}})))
+    hw = gm.measured_kernel(str(path))
+    rates = sorted(4.0 * p * 2 * 8 / (ms * 1e-3) for p, ms in ((1000, 1.0), (3000, 2.0), (5000, 1.0), (5000, 1.0)))
+    assert hw.kernel_flops == pytest.approx((rates[1] + rates[2]) / 2)
+    assert hw.backward_factor == pytest.approx((2.0 + 3.0) / 2)  # factors 3, 3, 2, 2 (the dry run is not read)
+    assert (hw.launch_s, hw.hbm_bytes_per_s) == (gm.H200().launch_s, gm.H200().hbm_bytes_per_s)
+    assert gm.measured_kernel(str(tmp_path / "absent.jsonl")) is None
+
+
+def test_case_row_on_the_measured_kernel():
+    gm = _bench()
+    ids = torch.tensor([1] * 8 + [2] * 4)
+    counts = torch.tensor([[0, 2], [6, 0]])
+    hw, measured = gm.H200(), gm.H200(kernel_flops=300e12, backward_factor=3.0)
+    phase = {"kernel_calls": 1, "launching": 2, "transfers": 0, "syncs": 0, "bytes_sent": 0, "bytes_received": 0,
+             "modeled_s": 2e-3, "kernel_s": 0, "elementwise_s": 0, "link_s": 0, "launch_s": 0,
+             "elementwise_bytes": 0, "flops": 0, "host_thread_s": 1e-3, "host_wall_s": 1e-3,
+             "modeled_s_measured_kernel": 3e-3}
+    rank = {"calls": [{"forward": phase, "backward": {**phase, "modeled_s_measured_kernel": 9e-3}}] * 2,
+            "counts": counts, "per_node": 2, "local_len": 6, "build_s": 0.0}
+    row = gm.case_row(gm.Case(12, 2, "single", "zigzag", "a2a", None, "gqa"), [rank, rank], ids, hw,
+                      hw_measured=measured)
+    ideal = 4.0 * 46 * 32 * 128 / 2 / 300e12
+    link = 6 * 4096 / 400e9
+    assert row["roofline_fwd_s_measured_kernel"] == pytest.approx(max(ideal, link))
+    assert row["roofline_bwd_s_measured_kernel"] == pytest.approx(max(3.0 * ideal, link))
+    assert row["ratio_fwd_measured_kernel"] == pytest.approx(3e-3 / max(ideal, link))
+    assert row["ratio_bwd_measured_kernel"] == pytest.approx(9e-3 / max(3.0 * ideal, link))
+    assert (row["measured_kernel_tflops"], row["measured_backward_factor"]) == (300.0, 3.0)
+    assert row["ratio_fwd"] == pytest.approx(2e-3 / row["roofline_fwd_s"])  # the issue's constants unchanged
