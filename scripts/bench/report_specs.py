@@ -945,7 +945,7 @@ def _gm_within_measured_kernel_roofline(rows):
     return [Check(f"{_gm_label(r)}/{phase}", r[f"ratio_{phase}_measured_kernel"] <= 1.2,
                   r[f"ratio_{phase}_measured_kernel"])
             for r in _gpu_model_rows(rows) if r["exchange"] in ("a2a", "halo", "hierarchical")
-            and f"ratio_{phase}_measured_kernel" in r for phase in ("fwd", "bwd")]
+            for phase in ("fwd", "bwd") if f"ratio_{phase}_measured_kernel" in r]
 
 
 def _gm_measured_kernel(rows):
@@ -993,8 +993,8 @@ GPU_MODEL = Suite(
                _gm_worst, unit="case phases"),
         Target(lambda rows: "gpu_model, on the kernel an H200 measured (torch's flash in "
                f"bench/gpu_check_h200.jsonl: {_gm_measured_kernel(rows)}): modeled GPU time <= 1.2x that "
-               "roofline with a needed-only exchange, forward and backward (the same calls repriced; the "
-               "line above is the issue's constants)", _gm_within_measured_kernel_roofline,
+               "roofline with a needed-only exchange, forward and backward (the same calls repriced; the line "
+               "above prices them on the constants of bench/README.md)", _gm_within_measured_kernel_roofline,
                _gm_worst, unit="case phases"),
         Target("gpu_model: host time with a null kernel <= modeled GPU time where the ideal is >= 1 ms",
                _gm_host_under_gpu, _gm_worst, unit="case phases"),
@@ -1011,7 +1011,9 @@ GPU_MODEL = Suite(
                    "cores, so it is noisy). "
                    "`ideal`: the documents' attention FLOPs / cp at the kernel rate; `roofline`: max(ideal, "
                    "busiest rank's needed K/V bytes at link rate); `ratio`: modeled / roofline, forward + "
-                   "backward. hierarchical: 2 nodes of cp / 2 (IB across). `scripts/bench/gpu_model.py`.",
+                   "backward; `ratio, H200 kernel`: forward / backward, the same calls and roofline priced with "
+                   "the kernel an H200 measured (bench/README.md). hierarchical: 2 nodes of cp / 2 (IB across). "
+                   "`scripts/bench/gpu_model.py`.",
               columns=(Text("mix", "mix"), Text("layout", "layout"), Text("exchange", "exchange"),
                        Column("window", "window"), Text("model", "model_key"),
                        Column("calls", _gm_pair("kernel_calls_fwd", "kernel_calls_bwd"), str),
