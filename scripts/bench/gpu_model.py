@@ -72,14 +72,14 @@ GPU_CHECK_ROWS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os
                               "bench", "gpu_check_h200.jsonl")
 
 
-def measured_kernel(path: str = GPU_CHECK_ROWS, base: "H200" = None) -> Optional["H200"]:
+def measured_kernel(path: str = GPU_CHECK_ROWS, base: Optional[H200] = None) -> Optional[H200]:
     """``base`` (default ``H200()``) with the kernel a GPU measured: ``kernel_flops`` the median forward
     rate over every rank of the gpu_check ``timing`` rows (4 · query-key pairs · Hq · D per forward ms,
     flash), ``backward_factor`` the median of (fwd + bwd ms - fwd ms) / fwd ms. None without such rows."""
-    base = base or H200()
-    rates, factors = [], []
     if not os.path.exists(path):
         return None
+    base = base or H200()
+    rates, factors = [], []
     with open(path) as f:
         for line in f:
             row = json.loads(line)
@@ -358,8 +358,6 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
     """On every rank: build the step, run ``layers`` calls with the null kernel, price each call
     (``hw``: ``asdict(H200(...))``, plain values so the worker unpickles it before importing us), and
     again on ``hw_measured`` where given (``modeled_s_measured_kernel``)."""
-    import os
-
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.overrides import override_kernel
 
