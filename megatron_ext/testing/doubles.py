@@ -208,6 +208,7 @@ def _flash_edges(left, right, causal, max_k):
     right = -1 if right is None else right
     _check(right == (0 if causal else -1) or (left == -1 and right == -1),
            f"window right edge {right} with causal={causal}")
+    _check(left >= -1, f"window left edge {left}: flash reads any negative edge as no window")
     left = -1 if left >= max_k else left
     if left < 0:
         return None, None
