@@ -187,8 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8))
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--ids", default=None, help="a torch.save'd [S] tensor of doc ids (instead of --mix)")
     args = p.parse_args(argv)
-    ids = make_doc_ids(args.mix, args.S)
+    ids = make_doc_ids(args.mix, args.S) if args.ids is None else torch.load(args.ids)
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     print(json.dumps(run_rank(ids, args.rank, args.cp, heads=tuple(args.heads), head_dim=args.head_dim,
                               device=args.device, dtype=dtype, layout=args.layout, kv_exchange=args.exchange,

@@ -31,9 +31,10 @@ Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
   and what forward leaves for backward against the local q/k/v/out.
 - loopback_cp8: one rank of cp = 8 in one process (``megatron_ext.testing.loopback``: rank r's real
   plan, its chunks handed over on the device, torch's fake process group for the agreements) on
-  128k tokens with the timing heads, one long document and the short mix, a2a: kernel calls,
-  launching ops and syncs per layer call, forward + backward wall ms (CUDA-synchronized) and the
-  host's own ms issuing it, for ranks 0 and 7.
+  128k tokens with the timing heads and the gpu_model suite's documents (``LOOPBACK_CASES``: one
+  long document and the short mix on zigzag, ranks 0 and 7; the short mix on thd and the heavy-tailed
+  one on balanced, rank 0), a2a: kernel calls, launching ops and syncs per layer call, forward +
+  backward wall ms (CUDA-synchronized) and the host's own ms issuing it.
 - te: not run (and said so) unless transformer_engine imports.
 
 How cp ranks share one GPU: NCCL refuses two ranks on one device, so each accuracy check
@@ -608,37 +609,51 @@ def run_engine(dry_run, backends, emit, peak):
     return ok_all
 
 
+# (mix, layout, ranks) of the loopback: the gpu_model suite's documents (``gpu_model.doc_ids``), so its
+# 128k / cp 8 rows of the same mix, layout and a2a are the modeled side of these measurements
+LOOPBACK_CASES = (("single", "zigzag", (0, 7)), ("short", "zigzag", (0, 7)), ("short", "thd", (0,)),
+                  ("heavy", "balanced", (0,)))
+
+
 def run_loopback(dry_run, emit, deadline):
     """One rank of cp = 8 per process, its chunks handed over on the device: calls, wall and host ms."""
+    import os
     import subprocess
     import sys
+    import tempfile
+
+    import torch
+
+    from gpu_model import doc_ids as model_doc_ids
 
     cfg = sizes(dry_run)
     S = 2048 if dry_run else 131072
     hq, hkv, d = cfg["time_heads"]
     ok = True
-    for mix in ("single", "short"):
-        for rank in (0, 7):
-            if time.time() > deadline:
-                emit({"check": "loopback_cp8", "mix": mix, "rank": rank, "passed": False,
-                      "error": "skipped: out of time"})
-                return False
-            cmd = [sys.executable, "-m", "megatron_ext.testing.loopback", "--cp", "8", "--rank", str(rank),
-                   "--S", str(S), "--mix", mix, "--exchange", "a2a", "--heads", str(hq), str(hkv),
-                   "--head-dim", str(d)] + (["--device", "cpu"] if dry_run else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True,
-                                  timeout=max(30.0, min(180.0, deadline - time.time())))
-            if proc.returncode:
-                emit({"check": "loopback_cp8", "mix": mix, "rank": rank, "passed": False,
-                      "error": proc.stderr[-2000:]})
-                ok = False
-                continue
-            got = json.loads(proc.stdout.strip().splitlines()[-1])
-            line = {"check": "loopback_cp8", "mix": mix, "S": S, **got,
-                    "fwd_bwd_ms": round(got["fwd_bwd_ms"], 3), "host_ms": round(got["host_ms"], 3)}
-            line["passed"] = got["syncs"] == [0, 0]
-            ok &= line["passed"]
-            emit(line)
+    with tempfile.TemporaryDirectory() as tmp:
+        for mix, layout, ranks in LOOPBACK_CASES:
+            ids_path = os.path.join(tmp, f"{mix}_{layout}.pt")
+            torch.save(model_doc_ids(mix, S, layout, 8), ids_path)
+            for rank in ranks:
+                where = {"check": "loopback_cp8", "mix": mix, "layout": layout, "rank": rank}
+                if time.time() > deadline:
+                    emit({**where, "passed": False, "error": "skipped: out of time"})
+                    return False
+                cmd = [sys.executable, "-m", "megatron_ext.testing.loopback", "--cp", "8", "--rank", str(rank),
+                       "--S", str(S), "--ids", ids_path, "--layout", layout, "--exchange", "a2a",
+                       "--heads", str(hq), str(hkv), "--head-dim", str(d)] + (["--device", "cpu"] if dry_run else [])
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      timeout=max(30.0, min(180.0, deadline - time.time())))
+                if proc.returncode:
+                    emit({**where, "passed": False, "error": proc.stderr[-2000:]})
+                    ok = False
+                    continue
+                got = json.loads(proc.stdout.strip().splitlines()[-1])
+                line = {**where, "S": S, "documents": "gpu_model.doc_ids", **got,
+                        "fwd_bwd_ms": round(got["fwd_bwd_ms"], 3), "host_ms": round(got["host_ms"], 3)}
+                line["passed"] = got["syncs"] == [0, 0]
+                ok &= line["passed"]
+                emit(line)
     return ok
 
 
