@@ -182,6 +182,12 @@ class _DirectGradients:
         pass
 
 
+def piece_rows(count: int, chunk_rows: int, piece: int) -> int:
+    """Rows of piece ``piece`` when ``count`` rows move ``chunk_rows`` at a time (rows [piece * chunk_rows,
+    + that)): chunk_rows, fewer for the last piece, 0 past it."""
+    return max(0, min(chunk_rows, count - piece * chunk_rows))
+
+
 class RingTransport(_DirectGradients):
     """allgather as a ring: step (i, j) forwards piece j of the chunk received at (i - 1, j) to rank + 1."""
 
@@ -195,7 +201,7 @@ class RingTransport(_DirectGradients):
         self._last = None  # the piece received last step: forwarded next step
 
     def rows(self, piece: int) -> int:
-        return max(0, min(self.c, self.k.shape[0] - piece * self.c))
+        return piece_rows(self.k.shape[0], self.c, piece)
 
     def start(self, step) -> Transfer:
         i, j = step
@@ -252,14 +258,12 @@ class NeededTransport(_DirectGradients):
             fused += 0 if run else 2 * n
         return 2 * self.k.shape[0] + fused < per_step
 
-    def _piece(self, count: int, j: int) -> int:
-        return max(0, min(self.c, count - j * self.c))
 
     def sent_rows(self, step):
         """Local rows sent at ``step`` (a slice, or an index tensor) and their count."""
         i, j = step
         dst = (self.rank + i) % self.cp
-        n = self._piece(self.sent_to[dst], j)
+        n = piece_rows(self.sent_to[dst], self.c, j)
         index = self.send_index[dst]  # None: every local row, in order
         part = slice(j * self.c, j * self.c + n)
         return (part if index is None else index[part]), n
@@ -284,7 +288,7 @@ class NeededTransport(_DirectGradients):
 
     def received_rows(self, step) -> int:
         i, j = step
-        return self._piece(self.received_from[(self.rank - i) % self.cp], j)
+        return piece_rows(self.received_from[(self.rank - i) % self.cp], self.c, j)
 
     # Every needed row is attended: a received chunk's gradient goes back whole.
     gradient_rows = received_rows
@@ -332,7 +336,7 @@ class HierarchicalTransport:
     def _rows(self, step):
         i, j = step
         src = (self.rank - i) % self.cp
-        n = max(0, min(self.c, self.from_source[src] - j * self.c))
+        n = piece_rows(self.from_source[src], self.c, j)
         first = self.k.shape[0] + self.offset[src] + j * self.c
         return first, n
 

@@ -34,7 +34,7 @@ from .agreement import (
 )
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
-from .exchange import RingGradients
+from .exchange import RingGradients, piece_rows
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
 from .merge import MergePlan
@@ -848,9 +848,9 @@ class KeyReturns:
         for i in range(1, cp):
             dst = (rank + i) % cp
             rows = plan.exchange.send_index[dst].numpy()
-            for j in range(-(-counts[dst] // c)):  # NeededTransport.sent_rows' pieces of c rows
-                part = rows[j * c:(j + 1) * c]
-                n = part.size
+            for j in range(-(-counts[dst] // c)):  # the pieces NeededTransport.sent_rows sends
+                n = piece_rows(counts[dst], c, j)
+                part = rows[j * c:j * c + n]
                 merged = merges.merged_mask[part]
                 added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
                 steps[(i, j)] = (
