@@ -400,6 +400,12 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
 # -- cases -> rows ------------------------------------------------------------------------------
 
 
+def ideal_seconds(pairs: int, target: Dims, cp: int, hw: H200) -> Tuple[float, float]:
+    """(forward, backward) seconds of the documents' attention FLOPs / cp at ``hw``'s kernel rate."""
+    forward = 4.0 * pairs * target.hq * target.d / cp / hw.kernel_flops
+    return forward, hw.backward_factor * forward
+
+
 def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H200(), layer: int = 1,
              hw_measured: Optional[H200] = None) -> Dict:
     """One JSON row: the busiest rank's (largest modeled forward + backward) figures of layer call
@@ -412,8 +418,7 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
     if "refused" in per_rank[0]:
         return {**base, "refused": per_rank[0]["refused"]}
     pairs = document_pairs(ids, case.window)
-    ideal_f = 4.0 * pairs * target.hq * target.d / case.cp / hw.kernel_flops
-    ideal_b = hw.backward_factor * ideal_f
+    ideal_f, ideal_b = ideal_seconds(pairs, target, case.cp, hw)
     per_node = per_rank[0]["per_node"]
     row_bytes = 2 * target.hkv * target.d * target.dtype_bytes
     link = needed_seconds(per_rank[0]["counts"], lambda r: r // per_node, row_bytes, hw)
@@ -443,8 +448,8 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
         row[f"syncs_max_{short}"] = max(cc[phase]["syncs"] for cc in calls)
     row["ratio"] = (row["modeled_s_fwd"] + row["modeled_s_bwd"]) / (roof_f + roof_b)
     if hw_measured is not None and "modeled_s_measured_kernel" in calls[busiest]["forward"]:
-        ideal_mf = 4.0 * pairs * target.hq * target.d / case.cp / hw_measured.kernel_flops
-        roofs = {"fwd": max(ideal_mf, link), "bwd": max(hw_measured.backward_factor * ideal_mf, link)}
+        ideal_mf, ideal_mb = ideal_seconds(pairs, target, case.cp, hw_measured)
+        roofs = {"fwd": max(ideal_mf, link), "bwd": max(ideal_mb, link)}
         row["measured_kernel_tflops"] = hw_measured.kernel_flops / 1e12
         row["measured_backward_factor"] = hw_measured.backward_factor
         for phase, short in (("forward", "fwd"), ("backward", "bwd")):
