@@ -14,7 +14,7 @@ process (the GPU check): out and dq are rank r's exactly; dK/dV are its own shar
 import argparse
 import json
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -134,8 +134,10 @@ def loopback_state(ids: torch.Tensor, rank: int, cp: int, q, k, v, **build):
 
 def run_rank(ids, rank: int, cp: int, heads=(32, 8), head_dim: int = 128, layers: int = 3, device="cpu",
              dtype=torch.bfloat16, reps: int = 3, **build) -> Dict:
-    """Rank r's layer calls (forward + backward) through the loopback: kernel calls, and the steady calls'
-    wall time (CUDA-synchronized on a device)."""
+    """Rank r's layer calls (forward + backward) through the loopback: kernel calls, and per step of ``reps``
+    the wall time (CUDA-synchronized on a device) and host thread time of its first layer call
+    (``first_*``: agreement and the step's device tables) and of its second, a steady one (``fwd_bwd_ms``,
+    ``host_ms``), medians over the steps."""
     from .op_counter import layer_calls
 
     device = torch.device(device)
@@ -149,29 +151,43 @@ def run_rank(ids, rank: int, cp: int, heads=(32, 8), head_dim: int = 128, layers
             state.loopback.prepare(kind)
         import megatron_ext.blockdiag_cp as bdcp
 
-        wall: List[float] = []
-        host: List[float] = []
         upstream = torch.ones_like(ql[..., :1]).expand(ql.shape[:3] + (vl.shape[-1],))
-        for _ in range(reps):
+
+        def layer() -> None:
+            leaves = [t.detach().requires_grad_() for t in (ql, kl, vl)]
+            bdcp.blockdiag_cp_attention(*leaves).backward(upstream)
+
+        def timed() -> Tuple[float, float]:  # (wall s, host thread s) of one layer call, forward + backward
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0, h0 = time.perf_counter(), time.thread_time()
-            with bdcp.blockdiag_cp_step(state):
-                leaves = [t.detach().requires_grad_() for t in (ql, kl, vl)]
-                out = bdcp.blockdiag_cp_attention(*leaves)
-                out.backward(upstream)
-            host.append(time.thread_time() - h0)  # the host's own time issuing the layer (a device runs behind)
+            layer()
+            host = time.thread_time() - h0  # the host's own time issuing the layer (a device runs behind)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            wall.append(time.perf_counter() - t0)
+            return time.perf_counter() - t0, host
+
+        first: List[Tuple[float, float]] = []
+        steady: List[Tuple[float, float]] = []
+        for _ in range(reps):
+            with bdcp.blockdiag_cp_step(state):
+                first.append(timed())  # a step's first call agrees and builds the step's device tables
+                steady.append(timed())  # what every later layer of the step costs (the gpu_model prices it)
         fwd, bwd = counts[1]
         return {"rank": rank, "cp": cp, "kv_exchange": state.kv_exchange, "layout": state.layout.name,
-                "attn_backend": state.attn_backend, "local_len": state.local_len,
+                "attn_backend": state.attn_backend, "kv_backward": state.kv_backward, "local_len": state.local_len,
                 "kernel_calls": [fwd.kernel_calls, bwd.kernel_calls], "launching": [fwd.launching, bwd.launching],
-                "syncs": [fwd.syncs, bwd.syncs], "fwd_bwd_ms": sorted(wall)[len(wall) // 2] * 1e3,
-                "host_ms": sorted(host)[len(host) // 2] * 1e3}
+                "syncs": [fwd.syncs, bwd.syncs], "timed": "steady",
+                "fwd_bwd_ms": _median(t for t, _ in steady) * 1e3, "host_ms": _median(h for _, h in steady) * 1e3,
+                "first_fwd_bwd_ms": _median(t for t, _ in first) * 1e3,
+                "first_host_ms": _median(h for _, h in first) * 1e3}
     finally:
         dist.destroy_process_group()
+
+
+def _median(xs) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def main(argv=None) -> int:

@@ -397,6 +397,93 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
             "build_s": build_s}
 
 
+def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optional[Dict] = None,
+                  hw_measured: Optional[Dict] = None) -> Dict:
+    """The gpu_check loopback's rank (``testing.loopback``: rank r's real plan in one process, chunks
+    handed over, no link) with the null kernel at the GQA run dims, its steady layer call priced with the
+    link free: what the loopback on a GPU measures, modeled. In a process of its own (torch's fake
+    process group)."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing.loopback import loopback_state
+    from megatron_ext.testing.overrides import override_kernel
+
+    run, target = RUN_DIMS["gqa"], MODELS["gqa"]
+    free = {"nvlink_bytes_per_s": math.inf, "ib_bytes_per_s": math.inf}
+    priced = {"": H200(**{**(hw or {}), **free})}
+    if hw_measured:
+        priced["_measured_kernel"] = H200(**{**hw_measured, **free})
+    ids = doc_ids(mix, S, layout, cp)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(S, 1, h, run.d, generator=g).to(torch.bfloat16) for h in (run.hq, run.hkv, run.hkv))
+    state, ql, kl, vl = loopback_state(ids, rank, cp, q, k, v, layout=layout, kv_exchange="a2a",
+                                       attn_backend="dense")  # kv_backward: auto, as the loopback's
+    try:
+        with override_kernel("dense", _null_kernel()):
+            fwd, bwd = record_layers(state, ql, kl, vl, layers=2)[1]
+    finally:
+        torch.distributed.destroy_process_group()
+    row = {"kv_backward": state.kv_backward}
+    for short, (c, _, _) in (("fwd", fwd), ("bwd", bwd)):
+        row[f"kernel_calls_{short}"], row[f"launching_{short}"], row[f"syncs_{short}"] = (
+            c.kernel_calls, c.launching, c.syncs)
+        for suffix, on in priced.items():
+            p = price(c.events, run, target, on, lambda peer: 0)
+            row[f"device_s_{short}{suffix}"] = p["modeled_s"]
+            if not suffix:
+                row[f"host_s_{short}"] = p["launch_s"]
+                row[f"kernel_s_{short}"], row[f"elementwise_s_{short}"] = p["kernel_s"], p["elementwise_s"]
+    return row
+
+
+def h200_loopback_rows(path: str = GPU_CHECK_ROWS) -> Dict[Tuple[str, str, int], Dict]:
+    """(mix, layout, rank) -> the latest steady-call ``loopback_cp8`` row a GPU wrote (not a dry run)."""
+    found: Dict[Tuple[str, str, int], Dict] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if (row.get("check") == "loopback_cp8" and row.get("timed") == "steady" and not row.get("dry_run")
+                        and row.get("passed")):
+                    found[(row["mix"], row["layout"], row["rank"])] = row
+    return found
+
+
+def loopback_rows(hw: H200 = H200(), log=print, S: int = 131072, cp: int = 8, cases=None,
+                  gpu_rows: str = GPU_CHECK_ROWS) -> List[Dict]:
+    """Suite ``gpu_model_loopback``: per gpu_check loopback case and rank, the modeled steady call (link
+    free) beside what an H200 measured for it (``h200_*``, where bench/gpu_check_h200.jsonl has it)."""
+    import concurrent.futures
+    import multiprocessing
+
+    if cases is None:
+        from gpu_check import LOOPBACK_CASES as cases
+    measured = measured_kernel(gpu_rows, base=hw)
+    gpu = h200_loopback_rows(gpu_rows)
+    rows = []
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn, max_tasks_per_child=1) as pool:
+        jobs = [((mix, layout, rank), pool.submit(loopback_twin, mix, layout, rank, S, cp, asdict(hw),
+                                                   None if measured is None else asdict(measured)))
+                for mix, layout, ranks in cases for rank in ranks]
+        for (mix, layout, rank), job in jobs:
+            row = {"suite": "gpu_model_loopback", "S": S, "cp": cp, "mix": mix, "layout": layout, "rank": rank,
+                   "exchange": "a2a", "model": MODELS["gqa"].name, **job.result()}
+            for suffix in ("", "_measured_kernel"):
+                if f"device_s_fwd{suffix}" in row:
+                    row[f"device_ms{suffix}"] = (row[f"device_s_fwd{suffix}"] + row[f"device_s_bwd{suffix}"]) * 1e3
+            got = gpu.get((mix, layout, rank))
+            if got is not None:
+                row.update({"h200_fwd_bwd_ms": got["fwd_bwd_ms"], "h200_host_ms": got["host_ms"],
+                            "h200_kernel_calls": got["kernel_calls"], "h200_launching": got["launching"],
+                            "h200_attn_backend": got["attn_backend"], "h200_kv_backward": got.get("kv_backward")})
+                if "device_ms_measured_kernel" in row:
+                    row["h200_over_modeled"] = got["fwd_bwd_ms"] / row["device_ms_measured_kernel"]
+            rows.append(row)
+            log(f"  gpu_model_loopback {mix}/{layout}/rank {rank}: modeled {row['device_ms']:.2f} ms"
+                + (f", H200 {got['fwd_bwd_ms']:.2f} ms" if got else ", no H200 row"))
+    return rows
+
+
 # -- cases -> rows ------------------------------------------------------------------------------
 
 

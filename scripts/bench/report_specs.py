@@ -1029,6 +1029,45 @@ GPU_MODEL = Suite(
 )
 
 
+def _gml_records(rows):
+    order = {("single", "zigzag"): 0, ("short", "zigzag"): 1, ("short", "thd"): 2, ("heavy", "balanced"): 3}
+    return sorted((r for r in rows if r["suite"] == "gpu_model_loopback"),
+                  key=lambda r: (order.get((r["mix"], r["layout"]), 9), r["mix"], r["layout"], r["rank"]))
+
+
+def _gml_h200_pair(key):
+    return lambda r: "-" if r.get(key) is None else f"{r[key][0]} / {r[key][1]}"
+
+
+GPU_MODEL_LOOPBACK = Suite(
+    "gpu_model_loopback", suite("gpu_model_loopback"),
+    tables=(
+        Table("The model beside an H200: one rank of cp 8, chunks handed over on the device", _gml_records,
+              note="The gpu_check loopback's cases (`testing.loopback`: rank r's real plan in one process, its "
+                   "chunks handed over, so no link; 128k tokens, the gpu_model suite's documents, a2a, "
+                   "`kv_backward` auto, Llama-3-8B attention 32 / 8 / 128, bf16), a step's steady second layer "
+                   "call, forward + backward. `modeled`: its op sequence recorded on CPU (dense path, null "
+                   "kernel) and priced with the link free, on the constants of bench/README.md and on the "
+                   "kernel an H200 measured; `H200`: what the loopback measured on an H200 "
+                   "(bench/gpu_check_h200.jsonl, torch's flash ops; `-`: no steady-call row there). Calls and "
+                   "ops: forward / backward; the H200 ran the flash path, whose ops around the kernel differ "
+                   "from the dense path's. `scripts/bench/gpu_model.py` (`loopback_rows`).",
+              columns=(Text("mix", "mix"), Text("layout", "layout"), Column("rank", "rank"),
+                       Text("kv_backward", "kv_backward"),
+                       Column("calls", _gm_pair("kernel_calls_fwd", "kernel_calls_bwd"), str),
+                       Column("H200 calls", _gml_h200_pair("h200_kernel_calls"), str),
+                       Column("ops", _gm_pair("launching_fwd", "launching_bwd"), str),
+                       Column("H200 ops", _gml_h200_pair("h200_launching"), str),
+                       Column("modeled ms", "device_ms", fmt(".2f")),
+                       Column("modeled ms, H200 kernel", "device_ms_measured_kernel", fmt(".2f")),
+                       Column("H200 ms", "h200_fwd_bwd_ms", fmt(".2f")),
+                       Column("H200 / modeled (H200 kernel)", "h200_over_modeled", fmt(".2f")),
+                       Column("modeled host ms", lambda r: (r["host_s_fwd"] + r["host_s_bwd"]) * 1e3, fmt(".2f")),
+                       Column("H200 host ms", "h200_host_ms", fmt(".2f")))),
+    ),
+)
+
+
 # --- dropin -----------------------------------------------------------------------------------
 
 DROPIN_PER = {"mask_derive": "micro batch", "mask_state": "micro batch", "layer_fwd_bwd": "layer",
@@ -1053,4 +1092,5 @@ DROPIN = Suite(
 )
 
 # The order of SUMMARY.md: targets of every suite first, then each suite's tables.
-SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, TORCH_CP, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, GPU_MODEL, DROPIN)
+SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, TORCH_CP, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, GPU_MODEL,
+          GPU_MODEL_LOOPBACK, DROPIN)

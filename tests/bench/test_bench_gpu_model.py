@@ -220,3 +220,42 @@ def test_case_row_on_the_measured_kernel():
     assert row["ratio_bwd_measured_kernel"] == pytest.approx(9e-3 / max(3.0 * ideal, link))
     assert (row["measured_kernel_tflops"], row["measured_backward_factor"]) == (300.0, 3.0)
     assert row["ratio_fwd"] == pytest.approx(2e-3 / row["roofline_fwd_s"])  # the constants unchanged
+
+
+@pytest.mark.timeout(240)
+def test_loopback_twin_models_the_loopbacks_rank_and_joins_the_h200_row(tmp_path):
+    # The twin runs the loopback's own plan for rank r (thd at cp 8, rank 7; the short mix): the kernel
+    # calls and forward ops the loopback counts on CPU (dense, a real kernel) in a process of its own; in
+    # backward the null kernel returns dK / dV as one buffer's halves (as te and flash-attn do), so the
+    # dense path's fuse per call is absent there. The H200 row joined is the steady call's, not a dry run's.
+    import subprocess
+
+    gm = _bench()
+    S, rank = 2048, 7
+    ids_path = tmp_path / "ids.pt"
+    torch.save(gm.doc_ids("short", S, "thd", 8), ids_path)
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext.testing.loopback", "--cp", "8", "--rank", str(rank),
+                           "--S", str(S), "--ids", str(ids_path), "--layout", "thd", "--exchange", "a2a",
+                           "--heads", "4", "1", "--head-dim", "8", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loop = json.loads(proc.stdout.strip().splitlines()[-1])
+    steady = {"suite": "gpu_check", "check": "loopback_cp8", "mix": "short", "layout": "thd", "rank": rank,
+              "timed": "steady", "passed": True, "dry_run": False, "fwd_bwd_ms": 7.5, "host_ms": 1.25,
+              "kernel_calls": [8, 8], "launching": [12, 40], "attn_backend": "flash", "kv_backward": "refetch"}
+    rows_path = tmp_path / "h200.jsonl"
+    timing = {"suite": "gpu_check", "check": "timing", "heads": [32, 8], "head_dim": 128, "dry_run": False,
+              "pairs_per_rank": [1000], "kernels": {"flash": {"fwd_ms_per_rank": [1.0], "fwd_bwd_ms_per_rank": [4.0]}}}
+    rows_path.write_text("\n".join(json.dumps(r) for r in (
+        timing, {**steady, "fwd_bwd_ms": 99.0, "timed": None},  # an earlier run's first-call timing: not read
+        steady, {**steady, "fwd_bwd_ms": 1.0, "dry_run": True})))
+    (row,) = gm.loopback_rows(S=S, cases=(("short", "thd", (rank,)),), gpu_rows=str(rows_path), log=lambda m: None)
+    assert (row["kernel_calls_fwd"], row["kernel_calls_bwd"]) == tuple(loop["kernel_calls"])
+    assert row["launching_fwd"] == loop["launching"][0]
+    assert row["launching_bwd"] < loop["launching"][1]
+    assert row["kv_backward"] == loop["kv_backward"] == "refetch" and row["syncs_fwd"] == row["syncs_bwd"] == 0
+    assert row["device_ms"] == pytest.approx((row["device_s_fwd"] + row["device_s_bwd"]) * 1e3)
+    assert row["device_s_fwd"] >= row["kernel_s_fwd"] + row["elementwise_s_fwd"] > 0  # one stream, link free
+    assert row["h200_fwd_bwd_ms"] == 7.5 and row["h200_launching"] == [12, 40]
+    assert row["device_ms_measured_kernel"] > row["device_ms"]  # that kernel: 4e3 * 32 * 128 FLOP/ms, bwd 3x
+    assert row["h200_over_modeled"] == pytest.approx(7.5 / row["device_ms_measured_kernel"])
