@@ -132,12 +132,52 @@ def loopback_state(ids: torch.Tensor, rank: int, cp: int, q, k, v, **build):
     return state, state.shard(q), state.shard(k), state.shard(v)
 
 
+class KernelTimer:
+    """``kernel`` (a ``kernels.Kernel``) with each call timed: CUDA events around it on a device (the
+    kernel's own device time, whatever the host does meanwhile), the host clock on CPU. ``take()``:
+    (forward s, backward s) summed since the last take."""
+
+    def __init__(self, kernel, device: torch.device):
+        from ..blockdiag_cp.kernels import Kernel
+
+        self.kernel, self.device = kernel, device
+        self._pending: Dict[str, list] = {"forward": [], "backward": []}
+        self.timed = Kernel(self._wrap("forward"), self._wrap("backward"))
+
+    def _wrap(self, phase: str):
+        def call(*args, **kwargs):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                got = getattr(self.kernel, phase)(*args, **kwargs)
+                end.record()
+                self._pending[phase].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                got = getattr(self.kernel, phase)(*args, **kwargs)
+                self._pending[phase].append(time.perf_counter() - t0)
+            return got
+
+        return call
+
+    def take(self) -> Tuple[float, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        sums = []
+        for phase in ("forward", "backward"):
+            got = self._pending[phase]
+            sums.append(sum(s.elapsed_time(e) / 1e3 for s, e in got) if self.device.type == "cuda" else sum(got))
+            self._pending[phase] = []
+        return sums[0], sums[1]
+
+
 def run_rank(ids, rank: int, cp: int, heads=(32, 8), head_dim: int = 128, layers: int = 3, device="cpu",
              dtype=torch.bfloat16, reps: int = 3, **build) -> Dict:
     """Rank r's layer calls (forward + backward) through the loopback: kernel calls, and per step of ``reps``
     the wall time (CUDA-synchronized on a device) and host thread time of its first layer call
     (``first_*``: agreement and the step's device tables) and of its second, a steady one (``fwd_bwd_ms``,
-    ``host_ms``), medians over the steps."""
+    ``host_ms``), and the kernel calls' own time in a third (``kernel_fwd_ms``, ``kernel_bwd_ms``:
+    ``KernelTimer``), medians over the steps."""
     from .op_counter import layer_calls
 
     device = torch.device(device)
@@ -167,12 +207,20 @@ def run_rank(ids, rank: int, cp: int, heads=(32, 8), head_dim: int = 128, layers
                 torch.cuda.synchronize(device)
             return time.perf_counter() - t0, host
 
+        from ..blockdiag_cp.kernels import kernel_for
+        from .overrides import override_kernel
+
+        timer = KernelTimer(kernel_for(state.attn_backend), device)
         first: List[Tuple[float, float]] = []
         steady: List[Tuple[float, float]] = []
+        kernel: List[Tuple[float, float]] = []
         for _ in range(reps):
             with bdcp.blockdiag_cp_step(state):
                 first.append(timed())  # a step's first call agrees and builds the step's device tables
                 steady.append(timed())  # what every later layer of the step costs (the gpu_model prices it)
+                with override_kernel(state.attn_backend, timer.timed):  # a third call: its kernels alone
+                    layer()
+                kernel.append(timer.take())
         fwd, bwd = counts[1]
         return {"rank": rank, "cp": cp, "kv_exchange": state.kv_exchange, "layout": state.layout.name,
                 "attn_backend": state.attn_backend, "kv_backward": state.kv_backward, "local_len": state.local_len,
@@ -180,7 +228,8 @@ def run_rank(ids, rank: int, cp: int, heads=(32, 8), head_dim: int = 128, layers
                 "syncs": [fwd.syncs, bwd.syncs], "timed": "steady",
                 "fwd_bwd_ms": _median(t for t, _ in steady) * 1e3, "host_ms": _median(h for _, h in steady) * 1e3,
                 "first_fwd_bwd_ms": _median(t for t, _ in first) * 1e3,
-                "first_host_ms": _median(h for _, h in first) * 1e3}
+                "first_host_ms": _median(h for _, h in first) * 1e3,
+                "kernel_fwd_ms": _median(f for f, _ in kernel) * 1e3, "kernel_bwd_ms": _median(b for _, b in kernel) * 1e3}
     finally:
         dist.destroy_process_group()
 

@@ -35,7 +35,8 @@ Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
   long document and the short mix on zigzag, ranks 0 and 7; the short mix on thd, ranks 0 and 7;
   the heavy-tailed one on balanced, ranks 0 and 3), a2a: kernel calls, launching ops and syncs per
   layer call, forward + backward wall ms (CUDA-synchronized) and the host's own ms issuing it, of a
-  step's steady second layer call (the one gpu_model prices) and of its first.
+  step's steady second layer call (the one gpu_model prices) and of its first, and the kernel calls'
+  own ms (CUDA events around each) in a third.
 - te: not run (and said so) unless transformer_engine imports.
 
 How cp ranks share one GPU: NCCL refuses two ranks on one device, so each accuracy check
@@ -652,7 +653,8 @@ def run_loopback(dry_run, emit, deadline):
                     continue
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
                 line = {**where, "S": S, "documents": "gpu_model.doc_ids", **got,
-                        **{k: round(got[k], 3) for k in ("fwd_bwd_ms", "host_ms", "first_fwd_bwd_ms", "first_host_ms")}}
+                        **{k: round(got[k], 3) for k in ("fwd_bwd_ms", "host_ms", "first_fwd_bwd_ms", "first_host_ms",
+                                                         "kernel_fwd_ms", "kernel_bwd_ms")}}
                 line["passed"] = got["syncs"] == [0, 0]
                 ok &= line["passed"]
                 emit(line)

@@ -204,6 +204,26 @@ def segment_pairs(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, wi
     return total
 
 
+FLASH_TILE = (128, 64)  # query x key rows of a flash-attention-2 forward tile at head dim 128 (sm80 / sm90)
+
+
+def segment_tiles(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, window: Optional[int],
+                  tile: Tuple[int, int] = FLASH_TILE) -> int:
+    """Query-key pairs a tiled kernel computes: per segment, every ``tile`` (query block x key block)
+    holding at least one visible pair (``segment_pairs``' rule), counted whole."""
+    bm, bn = tile
+    total = 0
+    for nq, nk in zip(q_lens, k_lens):
+        if not nq or not nk:
+            continue
+        first = torch.arange(0, nq, bm, dtype=torch.long)  # each query block's first and last row
+        last = (first + bm - 1).clamp(max=nq - 1)
+        hi = last if causal else torch.full_like(last, nk - 1)
+        lo = torch.zeros_like(first) if window is None else (first + (nk - nq) - window).clamp(min=0)
+        total += int(((hi // bn) - (lo // bn) + 1).clamp(min=0).sum()) * bm * bn
+    return total
+
+
 def document_pairs(ids: torch.Tensor, window: Optional[int]) -> int:
     """Causal query-key pairs of every document under the window (padding, id 0, attends nothing)."""
     _, lengths = torch.unique_consecutive(ids, return_counts=True)
@@ -422,16 +442,20 @@ def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optiona
             fwd, bwd = record_layers(state, ql, kl, vl, layers=2)[1]
     finally:
         torch.distributed.destroy_process_group()
-    row = {"kv_backward": state.kv_backward}
+    from megatron_ext.testing.op_counter import KernelEvent
+
+    calls = [e for e in fwd[0].events if isinstance(e, KernelEvent)]
+    pairs = sum(segment_pairs(e.q_lens, e.k_lens, e.causal, e.window) for e in calls)
+    row = {"kv_backward": state.kv_backward, "segments_fwd": sum(len(e.q_lens) for e in calls),
+           "tiles_over_pairs": sum(segment_tiles(e.q_lens, e.k_lens, e.causal, e.window) for e in calls) / pairs}
     for short, (c, _, _) in (("fwd", fwd), ("bwd", bwd)):
         row[f"kernel_calls_{short}"], row[f"launching_{short}"], row[f"syncs_{short}"] = (
             c.kernel_calls, c.launching, c.syncs)
         for suffix, on in priced.items():
             p = price(c.events, run, target, on, lambda peer: 0)
-            row[f"device_s_{short}{suffix}"] = p["modeled_s"]
+            row[f"device_s_{short}{suffix}"], row[f"kernel_s_{short}{suffix}"] = p["modeled_s"], p["kernel_s"]
             if not suffix:
-                row[f"host_s_{short}"] = p["launch_s"]
-                row[f"kernel_s_{short}"], row[f"elementwise_s_{short}"] = p["kernel_s"], p["elementwise_s"]
+                row[f"host_s_{short}"], row[f"elementwise_s_{short}"] = p["launch_s"], p["elementwise_s"]
     return row
 
 
@@ -469,11 +493,14 @@ def loopback_rows(hw: H200 = H200(), log=print, S: int = 131072, cp: int = 8, ca
             row = {"suite": "gpu_model_loopback", "S": S, "cp": cp, "mix": mix, "layout": layout, "rank": rank,
                    "exchange": "a2a", "model": MODELS["gqa"].name, **job.result()}
             for suffix in ("", "_measured_kernel"):
-                if f"device_s_fwd{suffix}" in row:
-                    row[f"device_ms{suffix}"] = (row[f"device_s_fwd{suffix}"] + row[f"device_s_bwd{suffix}"]) * 1e3
+                for what in ("device", "kernel"):
+                    if f"{what}_s_fwd{suffix}" in row:
+                        row[f"{what}_ms{suffix}"] = (row[f"{what}_s_fwd{suffix}"] + row[f"{what}_s_bwd{suffix}"]) * 1e3
             got = gpu.get((mix, layout, rank))
             if got is not None:
                 row.update({"h200_fwd_bwd_ms": got["fwd_bwd_ms"], "h200_host_ms": got["host_ms"],
+                            "h200_kernel_ms": (got["kernel_fwd_ms"] + got["kernel_bwd_ms"]
+                                               if "kernel_fwd_ms" in got else None),
                             "h200_kernel_calls": got["kernel_calls"], "h200_launching": got["launching"],
                             "h200_attn_backend": got["attn_backend"], "h200_kv_backward": got.get("kv_backward")})
                 if "device_ms_measured_kernel" in row:

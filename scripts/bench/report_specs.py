@@ -1051,7 +1051,11 @@ GPU_MODEL_LOOPBACK = Suite(
                    "kernel an H200 measured; `H200`: what the loopback measured on an H200 "
                    "(bench/gpu_check_h200.jsonl, torch's flash ops; `-`: no steady-call row there). Calls and "
                    "ops: forward / backward; the H200 ran the flash path, whose ops around the kernel differ "
-                   "from the dense path's. `scripts/bench/gpu_model.py` (`loopback_rows`).",
+                   "from the dense path's. `kernel ms`: the kernel calls alone (modeled: their priced time; "
+                   "H200: CUDA events around each call, in a third layer call of the step); `tiles / pairs`: "
+                   "the query-key pairs of every 128 x 64 tile a forward call touches over the pairs it "
+                   "attends (`segment_tiles`; the model prices pairs). `scripts/bench/gpu_model.py` "
+                   "(`loopback_rows`).",
               columns=(Text("mix", "mix"), Text("layout", "layout"), Column("rank", "rank"),
                        Text("kv_backward", "kv_backward"),
                        Column("calls", _gm_pair("kernel_calls_fwd", "kernel_calls_bwd"), str),
@@ -1062,6 +1066,9 @@ GPU_MODEL_LOOPBACK = Suite(
                        Column("modeled ms, H200 kernel", "device_ms_measured_kernel", fmt(".2f")),
                        Column("H200 ms", "h200_fwd_bwd_ms", fmt(".2f")),
                        Column("H200 / modeled (H200 kernel)", "h200_over_modeled", fmt(".2f")),
+                       Column("modeled kernel ms, H200 kernel", "kernel_ms_measured_kernel", fmt(".2f")),
+                       Column("H200 kernel ms", "h200_kernel_ms", fmt(".2f")),
+                       Column("tiles / pairs", "tiles_over_pairs", fmt(".2f")),
                        Column("modeled host ms", lambda r: (r["host_s_fwd"] + r["host_s_bwd"]) * 1e3, fmt(".2f")),
                        Column("H200 host ms", "h200_host_ms", fmt(".2f")))),
     ),

@@ -242,7 +242,8 @@ def test_loopback_twin_models_the_loopbacks_rank_and_joins_the_h200_row(tmp_path
     loop = json.loads(proc.stdout.strip().splitlines()[-1])
     steady = {"suite": "gpu_check", "check": "loopback_cp8", "mix": "short", "layout": "thd", "rank": rank,
               "timed": "steady", "passed": True, "dry_run": False, "fwd_bwd_ms": 7.5, "host_ms": 1.25,
-              "kernel_calls": [8, 8], "launching": [12, 40], "attn_backend": "flash", "kv_backward": "refetch"}
+              "kernel_calls": [8, 8], "launching": [12, 40], "attn_backend": "flash", "kv_backward": "refetch",
+              "kernel_fwd_ms": 1.5, "kernel_bwd_ms": 3.0}
     rows_path = tmp_path / "h200.jsonl"
     timing = {"suite": "gpu_check", "check": "timing", "heads": [32, 8], "head_dim": 128, "dry_run": False,
               "pairs_per_rank": [1000], "kernels": {"flash": {"fwd_ms_per_rank": [1.0], "fwd_bwd_ms_per_rank": [4.0]}}}
@@ -256,6 +257,27 @@ def test_loopback_twin_models_the_loopbacks_rank_and_joins_the_h200_row(tmp_path
     assert row["kv_backward"] == loop["kv_backward"] == "refetch" and row["syncs_fwd"] == row["syncs_bwd"] == 0
     assert row["device_ms"] == pytest.approx((row["device_s_fwd"] + row["device_s_bwd"]) * 1e3)
     assert row["device_s_fwd"] >= row["kernel_s_fwd"] + row["elementwise_s_fwd"] > 0  # one stream, link free
-    assert row["h200_fwd_bwd_ms"] == 7.5 and row["h200_launching"] == [12, 40]
+    assert row["h200_fwd_bwd_ms"] == 7.5 and row["h200_launching"] == [12, 40] and row["h200_kernel_ms"] == 4.5
+    assert row["kernel_ms"] == pytest.approx((row["kernel_s_fwd"] + row["kernel_s_bwd"]) * 1e3)
+    assert 0 < row["kernel_ms"] < row["device_ms"]
+    # thd at cp 8 cuts each short document into 16 chunks: segments far smaller than a tile
+    assert row["segments_fwd"] > row["kernel_calls_fwd"] and row["tiles_over_pairs"] > 1.5, row
     assert row["device_ms_measured_kernel"] > row["device_ms"]  # that kernel: 4e3 * 32 * 128 FLOP/ms, bwd 3x
     assert row["h200_over_modeled"] == pytest.approx(7.5 / row["device_ms_measured_kernel"])
+
+
+def test_segment_tiles_counts_whole_tiles_a_segment_touches():
+    gm = _bench()
+    t = 128 * 64
+    assert gm.segment_tiles([8], [8], False, None) == t  # a tiny segment still costs one tile
+    # causal 200 x 200: query block 0 (rows 0-127) reaches key block 1, block 1 (128-199) key block 3
+    assert gm.segment_tiles([200], [200], True, None) == (2 + 4) * t
+    # window 63 (bottom-right): block 1's first query 128 sees keys from 65 on (key block 1)
+    assert gm.segment_tiles([256], [256], True, 63) == (2 + 3) * t
+    assert gm.segment_tiles([0, 8], [8, 0], False, None) == 0
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        nq, nk = (int(x) for x in torch.randint(1, 700, (2,), generator=g))
+        causal = bool(torch.randint(0, 2, (), generator=g)) and nq == nk
+        window = None if torch.rand((), generator=g) < 0.5 else int(torch.randint(0, 300, (), generator=g))
+        assert gm.segment_tiles([nq], [nk], causal, window) >= gm.segment_pairs([nq], [nk], causal, window) > 0

@@ -619,7 +619,8 @@ def test_gpu_check_dry_run(tmp_path):
         [(m, lay, r, 8) for m, lay in (("single", "zigzag"), ("short", "zigzag"), ("short", "thd")) for r in (0, 7)]
         + [("heavy", "balanced", r, 8) for r in (0, 3)])
     assert all(r["syncs"] == [0, 0] and min(r["kernel_calls"]) >= 1 and r["timed"] == "steady"
-               and r["fwd_bwd_ms"] > 0 and r["first_fwd_bwd_ms"] > 0 for r in loopback)
+               and r["fwd_bwd_ms"] > 0 and r["first_fwd_bwd_ms"] > 0 and r["kernel_fwd_ms"] > 0
+               and r["kernel_bwd_ms"] > 0 for r in loopback)
     accuracy = by_check["accuracy"]
     assert len(accuracy) == 2 * 3 * 9 * 2  # cp x cases (mix, rows2, variants) x layout-exchange x backends
     assert {(a["cp"], a["layout"], a["exchange"], a["backend"]) for a in accuracy} == {
