@@ -224,6 +224,15 @@ def segment_tiles(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, wi
     return total
 
 
+def tiles_over_pairs(events) -> float:
+    """``segment_tiles`` over ``segment_pairs`` summed over the kernel calls among ``events`` (0: none)."""
+    from megatron_ext.testing.op_counter import KernelEvent
+
+    calls = [e for e in events if isinstance(e, KernelEvent)]
+    pairs = sum(segment_pairs(e.q_lens, e.k_lens, e.causal, e.window) for e in calls)
+    return sum(segment_tiles(e.q_lens, e.k_lens, e.causal, e.window) for e in calls) / pairs if pairs else 0.0
+
+
 def document_pairs(ids: torch.Tensor, window: Optional[int]) -> int:
     """Causal query-key pairs of every document under the window (padding, id 0, attends nothing)."""
     _, lengths = torch.unique_consecutive(ids, return_counts=True)
@@ -407,6 +416,7 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
         calls.append({phase: {**c.summary(), "sends": c.sends, "receives": c.receives,
                               "bytes_sent": c.bytes_sent, "bytes_received": c.bytes_received,
                               "host_thread_s": thread, "host_wall_s": wall, "ops": dict(c.ops),
+                              "tiles_over_pairs": tiles_over_pairs(c.events),
                               **price(c.events, run, target, hw, node_of),
                               **({} if measured is None else
                                  {"modeled_s_measured_kernel": price(c.events, run, target, measured,
@@ -444,10 +454,8 @@ def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optiona
         torch.distributed.destroy_process_group()
     from megatron_ext.testing.op_counter import KernelEvent
 
-    calls = [e for e in fwd[0].events if isinstance(e, KernelEvent)]
-    pairs = sum(segment_pairs(e.q_lens, e.k_lens, e.causal, e.window) for e in calls)
-    row = {"kv_backward": state.kv_backward, "segments_fwd": sum(len(e.q_lens) for e in calls),
-           "tiles_over_pairs": sum(segment_tiles(e.q_lens, e.k_lens, e.causal, e.window) for e in calls) / pairs}
+    row = {"kv_backward": state.kv_backward, "tiles_over_pairs": tiles_over_pairs(fwd[0].events),
+           "segments_fwd": sum(len(e.q_lens) for e in fwd[0].events if isinstance(e, KernelEvent))}
     for short, (c, _, _) in (("fwd", fwd), ("bwd", bwd)):
         row[f"kernel_calls_{short}"], row[f"launching_{short}"], row[f"syncs_{short}"] = (
             c.kernel_calls, c.launching, c.syncs)
@@ -549,7 +557,8 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
         c = calls[busiest][phase]
         for key in ("kernel_calls", "launching", "transfers", "syncs", "bytes_sent", "bytes_received"):
             row[f"{key}_{short}"] = c[key]
-        for key in ("modeled_s", "kernel_s", "elementwise_s", "link_s", "launch_s", "elementwise_bytes", "flops"):
+        for key in ("modeled_s", "kernel_s", "elementwise_s", "link_s", "launch_s", "elementwise_bytes", "flops",
+                    "tiles_over_pairs"):
             row[f"{key}_{short}"] = c[key]
         # every rank issues its own ops: the slowest rank, the less disturbed of the steady calls (the
         # cores are shared by cp processes and whatever else runs)

@@ -168,7 +168,7 @@ def test_pairs_and_case_row_arithmetic():
     assert gm.needed_seconds(counts, lambda r: r, 4096, hw) == pytest.approx(6 * 4096 / 50e9)
     phase = {"kernel_calls": 1, "launching": 2, "transfers": 0, "syncs": 0, "bytes_sent": 0, "bytes_received": 0,
              "modeled_s": 2e-3, "kernel_s": 0, "elementwise_s": 0, "link_s": 0, "launch_s": 0,
-             "elementwise_bytes": 0, "flops": 0, "host_thread_s": 1e-3, "host_wall_s": 1e-3}
+             "elementwise_bytes": 0, "flops": 0, "tiles_over_pairs": 1.5, "host_thread_s": 1e-3, "host_wall_s": 1e-3}
     rank = {"calls": [{"forward": phase, "backward": {**phase, "modeled_s": 4e-3}}] * 2, "counts": counts,
             "per_node": 2, "local_len": 6, "build_s": 0.0}
     row = gm.case_row(gm.Case(12, 2, "single", "zigzag", "a2a", None, "gqa"), [rank, rank], ids, hw)
@@ -177,6 +177,7 @@ def test_pairs_and_case_row_arithmetic():
     assert row["roofline_fwd_s"] == pytest.approx(max(ideal, 6 * 4096 / 400e9))
     assert row["ratio_fwd"] == pytest.approx(2e-3 / row["roofline_fwd_s"])
     assert row["ratio"] == pytest.approx(6e-3 / (row["roofline_fwd_s"] + row["roofline_bwd_s"]))
+    assert row["tiles_over_pairs_fwd"] == row["tiles_over_pairs_bwd"] == 1.5  # the busiest rank's, as recorded
 
 
 def test_measured_kernel_reads_the_gpu_check_timing_rows(tmp_path):
@@ -206,7 +207,7 @@ def test_case_row_on_the_measured_kernel():
     hw, measured = gm.H200(), gm.H200(kernel_flops=300e12, backward_factor=3.0)
     phase = {"kernel_calls": 1, "launching": 2, "transfers": 0, "syncs": 0, "bytes_sent": 0, "bytes_received": 0,
              "modeled_s": 2e-3, "kernel_s": 0, "elementwise_s": 0, "link_s": 0, "launch_s": 0,
-             "elementwise_bytes": 0, "flops": 0, "host_thread_s": 1e-3, "host_wall_s": 1e-3,
+             "elementwise_bytes": 0, "flops": 0, "tiles_over_pairs": 1.0, "host_thread_s": 1e-3, "host_wall_s": 1e-3,
              "modeled_s_measured_kernel": 3e-3}
     rank = {"calls": [{"forward": phase, "backward": {**phase, "modeled_s_measured_kernel": 9e-3}}] * 2,
             "counts": counts, "per_node": 2, "local_len": 6, "build_s": 0.0}
