@@ -1029,12 +1029,6 @@ GPU_MODEL = Suite(
 )
 
 
-def _gml_records(rows):
-    order = {("single", "zigzag"): 0, ("short", "zigzag"): 1, ("short", "thd"): 2, ("heavy", "balanced"): 3}
-    return sorted((r for r in rows if r["suite"] == "gpu_model_loopback"),
-                  key=lambda r: (order.get((r["mix"], r["layout"]), 9), r["mix"], r["layout"], r["rank"]))
-
-
 def _gml_h200_pair(key):
     return lambda r: "-" if r.get(key) is None else f"{r[key][0]} / {r[key][1]}"
 
@@ -1042,7 +1036,8 @@ def _gml_h200_pair(key):
 GPU_MODEL_LOOPBACK = Suite(
     "gpu_model_loopback", suite("gpu_model_loopback"),
     tables=(
-        Table("The model beside an H200: one rank of cp 8, chunks handed over on the device", _gml_records,
+        Table("The model beside an H200: one rank of cp 8, chunks handed over on the device",
+              suite("gpu_model_loopback"),  # written in gpu_check.LOOPBACK_CASES' order
               note="The gpu_check loopback's cases (`testing.loopback`: rank r's real plan in one process, its "
                    "chunks handed over, so no link; 128k tokens, the gpu_model suite's documents, a2a, "
                    "`kv_backward` auto, Llama-3-8B attention 32 / 8 / 128, bf16), a step's steady second layer "
