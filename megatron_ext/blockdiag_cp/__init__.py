@@ -11,6 +11,7 @@ from . import state
 from .state import (
     configure_cp_kv_backward,
     configure_cp_layout,
+    configure_cp_relayout,
     configure_cp_strict,
     configure_cp_thd_partition,
     configure_cp_ulysses_size,
@@ -18,6 +19,7 @@ from .state import (
     cp_attn_fire_count,
     cp_kv_backward_runtime_config,
     cp_layout_runtime_config,
+    cp_relayout_runtime_config,
     cp_strict_runtime_config,
     cp_ulysses_size_runtime_config,
     cp_varlen_runtime_config,
@@ -25,6 +27,7 @@ from .state import (
     normalize_kv_backward,
     normalize_kv_exchange,
     normalize_layout,
+    normalize_relayout,
     reset_cp_attn_fire_count,
 )
 
@@ -55,6 +58,7 @@ __all__ = [
     "configure_cp_kv_backward", "cp_kv_backward_runtime_config", "normalize_kv_backward",
     "configure_cp_strict", "cp_strict_runtime_config",
     "configure_cp_ulysses_size", "cp_ulysses_size_runtime_config",
+    "configure_cp_relayout", "cp_relayout_runtime_config", "normalize_relayout",
     # planning ahead and to look
     "CostModel", "default_cost_model", "WindowMix", "PreparedPlan", "prepare_plan", "plan_summary",
     "thd_partitioned_indices",

@@ -47,6 +47,7 @@ from .exchange import HierarchicalTransport, NeededTransport, RingTransport
 from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather
 from .resolve import resolve_step_state
 from .state import count_cp_attn_fire
+from .relayout import relaid_attention
 from .ulysses import ulysses_attention
 
 logger = logging.getLogger("megatron_ext.blockdiag_cp")
@@ -495,6 +496,8 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
         state.fall_back_from_heads(q.shape[2])  # q's shape is agreed: every rank switches alike
     if state.kv_exchange == "ulysses" and state.cp > 1:
         return ulysses_attention(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)
+    if state.relaid is not None:
+        return relaid_attention(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)
     return streamed_attention(q, k, v, softmax_offset, state, backend, scale, dropout_p, window)
 
 

@@ -328,7 +328,8 @@ def _short(cu: torch.Tensor) -> str:
 
 def _knob_key(group):
     return (group_ranks(group), knobs._CP_ATTN_BACKEND, knobs._CP_KV_EXCHANGE, knobs._CP_LAYOUT,
-            knobs._CP_THD_PARTITION, knobs._CP_KV_BACKWARD, knobs._CP_STRICT)
+            knobs._CP_THD_PARTITION, knobs._CP_KV_BACKWARD, knobs._CP_ULYSSES_SIZE, knobs._CP_RELAYOUT,
+            knobs._CP_STRICT)
 
 
 class _MaskStateCache:

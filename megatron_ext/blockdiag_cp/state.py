@@ -75,6 +75,17 @@ KV_BACKWARD_SYNONYMS: Dict[str, Tuple[str, ...]] = {
 }
 KV_BACKWARD_VALUES: Tuple[str, ...] = (KV_BACKWARD_DEFAULT,) + tuple(KV_BACKWARD_SYNONYMS)
 
+# Whether a step's rows move to another layout for the attention and back: "none" attends in the
+# batch's layout; "balanced" moves q/k/v to the balanced layout (short documents whole on one rank)
+# by one all-to-all-v each and the output back (see megatron_ext.blockdiag_cp.relayout). Ours,
+# beside the documented knobs.
+RELAYOUT_DEFAULT = "none"
+RELAYOUT_SYNONYMS: Dict[str, Tuple[str, ...]] = {
+    "none": ("none", "off", "no", "false", "keep"),
+    "balanced": ("balanced", "on", "yes", "true", "to_balanced", "relayout"),
+}
+RELAYOUT_VALUES: Tuple[str, ...] = tuple(RELAYOUT_SYNONYMS)
+
 # Two-dimensional CP: Ulysses (head-parallel) inside groups of this many consecutive CP ranks, the
 # kv exchange between the groups (see megatron_ext.blockdiag_cp.ulysses). 1: one dimension. Ours,
 # beside the documented knobs (Megatron's --hierarchical-context-parallel-sizes u r with a2a+p2p).
@@ -91,6 +102,7 @@ _THD_PARTITION_REVERSE: Dict[str, str] = {
     syn: canon for canon, syns in THD_PARTITION_SYNONYMS.items() for syn in syns}
 _KV_BACKWARD_REVERSE: Dict[str, str] = {
     syn: canon for canon, syns in KV_BACKWARD_SYNONYMS.items() for syn in syns}
+_RELAYOUT_REVERSE: Dict[str, str] = {syn: canon for canon, syns in RELAYOUT_SYNONYMS.items() for syn in syns}
 
 
 def _clean(value: Any) -> str:
@@ -138,6 +150,11 @@ def normalize_thd_partition(value: Any) -> str:
 def normalize_kv_backward(value: Any) -> str:
     """Canonicalize the K/V-in-backward knob: 'auto' (default), 'refetch' or 'save'."""
     return _normalize(value, _KV_BACKWARD_REVERSE, KV_BACKWARD_DEFAULT, "kv_backward")
+
+
+def normalize_relayout(value: Any) -> str:
+    """Canonicalize the relayout knob: 'none' (default) or 'balanced'."""
+    return _normalize(value, _RELAYOUT_REVERSE, RELAYOUT_DEFAULT, "relayout")
 
 
 def normalize_ulysses_size(value: Any) -> int:
@@ -200,6 +217,7 @@ _CP_LAYOUT = LAYOUT_DEFAULT
 _CP_THD_PARTITION = THD_PARTITION_DEFAULT
 _CP_KV_BACKWARD = KV_BACKWARD_DEFAULT
 _CP_ULYSSES_SIZE = ULYSSES_SIZE_DEFAULT
+_CP_RELAYOUT = RELAYOUT_DEFAULT
 # Whether a backend or exchange fallback is an error (raised on every rank) for the states the
 # layer builds itself (Megatron's mask and THD paths); shard_batch takes strict= per step.
 _CP_STRICT = False
@@ -267,6 +285,18 @@ def configure_cp_ulysses_size(ulysses_size: Any = ULYSSES_SIZE_DEFAULT) -> None:
 def cp_ulysses_size_runtime_config() -> Dict[str, int]:
     """Return the configured Ulysses group size: {"ulysses_size": ...}."""
     return {"ulysses_size": _CP_ULYSSES_SIZE}
+
+
+def configure_cp_relayout(relayout: str = RELAYOUT_DEFAULT) -> None:
+    """Attend in another layout: 'balanced' moves q/k/v there and the output back; no argument (or
+    'none') attends in the batch's own layout."""
+    global _CP_RELAYOUT
+    _CP_RELAYOUT = normalize_relayout(relayout)
+
+
+def cp_relayout_runtime_config() -> Dict[str, str]:
+    """Return the configured relayout: {"relayout": ...}."""
+    return {"relayout": _CP_RELAYOUT}
 
 
 def configure_cp_strict(strict: bool = False) -> None:

@@ -44,10 +44,13 @@ from .state import (
     KV_BACKWARD_VALUES,
     KV_EXCHANGE_VALUES,
     LAYOUT_VALUES,
+    RELAYOUT_DEFAULT,
+    RELAYOUT_VALUES,
     normalize_attn_backend,
     normalize_kv_backward,
     normalize_kv_exchange,
     normalize_layout,
+    normalize_relayout,
     normalize_ulysses_size,
 )
 
@@ -141,7 +144,7 @@ class ReplicatedDocIds(DocumentSource):
 
 _KNOBS = (("layout", LAYOUT_VALUES), ("kv_exchange", KV_EXCHANGE_VALUES),
           ("attn_backend", ATTN_BACKEND_VALUES), ("kv_backward", KV_BACKWARD_VALUES),
-          ("strict", (False, True)))
+          ("relayout", RELAYOUT_VALUES), ("strict", (False, True)))
 
 
 def resolve_kv_backward(requested: str, kv_exchange: str, plan: StepPlan) -> Tuple[str, str]:
@@ -257,6 +260,19 @@ def _planned_reason(options, resolved: str) -> str:
     return f"planned: least modeled time of {len(options)} options ({shown}); {resolved}"
 
 
+def _relayout_reason(requested: Dict, cp: int, u: int, exchange: str) -> str:
+    """Why this step attends in its own layout or the balanced one (the report's ``relayout_reason``)."""
+    if requested["relayout"] == "none":
+        return "not requested"
+    if cp == 1:
+        return "single rank: nothing to move"
+    if requested["layout"] == "balanced":
+        return "the batch is laid out balanced already"
+    if exchange in ("ulysses", "planned") or 1 < u < cp:
+        return f"kv exchange {exchange!r} (ulysses_size {u}) splits the step itself: attended in its own layout"
+    return f"q/k/v moved from {requested['layout']!r} to 'balanced' and the output back (all-to-all-v)"
+
+
 class BlockDiagCPState:
     """Immutable per-step state: group, layout, doc ids, plan and the resolved knobs."""
 
@@ -303,13 +319,18 @@ class BlockDiagCPState:
         self.ring_state: Optional["BlockDiagCPState"] = None
         # kv_exchange "planned": every option's price for this step (cost_options.ExchangeOption), least first.
         self.planned_options: Optional[list] = None
+        # relayout "balanced": the balanced layout's state and this rank's row moves (``relayout.Relaid``);
+        # None: the attention runs in this state's own layout.
+        self.relaid = None
+        self.relayout_requested = RELAYOUT_DEFAULT
+        self.relayout_reason = "not requested"
 
     # -- public contract ---------------------------------------------------
 
     @classmethod
     def build(cls, doc_ids, cp_group=None, layout=None, attn_backend=None, kv_exchange=None,
               strict=False, device=None, cost_model=None, prepared=None,
-              kv_backward=None, windows=None, ulysses_size=None) -> "BlockDiagCPState":
+              kv_backward=None, windows=None, ulysses_size=None, relayout=None) -> "BlockDiagCPState":
         """Validate, agree across the CP group, lay out and plan one step.
 
         ``doc_ids``: the full-sequence document ids ([S] or [b, S]), identical on
@@ -327,16 +348,20 @@ class BlockDiagCPState:
         ``ulysses_size``: two-dimensional CP (None: the configured knob, 1: one dimension):
         Ulysses inside groups of that many consecutive CP ranks, ``kv_exchange`` between the
         groups on the head shards, the layout planned at cp / ulysses_size (``ulysses``).
+        ``relayout``: "balanced" attends in the balanced layout, q/k/v moved there and the output
+        back by all-to-all-v (``relayout``); "none" in the layout's own (None: the configured knob).
         """
         return cls.from_source(ReplicatedDocIds(doc_ids), cp_group=cp_group, layout=layout,
                                attn_backend=attn_backend, kv_exchange=kv_exchange, strict=strict,
                                device=device, cost_model=cost_model, prepared=prepared,
-                               kv_backward=kv_backward, windows=windows, ulysses_size=ulysses_size)
+                               kv_backward=kv_backward, windows=windows, ulysses_size=ulysses_size,
+                               relayout=relayout)
 
     @classmethod
     def from_source(cls, source: DocumentSource, cp_group=None, layout=None, attn_backend=None,
                     kv_exchange=None, strict=False, device=None, cost_model=None,
-                    prepared=None, kv_backward=None, windows=None, ulysses_size=None) -> "BlockDiagCPState":
+                    prepared=None, kv_backward=None, windows=None, ulysses_size=None,
+                    relayout=None) -> "BlockDiagCPState":
         """``build`` for any ``DocumentSource`` (Megatron's mask, THD cu_seqlens, replicated ids)."""
         group = ps.get_cp_group() if cp_group is None else cp_group
         cp, rank = ps.group_size(group), ps.group_rank(group)
@@ -345,7 +370,7 @@ class BlockDiagCPState:
         BUILD_GUARD.enter(ranks)
         try:
             return cls._build(source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-                              cost_model, prepared, kv_backward, windows, ulysses_size)
+                              cost_model, prepared, kv_backward, windows, ulysses_size, relayout)
         except BlockDiagCPError as error:
             # Every error of _build follows its agreement and comes from the agreed vector or the
             # replicated inputs, so every rank raises it here alike.
@@ -355,7 +380,7 @@ class BlockDiagCPState:
 
     @classmethod
     def _build(cls, source, group, cp, rank, layout, attn_backend, kv_exchange, strict, device,
-               cost_model, prepared, kv_backward, windows, ulysses_size):
+               cost_model, prepared, kv_backward, windows, ulysses_size, relayout):
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         source_facts, detail = source.local_facts()  # first: it may fix the layout (THD's partition)
@@ -371,7 +396,8 @@ class BlockDiagCPState:
                 ("attn_backend", knobs._CP_ATTN_BACKEND if attn_backend is None else attn_backend,
                  normalize_attn_backend),
                 ("kv_backward", knobs._CP_KV_BACKWARD if kv_backward is None else kv_backward,
-                 normalize_kv_backward)):
+                 normalize_kv_backward),
+                ("relayout", knobs._CP_RELAYOUT if relayout is None else relayout, normalize_relayout)):
             try:
                 requested[knob] = normalize(raw)
             except ValueError as exc:
@@ -406,7 +432,12 @@ class BlockDiagCPState:
         # The cost model decides where the balanced cuts fall. Always a fact (0 when unused): every
         # rank's vector must have the same length even when their layouts differ.
         cost_fact = 0
-        if requested.get("layout") == "balanced":
+        # relayout "balanced" attends in the balanced layout: a 1-D sequence exchange of a batch laid out
+        # otherwise (ulysses moves every row anyway; planned and two dimensions pick their own split).
+        relaid = (cp > 1 and requested.get("relayout") == "balanced" and requested.get("layout") != "balanced"
+                  and requested.get("kv_exchange") not in ("ulysses", "planned") and not (1 < u < cp))
+        balanced_cost = None
+        if requested.get("layout") == "balanced" or relaid:
             try:
                 # The default prices the exchange this step asks for (hierarchical routes or not).
                 # Two dimensions: balanced cuts the ring level's cp / u groups.
@@ -414,6 +445,7 @@ class BlockDiagCPState:
                     if cost_model is None else resolve_cost_model(cost_model)
                 cost_model.check_group(cp // u if two_dim else cp)  # a two-level model splits into whole nodes
                 cost_fact = cost_model.agreement_key()  # prices, topology, hierarchy, latencies
+                balanced_cost = cost_model
             except ValueError as exc:
                 knob_error = knob_error or str(exc)
         facts["knob_error"] = 1 if knob_error else 0
@@ -424,7 +456,7 @@ class BlockDiagCPState:
         facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
         facts["cost_model"] = cost_fact
         # The windows decide where the balanced cuts fall too (0 when unused, like the cost model).
-        facts["windows"] = mix.agreement_key() if requested.get("layout") == "balanced" else 0
+        facts["windows"] = mix.agreement_key() if requested.get("layout") == "balanced" or relaid else 0
         # The hierarchical exchange routes by node: every rank must see the same nodes.
         ranks_per_node = ps.cp_ranks_per_node(ring_ranks or group) \
             if requested.get("kv_exchange") in ("hierarchical", "planned") and cp > 1 else 0
@@ -508,7 +540,8 @@ class BlockDiagCPState:
             if two_dim:
                 ring_ranks = ps.ulysses_subgroup_ranks(ps.get_cp_global_ranks(group), u)[1]
                 ranks_per_node = ranks_per_node // u if ranks_per_node and ranks_per_node % u == 0 else 0
-        if prepared is not None and not two_dim and not planned and prepared.matches(ids, cp, rank, layout_name, cost_model, mix):
+        inner_lay = inner_plan = None  # relayout: the balanced layout the attention runs in, its plan
+        if prepared is not None and not two_dim and not planned and not relaid and prepared.matches(ids, cp, rank, layout_name, cost_model, mix):
             ids, lay, plan = prepared.doc_ids, prepared.layout, prepared.plan
             window_plans = dict(prepared.window_plans or {})
             if prepared.route is not None and prepared.ranks_per_node == ranks_per_node:
@@ -532,7 +565,10 @@ class BlockDiagCPState:
                 lay = build_layout(layout_name, ids, cp, cost_model=cost_model, windows=mix,
                                    cu_seqlens_padded=source.cu_seqlens_padded)
                 head_parallel = cp > 1 and (requested["kv_exchange"] == "ulysses" or u == cp)
-                plan = build_plan(ids, lay, rank, kinds=() if head_parallel else (kind,))
+                if relaid:  # the exchange runs in the balanced layout; this one only places the rows
+                    inner_lay = build_layout("balanced", ids, cp, cost_model=balanced_cost, windows=mix)
+                    inner_plan = build_plan(ids, inner_lay, rank, kinds=(kind,))
+                plan = build_plan(ids, lay, rank, kinds=() if head_parallel or relaid else (kind,))
 
         available = {b: agreed.max("unavailable_" + b) == 0 for b in ATTN_BACKEND_VALUES}
         backend_req = requested["attn_backend"]
@@ -550,7 +586,8 @@ class BlockDiagCPState:
             exchange, exchange_reason = "ulysses", f"ulysses_size = cp = {cp}: head-parallel over the whole group"
         else:  # one dimension, or the ring level of two
             exchange, exchange_reason = _resolve_exchange(
-                requested["kv_exchange"], cp // u if two_dim else cp, ring_plan if two_dim else plan, agreed,
+                requested["kv_exchange"], cp // u if two_dim else cp,
+                ring_plan if two_dim else inner_plan if inner_plan is not None else plan, agreed,
                 ranks_per_node, strict, explicit=kv_exchange is not None)
         if planned:
             exchange_reason = _planned_reason(planned_options, exchange_reason)
@@ -570,7 +607,8 @@ class BlockDiagCPState:
                                f"between them ({exchange_reason})")
             exchange, kv_backward_mode, kv_backward_reason = "ulysses", ring_backward, ring_backward_reason
         else:
-            kv_backward_mode, kv_backward_reason = resolve_kv_backward(requested["kv_backward"], exchange, plan)
+            kv_backward_mode, kv_backward_reason = resolve_kv_backward(
+                requested["kv_backward"], exchange, inner_plan if inner_plan is not None else plan)
         state = cls(group=group, cp=cp, rank=rank, layout=lay, doc_ids=ids, seq_len=seq_len,
                     plan=plan, kv_exchange_requested=exchange_req, kv_exchange=exchange,
                     kv_exchange_reason=exchange_reason, kv_backward_requested=requested["kv_backward"],
@@ -582,6 +620,19 @@ class BlockDiagCPState:
         if ring is not None:
             ring.kernel_failures = state.kernel_failures  # one list: a failure is agreed at the step's end
             state.ring_state = ring
+        state.relayout_requested = requested["relayout"]
+        state.relayout_reason = _relayout_reason(requested, cp, u, exchange_req)
+        if inner_plan is not None:
+            from .relayout import Relaid
+
+            inner = cls(group=group, cp=cp, rank=rank, layout=inner_lay, doc_ids=ids, seq_len=seq_len,
+                        plan=inner_plan, kv_exchange_requested=exchange_req, kv_exchange=exchange,
+                        kv_exchange_reason=exchange_reason, kv_backward_requested=requested["kv_backward"],
+                        kv_backward=kv_backward_mode, kv_backward_reason=kv_backward_reason,
+                        **dict(common, cost_model=balanced_cost))
+            inner.windows = mix
+            inner.kernel_failures = state.kernel_failures  # one list: a failure is agreed at the step's end
+            state.relaid = Relaid.build(inner, lay, rank)
         state._window_plans.update(window_plans)  # planned ahead with the layout
         if host_route is not None and exchange == "hierarchical":
             state._host_routes[None] = host_route
@@ -617,6 +668,17 @@ class BlockDiagCPState:
         return x.index_select(seq_dim, self.local_positions.to(x.device))
 
     def report(self) -> Dict:
+        relayout = {"relayout": self.relayout_requested, "relayout_reason": self.relayout_reason}
+        if self.relaid is not None:  # the exchange ran in the balanced layout: its figures, and the moves
+            stats = self.comm_stats
+            moved = {key: stats.get(key) for key in (
+                "relayout_bytes_sent", "relayout_bytes_received", "backward_relayout_bytes_sent",
+                "backward_relayout_bytes_received")}
+            inner = self.relaid.state.report()
+            return {**inner, "layout": self.layout.name, "attended_layout": inner["layout"], **relayout, **moved}
+        return {**self._own_report(), "attended_layout": self.layout.name, **relayout}
+
+    def _own_report(self) -> Dict:
         # Positions and bytes of the last attention call, with its sliding window (None: whole documents).
         window = self.comm_stats.get("window")
         plan = self.plan_for(window)

@@ -13,6 +13,7 @@ USER_NAMES = {
     "configure_cp_kv_backward", "cp_kv_backward_runtime_config", "normalize_kv_backward",
     "configure_cp_strict", "cp_strict_runtime_config",
     "configure_cp_ulysses_size", "cp_ulysses_size_runtime_config",
+    "configure_cp_relayout", "cp_relayout_runtime_config", "normalize_relayout",
     "CostModel", "default_cost_model", "WindowMix", "PreparedPlan", "prepare_plan", "plan_summary",
     "thd_partitioned_indices",
     "cp_attn_fire_count", "reset_cp_attn_fire_count",

@@ -1,0 +1,180 @@
+"""Re-laid attention (``relayout="balanced"``, ``blockdiag_cp/relayout.py``) on gloo at cp 2, 3 and 4.
+
+In float64 against the single-process reference: the layouts a batch arrives in (contiguous,
+zigzag, thd from padded ids) under every sequence exchange, both kv_backward modes, the
+document cases of ``cases.py``, GQA and MLA head dims, sliding windows, learnable sinks and
+dropout. Also: the rows each rank moves, counted from the two layouts' owners (independent of
+the row moves), the knob's agreement and refusals on every rank, and the steps it leaves in
+their own layout (balanced already, head-parallel).
+"""
+
+import pytest
+import torch
+
+from megatron_ext.testing import WorkerPool, catch, pool_per_cp_fixture, reference_attention
+from megatron_ext.testing.cases import CASES, make_doc_ids
+from test_engine_dist import dropout_checks
+from test_variants import _thd_padded
+
+LAYOUTS = ("contiguous", "zigzag", "thd")
+TOL = 1e-12
+HEADS = (6, 2, 8, 4)  # (Hq, Hkv, Dqk, Dv): GQA and MLA's value dim
+
+
+def _rel(a, b):
+    return float((a.detach() - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _ids(case, S, cp, layout):
+    doc_ids = make_doc_ids(case, S, cp)
+    if layout == "thd":
+        if doc_ids.dim() == 2:
+            return None  # THD packs one row
+        doc_ids = _thd_padded(doc_ids, 2 * cp)
+    return doc_ids
+
+
+def check_relaid(case, exchange, window=None, kv_backward=None, layouts=LAYOUTS, S=96, relayout="balanced"):
+    """On every rank: {layout: ([errors of out, dq, dk, dv, dsink], report, rows this rank's positions
+    send to other ranks by the balanced layout's owners, rows it receives, relaid)}."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.layouts import build_layout
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    hq, hkv, dk, dv = HEADS
+    results = {}
+    for layout in layouts:
+        doc_ids = _ids(case, S, cp, layout)
+        if doc_ids is None:
+            continue
+        b = doc_ids.shape[0] if doc_ids.dim() == 2 else 1
+        n = doc_ids.shape[-1]
+        g = torch.Generator().manual_seed(31)
+        q = torch.randn(n, b, hq, dk, generator=g, dtype=torch.float64)
+        k = torch.randn(n, b, hkv, dk, generator=g, dtype=torch.float64)
+        v = torch.randn(n, b, hkv, dv, generator=g, dtype=torch.float64)
+        w = torch.randn(n, b, hq, dv, generator=g, dtype=torch.float64)
+        sink = torch.randn(hq, generator=g, dtype=torch.float64)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_sink = sink.clone().requires_grad_()
+        ref = reference_attention(*ref_in, doc_ids, window=window, sink=ref_sink)
+        (ref * w).sum().backward()
+        state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                            kv_backward=kv_backward, relayout=relayout)
+        local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+        offset = sink.clone().requires_grad_()
+        with bdcp.blockdiag_cp_step(state):
+            out = bdcp.blockdiag_cp_attention(*local, window_size=None if window is None else (window, 0),
+                                              softmax_offset=offset)
+            (out * state.shard(w)).sum().backward()
+        d_sink = offset.grad.clone()
+        dist.all_reduce(d_sink)  # each rank's queries' share
+        errs = [_rel(out, state.shard(ref))] + [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
+        # Rows that change owner, from the layouts themselves (the balanced one as its strategy cuts
+        # these ids, not as the state holds it).
+        balanced = build_layout("balanced", state.doc_ids, cp)
+        mine, owner = state.layout.positions, balanced.owner()
+        sent = int((owner[mine[rank]] != rank).sum())
+        received = int((state.layout.owner()[balanced.positions[rank]] != rank).sum())
+        results[layout] = (errs + [_rel(d_sink, ref_sink.grad)], state.report(), sent, received,
+                           state.relaid is not None)
+    return results
+
+
+pool = pool_per_cp_fixture([2, 3, 4])
+
+
+def _row_bytes(b):
+    hq, hkv, dk, dv = HEADS
+    return b * 8 * (hq * dk + hkv * (dk + dv)), b * 8 * hq * dv  # q + k + v, out (float64)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("exchange", ["a2a", "allgather"])
+def test_matches_reference_every_layout(pool, case, exchange):
+    for rank, per_rank in enumerate(pool.run(check_relaid, case, exchange)):
+        for layout, (errs, report, sent, received, relaid) in per_rank.items():
+            assert max(errs) < TOL, (rank, layout, errs)
+            assert relaid and report["relayout"] == "balanced" and report["layout"] == layout, report
+            assert report["attended_layout"] == "balanced" and report["kv_exchange"] == exchange, report
+            # q, k, v there and the output back: the rows that change owner, forward and backward alike.
+            qkv, out = _row_bytes(2 if case == "b2" else 1)
+            assert report["relayout_bytes_sent"] == sent * qkv + received * out, (layout, report, sent)
+            assert report["relayout_bytes_received"] == received * qkv + sent * out, (layout, report)
+            assert report["backward_relayout_bytes_sent"] == sent * out + received * qkv, (layout, report)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("exchange,kv_backward", [("halo", "auto"), ("hierarchical", "refetch"),
+                                                  ("a2a", "save"), ("a2a", "refetch")])
+@pytest.mark.parametrize("window", [None, 0, 5])
+def test_exchanges_windows_and_sinks(pool, exchange, kv_backward, window):
+    for rank, per_rank in enumerate(pool.run(check_relaid, "pad_middle", exchange, window, kv_backward)):
+        for layout, (errs, report, *_rest, relaid) in per_rank.items():
+            assert max(errs) < 1e-10, (rank, layout, window, errs)
+            assert relaid, report
+
+
+@pytest.mark.timeout(300)
+def test_dropout_gradients_and_replayed_masks(pool):
+    import megatron_ext.blockdiag_cp as bdcp
+
+    try:
+        pool.run(bdcp.configure_cp_relayout, "balanced")  # the knob, as a run's flags set it
+        results = pool.run(dropout_checks, "zigzag", "a2a", "auto")
+    finally:
+        pool.run(bdcp.configure_cp_relayout)
+    for r in results:
+        assert abs(r["analytic"] - r["numeric"]) <= 1e-6 * max(1.0, abs(r["numeric"])), r
+        assert r["out"] == r["same_seed"], r  # the same generator state draws the same masks
+        assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r
+
+
+def _left_alone(layout, exchange, ulysses_size=None):
+    import megatron_ext.blockdiag_cp as bdcp
+
+    doc_ids = make_doc_ids("short", 48, 2)
+    state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                        relayout="on", ulysses_size=ulysses_size)
+    return state.relaid is None, state.report()["relayout_reason"]
+
+
+@pytest.mark.timeout(120)
+def test_steps_it_leaves_in_their_own_layout(pool):
+    if pool.world != 2:
+        pytest.skip("one cp is enough")
+    for layout, exchange, words in (("balanced", "a2a", "laid out balanced already"),
+                                    ("zigzag", "ulysses", "'ulysses'"), ("zigzag", "planned", "'planned'")):
+        for alone, reason in pool.run(_left_alone, layout, exchange):
+            assert alone and words in reason, (layout, exchange, reason)
+    for alone, reason in pool.run(_left_alone, "zigzag", "a2a"):
+        assert not alone and "'zigzag' to 'balanced'" in reason, reason
+
+
+def _build_with(relayout_by_rank):
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    relayout = relayout_by_rank[dist.get_rank()]
+    return catch(lambda: bdcp.BlockDiagCPState.build(make_doc_ids("short", 48, 2), layout="thd",
+                                                     attn_backend="dense", relayout=relayout))
+
+
+@pytest.mark.timeout(120)
+def test_bad_or_differing_knob_is_refused_on_every_rank():
+    import megatron_ext.blockdiag_cp as bdcp
+
+    with pytest.raises(ValueError, match="unknown relayout 'sideways'; accepted values: .*balanced"):
+        bdcp.normalize_relayout("sideways")
+    assert bdcp.normalize_relayout("On") == "balanced" and bdcp.normalize_relayout(None) == "none"
+    with WorkerPool(2) as pool:
+        got = pool.run(_build_with, ["sideways", "balanced"])
+        assert [name for name, _ in got] == ["BlockDiagCPError"] * 2, got
+        assert "unknown relayout 'sideways'" in got[0][1] and "CP rank 0" in got[1][1], got
+        got = pool.run(_build_with, ["balanced", "none"])
+        assert [name for name, _ in got] == ["BlockDiagCPError"] * 2, got
+        assert all("relayout ('balanced' vs 'none')" in message for _, message in got), got
