@@ -11,7 +11,7 @@ Our own knobs need the one line Megatron-LM offers for extra flags::
                                    args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})
 
 which adds ``--cp-attn-backend --cp-kv-exchange --cp-layout --cp-kv-backward
---cp-ulysses-size --cp-attn-backend-strict --cp-cost-model``. Bad values exit at parse time (argparse, code 2)
+--cp-ulysses-size --cp-relayout --cp-attn-backend-strict --cp-cost-model``. Bad values exit at parse time (argparse, code 2)
 on every rank. Nothing else is to call: the model build applies them (``configure_from_args``
 is public for scripts that want the check earlier).
 
@@ -151,6 +151,10 @@ def add_blockdiag_cp_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                    help="refetch | save | auto: backward exchanges the remote K/V again (memory "
                         "O(S/cp)) or keeps what forward received; default auto (save within a "
                         "memory budget)")
+    g.add_argument("--cp-relayout", default=None, type=_checked(knobs.normalize_relayout),
+                   help="none | balanced: balanced moves q/k/v from the batch's layout (zigzag, or TE's "
+                        "per-document thd for --sft) to the balanced one for the attention and the output "
+                        "back, so short documents stay whole on one rank; default none")
     g.add_argument("--cp-attn-backend-strict", action="store_true",
                    help="a backend/exchange fallback is an error instead of a logged downgrade")
     g.add_argument("--cp-cost-model", default="auto", choices=["auto", "nvlink", "ib"],
@@ -279,6 +283,8 @@ def configure_from_args(args) -> dict:
         knobs.configure_cp_ulysses_size(ours["ulysses_size"])
     if hasattr(args, "cp_kv_backward"):  # our flags are present: they are the authority
         knobs.configure_cp_kv_backward(args.cp_kv_backward)
+        knobs.configure_cp_relayout(getattr(args, "cp_relayout", None))
         knobs.configure_cp_strict(bool(args.cp_attn_backend_strict))
     return dict(knobs.cp_varlen_runtime_config(), **knobs.cp_kv_backward_runtime_config(),
+                **knobs.cp_relayout_runtime_config(),
                 **knobs.cp_strict_runtime_config())

@@ -148,6 +148,8 @@ def plan_ahead_provider(batch):
     exchange = args.cp_kv_exchange_canonical
     if args.cp_ulysses_size_canonical > 1 or exchange == "planned":
         return None  # two dimensions, or a choice among them, are planned at the build (prepare_plan plans one)
+    if args.cp_relayout_canonical == "balanced" and args.cp_layout_canonical != "balanced":
+        return None  # the exchange is planned on the balanced layout the build moves the rows to
     return bdcp.prepare_plan(
         bdcp.doc_ids_from_eod(batch["tokens"].cpu(), EOD), cp, ps.get_cp_rank(),
         layout=args.cp_layout_canonical, cost_model=cp_cost_model(),
@@ -174,7 +176,7 @@ def get_batch(data_iterator):
         attn_backend=args.cp_attn_backend_canonical, kv_exchange=args.cp_kv_exchange_canonical,
         strict=args.cp_attn_backend_strict, cost_model=cp_cost_model(), prepared=prepared,
         kv_backward=args.cp_kv_backward_canonical, windows=model_windows(),
-        ulysses_size=args.cp_ulysses_size_canonical)
+        ulysses_size=args.cp_ulysses_size_canonical, relayout=args.cp_relayout_canonical)
     return local, state, timing
 
 

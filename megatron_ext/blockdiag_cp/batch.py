@@ -35,7 +35,8 @@ def doc_ids_from_cu_seqlens(cu_seqlens, total_len: Optional[int] = None) -> torc
 
 def shard_batch(batch: Dict, cp_group=None, layout=None, eod_token=None, attn_backend=None,
                 kv_exchange=None, strict=False, cost_model=None,
-                prepared=None, kv_backward=None, windows=None, ulysses_size=None) -> Tuple[Dict, BlockDiagCPState]:
+                prepared=None, kv_backward=None, windows=None, ulysses_size=None,
+                relayout=None) -> Tuple[Dict, BlockDiagCPState]:
     """Pad and slice every sequence-aligned tensor of ``batch`` to this CP rank; build the state.
 
     batch: ``tokens`` [b, S] and optional ``labels``, ``loss_mask``, ``position_ids``,
@@ -43,8 +44,9 @@ def shard_batch(batch: Dict, cp_group=None, layout=None, eod_token=None, attn_ba
     ``eod_token``, else one document per row. Position ids default to the global
     positions; padded positions get loss mask 0. ``cost_model``, ``prepared`` (a
     plan made ahead of time by ``prepare_plan``), ``kv_backward`` ("refetch" | "save" |
-    "auto"), ``windows`` (the model's sliding windows, which ``balanced`` prices) and
-    ``ulysses_size`` (two-dimensional CP) go to ``BlockDiagCPState.build``.
+    "auto"), ``windows`` (the model's sliding windows, which ``balanced`` prices),
+    ``ulysses_size`` (two-dimensional CP) and ``relayout`` ("balanced": attend there) go to
+    ``BlockDiagCPState.build``.
     """
     if "tokens" not in batch:
         raise KeyError("shard_batch needs batch['tokens'] of shape [b, S]")
@@ -65,7 +67,7 @@ def shard_batch(batch: Dict, cp_group=None, layout=None, eod_token=None, attn_ba
                                    attn_backend=attn_backend, kv_exchange=kv_exchange,
                                    strict=strict, device=tokens.device if tokens.is_cuda else None,
                                    cost_model=cost_model, prepared=prepared, kv_backward=kv_backward,
-                                   windows=windows, ulysses_size=ulysses_size)
+                                   windows=windows, ulysses_size=ulysses_size, relayout=relayout)
     out = dict(batch)
     out.pop("attention_mask", None)  # never materialized: the plan carries the documents
     if out.get("position_ids") is None:

@@ -548,7 +548,7 @@ class BlockDiagCPState:
                 host_route = prepared.route
                 window_routes = dict(prepared.window_routes or {})
         else:
-            if prepared is not None:  # never an error: one rank alone would raise after the agreement
+            if prepared is not None and not relaid:  # never an error: one rank alone would raise after the agreement
                 log_once(logging.WARNING, "blockdiag-cp: the prepared plan was made for other doc ids, "
                                           "group size, rank, layout or one dimension; planning in line")
             padded = padded_length(seq_len, layout_name, cp)

@@ -206,6 +206,9 @@ SCENARIOS = {s["name"]: s for s in (
     _scenario("our_flags", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--cp-attn-backend", "sdpa", "--cp-kv-exchange", "all-gather",
         "--cp-kv-backward", "refetch", "--cp-attn-backend-strict"], ours=True),
+    # Ours on the THD path: the batch's zigzag rows moved to the balanced layout for the attention.
+    _scenario("thd_relayout", 2, 2, BASE + SPEC + THD + DATA + [
+        "--context-parallel-size", "2", "--cp-kv-exchange", "a2a", "--cp-relayout", "balanced"], ours=True),
     _scenario("our_flags_unknown_without_provider", 2, 2, BASE + SPEC + MASK + MOCK + [
         "--context-parallel-size", "2", "--cp-kv-exchange", "a2a"], reference=False,
         expect_error="unrecognized arguments: --cp-kv-exchange a2a"),

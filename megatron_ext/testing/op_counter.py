@@ -285,7 +285,8 @@ class OpCounter(TorchDispatchMode):
             def __getattr__(inner, name):
                 return getattr(inner._real, name)
 
-        if requests is None:
+        if requests is None:  # a blocking collective (no async_op): it has finished when the call returns
+            counts.events.append(WaitEvent(post))
             return None
         if isinstance(requests, list):
             return [_Request(r) for r in requests]
@@ -304,15 +305,17 @@ class OpCounter(TorchDispatchMode):
 
     def _all_to_all_single(self, real):
         def messages_of(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-            """(sent, bytes, peer global rank) per non-empty split."""
+            """(sent, bytes, peer global rank) per non-empty split to or from another rank (the own block is
+            a local copy, not a transfer)."""
             group = kwargs.get("group", args[0] if args else None)
             world = dist.get_world_size(group)
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+            me = dist.get_rank(group)
             out = []
             for splits, tensor, sent in ((input_split_sizes, input, True), (output_split_sizes, output, False)):
                 row = _nbytes(tensor[:1]) if tensor.shape[0] else 0
                 out += [(sent, n * row, ranks[i])
-                        for i, n in enumerate(splits or [tensor.shape[0] // world] * world) if n]
+                        for i, n in enumerate(splits or [tensor.shape[0] // world] * world) if n and i != me]
             return out
 
         def record(counts, *args, **kwargs):

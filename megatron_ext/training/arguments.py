@@ -261,7 +261,8 @@ def validate_args(args, world_size: int) -> None:
                             ("--cp-kv-exchange", cp_state.normalize_kv_exchange),
                             ("--cp-layout", cp_state.normalize_layout),
                             ("--cp-kv-backward", cp_state.normalize_kv_backward),
-                            ("--cp-ulysses-size", cp_state.normalize_ulysses_size)):
+                            ("--cp-ulysses-size", cp_state.normalize_ulysses_size),
+                            ("--cp-relayout", cp_state.normalize_relayout)):
         attr = flag[2:].replace("-", "_")
         try:
             value = normalize(getattr(args, attr))

@@ -121,6 +121,7 @@ class Case:
     exchange: str
     window: Optional[int]
     model: str  # key of MODELS
+    relayout: str = "none"  # "balanced": the batch's rows attended in the balanced layout (``relayout``)
 
 
 def doc_ids(mix: str, S: int, layout: str = "zigzag", cp: int = 1) -> torch.Tensor:
@@ -383,10 +384,13 @@ def record_layers(state, q, k, v, layers: int = LAYERS, **attention_kwargs):
 
 
 def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str,
-                hw: Optional[Dict] = None, layers: int = LAYERS, hw_measured: Optional[Dict] = None) -> Dict:
+                hw: Optional[Dict] = None, layers: int = LAYERS, hw_measured: Optional[Dict] = None,
+                relayout: str = "none") -> Dict:
     """On every rank: build the step, run ``layers`` calls with the null kernel, price each call
     (``hw``: ``asdict(H200(...))``, plain values so the worker unpickles it before importing us), and
-    again on ``hw_measured`` where given (``modeled_s_measured_kernel``)."""
+    again on ``hw_measured`` where given (``modeled_s_measured_kernel``). ``relayout`` "balanced": the
+    all-to-alls that move q/k/v and the output are transfers like the others; the roofline stays the
+    batch layout's (its plan's counts)."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.overrides import override_kernel
 
@@ -395,7 +399,7 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
     measured = H200(**hw_measured) if hw_measured else None
     t0 = time.perf_counter()
     state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                        kv_backward="refetch", windows=window)
+                                        kv_backward="refetch", windows=window, relayout=relayout)
     build_s = time.perf_counter() - t0
     if state.kv_exchange != exchange:
         return {"refused": f"resolved to {state.kv_exchange}: {state.kv_exchange_reason}"}
@@ -594,6 +598,9 @@ FULL_POINTS = (
     (131072, 8, MIXES, ("zigzag",), ("allgather",), (None,), ("gqa",)),
     (131072, 8, MIXES, ("balanced",), ("a2a",), (4096,), ("gqa",)),
     (131072, 8, ("single",), ("zigzag",), ("a2a",), (None,), ("mha",)),
+    # relayout "balanced" (an 8th field): the layouts a batch arrives in, attended balanced.
+    (32768, 2, MIXES, ("zigzag", "thd"), ("a2a",), (None,), ("gqa",), "balanced"),
+    (131072, 8, MIXES, ("zigzag", "thd"), ("a2a", "hierarchical"), (None,), ("gqa",), "balanced"),
 )
 QUICK_POINTS = ((32768, 2, ("short", "single"), ("zigzag", "balanced"), ("a2a", "allgather"), (None,), ("gqa",)),)
 
@@ -605,7 +612,8 @@ def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[flo
     rows: List[Dict] = []
     t_start = time.perf_counter()
     measured = measured_kernel(base=hw)
-    for S, cp, mixes, layouts, exchanges, windows, models in points:
+    for S, cp, mixes, layouts, exchanges, windows, models, *relaid in points:
+        relayout = relaid[0] if relaid else "none"
         for hier in (False, True):
             ex_here = [e for e in exchanges if (e == "hierarchical") == hier]
             if not ex_here:
@@ -621,11 +629,12 @@ def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[flo
                                     if budget_s is not None and time.perf_counter() - t_start > budget_s:
                                         log(f"  gpu_model: budget {budget_s:.0f}s spent, later cases not run")
                                         return rows
-                                    case = Case(S, cp, mix, layout, exchange, window, model)
+                                    case = Case(S, cp, mix, layout, exchange, window, model, relayout)
                                     t0 = time.perf_counter()
                                     try:
                                         got = pool.run(replay_rank, ids, layout, exchange, window, model, asdict(hw),
-                                                       LAYERS, None if measured is None else asdict(measured))
+                                                       LAYERS, None if measured is None else asdict(measured),
+                                                       relayout)
                                         row = case_row(case, got, ids, hw, hw_measured=measured)
                                     except Exception as exc:  # noqa: BLE001 - a refused case is a row
                                         row = {**case_row(case, [{"refused": ""}], ids, hw),

@@ -932,7 +932,8 @@ def _gpu_model_rows(rows):
 
 def _gm_label(r):
     window = f"/w{r['window']}" if r["window"] else ""
-    return f"{r['point']}/{r['mix']}/{r['layout']}/{r['exchange']}{window}/{r['model_key']}"
+    relaid = "/relaid" if r.get("relayout", "none") != "none" else ""
+    return f"{r['point']}/{r['mix']}/{r['layout']}{relaid}/{r['exchange']}{window}/{r['model_key']}"
 
 
 def _gm_within_roofline(rows, suffix=""):
@@ -968,7 +969,8 @@ def _gm_worst(checks, rows):
 
 def _gm_records(rows):
     return sorted(_gpu_model_rows(rows) + [r for r in rows if r["suite"] == "gpu_model" and r.get("refused")],
-                  key=lambda r: (-r["cp"], r["model_key"], r["window"], r["mix"], r["layout"], r["exchange"]))
+                  key=lambda r: (-r["cp"], r["model_key"], r["window"], r["mix"], r["layout"],
+                                 r.get("relayout", "none") != "none", r["exchange"]))
 
 
 _MS = fmt(".2f", scale=1e3)
@@ -1010,7 +1012,8 @@ GPU_MODEL = Suite(
                    "backward; `ratio, H200 kernel`: forward / backward, the same calls and roofline priced with "
                    "the kernel an H200 measured (bench/README.md). hierarchical: 2 nodes of cp / 2 (IB across). "
                    "`scripts/bench/gpu_model.py`.",
-              columns=(Text("mix", "mix"), Text("layout", "layout"), Text("exchange", "exchange"),
+              columns=(Text("mix", "mix"), Text("layout", "layout"),
+                       Text("relayout", lambda r: r.get("relayout", "none")), Text("exchange", "exchange"),
                        Column("window", "window"), Text("model", "model_key"),
                        Column("calls", _gm_pair("kernel_calls_fwd", "kernel_calls_bwd"), str),
                        Column("ops", _gm_pair("launching_fwd", "launching_bwd"), str),

@@ -66,7 +66,7 @@ def _mix(S: int) -> torch.Tensor:
     return runs_to_doc_ids(runs + [(99, S - sum(n for _, n in runs))])
 
 
-def count_layers(exchange, kv_backward, ids, layers=3, layout="zigzag", **attention_kwargs):
+def count_layers(exchange, kv_backward, ids, layers=3, layout="zigzag", relayout=None, **attention_kwargs):
     """Per layer (forward, backward) ``Counts`` on this rank, dense kernel, fp32."""
     import megatron_ext.blockdiag_cp as bdcp
 
@@ -74,7 +74,7 @@ def count_layers(exchange, kv_backward, ids, layers=3, layout="zigzag", **attent
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(S, 1, h, 8, generator=g) for h in (4, 2, 2))
     state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                        kv_backward=kv_backward)
+                                        kv_backward=kv_backward, relayout=relayout)
     assert state.kv_exchange == exchange, state.kv_exchange_reason
     return layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=layers, **attention_kwargs)
 
@@ -278,3 +278,32 @@ def test_layer_call_counts_are_pinned(pool2, pool4, exchange):
     got = [list(calls) for calls in pool.run(steady_counts, exchange)]
     want = [[_summary(*f), _summary(*b)] for f, b in PINNED[exchange]]
     assert got == want, [[tuple(c.values()) for c in calls] for calls in got]
+
+
+# Per rank, (forward, backward) of a steady call moved to balanced: (kernel calls, launching ops, transfers,
+# syncs); every document whole, so one kernel call and no K/V exchange, 4 all-to-alls of 3 peers each way.
+RELAID_PINNED = [[(1, 8, 24, 0), (1, 8, 24, 0)]] * 4
+
+
+def relaid_counts(relayout):
+    """Steady (forward, backward) counts and every call's syncs after a step's first, thd / a2a on 64 short
+    documents (each a multiple of 2 * cp), attended in thd or moved to balanced."""
+    cp = torch.distributed.get_world_size()
+    runs = [(i + 1, 2 * cp * (1 + i % 3)) for i in range(64)]
+    ids = runs_to_doc_ids(runs + [(99, 1024 - sum(n for _, n in runs))])
+    per_layer = count_layers("a2a", "refetch", ids, layout="thd", relayout=relayout)
+    syncs = sum(c.syncs for calls in per_layer[1:] for c in calls)
+    return [tuple(c.summary().values()) for c in per_layer[1]], syncs
+
+
+@pytest.mark.timeout(120)
+def test_relayout_attends_short_thd_documents_in_fewer_calls(pool4):
+    """thd cuts each short document over all 4 ranks: a call per source rank, each merging into every row.
+    Moved to balanced, the documents are whole: the local keys' calls and the rows of the one document
+    cut, q / k / v / out each one all-to-all (3 peers: 6 messages), no sync after the first call."""
+    kept = pool4.run(relaid_counts, None)
+    moved = pool4.run(relaid_counts, "balanced")
+    for rank, ((thd, thd_syncs), (relaid, relaid_syncs)) in enumerate(zip(kept, moved)):
+        assert thd_syncs == relaid_syncs == 0, (rank, thd_syncs, relaid_syncs)
+        assert relaid[0][0] < thd[0][0] and relaid[0][1] < thd[0][1], (rank, thd, relaid)  # calls, ops
+    assert [relaid for relaid, _ in moved] == RELAID_PINNED, [relaid for relaid, _ in moved]

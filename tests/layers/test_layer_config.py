@@ -42,6 +42,7 @@ def _restore_knobs():
     bdcp.configure_cp_varlen()
     bdcp.configure_cp_kv_backward()
     bdcp.configure_cp_ulysses_size()
+    bdcp.configure_cp_relayout()
     bdcp.configure_cp_strict()
     megatron_lm.reset_pins()
     megatron_knobs._APPLIED.clear()
@@ -393,18 +394,21 @@ def test_extra_args_provider_parses_checks_and_pins(monkeypatch):
 
     parser = megatron_lm.extra_args_provider(argparse.ArgumentParser())
     args = parser.parse_args(["--cp-attn-backend", "SDPA", "--cp-kv-exchange", "needed-a2a", "--cp-layout",
-                              "megatron", "--cp-kv-backward", "keep", "--cp-attn-backend-strict"])
+                              "megatron", "--cp-kv-backward", "keep", "--cp-relayout", "on",
+                              "--cp-attn-backend-strict"])
     assert (args.cp_attn_backend, args.cp_kv_exchange, args.cp_layout, args.cp_kv_backward,
             args.cp_attn_backend_strict, args.cp_cost_model) == ("dense", "a2a", "zigzag", "save", True, "auto")
     assert parser.parse_args(["--cp-attn-backend", "auto"]).cp_attn_backend is None
-    for flag in ("--cp-attn-backend", "--cp-kv-exchange", "--cp-layout", "--cp-kv-backward"):
+    assert args.cp_relayout == "balanced" and parser.parse_args([]).cp_relayout is None
+    for flag in ("--cp-attn-backend", "--cp-kv-exchange", "--cp-layout", "--cp-kv-backward", "--cp-relayout"):
         with pytest.raises(SystemExit) as exit_info:
             parser.parse_args([flag, "bogus"])
         assert exit_info.value.code == 2
     ns = argparse.Namespace(**vars(args), **vars(megatron_lm_args()))
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
     knobs = megatron_lm.configure_from_args(ns)
-    assert knobs == {"attn_backend": "dense", "kv_exchange": "a2a", "kv_backward": "save", "strict": True}
+    assert knobs == {"attn_backend": "dense", "kv_exchange": "a2a", "kv_backward": "save", "relayout": "balanced",
+                     "strict": True}
     assert megatron_lm.pinned("kv_exchange") == ("a2a", "--cp-kv-exchange a2a")
     for bad, needle in ((dict(cp_layout="balanced"), "--cp-layout balanced"),
                         (dict(cp_cost_model="ib"), "--cp-cost-model ib")):

@@ -174,6 +174,14 @@ def test_our_flags_through_extra_args_provider(results):
     assert (state["kv_exchange"], state["kv_backward"], state["strict"]) == ("allgather", "refetch", True)
 
 
+def test_relayout_flag_attends_the_thd_batch_balanced(results):
+    s = results["scenarios"]["thd_relayout"]
+    _numbers(s)
+    for states in s["states_by_rank"]:
+        assert states and all(st["layout"] == "zigzag" and st["attended_layout"] == "balanced"
+                              and st["relayout"] == "balanced" and st["kv_exchange"] == "a2a" for st in states), states
+
+
 def test_our_flags_need_the_extra_args_provider(results):
     _refused(results["scenarios"]["our_flags_unknown_without_provider"],
              "unrecognized arguments: --cp-kv-exchange a2a", 2)
