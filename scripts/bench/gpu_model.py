@@ -108,8 +108,12 @@ class Dims:
     dtype_bytes: int = 2
 
 
-MODELS = {"gqa": Dims("llama3_8b", 32, 8, 128), "mha": Dims("mha_32", 32, 32, 128)}
-RUN_DIMS = {"gqa": Dims("run_gqa", 4, 1, 8), "mha": Dims("run_mha", 2, 2, 8)}  # same Hq / Hkv as the model
+MODELS = {"gqa": Dims("llama3_8b", 32, 8, 128), "mha": Dims("mha_32", 32, 32, 128),
+          "gqa_heads": Dims("llama3_8b", 32, 8, 128)}
+# Same Hq / Hkv as the model. ``gqa_heads``: the model's own head counts (head dim 8), for ulysses,
+# whose split of the heads over cp (and K/V repeats) must be the model's.
+RUN_DIMS = {"gqa": Dims("run_gqa", 4, 1, 8), "mha": Dims("run_mha", 2, 2, 8),
+            "gqa_heads": Dims("run_gqa_heads", 32, 8, 8)}
 
 
 @dataclass(frozen=True)
@@ -249,11 +253,14 @@ def document_pairs(ids: torch.Tensor, window: Optional[int]) -> int:
 
 
 def _kernel_seconds(event, run: Dims, target: Dims, hw: H200) -> Tuple[float, float]:
-    """(seconds, FLOPs) of one kernel call at the model's dims."""
+    """(seconds, FLOPs) of one kernel call at the model's dims (the query heads it was handed, scaled:
+    ulysses' head shards hold Hq / cp of them)."""
     pairs = segment_pairs(event.q_lens, event.k_lens, event.causal, event.window)
-    flops = 4.0 * pairs * target.hq * target.d
-    io = sum(tensor_bytes(s, run, target) for s in event.inputs)
     tensors = [s for s in event.inputs if isinstance(s, tuple) and s[1].is_floating_point]
+    q_shape = tensors[1 if event.backward else 0][0]  # [Nq, H, D]
+    heads = target.hq * q_shape[-2] / run.hq if len(q_shape) == 3 else target.hq
+    flops = 4.0 * pairs * heads * target.d
+    io = sum(tensor_bytes(s, run, target) for s in event.inputs)
     if event.backward:  # dout, q, k, v, out, lse in; dq, dk, dv out
         io += sum(tensor_bytes(s, run, target) for s in tensors[1:4])
         return max(hw.backward_factor * flops / hw.kernel_flops, io / hw.hbm_bytes_per_s), flops * hw.backward_factor
@@ -598,9 +605,11 @@ FULL_POINTS = (
     (131072, 8, MIXES, ("zigzag",), ("allgather",), (None,), ("gqa",)),
     (131072, 8, MIXES, ("balanced",), ("a2a",), (4096,), ("gqa",)),
     (131072, 8, ("single",), ("zigzag",), ("a2a",), (None,), ("mha",)),
-    # relayout "balanced" (an 8th field): the layouts a batch arrives in, attended balanced.
+    # relayout "balanced" (an 8th field): the layouts a batch arrives in, attended balanced; beside them
+    # ulysses (the model's own heads: its all-to-alls move the same kind of bytes).
     (32768, 2, MIXES, ("zigzag", "thd"), ("a2a",), (None,), ("gqa",), "balanced"),
     (131072, 8, MIXES, ("zigzag", "thd"), ("a2a", "hierarchical"), (None,), ("gqa",), "balanced"),
+    (131072, 8, MIXES, ("zigzag", "thd"), ("ulysses",), (None,), ("gqa_heads",)),
 )
 QUICK_POINTS = ((32768, 2, ("short", "single"), ("zigzag", "balanced"), ("a2a", "allgather"), (None,), ("gqa",)),)
 

@@ -313,7 +313,7 @@ GPU_MODEL_COLORS = {"a2a": "#4c72b0", "halo": "#55a868", "allgather": "#c44e52",
 
 def plot_gpu_model(rows: List[Dict], out_dir: str) -> str:
     got = [r for r in rows if r["suite"] == "gpu_model" and not r.get("refused") and r["model_key"] == "gqa"
-           and not r["window"]]
+           and not r["window"] and r.get("relayout", "none") == "none"]  # the batch's own layout
     if not got:
         return ""
     points = []

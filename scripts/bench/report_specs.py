@@ -951,9 +951,12 @@ def _gm_measured_kernel(rows):
 
 
 def _gm_host_under_gpu(rows):
+    # The ulysses rows (model "gqa_heads") run the model's 32 query heads on the CPU, 8x the elements
+    # of the other rows' run dims, so their host time holds that much more CPU arithmetic: left out.
     return [Check(f"{_gm_label(r)}/{phase}", r[f"host_s_{phase}"] <= r[f"modeled_s_{phase}"],
                   r[f"host_s_{phase}"] / r[f"modeled_s_{phase}"])
-            for r in _gpu_model_rows(rows) if r["ideal_fwd_s"] >= 1e-3 for phase in ("fwd", "bwd")]
+            for r in _gpu_model_rows(rows) if r["ideal_fwd_s"] >= 1e-3 and r["model_key"] != "gqa_heads"
+            for phase in ("fwd", "bwd")]
 
 
 def _gm_no_later_syncs(rows):
@@ -994,7 +997,8 @@ GPU_MODEL = Suite(
                "above prices them on the constants of bench/README.md)",
                lambda rows: _gm_within_roofline(rows, "_measured_kernel"),
                _gm_worst, unit="case phases"),
-        Target("gpu_model: host time with a null kernel <= modeled GPU time where the ideal is >= 1 ms",
+        Target("gpu_model: host time with a null kernel <= modeled GPU time where the ideal is >= 1 ms "
+               "(the ulysses rows apart: their CPU runs the model's 32 heads)",
                _gm_host_under_gpu, _gm_worst, unit="case phases"),
     ),
     tables=(

@@ -125,6 +125,9 @@ def test_price_on_hand_made_events():
     # launch-bound: 100 tiny ops take 100 launches
     tiny = [OpEvent("add", (((1,), fp32),), (((1,), fp32),))] * 100
     assert gm.price(tiny, run, target, hw, lambda p: 0)["modeled_s"] == pytest.approx(100e-6 + 16 / 1e9)
+    # a call on a head shard (ulysses: one of the run's two query heads) does the FLOPs of its heads
+    shard = KernelEvent(False, (4,), (4,), True, None, (((4, 1, 8), bf16),) * 3)
+    assert gm.price([shard], gm.Dims("run", 2, 2, 8), target, hw, lambda p: 0)["flops"] == 640
 
 
 def test_a_merge_is_priced_at_the_rows_it_merges():

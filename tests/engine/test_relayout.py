@@ -11,7 +11,7 @@ their own layout (balanced already, head-parallel).
 import pytest
 import torch
 
-from megatron_ext.testing import WorkerPool, catch, pool_per_cp_fixture, reference_attention
+from megatron_ext.testing import WorkerPool, catch, pool_fixture, pool_per_cp_fixture, reference_attention
 from megatron_ext.testing.cases import CASES, make_doc_ids
 from test_engine_dist import dropout_checks
 from test_variants import _thd_padded
@@ -84,6 +84,7 @@ def check_relaid(case, exchange, window=None, kv_backward=None, layouts=LAYOUTS,
 
 
 pool = pool_per_cp_fixture([2, 3, 4])
+pool_two_nodes = pool_fixture(4, env={"LOCAL_WORLD_SIZE": "2"})  # hierarchical needs nodes of several ranks
 
 
 def _row_bytes(b):
@@ -116,6 +117,15 @@ def test_exchanges_windows_and_sinks(pool, exchange, kv_backward, window):
         for layout, (errs, report, *_rest, relaid) in per_rank.items():
             assert max(errs) < 1e-10, (rank, layout, window, errs)
             assert relaid, report
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["short", "pad_middle"])
+def test_hierarchical_across_two_nodes(pool_two_nodes, case):
+    for rank, per_rank in enumerate(pool_two_nodes.run(check_relaid, case, "hierarchical", 5)):
+        for layout, (errs, report, *_rest, relaid) in per_rank.items():
+            assert max(errs) < 1e-10, (rank, layout, errs)
+            assert relaid and report["kv_exchange"] == "hierarchical", report
 
 
 @pytest.mark.timeout(300)
