@@ -1,4 +1,5 @@
-"""Every K/V exchange priced on one pack: 1-D (allgather, a2a, halo, hierarchical, ulysses) and 2-D CP.
+"""Every K/V exchange priced on one pack: 1-D (allgather, a2a, halo, hierarchical, ulysses), 2-D CP, and
+the rows moved to the balanced layout first (``relayout``: "relaid a2a", ``price_relaid``).
 
 ``price_exchange_options`` takes global tables only (the replicated doc ids, the model's dims, the
 topology), so every rank computes the same list and a per-step chooser can call it without a
@@ -39,6 +40,7 @@ import torch
 from .cost import CostModel, DEFAULT_DIMS, LINK_BYTES_PER_SECOND, Traffic, normalize_link
 
 ONE_D = ("allgather", "a2a", "halo", "hierarchical", "ulysses")
+RELAID = "relaid "  # + a needed-only exchange: the rows moved to the balanced layout, attended there
 OUTER_EXCHANGES = ("a2a", "hierarchical")
 
 
@@ -56,6 +58,7 @@ class ExchangeOption:
     ideal_seconds: float = 0.0  # total pairs / cp x seconds per pair
     overlap_seconds: Optional[float] = None  # the outer exchange streamed behind compute (inner a2a exposed)
     refused: str = ""
+    relayout: str = "none"  # "balanced": the rows moved there for the attention (``relayout``)
 
     @property
     def modeled_over_ideal(self) -> float:
@@ -63,7 +66,10 @@ class ExchangeOption:
 
 
 def option_name(exchange: str, u: int, cp: int) -> str:
-    """"a2a" (u = 1), "ulysses" (u = cp), else "2d u{u} x r{cp // u} {exchange}"."""
+    """"a2a" (u = 1), "ulysses" (u = cp), "relaid a2a" (``RELAID`` + an exchange), else
+    "2d u{u} x r{cp // u} {exchange}"."""
+    if exchange.startswith(RELAID):
+        return exchange
     if u == cp and cp > 1:
         return "ulysses"
     if u == 1:
@@ -158,6 +164,8 @@ def price_option(doc_ids, cp: int, layout: str, exchange: str, u: int = 1,
     cp, u = int(cp), int(u)
     G = int(gpus_per_node) if gpus_per_node else cp
     ids = _as_rows(doc_ids)
+    if exchange.startswith(RELAID):
+        return price_relaid(ids, cp, layout, exchange[len(RELAID):], dims, gpus_per_node, link, layout_at)
     if exchange == "ulysses":
         u = cp
     name = option_name(exchange, u, cp)
@@ -223,6 +231,73 @@ def price_option(doc_ids, cp: int, layout: str, exchange: str, u: int = 1,
                    overlap_seconds=outer_overlap + inner_seconds)
 
 
+# -- relayout: the rows moved to the balanced layout ----------------------------
+
+
+def relayout_rows(source: torch.Tensor, target: torch.Tensor, G: int
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([cp] rows each rank sends inside its node, across nodes, receives inside, across) when every row
+    moves from its owner in one layout to its owner in another (``source``, ``target``: [cp, L] the global
+    positions each rank owns, ``Layout.positions``; ranks node-major, ``G`` per node)."""
+    cp = source.shape[0]
+    owner = torch.empty(target.numel(), dtype=torch.long)
+    owner[target.reshape(-1)] = torch.arange(cp).repeat_interleave(target.shape[1])
+    dest = owner[source]  # [cp, L] where each rank's rows go
+    rank = torch.arange(cp).unsqueeze(1)
+    moved, same_node = dest != rank, dest // G == rank // G
+    send_intra, send_inter = (moved & same_node).sum(1), (moved & ~same_node).sum(1)
+    recv_intra = torch.bincount(dest[moved & same_node], minlength=cp)
+    recv_inter = torch.bincount(dest[moved & ~same_node], minlength=cp)
+    return send_intra, send_inter, recv_intra, recv_inter
+
+
+def price_relaid(ids: torch.Tensor, cp: int, layout: str, exchange: str,
+                 dims: Sequence[int] = tuple(DEFAULT_DIMS.values()), gpus_per_node: Optional[int] = None,
+                 link: str = "nvlink", layout_at: Optional[dict] = None) -> ExchangeOption:
+    """``relayout="balanced"`` with ``exchange`` (a2a or hierarchical) in the balanced layout: the four
+    all-to-alls (q, k, v there, out back; backward the same bytes the other way), not overlapped, plus
+    the balanced layout's own price (``plan_summary``) with that exchange. A rank's moves: its rows whose
+    balanced owner is another rank, by link."""
+    from .layouts import build_layout, padded_length
+    from .prepare import plan_summary
+
+    hq, hkv, d, nbytes = (int(x) for x in dims)
+    G = int(gpus_per_node) if gpus_per_node else cp
+    base = ExchangeOption(RELAID + exchange, exchange, 1, "balanced", relayout="balanced")
+    if layout == "balanced":
+        return replace(base, refused="the batch is laid out balanced already")
+    if exchange not in OUTER_EXCHANGES:
+        return replace(base, refused=f"relayout is priced with a2a or hierarchical, not {exchange!r}")
+    if exchange == "hierarchical" and not (cp > G and G > 1):
+        return replace(base, refused=f"hierarchical needs the CP group to span several nodes with several ranks "
+                                     f"per node (cp={cp}, {G} GPUs per node); the step would run a2a")
+    padded = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
+    cost, _ = _outer_cost(cp, 1, G, link, exchange == "hierarchical", (hq, hkv, d, nbytes))
+    key = ("relaid", cp, cost.name, cost.hierarchical)
+    cache = {} if layout_at is None else layout_at
+    if key not in cache:
+        cache[key] = plan_summary(padded, cp, layout="balanced", cost_model=cost)
+    s = cache[key]
+    source = build_layout(layout, padded, cp).positions
+    send_intra, send_inter, recv_intra, recv_inter = relayout_rows(source, s["positions"], G)
+    row = ids.shape[0] * d * nbytes * (2 * hq + 2 * hkv)  # q, k, v and out of one position
+    intra_link = "ib" if cp <= G and normalize_link(link) == "ib" else "nvlink"
+    per_rank = (torch.maximum(send_intra, recv_intra).double() * row / LINK_BYTES_PER_SECOND[intra_link]
+                + torch.maximum(send_inter, recv_inter).double() * row / LINK_BYTES_PER_SECOND["ib"])
+    moves = 2 * float(per_rank.max())  # backward moves the gradients of the same rows
+    moved_bytes = int(torch.maximum(send_intra + send_inter, recv_intra + recv_inter).max()) * row
+    inter_bytes = int(torch.maximum(send_inter, recv_inter).max()) * row
+    traffic = s["traffic"]
+    kv_row = 2 * hkv * d * nbytes
+    both = torch.maximum(traffic.intra_in + traffic.inter_in, traffic.intra_out + traffic.inter_out)
+    one_pairs_cost = CostModel.preset("nvlink", hq, hkv, d, nbytes)
+    ideal = _pairs(ids) / cp * one_pairs_cost.seconds_per_pair
+    return replace(base, bytes_max=moved_bytes + int(both.max()) * kv_row,
+                   inter_node_bytes_max=inter_bytes + int(torch.maximum(traffic.inter_in, traffic.inter_out).max())
+                   * kv_row, modeled_seconds=s["modeled_seconds"] + moves, ideal_seconds=ideal,
+                   overlap_seconds=s["overlap_seconds"] + moves)
+
+
 def default_options(cp: int, gpus_per_node: Optional[int] = None) -> List[Tuple[str, int]]:
     """(exchange, u) pairs worth pricing: 1-D allgather, a2a, halo, hierarchical (several nodes of
     several ranks), ulysses; 2-D for every u with 1 < u < cp dividing cp and the GPUs per node, outer
@@ -258,5 +333,13 @@ def price_exchange_options(doc_ids, cp: int, layout: str = "balanced",
     return [price_option(doc_ids, cp, layout, ex, u, dims, gpus_per_node, link, cache) for ex, u in opts]
 
 
+def relaid_options(cp: int, gpus_per_node: Optional[int] = None) -> List[Tuple[str, int]]:
+    """The relayout options worth pricing: the rows moved to balanced, then a2a (and hierarchical
+    where the group spans nodes of several ranks)."""
+    G = int(gpus_per_node) if gpus_per_node else cp
+    return [(RELAID + "a2a", 1)] + ([(RELAID + "hierarchical", 1)] if cp > G and G > 1 else [])
+
+
 __all__ = ["ExchangeOption", "price_exchange_options", "price_option", "default_options", "option_name",
+           "price_relaid", "relaid_options", "relayout_rows", "RELAID",
            "ulysses_forward_bytes", "ulysses_link_bytes", "ulysses_seconds", "ONE_D", "OUTER_EXCHANGES"]

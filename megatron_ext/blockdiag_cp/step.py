@@ -232,8 +232,9 @@ def _resolve_exchange(exchange_req: str, cp: int, plan: StepPlan, agreed, ranks_
     return exchange, reason
 
 
-def _planned_choice(ids: torch.Tensor, cp: int, layout: str, ranks_per_node: int, group):
-    """(the option of least modeled time, every option least first) for kv_exchange "planned".
+def _planned_choice(ids: torch.Tensor, cp: int, layout: str, ranks_per_node: int, group, with_relaid: bool = False):
+    """(the option of least modeled time, every option least first) for kv_exchange "planned";
+    ``with_relaid`` (relayout "balanced"): the rows moved to the balanced layout are options too.
 
     Priced by ``cost_options.price_exchange_options`` from the replicated doc ids with the default
     model dims (``cost.DEFAULT_DIMS``) on the group's topology (``ranks_per_node`` CP ranks per node:
@@ -241,10 +242,12 @@ def _planned_choice(ids: torch.Tensor, cp: int, layout: str, ranks_per_node: int
     rank computes the same list; one more tiny agreement keeps the ranks on one option should
     floating point ever part a near tie (the earlier option in the list wins).
     """
-    from .cost_options import price_exchange_options
+    from .cost_options import default_options, price_exchange_options, relaid_options
 
     G = ranks_per_node if 0 < ranks_per_node < cp else None
-    options = price_exchange_options(ids, cp, layout, gpus_per_node=G, link="ib" if ranks_per_node == 0 else "nvlink")
+    offered = default_options(cp, G) + (relaid_options(cp, G) if with_relaid else [])
+    options = price_exchange_options(ids, cp, layout, gpus_per_node=G, link="ib" if ranks_per_node == 0 else "nvlink",
+                                     options=offered)
     priced = [i for i, o in enumerate(options) if not o.refused]
     best = min(priced, key=lambda i: (options[i].modeled_seconds, i))
     agreed = agree({"planned_choice": best}, group, cp, kind=KIND_BUILD)
@@ -260,17 +263,20 @@ def _planned_reason(options, resolved: str) -> str:
     return f"planned: least modeled time of {len(options)} options ({shown}); {resolved}"
 
 
-def _relayout_reason(requested: Dict, cp: int, u: int, exchange: str) -> str:
+def _relayout_reason(requested: Dict, cp: int, u: int, exchange: str, relaid: bool) -> str:
     """Why this step attends in its own layout or the balanced one (the report's ``relayout_reason``)."""
+    moved = f"q/k/v moved from {requested['layout']!r} to 'balanced' and the output back (all-to-all-v)"
     if requested["relayout"] == "none":
         return "not requested"
     if cp == 1:
         return "single rank: nothing to move"
     if requested["layout"] == "balanced":
         return "the batch is laid out balanced already"
-    if exchange in ("ulysses", "planned") or 1 < u < cp:
+    if exchange == "planned":
+        return ("planned: " + moved) if relaid else "planned: an option in its own layout was modeled cheaper"
+    if exchange == "ulysses" or u > 1:
         return f"kv exchange {exchange!r} (ulysses_size {u}) splits the step itself: attended in its own layout"
-    return f"q/k/v moved from {requested['layout']!r} to 'balanced' and the output back (all-to-all-v)"
+    return moved
 
 
 class BlockDiagCPState:
@@ -433,11 +439,14 @@ class BlockDiagCPState:
         # rank's vector must have the same length even when their layouts differ.
         cost_fact = 0
         # relayout "balanced" attends in the balanced layout: a 1-D sequence exchange of a batch laid out
-        # otherwise (ulysses moves every row anyway; planned and two dimensions pick their own split).
-        relaid = (cp > 1 and requested.get("relayout") == "balanced" and requested.get("layout") != "balanced"
-                  and requested.get("kv_exchange") not in ("ulysses", "planned") and not (1 < u < cp))
+        # otherwise (ulysses moves every row anyway; two dimensions split the step themselves); with
+        # planned, the relaid options join the choice.
+        relayout_allowed = (cp > 1 and requested.get("relayout") == "balanced" and requested.get("layout") != "balanced"
+                            and requested.get("kv_exchange") != "ulysses"
+                            and (u == 1 or requested.get("kv_exchange") == "planned"))  # planned picks its own u
+        relaid = relayout_allowed and requested.get("kv_exchange") != "planned"
         balanced_cost = None
-        if requested.get("layout") == "balanced" or relaid:
+        if requested.get("layout") == "balanced" or relayout_allowed:
             try:
                 # The default prices the exchange this step asks for (hierarchical routes or not).
                 # Two dimensions: balanced cuts the ring level's cp / u groups.
@@ -456,7 +465,7 @@ class BlockDiagCPState:
         facts["pending_failures"] = PENDING_KERNEL_FAILURES.count()
         facts["cost_model"] = cost_fact
         # The windows decide where the balanced cuts fall too (0 when unused, like the cost model).
-        facts["windows"] = mix.agreement_key() if requested.get("layout") == "balanced" or relaid else 0
+        facts["windows"] = mix.agreement_key() if requested.get("layout") == "balanced" or relayout_allowed else 0
         # The hierarchical exchange routes by node: every rank must see the same nodes.
         ranks_per_node = ps.cp_ranks_per_node(ring_ranks or group) \
             if requested.get("kv_exchange") in ("hierarchical", "planned") and cp > 1 else 0
@@ -534,8 +543,10 @@ class BlockDiagCPState:
         ring_lay = ring_plan = None
         planned_options = None
         if planned:  # the option of least modeled time for these documents, alike on every rank
-            choice, planned_options = _planned_choice(ids, cp, layout_name, ranks_per_node, group)
+            choice, planned_options = _planned_choice(ids, cp, layout_name, ranks_per_node, group,
+                                                      with_relaid=relayout_allowed)
             requested["kv_exchange"], u = choice.exchange, choice.ulysses_size
+            relaid = choice.relayout == "balanced"
             two_dim = 1 < u < cp
             if two_dim:
                 ring_ranks = ps.ulysses_subgroup_ranks(ps.get_cp_global_ranks(group), u)[1]
@@ -621,7 +632,7 @@ class BlockDiagCPState:
             ring.kernel_failures = state.kernel_failures  # one list: a failure is agreed at the step's end
             state.ring_state = ring
         state.relayout_requested = requested["relayout"]
-        state.relayout_reason = _relayout_reason(requested, cp, u, exchange_req)
+        state.relayout_reason = _relayout_reason(requested, cp, u, exchange_req, relaid)
         if inner_plan is not None:
             from .relayout import Relaid
 
@@ -675,7 +686,8 @@ class BlockDiagCPState:
                 "relayout_bytes_sent", "relayout_bytes_received", "backward_relayout_bytes_sent",
                 "backward_relayout_bytes_received")}
             inner = self.relaid.state.report()
-            return {**inner, "layout": self.layout.name, "attended_layout": inner["layout"], **relayout, **moved}
+            return {**inner, "layout": self.layout.name, "attended_layout": inner["layout"], **relayout, **moved,
+                    **self._planned_report()}
         return {**self._own_report(), "attended_layout": self.layout.name, **relayout}
 
     def _own_report(self) -> Dict:
@@ -732,12 +744,17 @@ class BlockDiagCPState:
             "work_max_over_mean": float(work.max()) / mean if mean > 0 else 1.0,
             "kernel_failures": list(self.kernel_failures),
             "ulysses_size": self.ulysses_size,
-            **({} if self.planned_options is None else {"planned_options": [
-                {"name": o.name, "modeled_seconds": o.modeled_seconds, "bytes_max": o.bytes_max,
-                 "refused": o.refused} for o in self.planned_options]}),
+            **self._planned_report(),
             **inter,
             **self._ring_report(),
         }
+
+    def _planned_report(self) -> Dict:
+        """kv_exchange "planned": every option priced for the step, the one taken first; {} otherwise."""
+        if self.planned_options is None:
+            return {}
+        return {"planned_options": [{"name": o.name, "modeled_seconds": o.modeled_seconds, "bytes_max": o.bytes_max,
+                                     "refused": o.refused} for o in self.planned_options]}
 
     def _ring_report(self) -> Dict:
         """Two dimensions: the ring level's exchange, positions and bytes (the report's own count the

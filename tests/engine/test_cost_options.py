@@ -2,7 +2,8 @@
 
 The 2-D option's edges are the 1-D options it generalizes (u = cp is ulysses, u = 1 the K/V
 exchange at cp), its bytes and seconds are checked by hand on a 16-token pack, and a ulysses_size
-the query heads, cp or a node cannot take is refused with the numbers.
+the query heads, cp or a node cannot take is refused with the numbers. The relaid option is the
+balanced layout's price plus the moves the two layouts' owners give, by hand.
 """
 
 import pytest
@@ -116,3 +117,32 @@ def test_default_options_and_one_call():
     for o in opts:
         if not o.refused:
             assert o.modeled_seconds >= o.ideal_seconds * (1 - 1e-9) > 0, o
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "thd"])
+def test_relaid_is_the_balanced_price_plus_the_moves_by_hand(layout):
+    from megatron_ext.blockdiag_cp.layouts import build_layout
+
+    from test_variants import _thd_padded
+
+    cp, ids = 4, _mixed(4096, seed=3)
+    if layout == "thd":  # every document padded to a multiple of 2 * cp, as THD packs
+        ids = _thd_padded(ids, 2 * cp)
+    relaid = price_option(ids, cp, layout, "relaid a2a", dims=DIMS)
+    assert (relaid.name, relaid.exchange, relaid.relayout, relaid.layout) == ("relaid a2a", "a2a", "balanced",
+                                                                              "balanced")
+    s = plan_summary(ids, cp, layout="balanced", cost_model=CostModel.preset("nvlink", *DIMS))
+    # The rows each rank sends / receives, from the two layouts' owners: q, k, v and out of each, there and
+    # (backward) back, at NVLink's 400e9 B/s; the busiest rank's.
+    source = build_layout(layout, ids.unsqueeze(0), cp)
+    owner = torch.empty(ids.numel(), dtype=torch.long)
+    for r in range(cp):
+        owner[s["positions"][r]] = r
+    sent = [int((owner[source.positions[r]] != r).sum()) for r in range(cp)]
+    received = [int((source.owner()[s["positions"][r]] != r).sum()) for r in range(cp)]
+    row = 128 * 2 * (2 * 32 + 2 * 8)
+    moves = 2 * max(max(a, b) for a, b in zip(sent, received)) * row / 400e9
+    assert relaid.modeled_seconds == pytest.approx(s["modeled_seconds"] + moves, rel=1e-9)
+    assert max(sent) > 0
+    assert "balanced already" in price_option(ids, cp, "balanced", "relaid a2a", dims=DIMS).refused
+    assert "span several nodes" in price_option(ids, cp, layout, "relaid hierarchical", dims=DIMS).refused

@@ -157,11 +157,13 @@ def test_steps_it_leaves_in_their_own_layout(pool):
     if pool.world != 2:
         pytest.skip("one cp is enough")
     for layout, exchange, words in (("balanced", "a2a", "laid out balanced already"),
-                                    ("zigzag", "ulysses", "'ulysses'"), ("zigzag", "planned", "'planned'")):
+                                    ("zigzag", "ulysses", "'ulysses'")):
         for alone, reason in pool.run(_left_alone, layout, exchange):
             assert alone and words in reason, (layout, exchange, reason)
     for alone, reason in pool.run(_left_alone, "zigzag", "a2a"):
         assert not alone and "'zigzag' to 'balanced'" in reason, reason
+    for alone, reason in pool.run(_left_alone, "zigzag", "a2a", 2):  # ulysses_size = cp: head-parallel
+        assert alone and "splits the step itself" in reason, reason
 
 
 def _build_with(relayout_by_rank):
@@ -188,3 +190,58 @@ def test_bad_or_differing_knob_is_refused_on_every_rank():
         got = pool.run(_build_with, ["balanced", "none"])
         assert [name for name, _ in got] == ["BlockDiagCPError"] * 2, got
         assert all("relayout ('balanced' vs 'none')" in message for _, message in got), got
+
+
+def planned_relaid(ids, layout, relayout):
+    """kv_exchange "planned" offered a2a alone (and, with relayout "balanced", the relaid options): (the
+    report, (name, modeled seconds) of the options priced here independently of the state, max error
+    against the fp64 reference)."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import cost_options
+
+    cp = dist.get_world_size()
+    default_options = cost_options.default_options
+    cost_options.default_options = lambda cp, gpus_per_node=None: [("a2a", 1)]
+    try:
+        state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="planned", attn_backend="dense",
+                                            relayout=relayout)
+        offered = [("a2a", 1)] + (cost_options.relaid_options(cp) if relayout == "balanced" else [])
+        priced = cost_options.price_exchange_options(ids, cp, layout, options=offered)
+    finally:
+        cost_options.default_options = default_options
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference_attention(*ref, ids).sum().backward()
+    local = [state.shard(t).requires_grad_() for t in (q, k, v)]
+    with bdcp.blockdiag_cp_step(state):
+        out = bdcp.blockdiag_cp_attention(*local)
+        out.sum().backward()
+    err = max([_rel(out, state.shard(reference_attention(q, k, v, ids)))] +
+              [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref)])
+    return state.report(), [(o.name, o.modeled_seconds) for o in priced], err
+
+
+def _long_and_short(S=4096):
+    """One document of S / 2, then documents of 16: contiguous gives the long one's rank the most work."""
+    from megatron_ext.testing import runs_to_doc_ids
+
+    return runs_to_doc_ids([(1, S // 2)] + [(i + 2, 16) for i in range(S // 32)])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout,ids,moved", [("contiguous", "long_and_short", True), ("zigzag", "short", False)])
+def test_planned_offers_the_relaid_options_with_the_knob(pool, layout, ids, moved):
+    if pool.world != 4:
+        pytest.skip("priced at cp 4")
+    ids = _long_and_short() if ids == "long_and_short" else make_doc_ids(ids, 96, 4)
+    for report, priced, err in pool.run(planned_relaid, ids, layout, "balanced"):
+        assert err < TOL, err
+        best = min(priced, key=lambda o: o[1])[0]
+        assert [o["name"] for o in report["planned_options"]][0] == best, (report["planned_options"], priced)
+        assert (best == "relaid a2a") == moved and (report["attended_layout"] == "balanced") == moved, report
+        assert report["relayout_reason"].startswith("planned: q/k/v moved" if moved else "planned: an option"), report
+    for report, priced, err in pool.run(planned_relaid, ids, layout, "none"):  # without the knob: not offered
+        assert err < TOL and [o["name"] for o in report["planned_options"]] == ["a2a"], report
