@@ -30,8 +30,10 @@ def summarize_cp_reports(args, reports) -> str:
         plan = f"plan {seconds * 1000:.1f} ms ahead, {100 * hidden / max(seconds, 1e-12):.0f}% hidden"
     else:
         plan = "plan in line"
+    layout, attended = r.get("layout"), r.get("attended_layout")
+    shown = layout if attended in (None, layout) else f"{layout}->{attended}"  # relayout: where it attended
     return (f"cp: backend={r.get('attn_backend')} exchange={r.get('kv_exchange')} "
-            f"layout={r.get('layout')} | kv bytes/step (fwd, all layers): "
+            f"layout={shown} | kv bytes/step (fwd, all layers): "
             f"sent {sent / 2**20:.2f} MiB recv {recv / 2**20:.2f} MiB | "
             f"attn work max/mean: {work:.3f} | {plan}")
 
@@ -41,7 +43,9 @@ def cp_resolution_line(report) -> str:
     return (f"{LOG_PREFIX} cp attention: backend {report.get('attn_backend_requested')} -> "
             f"{report.get('attn_backend')} ({report.get('attn_backend_reason')}), exchange "
             f"{report.get('kv_exchange_requested')} -> {report.get('kv_exchange')} "
-            f"({report.get('kv_exchange_reason')}), layout {report.get('layout')}")
+            f"({report.get('kv_exchange_reason')}), layout {report.get('layout')}"
+            + ("" if report.get("relayout", "none") == "none" else
+               f", relayout {report.get('relayout')} ({report.get('relayout_reason')})"))
 
 
 def iteration_line(args, iteration, consumed, ms_per_iter, lr, loss, grad_norm, reports) -> str:

@@ -403,6 +403,27 @@ def test_load_of_crafted_checkpoint_exits_with_the_reason(tmp_path, tiny_data):
 
 
 @pytest.mark.timeout(300)
+def test_relayout_trains_like_attending_in_place(tmp_path, tiny_data):
+    # --cp-relayout balanced moves each step's zigzag rows to the balanced layout for the attention and
+    # back: the same attention in other kernel calls, so the losses agree to float32 rounding. The plan
+    # made ahead is for the batch's layout, so the loop makes none (and no build warns about one).
+    common = [*_torchrun(2), str(SCRIPT), *TINY, "--data-path", tiny_data, "--train-iters", "5",
+              "--cp-layout", "zigzag", "--cp-kv-exchange", "a2a"]
+    runs = {}
+    for name, extra in (("in_place", []), ("relaid", ["--cp-relayout", "balanced"])):
+        res = subprocess.run([*common, *extra, "--run-dir", str(tmp_path / name)], env=_env(),
+                             capture_output=True, text=True, timeout=200)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        runs[name] = (_losses(tmp_path / name), res.stdout + res.stderr)
+    assert runs["relaid"][0].keys() == runs["in_place"][0].keys() and len(runs["relaid"][0]) == 5
+    for it, loss in runs["in_place"][0].items():
+        assert runs["relaid"][0][it] == pytest.approx(loss, rel=1e-5), (it, runs["relaid"][0], runs["in_place"][0])
+    assert "prepared plan was made for other" not in runs["relaid"][1], runs["relaid"][1][-2000:]
+    assert "layout=zigzag->balanced" in runs["relaid"][1] and "layout=zigzag |" in runs["in_place"][1]
+    assert "relayout balanced (q/k/v moved from 'zigzag' to 'balanced'" in runs["relaid"][1], runs["relaid"][1][-2000:]
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", [[], ["--window-size", "24", "0", "--window-attn-skip-freq", "2"]],
                          ids=["full", "windowed"])
 def test_plan_ahead_gives_the_losses_of_planning_in_line(tmp_path, tiny_data, model):
