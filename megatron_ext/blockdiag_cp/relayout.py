@@ -54,7 +54,9 @@ class RowMove:
     recv_counts: List[int]
 
     @classmethod
-    def of(cls, source: Layout, target: Layout, rank: int) -> "RowMove":
+    def pair(cls, source: Layout, target: Layout, rank: int) -> Tuple["RowMove", "RowMove"]:
+        """(source -> target, target -> source) for ``rank``: one is the other read backwards (what one
+        sends, the other receives), so both come from the same two owner lookups."""
         if source.padded_len != target.padded_len or source.cp != target.cp:
             raise ValueError(f"a row move needs two layouts of one padded length and cp, got "
                              f"{source.padded_len} / cp {source.cp} and {target.padded_len} / cp {target.cp}")
@@ -65,12 +67,12 @@ class RowMove:
         origin = source.owner()[theirs]  # [L] where each of the target's rows comes from
         # Stable sorts by rank keep each group in ascending global position: the order the other
         # layout lists those rows in too.
-        send_order = torch.sort(dest, stable=True).indices
+        by_dest = torch.sort(dest, stable=True).indices  # send slot -> source-local row
         by_source = torch.sort(origin, stable=True).indices  # buffer slot -> target-local row
-        placed = torch.empty_like(by_source)
-        placed[by_source] = torch.arange(by_source.numel())
-        return cls(send_order, placed, torch.bincount(dest, minlength=cp).tolist(),
-                   torch.bincount(origin, minlength=cp).tolist())
+        to_dest = torch.bincount(dest, minlength=cp).tolist()
+        from_source = torch.bincount(origin, minlength=cp).tolist()
+        return (cls(by_dest, _inverse(by_source), to_dest, from_source),
+                cls(by_source, _inverse(by_dest), from_source, to_dest))
 
     def moved_rows(self, rank: int) -> Tuple[int, int]:
         """(rows sent to other ranks, rows received from them): all but the rank's own block."""
@@ -78,6 +80,13 @@ class RowMove:
 
     def to(self, device: torch.device) -> "RowMove":
         return RowMove(self.send_order.to(device), self.placed.to(device), self.send_counts, self.recv_counts)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """[L] the inverse permutation: slot i of ``order`` holds row order[i], so row r is at slot inv[r]."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return inverse
 
 
 def _move_rows(x: torch.Tensor, move: RowMove, group) -> torch.Tensor:
@@ -131,7 +140,7 @@ class Relaid:
 
     @classmethod
     def build(cls, inner, source: Layout, rank: int) -> "Relaid":
-        return cls(inner, RowMove.of(source, inner.layout, rank), RowMove.of(inner.layout, source, rank), {})
+        return cls(inner, *RowMove.pair(source, inner.layout, rank), {})
 
     def on(self, device: torch.device) -> Tuple[RowMove, RowMove]:
         """The two moves with their indices on ``device`` (one copy each per step and device)."""
