@@ -11,18 +11,16 @@ their own layout (balanced already, head-parallel).
 import pytest
 import torch
 
-from megatron_ext.testing import WorkerPool, catch, pool_fixture, pool_per_cp_fixture, reference_attention
+from megatron_ext.testing import WorkerPool, catch, pool_fixture, pool_per_cp_fixture
 from megatron_ext.testing.cases import CASES, make_doc_ids
 from test_engine_dist import dropout_checks
+from test_two_dim import planned_step
+from test_ulysses import errors_against_reference
 from test_variants import _thd_padded
 
 LAYOUTS = ("contiguous", "zigzag", "thd")
 TOL = 1e-12
 HEADS = (6, 2, 8, 4)  # (Hq, Hkv, Dqk, Dv): GQA and MLA's value dim
-
-
-def _rel(a, b):
-    return float((a.detach() - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def _ids(case, S, cp, layout):
@@ -43,43 +41,21 @@ def check_relaid(case, exchange, window=None, kv_backward=None, layouts=LAYOUTS,
     from megatron_ext.blockdiag_cp.layouts import build_layout
 
     cp, rank = dist.get_world_size(), dist.get_rank()
-    hq, hkv, dk, dv = HEADS
     results = {}
     for layout in layouts:
         doc_ids = _ids(case, S, cp, layout)
         if doc_ids is None:
             continue
-        b = doc_ids.shape[0] if doc_ids.dim() == 2 else 1
-        n = doc_ids.shape[-1]
-        g = torch.Generator().manual_seed(31)
-        q = torch.randn(n, b, hq, dk, generator=g, dtype=torch.float64)
-        k = torch.randn(n, b, hkv, dk, generator=g, dtype=torch.float64)
-        v = torch.randn(n, b, hkv, dv, generator=g, dtype=torch.float64)
-        w = torch.randn(n, b, hq, dv, generator=g, dtype=torch.float64)
-        sink = torch.randn(hq, generator=g, dtype=torch.float64)
-        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_sink = sink.clone().requires_grad_()
-        ref = reference_attention(*ref_in, doc_ids, window=window, sink=ref_sink)
-        (ref * w).sum().backward()
-        state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                            kv_backward=kv_backward, relayout=relayout)
-        local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
-        offset = sink.clone().requires_grad_()
-        with bdcp.blockdiag_cp_step(state):
-            out = bdcp.blockdiag_cp_attention(*local, window_size=None if window is None else (window, 0),
-                                              softmax_offset=offset)
-            (out * state.shard(w)).sum().backward()
-        d_sink = offset.grad.clone()
-        dist.all_reduce(d_sink)  # each rank's queries' share
-        errs = [_rel(out, state.shard(ref))] + [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
+        errs, state = errors_against_reference(doc_ids, HEADS, window, lambda ids: bdcp.BlockDiagCPState.build(
+            ids, layout=layout, kv_exchange=exchange, attn_backend="dense", kv_backward=kv_backward,
+            relayout=relayout), seed=31)
         # Rows that change owner, from the layouts themselves (the balanced one as its strategy cuts
         # these ids, not as the state holds it).
         balanced = build_layout("balanced", state.doc_ids, cp)
         mine, owner = state.layout.positions, balanced.owner()
         sent = int((owner[mine[rank]] != rank).sum())
         received = int((state.layout.owner()[balanced.positions[rank]] != rank).sum())
-        results[layout] = (errs + [_rel(d_sink, ref_sink.grad)], state.report(), sent, received,
-                           state.relaid is not None)
+        results[layout] = (errs, state.report(), sent, received, state.relaid is not None)
     return results
 
 
@@ -192,38 +168,6 @@ def test_bad_or_differing_knob_is_refused_on_every_rank():
         assert all("relayout ('balanced' vs 'none')" in message for _, message in got), got
 
 
-def planned_relaid(ids, layout, relayout):
-    """kv_exchange "planned" offered a2a alone (and, with relayout "balanced", the relaid options): (the
-    report, (name, modeled seconds) of the options priced here independently of the state, max error
-    against the fp64 reference)."""
-    import torch.distributed as dist
-
-    import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp import cost_options
-
-    cp = dist.get_world_size()
-    default_options = cost_options.default_options
-    cost_options.default_options = lambda cp, gpus_per_node=None: [("a2a", 1)]
-    try:
-        state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="planned", attn_backend="dense",
-                                            relayout=relayout)
-        offered = [("a2a", 1)] + (cost_options.relaid_options(cp) if relayout == "balanced" else [])
-        priced = cost_options.price_exchange_options(ids, cp, layout, options=offered)
-    finally:
-        cost_options.default_options = default_options
-    g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    reference_attention(*ref, ids).sum().backward()
-    local = [state.shard(t).requires_grad_() for t in (q, k, v)]
-    with bdcp.blockdiag_cp_step(state):
-        out = bdcp.blockdiag_cp_attention(*local)
-        out.sum().backward()
-    err = max([_rel(out, state.shard(reference_attention(q, k, v, ids)))] +
-              [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref)])
-    return state.report(), [(o.name, o.modeled_seconds) for o in priced], err
-
-
 def _long_and_short(S=4096):
     """One document of S / 2, then documents of 16: contiguous gives the long one's rank the most work."""
     from megatron_ext.testing import runs_to_doc_ids
@@ -237,11 +181,12 @@ def test_planned_offers_the_relaid_options_with_the_knob(pool, layout, ids, move
     if pool.world != 4:
         pytest.skip("priced at cp 4")
     ids = _long_and_short() if ids == "long_and_short" else make_doc_ids(ids, 96, 4)
-    for report, priced, err in pool.run(planned_relaid, ids, layout, "balanced"):
+    offered = ("a2a", 1)  # and, with the knob, the relaid options
+    for report, priced, err in pool.run(planned_step, ids, 4, 4, offered, layout, "balanced"):
         assert err < TOL, err
-        best = min(priced, key=lambda o: o[1])[0]
+        best = min((o for o in priced if not o[2]), key=lambda o: o[1])[0]
         assert [o["name"] for o in report["planned_options"]][0] == best, (report["planned_options"], priced)
         assert (best == "relaid a2a") == moved and (report["attended_layout"] == "balanced") == moved, report
         assert report["relayout_reason"].startswith("planned: q/k/v moved" if moved else "planned: an option"), report
-    for report, priced, err in pool.run(planned_relaid, ids, layout, "none"):  # without the knob: not offered
+    for report, priced, err in pool.run(planned_step, ids, 4, 4, offered, layout, "none"):  # without the knob
         assert err < TOL and [o["name"] for o in report["planned_options"]] == ["a2a"], report

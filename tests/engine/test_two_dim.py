@@ -183,10 +183,11 @@ def test_bad_sizes_are_refused_alike_on_every_rank(pool):
         assert ("ulysses_size must be a positive integer" in bad) if rank == 1 else ("CP rank 1" in bad), bad
 
 
-def planned_step(case, local_world_size, hq, forced=None):
+def planned_step(case, local_world_size, hq, forced=None, layout="zigzag", relayout=None):
     """kv_exchange "planned" at cp 4 with ``local_world_size`` ranks per node: (the report, the options
-    priced here independently of the state, max error against the fp64 reference). ``forced``: the
-    one (exchange, u) option offered, to make a head-parallel choice."""
+    priced here independently of the state, max error against the fp64 reference). ``case``: a document
+    case or the doc ids; ``forced``: the one (exchange, u) option offered, to make a head-parallel
+    choice; ``relayout`` "balanced": the relaid options are offered too."""
     import os
 
     import torch.distributed as dist
@@ -200,10 +201,13 @@ def planned_step(case, local_world_size, hq, forced=None):
     if forced is not None:
         cost_options.default_options = lambda cp, gpus_per_node=None: [forced]
     try:
-        ids = make_doc_ids(case, 96, dist.get_world_size())
-        state = bdcp.BlockDiagCPState.build(ids, kv_exchange="planned", attn_backend="dense", layout="zigzag")
+        ids = case if isinstance(case, torch.Tensor) else make_doc_ids(case, 96, dist.get_world_size())
+        state = bdcp.BlockDiagCPState.build(ids, kv_exchange="planned", attn_backend="dense", layout=layout,
+                                            relayout=relayout)
         G = local_world_size if local_world_size < 4 else None
-        priced = cost_options.price_exchange_options(ids, 4, "zigzag", gpus_per_node=G)
+        offered = cost_options.default_options(4, G) + (
+            cost_options.relaid_options(4, G) if relayout == "balanced" else [])
+        priced = cost_options.price_exchange_options(ids, 4, layout, gpus_per_node=G, options=offered)
         g = torch.Generator().manual_seed(3)
         n, b = ids.shape[-1], ids.shape[0] if ids.dim() == 2 else 1
         q, k, v = (torch.randn(n, b, h, 8, generator=g, dtype=torch.float64) for h in (hq, 1, 1))

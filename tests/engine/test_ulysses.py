@@ -30,6 +30,41 @@ def _rel(a, b):
     return float((a.detach() - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+def errors_against_reference(doc_ids, heads, window, build, seed=29):
+    """Float64 q, k, v, a loss weight and a sink of ``heads`` (Hq, Hkv, Dqk, Dv) for ``doc_ids``; the state
+    ``build(doc_ids)`` attends this rank's share (sliding ``window``, the sink), backward through the
+    weighted sum, the sink's gradient summed over the group: ([errors of out, dq, dk, dv, dsink] against
+    ``reference_attention``, the state)."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+
+    hq, hkv, dk, dv = heads
+    b = doc_ids.shape[0] if doc_ids.dim() == 2 else 1
+    n = doc_ids.shape[-1]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, b, hq, dk, generator=g, dtype=torch.float64)
+    k = torch.randn(n, b, hkv, dk, generator=g, dtype=torch.float64)
+    v = torch.randn(n, b, hkv, dv, generator=g, dtype=torch.float64)
+    w = torch.randn(n, b, hq, dv, generator=g, dtype=torch.float64)
+    sink = torch.randn(hq, generator=g, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_sink = sink.clone().requires_grad_()
+    ref = reference_attention(*ref_in, doc_ids, window=window, sink=ref_sink)
+    (ref * w).sum().backward()
+    state = build(doc_ids)
+    local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+    offset = sink.clone().requires_grad_()
+    with bdcp.blockdiag_cp_step(state):
+        out = bdcp.blockdiag_cp_attention(*local, window_size=None if window is None else (window, 0),
+                                          softmax_offset=offset)
+        (out * state.shard(w)).sum().backward()
+    d_sink = offset.grad.clone()
+    dist.all_reduce(d_sink)  # each rank has its heads' (or its queries') share
+    errs = [_rel(out, state.shard(ref))] + [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
+    return errs + [_rel(d_sink, ref_sink.grad)], state
+
+
 def check_ulysses(case, heads, window, layouts=LAYOUTS, S=96, exchange="ulysses", ulysses_size=None,
                   kv_backward=None):
     """On every rank: {layout: ([errors of out, dq, dk, dv, dsink], bytes sent, bytes received, exchange,
@@ -39,7 +74,6 @@ def check_ulysses(case, heads, window, layouts=LAYOUTS, S=96, exchange="ulysses"
     import megatron_ext.blockdiag_cp as bdcp
 
     cp = dist.get_world_size()
-    hq, hkv, dk, dv = heads
     results = {}
     for layout in layouts:
         doc_ids = make_doc_ids(case, S, cp)
@@ -47,32 +81,12 @@ def check_ulysses(case, heads, window, layouts=LAYOUTS, S=96, exchange="ulysses"
             if doc_ids.dim() == 2:
                 continue  # THD packs one row
             doc_ids = _thd_padded(doc_ids, 2 * cp)
-        b = doc_ids.shape[0] if doc_ids.dim() == 2 else 1
-        n = doc_ids.shape[-1]
-        g = torch.Generator().manual_seed(29)
-        q = torch.randn(n, b, hq, dk, generator=g, dtype=torch.float64)
-        k = torch.randn(n, b, hkv, dk, generator=g, dtype=torch.float64)
-        v = torch.randn(n, b, hkv, dv, generator=g, dtype=torch.float64)
-        w = torch.randn(n, b, hq, dv, generator=g, dtype=torch.float64)
-        sink = torch.randn(hq, generator=g, dtype=torch.float64)
-        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_sink = sink.clone().requires_grad_()
-        ref = reference_attention(*ref_in, doc_ids, window=window, sink=ref_sink)
-        (ref * w).sum().backward()
-        state = bdcp.BlockDiagCPState.build(doc_ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                            ulysses_size=ulysses_size, kv_backward=kv_backward)
-        local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
-        offset = sink.clone().requires_grad_()
-        with bdcp.blockdiag_cp_step(state):
-            out = bdcp.blockdiag_cp_attention(*local, window_size=None if window is None else (window, 0),
-                                              softmax_offset=offset)
-            (out * state.shard(w)).sum().backward()
-        d_sink = offset.grad.clone()
-        dist.all_reduce(d_sink)  # each rank has its heads' share
+        errs, state = errors_against_reference(doc_ids, heads, window, lambda ids: bdcp.BlockDiagCPState.build(
+            ids, layout=layout, kv_exchange=exchange, attn_backend="dense", ulysses_size=ulysses_size,
+            kv_backward=kv_backward))
         report = state.report()
-        errs = [_rel(out, state.shard(ref))] + [_rel(t.grad, state.shard(r.grad)) for t, r in zip(local, ref_in)]
-        results[layout] = (errs + [_rel(d_sink, ref_sink.grad)], report["bytes_sent"], report["bytes_received"],
-                           report["kv_exchange"], report["local_len"], report["kv_backward"], report)
+        results[layout] = (errs, report["bytes_sent"], report["bytes_received"], report["kv_exchange"],
+                           report["local_len"], report["kv_backward"], report)
     return results
 
 
