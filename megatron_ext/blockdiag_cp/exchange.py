@@ -159,6 +159,9 @@ class _DirectGradients:
     the chunk came but no call here attended it, nothing where the home expects nothing.
     """
 
+    # Where a step's transfers go: a subclass may hand them over instead (testing.loopback).
+    post = staticmethod(post)
+
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         rows, incoming = self.sent_rows(step)
         outgoing = self.gradient_rows(step)
@@ -166,8 +169,8 @@ class _DirectGradients:
             grad_chunk = None
         elif grad_chunk is None:
             grad_chunk = like.new_zeros((outgoing,) + tuple(like.shape[1:]))
-        return (return_gradient(grad_chunk, step[0], incoming, self.rank, self.cp, like, self.group, self.stats),
-                rows, step)
+        return (return_gradient(grad_chunk, step[0], incoming, self.rank, self.cp, like, self.group, self.stats,
+                                self.post), rows, step)
 
     @staticmethod
     def settle(handle, dkv) -> None:
@@ -207,7 +210,7 @@ class RingTransport(_DirectGradients):
         i, j = step
         send = fused_rows(self.k, self.v, slice(j * self.c, (j + 1) * self.c)) if i == 1 else self._last
         n = self.rows(j)
-        return post([(send, (self.rank + 1) % self.cp)], (self.rank - 1) % self.cp,
+        return self.post([(send, (self.rank + 1) % self.cp)], (self.rank - 1) % self.cp,
                     (n,) + send.shape[1:], send, self.group, self.stats, self.prefix + "wait_seconds",
                     self.prefix + "bytes")
 
@@ -276,7 +279,7 @@ class NeededTransport(_DirectGradients):
         n_recv = self.received_rows(step)
         like = self.k[:0]
         shape = (n_recv, self.k.shape[1], fused_width(self.k, self.v))
-        return post([(send, dst)], src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
+        return self.post([(send, dst)], src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
                     self.prefix + "bytes")
 
     def _send_buffer(self, rows) -> torch.Tensor:  # [n, b, F]
@@ -427,10 +430,10 @@ class RingGradients:
 
 
 def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incoming_rows: int, rank: int,
-                    cp: int, like: torch.Tensor, group, stats: Dict) -> Transfer:
+                    cp: int, like: torch.Tensor, group, stats: Dict, post=post) -> Transfer:
     """Send a chunk's K/V gradient to its source (rank - i); receive ours from rank + i.
 
-    ``like``: a [*, b, F] tensor of the gradients' dtype and device.
+    ``like``: a [*, b, F] tensor of the gradients' dtype and device; ``post``: where the transfers go.
     """
     src, dst = (rank - round_index) % cp, (rank + round_index) % cp
     return post([(grad_chunk, src)], dst, (incoming_rows,) + tuple(like.shape[1:]), like, group, stats,

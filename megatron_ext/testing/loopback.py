@@ -3,10 +3,11 @@
 ``run_rank`` builds rank r's state under torch's fake process group (its collectives leave each
 tensor as this rank made it, so every agreement reads as if the peers agreed: they would hold
 the same doc ids and knobs) and gives it a ``Loopback``: the chunks rank r would receive are cut
-from the whole K/V on r's device before the layer runs (``prepare``), a step's transfer hands
-over the ready chunk, and each K/V gradient that would come home is zeros (the other ranks are
-not computed). So one device runs a rank's kernel calls, merges and host work at cp 8 in one
-process (the GPU check): out and dq are rank r's exactly; dK/dV are its own share only.
+from the whole K/V on r's device before the layer runs (``prepare``); a step gathers its send
+buffer as it would and posts nothing: the ready chunk is handed over, and each K/V gradient that
+would come home is zeros (the other ranks are not computed). So one device runs a rank's kernel
+calls, merges, send gathers and host work at cp 8 in one process (the GPU check): out and dq are
+rank r's exactly; dK/dV are its own share only.
 
     python -m megatron_ext.testing.loopback --cp 8 --rank 3 --S 131072 --mix single
 """
@@ -33,17 +34,29 @@ class _Ready:
 
 
 class _Handover:
-    """The transports' step logic (pieces, rows, which gradients come home), transfers replaced."""
+    """The transports' own steps (the send buffers they gather, which gradients go home), each transfer
+    handed over instead of posted: the chunk rank r receives at the step, zeros for the gradients."""
 
     def __init__(self, chunks: Dict, zeros: torch.Tensor):
         self.chunks, self.zeros = chunks, zeros
+        self._step = None  # the step whose chunk the next post hands over; None: a gradient coming home
 
     def start(self, step):
-        return _Ready(self.chunks.get(step))
+        self._step = step
+        return super().start(step)
 
     def send_gradient(self, step, grad_chunk, like):
-        rows, incoming = self.sent_rows(step)
-        return _Ready(self.zeros[:incoming] if incoming else None), rows, step
+        self._step = None
+        return super().send_gradient(step, grad_chunk, like)
+
+    def post(self, sends, recv_from, recv_shape, *rest):
+        for tensor, _ in sends:  # what post would send: made contiguous, then dropped (no peer)
+            if tensor is not None:
+                tensor.contiguous()
+        if self._step is not None:
+            return _Ready(self.chunks.get(self._step))
+        rows = recv_shape[0] if recv_from is not None else 0
+        return _Ready(self.zeros[:rows] if rows else None)
 
 
 class _NeededHandover(_Handover, NeededTransport):

@@ -1,6 +1,7 @@
 """``testing.loopback``: one CP rank's real plan in one process (torch's fake process group, chunks handed
 over on the rank's device). Rank r's out and dq equal the fp64 reference on its positions (they depend
-on r's work alone), and its kernel calls per layer call equal those of the same rank in a gloo group."""
+on r's work alone), and its kernel calls and launching ops per layer call (the send buffers it gathers included) equal those of
+the same rank in a gloo group."""
 
 import pytest
 import torch
@@ -36,7 +37,8 @@ def loopback_rank(rank, cp, layout, exchange):
         with bdcp.blockdiag_cp_step(state):
             out = bdcp.blockdiag_cp_attention(*leaves)
             (out * state.shard(w)).sum().backward()
-        calls = [(f.kernel_calls, b.kernel_calls, f.sends + f.receives) for f, b in layer_calls(state, ql, kl, vl, layers=2)]
+        calls = [(f.kernel_calls, b.kernel_calls, f.launching, b.launching, f.sends + f.receives)
+                 for f, b in layer_calls(state, ql, kl, vl, layers=2)]
         errors = [float((out - state.shard(out_ref)).abs().max()), float((leaves[0].grad - state.shard(ref[0].grad)).abs().max())]
         return {"errors": errors, "calls": calls[1], "exchange": state.kv_exchange}
     finally:
@@ -52,7 +54,7 @@ def gloo_calls(layout, exchange):
     q, k, v = (torch.randn(ids.numel(), 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense")
     f, b = layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=2)[1]
-    return f.kernel_calls, b.kernel_calls
+    return f.kernel_calls, b.kernel_calls, f.launching, b.launching
 
 
 pool4 = pool_fixture(4)
@@ -67,5 +69,5 @@ def test_loopback_rank_matches_the_reference_and_the_gloo_run(pool4, pool1, layo
         got, = pool1.run(loopback_rank, rank, 4, layout, exchange)
         assert got["exchange"] == exchange
         assert max(got["errors"]) < 1e-12, (rank, got)
-        assert got["calls"][:2] == expected[rank], (rank, got, expected)
-        assert got["calls"][2] == 0  # nothing crossed a process: the chunks were handed over
+        assert got["calls"][:4] == expected[rank], (rank, got, expected)  # the same ops, send gathers included
+        assert got["calls"][4] == 0  # nothing crossed a process: the chunks were handed over
