@@ -24,9 +24,12 @@ bench/README.md):
 
 modeled = the later of the stream's and the host's end. Per case, the busiest rank's figures of a
 steady layer call (the second of a step; the third is the same) are reported with the host time the
-CPU measured for it, run again in the same step without the counter (whose per-op Python is not the
-op's; thread CPU time, so the other ranks sharing the cores do not inflate it; the null kernel keeps
-the kernel out of it; it includes the CPU running the small-dim ops), the ideal
+CPU measured for it: each rank alone, one after another in one process as rank r of torch's fake
+process group (``alone_host``: the same plan, ops and posts, nothing sent), thread CPU time of a
+steady call without the counter (whose per-op Python is not the op's), the slowest rank; the null
+kernel keeps the kernel out of it, and it includes the CPU running the small-dim ops. The same
+calls timed in the shared run (every rank at once on the cores, which inflates each other's thread
+time) are kept beside it. Then the ideal
 (the documents' causal query-key pairs under the window, total / cp, at the kernel rate) and the
 layout's roofline: max(ideal, the busiest rank's needed K/V bytes (the plan's exchange counts x
 2 · Hkv · D · 2 bytes, the larger of received and sent per link class) at link rate). Topology:
@@ -353,6 +356,29 @@ def _null_kernel():
     return kernels.Kernel(forward, backward)
 
 
+def timed_layers(q, k, v, layers: int, region=lambda label: contextlib.nullcontext(), **attention_kwargs
+                 ) -> Dict[Tuple[str, int], Tuple[float, float]]:
+    """``layers`` layer calls of the step in force, forward then backward, each inside ``region((phase,
+    layer))``: (phase, layer) -> (thread s, wall s)."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    times, outs = {}, []
+    for layer in range(layers):
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        with region(("forward", layer)):
+            t, w = time.thread_time(), time.perf_counter()
+            out = bdcp.blockdiag_cp_attention(*inputs, **attention_kwargs)
+            times[("forward", layer)] = (time.thread_time() - t, time.perf_counter() - w)
+        outs.append(out)
+    upstream = torch.ones_like(outs[0])
+    for layer in reversed(range(layers)):
+        with region(("backward", layer)):
+            t, w = time.thread_time(), time.perf_counter()
+            torch.autograd.backward(outs[layer], upstream)
+            times[("backward", layer)] = (time.thread_time() - t, time.perf_counter() - w)
+    return times
+
+
 def record_layers(state, q, k, v, layers: int = LAYERS, **attention_kwargs):
     """``layer_calls``' loop under ``OpCounter(log=True)``, then the same ``layers`` calls again in the
     same step without it, timed: per layer ((forward Counts, thread s, wall s), (backward ...)).
@@ -364,28 +390,10 @@ def record_layers(state, q, k, v, layers: int = LAYERS, **attention_kwargs):
     from megatron_ext.testing.op_counter import OpCounter
 
     counter = OpCounter(log=True)
-    times = {}
-
-    def run_layers(region):
-        outs = []
-        for layer in range(layers):
-            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            with region(("forward", layer)):
-                t, w = time.thread_time(), time.perf_counter()
-                out = bdcp.blockdiag_cp_attention(*inputs, **attention_kwargs)
-                times[("forward", layer)] = (time.thread_time() - t, time.perf_counter() - w)
-            outs.append(out)
-        upstream = torch.ones_like(outs[0])
-        for layer in reversed(range(layers)):
-            with region(("backward", layer)):
-                t, w = time.thread_time(), time.perf_counter()
-                torch.autograd.backward(outs[layer], upstream)
-                times[("backward", layer)] = (time.thread_time() - t, time.perf_counter() - w)
-
     with bdcp.blockdiag_cp_step(state):
         with counter:
-            run_layers(counter.region)
-        run_layers(lambda label: contextlib.nullcontext())  # overwrites ``times``: the uncounted calls'
+            timed_layers(q, k, v, layers, counter.region, **attention_kwargs)
+        times = timed_layers(q, k, v, layers, **attention_kwargs)
     return [tuple((counter.counts[(p, i)], *times[(p, i)]) for p in ("forward", "backward"))
             for i in range(layers)]
 
@@ -476,6 +484,58 @@ def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optiona
             if not suffix:
                 row[f"host_s_{short}"], row[f"elementwise_s_{short}"] = p["launch_s"], p["elementwise_s"]
     return row
+
+
+def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str, cp: int,
+               relayout: str = "none", env: Optional[Dict[str, str]] = None, reps: int = 5) -> List[Dict]:
+    """Per rank, the host thread time of a steady layer call with that rank alone on the CPU, the ranks one
+    after another in this process: rank r of torch's fake process group (its collectives and transfers
+    post nothing; what arrives is whatever the receive buffer held, which the null kernel never reads),
+    so the op runs rank r's own plan, gathers, merges, posts and waits as in the shared run (``replay_rank``'s
+    tensors and knobs, ``env`` as its pool's), the least disturbed of ``reps`` steps (``host_s_fwd``,
+    ``host_s_bwd``), with the steady call's counts (``kernel_calls_*``, ``launching_*``, ``transfers_*``).
+    The shared run's figure (cp processes on the cores at once) carries what they do to each other's
+    caches and scheduling, which a GPU node, a host core per rank, does not. In a process of its own."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing.loopback import fake_group
+    from megatron_ext.testing.op_counter import layer_calls
+    from megatron_ext.testing.overrides import override_kernel
+
+    run = RUN_DIMS[model]
+    kwargs = {} if window is None else {"window_size": (window, 0)}
+    env = {"LOCAL_WORLD_SIZE": str(cp), **(env or {})}  # as the pool sets it: one node unless told
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    torch.set_num_threads(1)  # as each pool rank runs: one core of its own
+    per_rank = []
+    try:
+        for rank in range(cp):
+            fake_group(rank, cp)
+            try:
+                state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                                    kv_backward="refetch", windows=window, relayout=relayout)
+                g = torch.Generator().manual_seed(rank)
+                q, k, v = (torch.randn(state.local_len, 1, h, run.d, generator=g).to(torch.bfloat16)
+                           for h in (run.hq, run.hkv, run.hkv))
+                steady = []
+                with override_kernel("dense", _null_kernel()):
+                    fwd, bwd = layer_calls(state, q, k, v, layers=2, **kwargs)[1]
+                    for _ in range(reps):
+                        with bdcp.blockdiag_cp_step(state):  # the first call builds the step's device tables
+                            times = timed_layers(q, k, v, 2, **kwargs)
+                        steady.append((times[("forward", 1)][0], times[("backward", 1)][0]))
+            finally:
+                torch.distributed.destroy_process_group()
+            per_rank.append({"host_s_fwd": min(f for f, _ in steady), "host_s_bwd": min(b for _, b in steady),
+                             **{f"{key}_{short}": c.summary()[key] for short, c in (("fwd", fwd), ("bwd", bwd))
+                                for key in ("kernel_calls", "launching", "transfers")}})
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return per_rank
 
 
 def h200_loopback_rows(path: str = GPU_CHECK_ROWS) -> Dict[Tuple[str, str, int], Dict]:
@@ -581,6 +641,7 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
         row[f"ratio_{short}"] = c["modeled_s"] / (roof_f if short == "fwd" else roof_b)
         row[f"syncs_max_{short}"] = max(cc[phase]["syncs"] for cc in calls)
     row["ratio"] = (row["modeled_s_fwd"] + row["modeled_s_bwd"]) / (roof_f + roof_b)
+    row["host_measured"] = "shared"  # ``with_alone_host``: "alone"
     if hw_measured is not None and "modeled_s_measured_kernel" in calls[busiest]["forward"]:
         ideal_mf, ideal_mb = ideal_seconds(pairs, target, case.cp, hw_measured)
         roofs = {"fwd": max(ideal_mf, link), "bwd": max(ideal_mb, link)}
@@ -616,11 +677,24 @@ QUICK_POINTS = ((32768, 2, ("short", "single"), ("zigzag", "balanced"), ("a2a", 
 
 def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[float] = None) -> List[Dict]:
     """Rows of every case of ``points`` (a pool per cp, and one with 2 nodes for hierarchical)."""
-    from megatron_ext.testing import WorkerPool
+    import concurrent.futures
+    import multiprocessing
 
     rows: List[Dict] = []
     t_start = time.perf_counter()
     measured = measured_kernel(base=hw)
+    # one process for the ranks-alone host times, run while the case's pool idles between cases
+    alone = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        _run_points(points, hw, log, budget_s, rows, t_start, measured, alone)
+    finally:
+        alone.shutdown()
+    return rows
+
+
+def _run_points(points, hw, log, budget_s, rows, t_start, measured, alone) -> None:
+    from megatron_ext.testing import WorkerPool
+
     for S, cp, mixes, layouts, exchanges, windows, models, *relaid in points:
         relayout = relaid[0] if relaid else "none"
         for hier in (False, True):
@@ -637,7 +711,7 @@ def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[flo
                                 for model in models:
                                     if budget_s is not None and time.perf_counter() - t_start > budget_s:
                                         log(f"  gpu_model: budget {budget_s:.0f}s spent, later cases not run")
-                                        return rows
+                                        return
                                     case = Case(S, cp, mix, layout, exchange, window, model, relayout)
                                     t0 = time.perf_counter()
                                     try:
@@ -648,10 +722,23 @@ def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[flo
                                     except Exception as exc:  # noqa: BLE001 - a refused case is a row
                                         row = {**case_row(case, [{"refused": ""}], ids, hw),
                                                "refused": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"}
+                                    if "refused" not in row and exchange != "hierarchical":
+                                        with_alone_host(row, alone.submit(alone_host, ids, layout, exchange, window,
+                                                                          model, cp, relayout, env).result())
                                     row["case_seconds"] = time.perf_counter() - t0
                                     rows.append(row)
                                     log(f"  gpu_model {case}: {_brief(row)} ({row['case_seconds']:.1f}s)")
-    return rows
+
+
+def with_alone_host(row: Dict, per_rank: Sequence[Dict]) -> None:
+    """``host_s_*``: the slowest rank alone on the CPU (``alone_host``); the shared run's figure kept as
+    ``host_shared_s_*``. ``hierarchical`` keeps the shared figure (``host_measured: "shared"``): torch's
+    fake process group refuses an all-to-all whose input is empty while its output is not, which the
+    two-level exchange posts."""
+    for short in ("fwd", "bwd"):
+        row[f"host_shared_s_{short}"] = row[f"host_s_{short}"]
+        row[f"host_s_{short}"] = max(r[f"host_s_{short}"] for r in per_rank)
+    row["host_measured"] = "alone"
 
 
 def _brief(row: Dict) -> str:

@@ -998,7 +998,8 @@ GPU_MODEL = Suite(
                lambda rows: _gm_within_roofline(rows, "_measured_kernel"),
                _gm_worst, unit="case phases"),
         Target("gpu_model: host time with a null kernel <= modeled GPU time where the ideal is >= 1 ms "
-               "(the ulysses rows apart: their CPU runs the model's 32 heads)",
+               "(the slowest rank, each rank alone on the CPU; hierarchical: every rank at once on the shared "
+               "cores; the ulysses rows apart: their CPU runs the model's 32 heads)",
                _gm_host_under_gpu, _gm_worst, unit="case phases"),
     ),
     tables=(

@@ -154,6 +154,47 @@ def test_a_merge_is_priced_at_the_rows_it_merges():
     assert gm._op_bytes(runs, run, target) == pytest.approx(3 * (640 + 80 + 2 * 1360))
 
 
+def shared_counts(layout: str, exchange: str, window, relayout: str):
+    """On every rank: the steady layer call's kernel calls, launching ops and transfers, forward and
+    backward, as the gpu_model replay records them with every rank running at once."""
+    gm = _bench()
+    got = gm.replay_rank(_ids(), layout, exchange, window, "gqa", relayout=relayout)
+    c = got["calls"][1]
+    return {f"{key}_{short}": c[phase][key] for phase, short in (("forward", "fwd"), ("backward", "bwd"))
+            for key in ("kernel_calls", "launching", "transfers")}
+
+
+@pytest.mark.timeout(300)
+def test_alone_host_runs_each_ranks_own_ops_alone():
+    # The ranks-alone host time stands in for the shared run's only if each rank issues the same ops
+    # there: rank r of the fake process group makes the kernel calls, launching ops and transfers the
+    # gloo run's rank r makes (two nodes' cost model included, and a relaid step's all-to-alls).
+    import concurrent.futures
+    import multiprocessing
+
+    gm = _bench()
+    spawn = multiprocessing.get_context("spawn")
+    nodes = {"LOCAL_WORLD_SIZE": "2"}
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as alone:
+        for cp, env, cases in ((2, {}, (("zigzag", "a2a", None, "none"), ("zigzag", "allgather", None, "none"),
+                                        ("zigzag", "halo", 5, "none"), ("zigzag", "a2a", None, "balanced"))),
+                               (4, nodes, (("balanced", "a2a", None, "none"),))):
+            with WorkerPool(cp, env=env) as pool:
+                for layout, exchange, window, relayout in cases:
+                    shared = pool.run(shared_counts, layout, exchange, window, relayout, timeout=100)
+                    per_rank = alone.submit(gm.alone_host, _ids(), layout, exchange, window, "gqa", cp, relayout,
+                                            env, 2).result()
+                    assert len(per_rank) == cp
+                    for rank, (mine, theirs) in enumerate(zip(per_rank, shared)):
+                        assert {key: mine[key] for key in theirs} == theirs, (exchange, relayout, rank)
+                        assert 0 < mine["host_s_fwd"] < 1 and 0 < mine["host_s_bwd"] < 1
+                    assert any(r["transfers_fwd"] for r in per_rank), (exchange, relayout)
+    row = {"host_s_fwd": 5e-3, "host_s_bwd": 6e-3}
+    gm.with_alone_host(row, [{"host_s_fwd": 1e-3, "host_s_bwd": 4e-3}, {"host_s_fwd": 2e-3, "host_s_bwd": 3e-3}])
+    assert row == {"host_s_fwd": 2e-3, "host_s_bwd": 4e-3, "host_shared_s_fwd": 5e-3, "host_shared_s_bwd": 6e-3,
+                   "host_measured": "alone"}
+
+
 def test_pairs_and_case_row_arithmetic():
     gm = _bench()
     assert gm.segment_pairs((4,), (4,), True, None) == 10
