@@ -30,6 +30,14 @@ own head shard with ranks j' * u + i, so per rank the outer exchange moves 1/u o
 compute the ideal, total causal pairs / cp). ``ideal``: total pairs / cp x seconds per pair, the
 same for every option. Bytes: forward, the busiest rank's larger of sent and received (ulysses'
 all-to-alls send what they receive), the inner all-to-alls plus the outer exchange.
+
+Merges (``merge_seconds``, in ``modeled_seconds``): a row whose keys sit on several ranks gets one
+partial output per rank and merges them. Every sequence option (r > 1, and the relaid ones) adds the
+busiest rank's merged partials of its layout (``merged_rows``) at 14 HBM bytes per output element
+over 3.3e12 B/s forward, backward 1.5x that: the elementwise time the gpu_model replay prices for
+thd and one-document packs (128k / cp 8), within 10%. Ulysses (r = 1) attends whole sequences: none.
+This is what separates a THD pack of short documents (every document on every rank) from the same
+documents relaid, whose K/V bytes can price alike.
 """
 
 from dataclasses import dataclass, replace
@@ -40,6 +48,13 @@ import torch
 from .cost import CostModel, DEFAULT_DIMS, LINK_BYTES_PER_SECOND, Traffic, normalize_link
 
 ONE_D = ("allgather", "a2a", "halo", "hierarchical", "ulysses")
+HBM_BYTES_PER_SECOND = 3.3e12  # H200
+# HBM bytes per merged output element in forward (the partial, the float32 running output and its lse
+# read and written, the call's rows gathered), and backward's over forward's (q, dout and out gathered
+# per call, dq added): the elementwise time the gpu_model replay prices for thd and one-document packs
+# at 128k / cp 8 (bf16, 32 x 128 query heads), within 10%.
+MERGE_BYTES_PER_ELEMENT = 14
+MERGE_BACKWARD_FACTOR = 1.5
 RELAID = "relaid "  # + a needed-only exchange: the rows moved to the balanced layout, attended there
 OUTER_EXCHANGES = ("a2a", "hierarchical")
 
@@ -59,6 +74,7 @@ class ExchangeOption:
     overlap_seconds: Optional[float] = None  # the outer exchange streamed behind compute (inner a2a exposed)
     refused: str = ""
     relayout: str = "none"  # "balanced": the rows moved there for the attention (``relayout``)
+    merge_seconds: float = 0.0  # of modeled_seconds: the busiest rank's merges of partial outputs
 
     @property
     def modeled_over_ideal(self) -> float:
@@ -120,6 +136,61 @@ def ulysses_seconds(cost: CostModel, pairs: float, cp: int, bytes_intra: float, 
     comm = float(cost.comm_seconds(Traffic(intra, intra, inter, inter, zero, zero))[0])
     ideal = pairs / cp * cost.seconds_per_pair
     return ideal + comm, ideal, comm
+
+
+# -- merges: a row's partial outputs, one per rank its keys come from ------------
+
+
+def merged_rows(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[cp] per rank: the partial outputs it merges into its query rows in one layer's forward, one per
+    row and other rank holding keys the row attends (causal, no window): a row's own rank attends the
+    first partial, every other rank holding an earlier position of its document adds one.
+
+    ``ids``: [b, S] doc ids (0 = padding), padded to the layout's length; ``positions``: [cp, L] the
+    global positions each rank owns (``Layout.positions``). Counted on runs of one document and one
+    owner: a run's rows see the distinct owners of its document's runs up to it."""
+    cp = positions.shape[0]
+    owner = torch.empty(positions.numel(), dtype=torch.long)
+    owner[positions.reshape(-1)] = torch.arange(cp).repeat_interleave(positions.shape[1])
+    merged = torch.zeros(cp, dtype=torch.float64)
+    for row in ids:
+        new_doc = torch.ones_like(row, dtype=torch.bool)
+        new_doc[1:] = row[1:] != row[:-1]
+        new_run = new_doc.clone()
+        new_run[1:] |= owner[1:] != owner[:-1]
+        starts = new_run.nonzero().squeeze(1)  # [runs]
+        lengths = torch.diff(starts, append=torch.tensor([row.numel()]))
+        run_owner, run_doc = owner[starts], torch.cumsum(new_doc.long(), 0)[starts]
+        key = run_doc * cp + run_owner
+        _, inverse = torch.unique(key, return_inverse=True)
+        index = torch.arange(starts.numel())
+        first = torch.full((int(inverse.max()) + 1,), starts.numel(), dtype=torch.long)
+        first = first.scatter_reduce(0, inverse, index, reduce="amin")
+        seen = torch.cumsum((first[inverse] == index).long(), 0)  # distinct (document, owner) so far
+        doc_first = torch.ones_like(run_doc, dtype=torch.bool)
+        doc_first[1:] = run_doc[1:] != run_doc[:-1]
+        before = torch.cummax(torch.where(doc_first, seen - 1, torch.zeros_like(seen)), 0).values
+        others = seen - before - 1  # owners of the document's runs so far, the run's own apart
+        attended = (row[starts] > 0).double()
+        merged += torch.bincount(run_owner, weights=lengths.double() * others.double() * attended, minlength=cp)
+    return merged
+
+
+def merge_seconds(rows: float, hq: int, d_v: int) -> float:
+    """Forward + backward seconds of ``rows`` merged partial outputs of Hq heads x Dv:
+    ``MERGE_BYTES_PER_ELEMENT`` per element at ``HBM_BYTES_PER_SECOND``, backward
+    ``MERGE_BACKWARD_FACTOR`` times forward."""
+    return (1.0 + MERGE_BACKWARD_FACTOR) * rows * hq * d_v * MERGE_BYTES_PER_ELEMENT / HBM_BYTES_PER_SECOND
+
+
+def _busiest_merges(cache: dict, key, ids: torch.Tensor, summary: dict) -> float:
+    """The most partial outputs one rank merges in ``summary``'s layout (``merged_rows``), once per
+    layout of a pack."""
+    key = ("merged",) + tuple(key)
+    if key not in cache:
+        padded = torch.nn.functional.pad(ids, (0, summary["padded_len"] - ids.shape[1]))
+        cache[key] = float(merged_rows(padded, summary["positions"]).max())
+    return cache[key]
 
 
 # -- the options ----------------------------------------------------------
@@ -225,10 +296,11 @@ def price_option(doc_ids, cp: int, layout: str, exchange: str, u: int = 1,
         inter = both
     outer_modeled = s["modeled_allgather_seconds" if gather else "modeled_seconds"]
     outer_overlap = s["overlap_allgather_seconds" if gather else "overlap_seconds"]
+    merges = merge_seconds(_busiest_merges(cache, key, ids, s), hq // u, d)
     return replace(base, layout=s["layout"], bytes_max=inner + int(both.max()) * row_bytes,
                    inter_node_bytes_max=round(inner_inter) + int(inter.max()) * row_bytes,
-                   modeled_seconds=outer_modeled + inner_seconds, ideal_seconds=ideal,
-                   overlap_seconds=outer_overlap + inner_seconds)
+                   modeled_seconds=outer_modeled + inner_seconds + merges, ideal_seconds=ideal,
+                   overlap_seconds=outer_overlap + inner_seconds + merges, merge_seconds=merges)
 
 
 # -- relayout: the rows moved to the balanced layout ----------------------------
@@ -292,10 +364,11 @@ def price_relaid(ids: torch.Tensor, cp: int, layout: str, exchange: str,
     both = torch.maximum(traffic.intra_in + traffic.inter_in, traffic.intra_out + traffic.inter_out)
     one_pairs_cost = CostModel.preset("nvlink", hq, hkv, d, nbytes)
     ideal = _pairs(ids) / cp * one_pairs_cost.seconds_per_pair
+    merges = merge_seconds(_busiest_merges(cache, key, padded, s), hq, d)
     return replace(base, bytes_max=moved_bytes + int(both.max()) * kv_row,
                    inter_node_bytes_max=inter_bytes + int(torch.maximum(traffic.inter_in, traffic.inter_out).max())
-                   * kv_row, modeled_seconds=s["modeled_seconds"] + moves, ideal_seconds=ideal,
-                   overlap_seconds=s["overlap_seconds"] + moves)
+                   * kv_row, modeled_seconds=s["modeled_seconds"] + moves + merges, ideal_seconds=ideal,
+                   overlap_seconds=s["overlap_seconds"] + moves + merges, merge_seconds=merges)
 
 
 def default_options(cp: int, gpus_per_node: Optional[int] = None) -> List[Tuple[str, int]]:
@@ -341,5 +414,5 @@ def relaid_options(cp: int, gpus_per_node: Optional[int] = None) -> List[Tuple[s
 
 
 __all__ = ["ExchangeOption", "price_exchange_options", "price_option", "default_options", "option_name",
-           "price_relaid", "relaid_options", "relayout_rows", "RELAID",
+           "price_relaid", "relaid_options", "relayout_rows", "RELAID", "merged_rows", "merge_seconds",
            "ulysses_forward_bytes", "ulysses_link_bytes", "ulysses_seconds", "ONE_D", "OUTER_EXCHANGES"]

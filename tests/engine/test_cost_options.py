@@ -3,7 +3,9 @@
 The 2-D option's edges are the 1-D options it generalizes (u = cp is ulysses, u = 1 the K/V
 exchange at cp), its bytes and seconds are checked by hand on a 16-token pack, and a ulysses_size
 the query heads, cp or a node cannot take is refused with the numbers. The relaid option is the
-balanced layout's price plus the moves the two layouts' owners give, by hand.
+balanced layout's price plus the moves the two layouts' owners give, by hand. Every sequence option
+adds the busiest rank's merges, counted against a per-row reference (the other ranks holding a key
+of the row's document at or before it).
 """
 
 import pytest
@@ -11,7 +13,8 @@ import torch
 
 from megatron_ext.blockdiag_cp import plan_summary
 from megatron_ext.blockdiag_cp.cost import CostModel
-from megatron_ext.blockdiag_cp.cost_options import (default_options, price_exchange_options, price_option,
+from megatron_ext.blockdiag_cp.cost_options import (default_options, merge_seconds, merged_rows,
+                                                    price_exchange_options, price_option, relaid_options,
                                                     ulysses_forward_bytes, ulysses_link_bytes, ulysses_seconds)
 
 DIMS = (32, 8, 128, 2)
@@ -23,6 +26,48 @@ def _mixed(S=4096, seed=0):
     lengths = lengths[:int((lengths.cumsum(0) < S).sum())]
     lengths = torch.cat([lengths, torch.tensor([S - int(lengths.sum())])])
     return torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)
+
+
+def reference_merges(ids: torch.Tensor, positions: torch.Tensor) -> list:
+    """Per rank: sum over its attended rows of the other ranks owning a key of the row's document at or
+    before the row (ids [b, padded S], positions [cp, L]); row by row, no runs."""
+    cp = positions.shape[0]
+    owner = {int(p): r for r in range(cp) for p in positions[r]}
+    out = [0] * cp
+    for row in ids.tolist():
+        start = 0
+        for p, doc in enumerate(row):
+            if p and doc != row[p - 1]:
+                start = p
+            if doc:
+                out[owner[p]] += len({owner[k] for k in range(start, p + 1)} - {owner[p]})
+    return out
+
+
+def _busiest_merge_seconds(ids, summary, hq, d=128):
+    padded = torch.nn.functional.pad(ids.reshape(1, -1), (0, summary["padded_len"] - ids.numel()))
+    return merge_seconds(max(reference_merges(padded, summary["positions"])), hq, d)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced", "thd"])
+def test_merged_rows_against_the_row_by_row_count(layout):
+    from megatron_ext.blockdiag_cp.layouts import build_layout
+
+    from test_variants import _thd_padded
+
+    cp = 4
+    ids = torch.stack([_mixed(512, seed=1), _mixed(512, seed=2)])
+    ids[1, -40:] = 0  # padding is not attended
+    if layout == "thd":  # THD packs one sequence of documents padded to multiples of 2 * cp
+        ids = _thd_padded(ids[0], 2 * cp).unsqueeze(0)
+    lay = build_layout(layout, ids, cp)
+    padded = torch.nn.functional.pad(ids, (0, lay.padded_len - ids.shape[1]))
+    got = merged_rows(padded, lay.positions)
+    assert got.tolist() == reference_merges(padded, lay.positions)
+    assert got.sum() > 0
+    # one document of 8 under thd at cp 2: rank 0 holds 0, 1, 6, 7 and rank 1 2..5; rows 2..7 see the other rank
+    one = torch.ones(1, 8, dtype=torch.long)
+    assert merged_rows(one, build_layout("thd", one, 2).positions).tolist() == [2, 4]
 
 
 @pytest.mark.parametrize("cp,G", [(8, None), (16, 8), (16, 4)])
@@ -42,6 +87,7 @@ def test_u_equal_to_cp_is_ulysses(cp, G):
     assert uly.bytes_max == moved and uly.inter_node_bytes_max == round(inter)
     assert uly.modeled_seconds == pytest.approx(modeled, rel=1e-12)
     assert uly.ideal_seconds == pytest.approx(ideal, rel=1e-12)
+    assert uly.merge_seconds == 0  # every head shard attends the whole sequence in one call
 
 
 @pytest.mark.parametrize("exchange", ["a2a", "allgather", "hierarchical"])
@@ -55,7 +101,10 @@ def test_u_one_is_the_1d_exchange(exchange):
     both = torch.maximum(traffic.intra_in + traffic.inter_in, traffic.intra_out + traffic.inter_out)
     assert opt.name == exchange and opt.ulysses_size == 1 and not opt.refused
     assert opt.bytes_max == int(both.max()) * 2 * 8 * 128 * 2
-    assert opt.modeled_seconds == s["modeled_allgather_seconds" if exchange == "allgather" else "modeled_seconds"]
+    assert opt.merge_seconds == pytest.approx(_busiest_merge_seconds(ids, s, 32), rel=1e-12)
+    assert opt.merge_seconds > 0
+    assert opt.modeled_seconds == pytest.approx(
+        s["modeled_allgather_seconds" if exchange == "allgather" else "modeled_seconds"] + opt.merge_seconds, rel=1e-12)
     assert opt.ideal_seconds == pytest.approx(s["ideal_seconds"], rel=1e-12)
 
 
@@ -75,7 +124,11 @@ def test_2d_bytes_and_seconds_by_hand():
     pair = 14 * 2 * 8 / 500e12  # forward + backward flops of a pair on 2 query heads
     position = 2 * row / 400e9  # a position's K/V forward and its gradient backward, NVLink
     a2a = 2 * inner / 400e9  # the all-to-alls, forward and backward
-    assert opt.modeled_seconds == pytest.approx(100 * pair + 8 * position + a2a, rel=1e-12)
+    # Group 1's 8 rows each merge group 0's partial: 14 bytes per element of 2 heads x 8 at 3.3e12 B/s
+    # forward, backward 1.5x that.
+    merges = 2.5 * 8 * 2 * 8 * 14 / 3.3e12
+    assert opt.merge_seconds == pytest.approx(merges, rel=1e-12)
+    assert opt.modeled_seconds == pytest.approx(100 * pair + 8 * position + a2a + merges, rel=1e-12)
     assert opt.ideal_seconds == pytest.approx(136 / 4 * 14 * 4 * 8 / 500e12, rel=1e-12)
 
 
@@ -87,12 +140,16 @@ def test_2d_across_nodes_prices_the_outer_level_on_ib():
     assert repeats == 1 and whole.inter_node_bytes_max == whole.bytes_max - inner > 0
     cost = CostModel.preset("ib", 32 // 8, 8 // 8, 128, 2)
     s = plan_summary(ids, 2, layout="balanced", cost_model=cost)
-    assert whole.modeled_seconds == pytest.approx(s["modeled_seconds"] + 2 * inner / 400e9, rel=1e-12)
+    assert whole.merge_seconds == pytest.approx(_busiest_merge_seconds(ids, s, 32 // 8), rel=1e-12)
+    assert whole.modeled_seconds == pytest.approx(s["modeled_seconds"] + 2 * inner / 400e9 + whole.merge_seconds,
+                                                  rel=1e-12)
     half = price_option(ids, 16, "balanced", "hierarchical", u=4, dims=DIMS, gpus_per_node=8)
     cost = CostModel.two_level(2, 32 // 4, 8 // 4, 128, 2, hierarchical=True)
     s = plan_summary(ids, 4, layout="balanced", cost_model=cost)
     inner, _, _ = ulysses_forward_bytes(4096 // 16, 1, 32, 8, 128, 128, 2, 4)
-    assert half.modeled_seconds == pytest.approx(s["modeled_seconds"] + 2 * inner / 400e9, rel=1e-12)
+    assert half.merge_seconds == pytest.approx(_busiest_merge_seconds(ids, s, 32 // 4), rel=1e-12)
+    assert half.modeled_seconds == pytest.approx(s["modeled_seconds"] + 2 * inner / 400e9 + half.merge_seconds,
+                                                 rel=1e-12)
 
 
 def test_refusals_name_the_numbers():
@@ -142,7 +199,28 @@ def test_relaid_is_the_balanced_price_plus_the_moves_by_hand(layout):
     received = [int((source.owner()[s["positions"][r]] != r).sum()) for r in range(cp)]
     row = 128 * 2 * (2 * 32 + 2 * 8)
     moves = 2 * max(max(a, b) for a, b in zip(sent, received)) * row / 400e9
-    assert relaid.modeled_seconds == pytest.approx(s["modeled_seconds"] + moves, rel=1e-9)
+    assert relaid.merge_seconds == pytest.approx(_busiest_merge_seconds(ids, s, 32), rel=1e-12)
+    assert relaid.modeled_seconds == pytest.approx(s["modeled_seconds"] + moves + relaid.merge_seconds, rel=1e-9)
     assert max(sent) > 0
     assert "balanced already" in price_option(ids, cp, "balanced", "relaid a2a", dims=DIMS).refused
     assert "span several nodes" in price_option(ids, cp, layout, "relaid hierarchical", dims=DIMS).refused
+
+
+def test_merges_make_relaid_the_cheaper_for_short_documents_under_thd():
+    # Short documents (64-1024 tokens) under THD at cp 8, 128k tokens, 28 query / 4 K/V heads: THD cuts
+    # every document into 16 chunks, so each row merges a partial from every earlier chunk's rank, while
+    # balanced keeps each document whole. Priced on exchange bytes and pairs alone, a2a would come out
+    # no dearer than relaid a2a; its merges decide for relaid.
+    from test_variants import _thd_padded
+
+    cp, S = 8, 131072
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, 65, (S // 256,), generator=g) * 16
+    lengths = lengths[:int((lengths.cumsum(0) <= S).sum())]
+    ids = _thd_padded(torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths), 2 * cp)
+    opts = {o.name: o for o in price_exchange_options(ids, cp, "thd", dims=(28, 4, 128, 2),
+                                                       options=[("a2a", 1)] + relaid_options(cp))}
+    a2a, relaid = opts["a2a"], opts["relaid a2a"]
+    assert a2a.modeled_seconds - a2a.merge_seconds <= relaid.modeled_seconds - relaid.merge_seconds
+    assert relaid.modeled_seconds < a2a.modeled_seconds
+    assert relaid.merge_seconds < 0.1 * a2a.merge_seconds
