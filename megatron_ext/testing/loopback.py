@@ -9,6 +9,11 @@ would come home is zeros (the other ranks are not computed). So one device runs 
 calls, merges, send gathers and host work at cp 8 in one process (the GPU check): out and dq are
 rank r's exactly; dK/dV are its own share only.
 
+With ``relayout="balanced"`` the rows' all-to-alls and the balanced layout's own exchange post
+through the fake group, which moves nothing: what arrives is whatever the receive buffers held. The
+calls, ops and times are still rank r's (the kernels do not look at the values); out and the
+gradients are not (``values`` in the result says which).
+
     python -m megatron_ext.testing.loopback --cp 8 --rank 3 --S 131072 --mix single
 """
 
@@ -136,9 +141,16 @@ def fake_group(rank: int, cp: int) -> None:
 
 
 def loopback_state(ids: torch.Tensor, rank: int, cp: int, q, k, v, **build):
-    """(rank r's state with its ``Loopback``, r's q, k, v) from the whole q/k/v [S, b, h, d]."""
+    """(rank r's state with its ``Loopback``, r's q, k, v) from the whole q/k/v [S, b, h, d].
+
+    Rank r of one node of cp GPUs unless ``LOCAL_WORLD_SIZE`` says otherwise: without it every rank
+    would count as a node of its own, and ``balanced`` (and relayout's target) would be searched for
+    an InfiniBand group, another cut than the one-node run it stands for."""
+    import os
+
     import megatron_ext.blockdiag_cp as bdcp
 
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(cp))  # this process is the loopback's own
     fake_group(rank, cp)
     state = bdcp.BlockDiagCPState.build(ids, **build)
     state.loopback = Loopback(state, padded(state, k), padded(state, v))
@@ -200,7 +212,8 @@ def run_rank(ids, rank: int, cp: int, heads=(32, 8), head_dim: int = 128, layers
     state, ql, kl, vl = loopback_state(ids, rank, cp, q, k, v, device=device, **build)
     try:
         counts = layer_calls(state, ql, kl, vl, layers=layers)
-        for kind in ("ring", "needed"):
+        relaid = state.relaid is not None
+        for kind in () if relaid else ("ring", "needed"):
             state.loopback.prepare(kind)
         import megatron_ext.blockdiag_cp as bdcp
 
@@ -236,6 +249,8 @@ def run_rank(ids, rank: int, cp: int, heads=(32, 8), head_dim: int = 128, layers
                 kernel.append(timer.take())
         fwd, bwd = counts[1]
         return {"rank": rank, "cp": cp, "kv_exchange": state.kv_exchange, "layout": state.layout.name,
+                "relayout": "balanced" if relaid else "none", "values": "timing only" if relaid else "rank r's",
+                "cost_model": state.report().get("cost_model"),
                 "attn_backend": state.attn_backend, "kv_backward": state.kv_backward, "local_len": state.local_len,
                 "kernel_calls": [fwd.kernel_calls, bwd.kernel_calls], "launching": [fwd.launching, bwd.launching],
                 "syncs": [fwd.syncs, bwd.syncs], "timed": "steady",
@@ -266,12 +281,13 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8))
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--ids", default=None, help="a torch.save'd [S] tensor of doc ids (instead of --mix)")
+    p.add_argument("--relayout", default="none", help="'balanced': attend in the balanced layout (timing only)")
     args = p.parse_args(argv)
     ids = make_doc_ids(args.mix, args.S) if args.ids is None else torch.load(args.ids)
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     print(json.dumps(run_rank(ids, args.rank, args.cp, heads=tuple(args.heads), head_dim=args.head_dim,
                               device=args.device, dtype=dtype, layout=args.layout, kv_exchange=args.exchange,
-                              attn_backend="dense" if args.device == "cpu" else None)))
+                              relayout=args.relayout, attn_backend="dense" if args.device == "cpu" else None)))
     return 0
 
 

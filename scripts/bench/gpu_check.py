@@ -33,7 +33,8 @@ Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
   plan, its chunks handed over on the device, torch's fake process group for the agreements) on
   128k tokens with the timing heads and the gpu_model suite's documents (``LOOPBACK_CASES``: one
   long document and the short mix on zigzag, ranks 0 and 7; the short mix on thd, ranks 0 and 7;
-  the heavy-tailed one on balanced, ranks 0 and 3), a2a: kernel calls, launching ops and syncs per
+  the heavy-tailed one on balanced, ranks 0 and 3; the thd pack again with relayout "balanced",
+  ranks 0 and 7, timing only), a2a: kernel calls, launching ops and syncs per
   layer call, forward + backward wall ms (CUDA-synchronized) and the host's own ms issuing it, of a
   step's steady second layer call (the one gpu_model prices) and of its first, and the kernel calls'
   own ms (CUDA events around each) in a third.
@@ -615,7 +616,10 @@ def run_engine(dry_run, backends, emit, peak):
 # loopback twins (``gpu_model.loopback_twin``) model the same ranks. Rank 0 and the gpu_model rows'
 # busiest rank (thd: 7, balanced on the heavy-tailed mix: 3).
 LOOPBACK_CASES = (("single", "zigzag", (0, 7)), ("short", "zigzag", (0, 7)), ("short", "thd", (0, 7)),
-                  ("heavy", "balanced", (0, 3)))
+                  ("heavy", "balanced", (0, 3)),
+                  # the same thd pack attended in the balanced layout (timing only: the fake group moves
+                  # no rows, so out is not rank r's; the calls and times are)
+                  ("short", "thd", (0, 7), "balanced"))
 
 
 def run_loopback(dry_run, emit, deadline):
@@ -634,17 +638,19 @@ def run_loopback(dry_run, emit, deadline):
     hq, hkv, d = cfg["time_heads"]
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        for mix, layout, ranks in LOOPBACK_CASES:
+        for mix, layout, ranks, *relaid in LOOPBACK_CASES:
+            relayout = relaid[0] if relaid else "none"
             ids_path = os.path.join(tmp, f"{mix}_{layout}.pt")
             torch.save(model_doc_ids(mix, S, layout, 8), ids_path)
             for rank in ranks:
-                where = {"check": "loopback_cp8", "mix": mix, "layout": layout, "rank": rank}
+                where = {"check": "loopback_cp8", "mix": mix, "layout": layout, "rank": rank, "relayout": relayout}
                 if time.time() > deadline:
                     emit({**where, "passed": False, "error": "skipped: out of time"})
                     return False
                 cmd = [sys.executable, "-m", "megatron_ext.testing.loopback", "--cp", "8", "--rank", str(rank),
                        "--S", str(S), "--ids", ids_path, "--layout", layout, "--exchange", "a2a",
-                       "--heads", str(hq), str(hkv), "--head-dim", str(d)] + (["--device", "cpu"] if dry_run else [])
+                       "--heads", str(hq), str(hkv), "--head-dim", str(d), "--relayout", relayout] + (
+                           ["--device", "cpu"] if dry_run else [])
                 proc = subprocess.run(cmd, capture_output=True, text=True,
                                       timeout=max(30.0, min(180.0, deadline - time.time())))
                 if proc.returncode:

@@ -447,7 +447,7 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
 
 
 def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optional[Dict] = None,
-                  hw_measured: Optional[Dict] = None) -> Dict:
+                  hw_measured: Optional[Dict] = None, relayout: str = "none") -> Dict:
     """The gpu_check loopback's rank (``testing.loopback``: rank r's real plan in one process, chunks
     handed over, no link) with the null kernel at the GQA run dims, its steady layer call priced with the
     link free: what the loopback on a GPU measures, modeled. In a process of its own (torch's fake
@@ -465,7 +465,7 @@ def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optiona
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(S, 1, h, run.d, generator=g).to(torch.bfloat16) for h in (run.hq, run.hkv, run.hkv))
     state, ql, kl, vl = loopback_state(ids, rank, cp, q, k, v, layout=layout, kv_exchange="a2a",
-                                       attn_backend="dense")  # kv_backward: auto, as the loopback's
+                                       attn_backend="dense", relayout=relayout)  # kv_backward: auto, as the loopback's
     try:
         with override_kernel("dense", _null_kernel()):
             fwd, bwd = record_layers(state, ql, kl, vl, layers=2)[1]
@@ -473,7 +473,8 @@ def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optiona
         torch.distributed.destroy_process_group()
     from megatron_ext.testing.op_counter import KernelEvent
 
-    row = {"kv_backward": state.kv_backward, "tiles_over_pairs": tiles_over_pairs(fwd[0].events),
+    row = {"kv_backward": state.kv_backward, "relayout": relayout, "cost_model": state.report().get("cost_model"),
+           "tiles_over_pairs": tiles_over_pairs(fwd[0].events),
            "segments_fwd": sum(len(e.q_lens) for e in fwd[0].events if isinstance(e, KernelEvent))}
     for short, (c, _, _) in (("fwd", fwd), ("bwd", bwd)):
         row[f"kernel_calls_{short}"], row[f"launching_{short}"], row[f"syncs_{short}"] = (
@@ -538,16 +539,17 @@ def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[i
     return per_rank
 
 
-def h200_loopback_rows(path: str = GPU_CHECK_ROWS) -> Dict[Tuple[str, str, int], Dict]:
-    """(mix, layout, rank) -> the latest steady-call ``loopback_cp8`` row a GPU wrote (not a dry run)."""
-    found: Dict[Tuple[str, str, int], Dict] = {}
+def h200_loopback_rows(path: str = GPU_CHECK_ROWS) -> Dict[Tuple[str, str, int, str], Dict]:
+    """(mix, layout, rank, relayout) -> the latest steady-call ``loopback_cp8`` row a GPU wrote (not a dry
+    run)."""
+    found: Dict[Tuple[str, str, int, str], Dict] = {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 row = json.loads(line)
                 if (row.get("check") == "loopback_cp8" and row.get("timed") == "steady" and not row.get("dry_run")
                         and row.get("passed")):
-                    found[(row["mix"], row["layout"], row["rank"])] = row
+                    found[(row["mix"], row["layout"], row["rank"], row.get("relayout", "none"))] = row
     return found
 
 
@@ -565,17 +567,23 @@ def loopback_rows(hw: H200 = H200(), log=print, S: int = 131072, cp: int = 8, ca
     rows = []
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn, max_tasks_per_child=1) as pool:
-        jobs = [((mix, layout, rank), pool.submit(loopback_twin, mix, layout, rank, S, cp, asdict(hw),
-                                                   None if measured is None else asdict(measured)))
-                for mix, layout, ranks in cases for rank in ranks]
-        for (mix, layout, rank), job in jobs:
+        jobs = [((mix, layout, rank, relaid[0] if relaid else "none"),
+                 pool.submit(loopback_twin, mix, layout, rank, S, cp, asdict(hw),
+                             None if measured is None else asdict(measured), relaid[0] if relaid else "none"))
+                for mix, layout, ranks, *relaid in cases for rank in ranks]
+        for (mix, layout, rank, relayout), job in jobs:
             row = {"suite": "gpu_model_loopback", "S": S, "cp": cp, "mix": mix, "layout": layout, "rank": rank,
                    "exchange": "a2a", "model": MODELS["gqa"].name, **job.result()}
             for suffix in ("", "_measured_kernel"):
                 for what in ("device", "kernel"):
                     if f"{what}_s_fwd{suffix}" in row:
                         row[f"{what}_ms{suffix}"] = (row[f"{what}_s_fwd{suffix}"] + row[f"{what}_s_bwd{suffix}"]) * 1e3
-            got = gpu.get((mix, layout, rank))
+            got = gpu.get((mix, layout, rank, relayout))
+            if got is not None and got.get("cost_model") != row["cost_model"]:
+                # a searched cut (balanced, relayout's target) under another cost model is another plan;
+                # rows from before the loopback said its cost model were searched as one rank per node
+                row["h200_row_skipped"] = f"measured under cost model {got.get('cost_model', 'unrecorded')}"
+                got = None
             if got is not None:
                 row.update({"h200_fwd_bwd_ms": got["fwd_bwd_ms"], "h200_host_ms": got["host_ms"],
                             "h200_kernel_ms": (got["kernel_fwd_ms"] + got["kernel_bwd_ms"]
@@ -585,7 +593,7 @@ def loopback_rows(hw: H200 = H200(), log=print, S: int = 131072, cp: int = 8, ca
                 if "device_ms_measured_kernel" in row:
                     row["h200_over_modeled"] = got["fwd_bwd_ms"] / row["device_ms_measured_kernel"]
             rows.append(row)
-            log(f"  gpu_model_loopback {mix}/{layout}/rank {rank}: modeled {row['device_ms']:.2f} ms"
+            log(f"  gpu_model_loopback {mix}/{layout}/rank {rank}/{relayout}: modeled {row['device_ms']:.2f} ms"
                 + (f", H200 {got['fwd_bwd_ms']:.2f} ms" if got else ", no H200 row"))
     return rows
 

@@ -615,9 +615,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert env_line["engine_imported_megatron"] == [] and env_line["megatron_core_installed"] is False
     assert by_check["te"][0]["status"] == "not_run"  # no TransformerEngine here: said so, not faked
     loopback = by_check["loopback_cp8"]  # one rank of cp 8 per process, chunks handed over on its device
-    assert sorted((r["mix"], r["layout"], r["rank"], r["cp"]) for r in loopback) == sorted(
-        [(m, lay, r, 8) for m, lay in (("single", "zigzag"), ("short", "zigzag"), ("short", "thd")) for r in (0, 7)]
-        + [("heavy", "balanced", r, 8) for r in (0, 3)])
+    assert sorted((r["mix"], r["layout"], r["rank"], r["cp"], r["relayout"]) for r in loopback) == sorted(
+        [(m, lay, r, 8, "none") for m, lay in (("single", "zigzag"), ("short", "zigzag"), ("short", "thd"))
+         for r in (0, 7)] + [("heavy", "balanced", r, 8, "none") for r in (0, 3)]
+        + [("short", "thd", r, 8, "balanced") for r in (0, 7)])  # relaid: timing only
+    assert all(r["values"] == ("timing only" if r["relayout"] == "balanced" else "rank r's") for r in loopback)
     assert all(r["syncs"] == [0, 0] and min(r["kernel_calls"]) >= 1 and r["timed"] == "steady"
                and r["fwd_bwd_ms"] > 0 and r["first_fwd_bwd_ms"] > 0 and r["kernel_fwd_ms"] > 0
                and r["kernel_bwd_ms"] > 0 for r in loopback)

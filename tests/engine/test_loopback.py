@@ -3,6 +3,8 @@ over on the rank's device). Rank r's out and dq equal the fp64 reference on its 
 on r's work alone), and its kernel calls and launching ops per layer call (the send buffers it gathers included) equal those of
 the same rank in a gloo group."""
 
+import os
+
 import pytest
 import torch
 
@@ -45,14 +47,15 @@ def loopback_rank(rank, cp, layout, exchange):
         dist.destroy_process_group()
 
 
-def gloo_calls(layout, exchange):
+def gloo_calls(layout, exchange, relayout="none"):
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.op_counter import layer_calls
 
     ids = _ids()
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(ids.numel(), 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
-    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense")
+    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                        relayout=relayout)
     f, b = layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=2)[1]
     return f.kernel_calls, b.kernel_calls, f.launching, b.launching
 
@@ -71,3 +74,29 @@ def test_loopback_rank_matches_the_reference_and_the_gloo_run(pool4, pool1, layo
         assert max(got["errors"]) < 1e-12, (rank, got)
         assert got["calls"][:4] == expected[rank], (rank, got, expected)  # the same ops, send gathers included
         assert got["calls"][4] == 0  # nothing crossed a process: the chunks were handed over
+
+
+def relaid_loopback_rank(rank, cp):
+    """Rank r through the loopback with relayout "balanced" (timing only), in a process of its own."""
+    import torch.distributed as dist
+
+    from megatron_ext.testing.loopback import run_rank
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.pop("LOCAL_WORLD_SIZE", None)  # the pool's 1; the loopback's own process has none
+    return run_rank(_ids(), rank, cp, heads=(4, 2), head_dim=8, layers=2, dtype=torch.float64, reps=1,
+                    layout="zigzag", kv_exchange="a2a", attn_backend="dense", relayout="balanced")
+
+
+@pytest.mark.timeout(240)
+def test_relaid_loopback_rank_makes_the_gloo_ranks_calls(pool4, pool1):
+    # The rows' all-to-alls and the balanced layout's exchange post through the fake group, so the values
+    # are not rank r's; its kernel calls and launching ops are, balanced searched as on one node of cp.
+    expected = pool4.run(gloo_calls, "zigzag", "a2a", "balanced")
+    for rank in (0, 3):
+        got, = pool1.run(relaid_loopback_rank, rank, 4)
+        assert (got["relayout"], got["values"]) == ("balanced", "timing only")
+        assert (*got["kernel_calls"], *got["launching"]) == expected[rank], (rank, got, expected)
+        assert got["syncs"] == [0, 0] and got["fwd_bwd_ms"] > 0
+        assert got["cost_model"].startswith("nvlink:"), got["cost_model"]  # one node, not one per rank
