@@ -579,10 +579,13 @@ def loopback_rows(hw: H200 = H200(), log=print, S: int = 131072, cp: int = 8, ca
                     if f"{what}_s_fwd{suffix}" in row:
                         row[f"{what}_ms{suffix}"] = (row[f"{what}_s_fwd{suffix}"] + row[f"{what}_s_bwd{suffix}"]) * 1e3
             got = gpu.get((mix, layout, rank, relayout))
-            if got is not None and got.get("cost_model") != row["cost_model"]:
-                # a searched cut (balanced, relayout's target) under another cost model is another plan;
-                # rows from before the loopback said its cost model were searched as one rank per node
-                row["h200_row_skipped"] = f"measured under cost model {got.get('cost_model', 'unrecorded')}"
+            if got is not None and "cost_model" not in got:
+                # rows from before the loopback recorded its cost model: it neither gathered its sends (ops
+                # the twin counts) nor ran as one node (balanced searched as one rank per node)
+                row["h200_row_skipped"] = "measured by an earlier loopback (no send gathers, one rank per node)"
+                got = None
+            elif got is not None and got["cost_model"] != row["cost_model"]:
+                row["h200_row_skipped"] = f"measured under cost model {got['cost_model']}"  # another cut
                 got = None
             if got is not None:
                 row.update({"h200_fwd_bwd_ms": got["fwd_bwd_ms"], "h200_host_ms": got["host_ms"],

@@ -1058,8 +1058,11 @@ GPU_MODEL_LOOPBACK = Suite(
                    "H200: CUDA events around each call, in a third layer call of the step); `tiles / pairs`: "
                    "the query-key pairs of every 128 x 64 tile a forward call touches over the pairs it "
                    "attends (`segment_tiles`; the model prices pairs). `scripts/bench/gpu_model.py` "
-                   "(`loopback_rows`).",
+                   "(`loopback_rows`). `relayout` balanced: the rows attended in the balanced layout, timing only "
+                   "(the fake group moves no rows). An H200 row searched under another cost model than the "
+                   "model's (a balanced cut) is not joined.",
               columns=(Text("mix", "mix"), Text("layout", "layout"), Column("rank", "rank"),
+                       Text("relayout", lambda r: r.get("relayout", "none")),
                        Text("kv_backward", "kv_backward"),
                        Column("calls", _gm_pair("kernel_calls_fwd", "kernel_calls_bwd"), str),
                        Column("H200 calls", _gml_h200_pair("h200_kernel_calls"), str),

@@ -288,7 +288,7 @@ def test_loopback_twin_models_the_loopbacks_rank_and_joins_the_h200_row(tmp_path
     steady = {"suite": "gpu_check", "check": "loopback_cp8", "mix": "short", "layout": "thd", "rank": rank,
               "timed": "steady", "passed": True, "dry_run": False, "fwd_bwd_ms": 7.5, "host_ms": 1.25,
               "kernel_calls": [8, 8], "launching": [12, 40], "attn_backend": "flash", "kv_backward": "refetch",
-              "kernel_fwd_ms": 1.5, "kernel_bwd_ms": 3.0}
+              "kernel_fwd_ms": 1.5, "kernel_bwd_ms": 3.0, "relayout": "none", "cost_model": None}
     rows_path = tmp_path / "h200.jsonl"
     timing = {"suite": "gpu_check", "check": "timing", "heads": [32, 8], "head_dim": 128, "dry_run": False,
               "pairs_per_rank": [1000], "kernels": {"flash": {"fwd_ms_per_rank": [1.0], "fwd_bwd_ms_per_rank": [4.0]}}}
@@ -309,6 +309,12 @@ def test_loopback_twin_models_the_loopbacks_rank_and_joins_the_h200_row(tmp_path
     assert row["segments_fwd"] > row["kernel_calls_fwd"] and row["tiles_over_pairs"] > 1.5, row
     assert row["device_ms_measured_kernel"] > row["device_ms"]  # that kernel: 4e3 * 32 * 128 FLOP/ms, bwd 3x
     assert row["h200_over_modeled"] == pytest.approx(7.5 / row["device_ms_measured_kernel"])
+    assert row["cost_model"] is None and "h200_row_skipped" not in row  # thd searches no cut
+    # a row of the earlier loopback (no send gathers, no cost model recorded) is not compared
+    earlier = {k: v for k, v in steady.items() if k not in ("cost_model", "relayout")}
+    rows_path.write_text("\n".join(json.dumps(r) for r in (timing, earlier)))
+    (row,) = gm.loopback_rows(S=S, cases=(("short", "thd", (rank,)),), gpu_rows=str(rows_path), log=lambda m: None)
+    assert "h200_fwd_bwd_ms" not in row and "earlier loopback" in row["h200_row_skipped"]
 
 
 def test_segment_tiles_counts_whole_tiles_a_segment_touches():
