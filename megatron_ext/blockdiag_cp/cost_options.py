@@ -149,9 +149,10 @@ def merged_rows(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     ``ids``: [b, S] doc ids (0 = padding), padded to the layout's length; ``positions``: [cp, L] the
     global positions each rank owns (``Layout.positions``). Counted on runs of one document and one
     owner: a run's rows see the distinct owners of its document's runs up to it."""
+    from .layouts.base import owner_of
+
     cp = positions.shape[0]
-    owner = torch.empty(positions.numel(), dtype=torch.long)
-    owner[positions.reshape(-1)] = torch.arange(cp).repeat_interleave(positions.shape[1])
+    owner = owner_of(positions)
     merged = torch.zeros(cp, dtype=torch.float64)
     for row in ids:
         new_doc = torch.ones_like(row, dtype=torch.bool)
@@ -311,10 +312,10 @@ def relayout_rows(source: torch.Tensor, target: torch.Tensor, G: int
     """([cp] rows each rank sends inside its node, across nodes, receives inside, across) when every row
     moves from its owner in one layout to its owner in another (``source``, ``target``: [cp, L] the global
     positions each rank owns, ``Layout.positions``; ranks node-major, ``G`` per node)."""
+    from .layouts.base import owner_of
+
     cp = source.shape[0]
-    owner = torch.empty(target.numel(), dtype=torch.long)
-    owner[target.reshape(-1)] = torch.arange(cp).repeat_interleave(target.shape[1])
-    dest = owner[source]  # [cp, L] where each rank's rows go
+    dest = owner_of(target)[source]  # [cp, L] where each rank's rows go
     rank = torch.arange(cp).unsqueeze(1)
     moved, same_node = dest != rank, dest // G == rank // G
     send_intra, send_inter = (moved & same_node).sum(1), (moved & ~same_node).sum(1)

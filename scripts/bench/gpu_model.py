@@ -48,6 +48,7 @@ import math
 import os
 import statistics
 import time
+import unittest.mock
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -398,6 +399,20 @@ def record_layers(state, q, k, v, layers: int = LAYERS, **attention_kwargs):
             for i in range(layers)]
 
 
+def replay_inputs(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str,
+                  relayout: str = "none"):
+    """This rank's state as the replay builds it (dense, refetch, the case's knobs) and its local q, k, v
+    [L, 1, h, d] at the run dims (bf16, seeded by the rank): (state, (q, k, v))."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    run = RUN_DIMS[model]
+    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                        kv_backward="refetch", windows=window, relayout=relayout)
+    g = torch.Generator().manual_seed(state.rank)
+    return state, tuple(torch.randn(state.local_len, 1, h, run.d, generator=g).to(torch.bfloat16)
+                        for h in (run.hq, run.hkv, run.hkv))
+
+
 def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str,
                 hw: Optional[Dict] = None, layers: int = LAYERS, hw_measured: Optional[Dict] = None,
                 relayout: str = "none") -> Dict:
@@ -406,15 +421,13 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
     again on ``hw_measured`` where given (``modeled_s_measured_kernel``). ``relayout`` "balanced": the
     all-to-alls that move q/k/v and the output are transfers like the others; the roofline stays the
     batch layout's (its plan's counts)."""
-    import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.overrides import override_kernel
 
     run, target = RUN_DIMS[model], MODELS[model]
     hw = H200(**(hw or {}))
     measured = H200(**hw_measured) if hw_measured else None
     t0 = time.perf_counter()
-    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                        kv_backward="refetch", windows=window, relayout=relayout)
+    state, (q, k, v) = replay_inputs(ids, layout, exchange, window, model, relayout)
     build_s = time.perf_counter() - t0
     if state.kv_exchange != exchange:
         return {"refused": f"resolved to {state.kv_exchange}: {state.kv_exchange_reason}"}
@@ -424,9 +437,6 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
     def node_of(peer):
         return (rank if peer is None else peer) // per_node
 
-    g = torch.Generator().manual_seed(state.rank)
-    q, k, v = (torch.randn(state.local_len, 1, h, run.d, generator=g).to(torch.bfloat16)
-               for h in (run.hq, run.hkv, run.hkv))
     kwargs = {} if window is None else {"window_size": (window, 0)}
     with override_kernel("dense", _null_kernel()):
         per_layer = record_layers(state, q, k, v, layers, **kwargs)
@@ -452,7 +462,6 @@ def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optiona
     handed over, no link) with the null kernel at the GQA run dims, its steady layer call priced with the
     link free: what the loopback on a GPU measures, modeled. In a process of its own (torch's fake
     process group)."""
-    import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.loopback import loopback_state
     from megatron_ext.testing.overrides import override_kernel
 
@@ -492,7 +501,7 @@ def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[i
     """Per rank, the host thread time of a steady layer call with that rank alone on the CPU, the ranks one
     after another in this process: rank r of torch's fake process group (its collectives and transfers
     post nothing; what arrives is whatever the receive buffer held, which the null kernel never reads),
-    so the op runs rank r's own plan, gathers, merges, posts and waits as in the shared run (``replay_rank``'s
+    so the op runs rank r's own plan, gathers, merges, posts and waits as in the shared run (``replay_inputs``'
     tensors and knobs, ``env`` as its pool's), the least disturbed of ``reps`` steps (``host_s_fwd``,
     ``host_s_bwd``), with the steady call's counts (``kernel_calls_*``, ``launching_*``, ``transfers_*``).
     The shared run's figure (cp processes on the cores at once) carries what they do to each other's
@@ -502,22 +511,15 @@ def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[i
     from megatron_ext.testing.op_counter import layer_calls
     from megatron_ext.testing.overrides import override_kernel
 
-    run = RUN_DIMS[model]
     kwargs = {} if window is None else {"window_size": (window, 0)}
-    env = {"LOCAL_WORLD_SIZE": str(cp), **(env or {})}  # as the pool sets it: one node unless told
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
     torch.set_num_threads(1)  # as each pool rank runs: one core of its own
     per_rank = []
-    try:
+    # LOCAL_WORLD_SIZE as the pool sets it: one node unless the case says otherwise
+    with unittest.mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": str(cp), **(env or {})}):
         for rank in range(cp):
             fake_group(rank, cp)
             try:
-                state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                                    kv_backward="refetch", windows=window, relayout=relayout)
-                g = torch.Generator().manual_seed(rank)
-                q, k, v = (torch.randn(state.local_len, 1, h, run.d, generator=g).to(torch.bfloat16)
-                           for h in (run.hq, run.hkv, run.hkv))
+                state, (q, k, v) = replay_inputs(ids, layout, exchange, window, model, relayout)
                 steady = []
                 with override_kernel("dense", _null_kernel()):
                     fwd, bwd = layer_calls(state, q, k, v, layers=2, **kwargs)[1]
@@ -530,12 +532,6 @@ def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[i
             per_rank.append({"host_s_fwd": min(f for f, _ in steady), "host_s_bwd": min(b for _, b in steady),
                              **{f"{key}_{short}": c.summary()[key] for short, c in (("fwd", fwd), ("bwd", bwd))
                                 for key in ("kernel_calls", "launching", "transfers")}})
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return per_rank
 
 

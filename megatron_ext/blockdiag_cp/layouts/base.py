@@ -26,6 +26,14 @@ from ..intervals import DocRuns, RankRuns, flat_ranges, overlap_counts, owned_ra
 RunSpec = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rank, start, length) of owned ranges
 
 
+def owner_of(positions: torch.Tensor) -> torch.Tensor:
+    """[P] the rank owning each global position, from [cp, P / cp] the positions each rank owns."""
+    cp, local_len = positions.shape
+    owner = torch.empty(positions.numel(), dtype=torch.long)
+    owner[positions.reshape(-1)] = torch.arange(cp).repeat_interleave(local_len)
+    return owner
+
+
 @dataclass(frozen=True)
 class Layout:
     """Who owns what, as runs (``intervals.RankRuns``); positions are built only when asked."""
@@ -55,9 +63,7 @@ class Layout:
 
     def owner(self) -> torch.Tensor:
         """[P] rank that owns each global position."""
-        owner = torch.empty(self.padded_len, dtype=torch.long)
-        owner[self.positions.reshape(-1)] = torch.arange(self.cp).repeat_interleave(self.local_len)
-        return owner
+        return owner_of(self.positions)
 
     def local_index(self) -> torch.Tensor:
         """[P] index of each global position inside its owner's local order."""
