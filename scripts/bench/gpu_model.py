@@ -32,7 +32,10 @@ calls timed in the shared run (every rank at once on the cores, which inflates e
 time) are kept beside it. Then the ideal
 (the documents' causal query-key pairs under the window, total / cp, at the kernel rate) and the
 layout's roofline: max(ideal, the busiest rank's needed K/V bytes (the plan's exchange counts x
-2 · Hkv · D · 2 bytes, the larger of received and sent per link class) at link rate). Topology:
+2 · Hkv · D · 2 bytes, the larger of received and sent per link class) at link rate). Beside it the
+busiest rank's own roofline: max(the most pairs the layout hands one rank (``attended_pairs``: its
+positions' pairs, in the layout it attends in) at the kernel rate, the same link term); modeled over
+it is what the op adds to its layout, the layout's imbalance left out. Topology:
 ``allgather``, ``a2a``, ``halo`` on one node of cp GPUs (NVLink); ``hierarchical`` on 2 nodes of
 cp / 2 (LOCAL_WORLD_SIZE = cp / 2), so its cross-node messages and roofline bytes go over IB.
 
@@ -256,6 +259,30 @@ def document_pairs(ids: torch.Tensor, window: Optional[int]) -> int:
     return total
 
 
+def position_pairs(ids: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """[S] causal query-key pairs of each position's query: the keys of its document at or before it,
+    under the window (padding, id 0: none). Summed, ``document_pairs``."""
+    pos = torch.arange(ids.numel())
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    start = torch.cummax(torch.where(starts, pos, 0), 0).values  # [S] first position of its document
+    seen = pos - start + 1
+    if window is not None:
+        seen = seen.clamp(max=window + 1)
+    return torch.where(ids != 0, seen, 0)
+
+
+def attended_pairs(state, window: Optional[int]) -> float:
+    """The query-key pairs this rank's kernel calls must cover, counted from the layout it attends in
+    (relaid: the balanced layout its rows moved to; ulysses: every position on cp-th of the heads), not
+    from the calls: the work its layout hands it."""
+    if state.kv_exchange == "ulysses":
+        return float(position_pairs(state.doc_ids[0], window).sum()) / state.cp
+    attending = state.relaid.state if state.relaid is not None else state
+    pairs = position_pairs(attending.doc_ids[0], window)
+    return float(pairs[attending.layout.rank_positions(attending.rank)].sum())
+
+
 def _kernel_seconds(event, run: Dims, target: Dims, hw: H200) -> Tuple[float, float]:
     """(seconds, FLOPs) of one kernel call at the model's dims (the query heads it was handed, scaled:
     ulysses' head shards hold Hq / cp of them)."""
@@ -453,7 +480,7 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
                       for phase, (c, thread, wall) in zip(("forward", "backward"), (fwd, bwd))})
     counts = state.plan_for(window).exchange.counts.clone()  # [cp, cp] positions src -> dst, global
     return {"calls": calls, "counts": counts, "per_node": per_node, "local_len": state.local_len,
-            "build_s": build_s}
+            "build_s": build_s, "attended_pairs": attended_pairs(state, window)}
 
 
 def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optional[Dict] = None,
@@ -623,11 +650,15 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
     row_bytes = 2 * target.hkv * target.d * target.dtype_bytes
     link = needed_seconds(per_rank[0]["counts"], lambda r: r // per_node, row_bytes, hw)
     roof_f, roof_b = max(ideal_f, link), max(ideal_b, link)
+    # the busiest rank's own roofline: the work its layout hands it (the layout's imbalance included)
+    own_f, own_b = ideal_seconds(max(r["attended_pairs"] for r in per_rank), target, 1, hw)
     calls = [r["calls"][layer] for r in per_rank]
     busiest = max(range(len(calls)), key=lambda r: calls[r]["forward"]["modeled_s"] + calls[r]["backward"]["modeled_s"])
     row = {**base, "busiest_rank": busiest, "local_len": per_rank[0]["local_len"], "nodes": case.cp // per_node,
            "ideal_fwd_s": ideal_f, "ideal_bwd_s": ideal_b, "needed_link_s": link,
            "roofline_fwd_s": roof_f, "roofline_bwd_s": roof_b,
+           "rank_work_fwd_s": own_f, "rank_work_bwd_s": own_b,
+           "own_roofline_fwd_s": max(own_f, link), "own_roofline_bwd_s": max(own_b, link),
            "build_s": max(r["build_s"] for r in per_rank),
            "first_call_syncs": max(r["calls"][0]["forward"]["syncs"] + r["calls"][0]["backward"]["syncs"]
                                    for r in per_rank)}
@@ -646,6 +677,7 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
         row[f"kernel_calls_max_{short}"] = max(cc[phase]["kernel_calls"] for cc in calls)
         row[f"modeled_max_s_{short}"] = max(cc[phase]["modeled_s"] for cc in calls)
         row[f"ratio_{short}"] = c["modeled_s"] / (roof_f if short == "fwd" else roof_b)
+        row[f"own_ratio_{short}"] = c["modeled_s"] / row[f"own_roofline_{short}_s"]
         row[f"syncs_max_{short}"] = max(cc[phase]["syncs"] for cc in calls)
     row["ratio"] = (row["modeled_s_fwd"] + row["modeled_s_bwd"]) / (roof_f + roof_b)
     row["host_measured"] = "shared"  # ``with_alone_host``: "alone"

@@ -93,6 +93,40 @@ def test_recorded_counts_are_the_op_counters():
                     assert summary["kernel_calls"] > 0 and summary["transfers"] > 0, (exchange, rank, i, c)
 
 
+def attended_and_computed(ids, layout: str, exchange: str, window, relayout: str, model: str):
+    """On every rank: the pairs its layout hands it (``attended_pairs``) and the pairs its recorded
+    forward kernel calls covered (their FLOPs / (4 · Hq · D) at the model's dims), in a steady call."""
+    gm = _bench()
+    got = gm.replay_rank(ids, layout, exchange, window, model, relayout=relayout)
+    target = gm.MODELS[model]
+    return got["attended_pairs"], got["calls"][1]["forward"]["flops"] / (4 * target.hq * target.d)
+
+
+@pytest.mark.timeout(120)
+def test_attended_pairs_are_the_pairs_the_calls_cover():
+    # The own roofline's work term is counted from the layout alone; the engine's calls must cover
+    # exactly those pairs on every rank (no pair twice, none left out), and the ranks together every
+    # document's pairs under the window.
+    gm = _bench()
+    thd_ids = runs_to_doc_ids([(1, 8), (2, 12), (3, 40), (4, 132)])
+    cases = ((_ids(), "zigzag", "a2a", None, "none", "gqa"), (_ids(), "zigzag", "halo", 5, "none", "gqa"),
+             (_ids(), "balanced", "allgather", None, "none", "gqa"), (thd_ids, "thd", "a2a", None, "none", "gqa"),
+             (thd_ids, "thd", "a2a", None, "balanced", "gqa"), (_ids(), "zigzag", "ulysses", None, "none", "gqa_heads"))
+    with WorkerPool(2) as pool:
+        for ids, *case in cases:
+            per_rank = pool.run(attended_and_computed, ids, *case, timeout=100)
+            for attended, computed in per_rank:
+                assert attended == pytest.approx(computed), case
+            total = gm.document_pairs(ids, case[2])
+            assert sum(a for a, _ in per_rank) == pytest.approx(total), case
+            if case[1] != "ulysses":  # ulysses: every rank half the heads of every pair
+                assert all(0 < a < total for a, _ in per_rank), case
+    ids = torch.tensor([1] * 5 + [2] * 3 + [0] * 2)
+    assert gm.position_pairs(ids, None).tolist() == [1, 2, 3, 4, 5, 1, 2, 3, 0, 0]
+    assert gm.position_pairs(ids, 1).tolist() == [1, 2, 2, 2, 2, 1, 2, 2, 0, 0]
+    assert int(gm.position_pairs(ids, 1).sum()) == gm.document_pairs(ids, 1)
+
+
 def test_price_on_hand_made_events():
     from megatron_ext.testing.op_counter import KernelEvent, OpEvent, PostEvent, WaitEvent
 
@@ -214,14 +248,19 @@ def test_pairs_and_case_row_arithmetic():
              "modeled_s": 2e-3, "kernel_s": 0, "elementwise_s": 0, "link_s": 0, "launch_s": 0,
              "elementwise_bytes": 0, "flops": 0, "tiles_over_pairs": 1.5, "host_thread_s": 1e-3, "host_wall_s": 1e-3}
     rank = {"calls": [{"forward": phase, "backward": {**phase, "modeled_s": 4e-3}}] * 2, "counts": counts,
-            "per_node": 2, "local_len": 6, "build_s": 0.0}
-    row = gm.case_row(gm.Case(12, 2, "single", "zigzag", "a2a", None, "gqa"), [rank, rank], ids, hw)
+            "per_node": 2, "local_len": 6, "build_s": 0.0, "attended_pairs": 30}
+    row = gm.case_row(gm.Case(12, 2, "single", "zigzag", "a2a", None, "gqa"), [rank, {**rank, "attended_pairs": 16}],
+                      ids, hw)
     ideal = 4.0 * 46 * 32 * 128 / 2 / 450e12
     assert row["ideal_fwd_s"] == pytest.approx(ideal) and row["ideal_bwd_s"] == pytest.approx(2.5 * ideal)
     assert row["roofline_fwd_s"] == pytest.approx(max(ideal, 6 * 4096 / 400e9))
     assert row["ratio_fwd"] == pytest.approx(2e-3 / row["roofline_fwd_s"])
     assert row["ratio"] == pytest.approx(6e-3 / (row["roofline_fwd_s"] + row["roofline_bwd_s"]))
     assert row["tiles_over_pairs_fwd"] == row["tiles_over_pairs_bwd"] == 1.5  # the busiest rank's, as recorded
+    own = 4.0 * 30 * 32 * 128 / 450e12  # the rank handed the most pairs (30 of 46), at the kernel rate
+    assert row["rank_work_fwd_s"] == pytest.approx(own) and row["rank_work_bwd_s"] == pytest.approx(2.5 * own)
+    assert row["own_roofline_fwd_s"] == pytest.approx(max(own, 6 * 4096 / 400e9))
+    assert row["own_ratio_bwd"] == pytest.approx(4e-3 / max(2.5 * own, 6 * 4096 / 400e9))
 
 
 def test_measured_kernel_reads_the_gpu_check_timing_rows(tmp_path):
@@ -254,7 +293,7 @@ def test_case_row_on_the_measured_kernel():
              "elementwise_bytes": 0, "flops": 0, "tiles_over_pairs": 1.0, "host_thread_s": 1e-3, "host_wall_s": 1e-3,
              "modeled_s_measured_kernel": 3e-3}
     rank = {"calls": [{"forward": phase, "backward": {**phase, "modeled_s_measured_kernel": 9e-3}}] * 2,
-            "counts": counts, "per_node": 2, "local_len": 6, "build_s": 0.0}
+            "counts": counts, "per_node": 2, "local_len": 6, "build_s": 0.0, "attended_pairs": 23}
     row = gm.case_row(gm.Case(12, 2, "single", "zigzag", "a2a", None, "gqa"), [rank, rank], ids, hw,
                       hw_measured=measured)
     ideal = 4.0 * 46 * 32 * 128 / 2 / 300e12
