@@ -7,7 +7,8 @@
     memory_cp.png    busiest rank's peak memory vs cp, every layout x exchange, against local q/k/v/out
     scale.png        modeled / ideal attention time vs cp per layout (scale suite, largest S)
     exchange_choice.png  modeled ms per exchange per mix at 128k / cp 8 and 1M / cp 64 (exchange_choice suite)
-    gpu_model.png    modeled H200 time / roofline per mix, layout and exchange, GQA, no window (gpu_model suite)
+    gpu_model.png    modeled H200 time / roofline per mix, layout and exchange, GQA, no window (gpu_model suite);
+                     a tick: modeled / the busiest rank's own roofline
 """
 
 import os
@@ -339,6 +340,9 @@ def plot_gpu_model(rows: List[Dict], out_dir: str) -> str:
                 ax.bar(x, r["ratio"], width, color=GPU_MODEL_COLORS[ex], label=ex)  # legend: one per label
                 ax.plot(x, (r["host_s_fwd"] + r["host_s_bwd"]) / roof, "k.", ms=4,
                         label="host (CPU, null kernel) / roofline" if (i, j) == (0, 0) else None)
+                if r.get("own_roofline_fwd_s") is not None:  # the layout's imbalance left out
+                    own = (r["modeled_s_fwd"] + r["modeled_s_bwd"]) / (r["own_roofline_fwd_s"] + r["own_roofline_bwd_s"])
+                    ax.plot(x, own, "_", color="k", ms=7, mew=1.2, label="modeled / the busiest rank's own roofline")
         ax.axhline(1.2, color="k", ls=":", lw=1, label="1.2x roofline")
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels([f"{m}\n{l}" for m, l in groups], fontsize=7)
