@@ -347,7 +347,10 @@ class HierarchicalTransport:
         from .hierarchical_exchange import RouteForward
 
         if self._moving is None and self._buffer is None:
-            self._moving = RouteForward(fused_rows(self.k, self.v, slice(None)), self.route, self.group, False, {})
+            # the steps read the received rows only (the local keys are attended from k and v): no copy of
+            # the local rows into the buffer
+            self._moving = RouteForward(fused_rows(self.k, self.v, slice(None)), self.route, self.group, False, {},
+                                        with_local=False)
         return _Slice(self, step)
 
     def delivered(self) -> torch.Tensor:
@@ -365,8 +368,7 @@ class HierarchicalTransport:
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         if grad_chunk is not None:
             if self._grad is None:
-                self._grad = torch.zeros((self.route.out_rows,) + tuple(grad_chunk.shape[1:]), dtype=grad_chunk.dtype,
-                                         device=grad_chunk.device)
+                self._grad = self._received_grad(grad_chunk.shape[1:], grad_chunk.dtype)
             first, n = self._rows(step)
             self._grad[first:first + n] += grad_chunk
         return None
@@ -374,6 +376,13 @@ class HierarchicalTransport:
     @staticmethod
     def settle(handle, dkv) -> None:
         pass
+
+    def _received_grad(self, tail, dtype) -> torch.Tensor:
+        """[out_rows, b, F] gradients of the buffer: zeros past the local rows, which ``returned_rows`` never
+        reads (the own keys' gradients collect in ``KeyGradients``)."""
+        grad = torch.empty((self.route.out_rows,) + tuple(tail), dtype=dtype, device=self.k.device)
+        grad[self.k.shape[0]:].zero_()
+        return grad
 
     def finish(self, dkv) -> None:
         """Every chunk's gradient back through the routes at once; the rows that come home (those this rank
@@ -383,8 +392,7 @@ class HierarchicalTransport:
         if self._moving is not None:  # save mode never reads the refetch it did not post; nothing is pending
             self.delivered()
         if self._grad is None:  # every rank takes part in the routes' transfers, gradient or not
-            self._grad = torch.zeros((self.route.out_rows, self.k.shape[1], fused_width(self.k, self.v)),
-                                     dtype=self.k.dtype, device=self.k.device)
+            self._grad = self._received_grad((self.k.shape[1], fused_width(self.k, self.v)), self.k.dtype)
         moved: Dict = {}
         with exposed_wait(self.stats, "backward_wait_seconds", self.k.device):
             back = returned_rows(self._grad, self.route, self.group, False, moved)

@@ -62,13 +62,15 @@ class RouteForward:
     stage 1's rows, so it runs in ``wait``.
     """
 
-    def __init__(self, kv: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict):
+    def __init__(self, kv: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict,
+                 with_local: bool = True):
         self.kv, self.route, self.group, self.use_p2p, self.stats = kv, route, group, use_p2p, stats
+        self.with_local = with_local  # False: the buffer's first L rows are left unwritten
         self._stage1 = (_Moving(kv.index_select(0, route.send1_index), route.send1_counts, route.recv1_counts,
                                 group, use_p2p) if route.stage1_moves else None)
 
     def wait(self) -> torch.Tensor:
-        """[L + needed, b, F]: local rows, then the received rows by source."""
+        """[L + needed, b, F]: local rows (unwritten without ``with_local``), then the received rows by source."""
         kv, route = self.kv, self.route
         L, tail = kv.shape[0], tuple(kv.shape[1:])
         recv1 = self._stage1.wait() if self._stage1 is not None else kv.new_empty((0,) + tail)
@@ -77,7 +79,8 @@ class RouteForward:
             recv2 = _move(recv1.index_select(0, route.send2_index), route.send2_counts, route.recv2_counts,
                           self.group, self.use_p2p)
         out = kv.new_empty((route.out_rows,) + tail)
-        out[:L] = kv
+        if self.with_local:
+            out[:L] = kv
         out.index_copy_(0, route.kept1_slot, recv1.index_select(0, route.kept1))
         out.index_copy_(0, route.slot2, recv2)
         row = kv[0].numel() * kv.element_size() if L else 0
