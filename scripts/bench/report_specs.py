@@ -523,6 +523,45 @@ TORCH_CP = Suite(
 )
 
 
+def _torch_cp_flex_checks(rows):
+    return [Check(f"S={r['S']} {r['layout']}", r["seconds"] <= r["seconds_torch"], r["ratio_ours_over_torch"])
+            for r in rows if r["suite"] == "torch_cp_flex"]
+
+
+def _torch_cp_flex_agree(rows):
+    return [Check(f"S={r['S']} {r['layout']}", r["max_rel_diff"] <= 1e-4, r["max_rel_diff"])
+            for r in rows if r["suite"] == "torch_cp_flex"]
+
+
+TORCH_CP_FLEX = Suite(
+    "torch_cp_flex", suite("torch_cp_flex"),
+    targets=(Target("short mix at cp=2 (fp32, 8 heads x 64, forward): ours no slower than torch's flex-attention "
+                    "context parallelism (per-document head-tail, compiled flex kernel)",
+                    _torch_cp_flex_checks, _listed(".2f", word="ours / torch"), unit="S x layout"),
+             Target("ours and torch's flex CP give the same output (max |diff| / max |value| <= 1e-4)",
+                    _torch_cp_flex_agree, _listed(".1e", suffix="", word="max rel diff"), unit="S x layout")),
+    tables=(
+        Table("Ours beside torch's flex-attention context parallelism (`scripts/bench/torch_cp_flex.py`)",
+              suite("torch_cp_flex"),
+              note=lambda rs: ("The short mix (every document cut to a multiple of 4 tokens), cp=2, fp32, b=1, 8 "
+                               "heads x 64, forward only (flex attention has no backward on CPU: "
+                               + str(rs[0].get("torch_backward")) + "), gloo, one thread per rank. Ours: a2a, "
+                               "dense backend. Torch" + (f" {rs[0]['torch_version']}" if rs[0].get("torch_version")
+                                                         else "")
+                               + ": `_ContextParallel(FLEX)` around `torch.compile(flex_attention)` (K and V "
+                               "all-gathered), `_PerDocumentHeadTailLoadBalancer`, `_create_cp_block_mask`. Both "
+                               "alternate per iteration after a warm-up (flex compiles on its first call: `torch "
+                               "1st s`); seconds are the median (slowest rank). `rel diff`: max |ours - torch| / "
+                               "max |torch| of the output at global positions."),
+              columns=(Column("S", "S"), Column("docs", "docs"), Text("layout", "layout"),
+                       Column("ours s", "seconds", ".3f"), Column("torch s", "seconds_torch", ".3f"),
+                       Column("ours / torch", "ratio_ours_over_torch", ".2f"),
+                       Column("torch 1st s", "torch_first_call_s", ".1f"),
+                       Column("rel diff", "max_rel_diff", fmt(".1e")))),
+    ),
+)
+
+
 # --- window -----------------------------------------------------------------------------------
 
 
@@ -1121,5 +1160,5 @@ DROPIN = Suite(
 )
 
 # The order of SUMMARY.md: targets of every suite first, then each suite's tables.
-SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, TORCH_CP, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, GPU_MODEL,
+SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, TORCH_CP, TORCH_CP_FLEX, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, GPU_MODEL,
           GPU_MODEL_LOOPBACK, DROPIN)

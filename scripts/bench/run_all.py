@@ -23,7 +23,9 @@ gpu_model_loopback, the gpu_check loopback's ranks modeled beside what an H200 m
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
 Megatron-mask document derivation and the per-call q/k/v agreement against one layer at
 32k tokens, cp=4), torch_cp (not in the default set, about 10 minutes: one causal document at cp=2,
-8k and 16k, fwd+bwd beside torch's own ring attention; scripts/bench/torch_cp.py). One JSON object per
+8k and 16k, fwd+bwd beside torch's own ring attention; scripts/bench/torch_cp.py), torch_cp_flex (not in
+the default set, about 2 minutes: the short mix at cp=2, 8k and 16k, forward beside torch's flex-attention
+context parallelism; scripts/bench/torch_cp_flex.py). One JSON object per
 measurement; re-running some suites replaces only their rows. Exit status 1 when a
 row says ``"passed": false`` (the checks of gpu_check).
 """
@@ -44,7 +46,7 @@ for _p in (HERE, REPO_ROOT):
         sys.path.insert(0, _p)
 
 ALL_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
-              "window", "exchange_choice", "gpu_model", "gpu_check", "dropin", "torch_cp")
+              "window", "exchange_choice", "gpu_model", "gpu_check", "dropin", "torch_cp", "torch_cp_flex")
 DEFAULT_SUITES = ("comm", "balance", "speed", "speed_memory", "memory", "model", "gpu", "scale", "scale_latency",
                   "window", "exchange_choice", "gpu_model")  # gpu: a skipped row without CUDA
 
@@ -207,6 +209,13 @@ def main(argv=None) -> int:
         rows += torch_cp.run(sizes=(2048,) if args.quick else (8192, 16384), reps=args.reps or (2 if args.quick else 3),
                              rounds=1 if args.quick else 2, log=_log)
         timings["torch_cp"] = time.perf_counter() - t0
+
+    if "torch_cp_flex" in suites:
+        import torch_cp_flex
+
+        t0 = time.perf_counter()
+        rows += torch_cp_flex.run(sizes=(2048,) if args.quick else (8192, 16384), reps=args.reps or 3, log=_log)
+        timings["torch_cp_flex"] = time.perf_counter() - t0
 
     if "gpu" in suites:
         import gpu
