@@ -122,9 +122,9 @@ def main(argv=None) -> int:
                      "seconds_all": mine, "seconds_other_all": other,
                      "ratio_other_over_this_per_round": [o / m for o, m in zip(other, mine)],
                      "method": "fresh processes per run, engines alternated, median of rounds of medians"})
-    with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    from summary import append
+
+    append(args.out, rows)
     return 0
 
 

@@ -482,9 +482,14 @@ LAYER_AB = Suite(
 # --- torch_cp ---------------------------------------------------------------------------------
 
 
-def _torch_cp_checks(rows):
-    return [Check(f"S={r['S']} {r['exchange']}", r["seconds"] <= r["seconds_torch"], r["ratio_ours_over_torch"])
-            for r in rows if r["suite"] == "torch_cp"]
+_OURS_BESIDE_TORCH = (Column("ours s", "seconds", ".3f"), Column("torch s", "seconds_torch", ".3f"),
+                      Column("ours / torch", "ratio_ours_over_torch", ".2f"))
+
+
+def _ours_no_slower(name, case):
+    """Ours no slower than torch per row of suite ``name``, labelled S and ``case`` (its row field)."""
+    return lambda rows: [Check(f"S={r['S']} {r[case]}", r["seconds"] <= r["seconds_torch"], r["ratio_ours_over_torch"])
+                         for r in rows if r["suite"] == name]
 
 
 def _torch_cp_agree(rows):
@@ -497,7 +502,7 @@ TORCH_CP = Suite(
     "torch_cp", suite("torch_cp"),
     targets=(Target("one causal document at cp=2 (fp32, 8 heads x 64, fwd+bwd): ours no slower than torch's ring "
                     "attention (head-tail balanced; a2a vs its alltoall rotater, allgather vs its allgather)",
-                    _torch_cp_checks, _listed(".2f", word="ours / torch"), unit="S x exchange"),
+                    _ours_no_slower("torch_cp", "exchange"), _listed(".2f", word="ours / torch"), unit="S x exchange"),
              Target("ours and torch's ring give the same output and dQ/dK/dV (max |diff| / max |value| <= 1e-4)",
                     _torch_cp_agree, _listed(".1e", suffix="", word="max rel diff"), unit="S x exchange")),
     tables=(
@@ -512,8 +517,7 @@ TORCH_CP = Suite(
                                "are the median over rounds of each round's median (slowest rank). `rel diff`: "
                                "largest of out/dQ/dK/dV max |ours - torch| / max |torch|."),
               columns=(Column("S", "S"), Text("exchange", "exchange"), Text("torch rotate", "torch_rotate"),
-                       Column("ours s", "seconds", ".3f"), Column("torch s", "seconds_torch", ".3f"),
-                       Column("ours / torch", "ratio_ours_over_torch", ".2f"),
+                       *_OURS_BESIDE_TORCH,
                        Text("per round", lambda r: ", ".join(f"{a / b:.2f}" for a, b in
                                                             zip(r["seconds_rounds"], r["seconds_torch_rounds"])),
                             str),
@@ -521,11 +525,6 @@ TORCH_CP = Suite(
                               else None, fmt(".1e")))),
     ),
 )
-
-
-def _torch_cp_flex_checks(rows):
-    return [Check(f"S={r['S']} {r['layout']}", r["seconds"] <= r["seconds_torch"], r["ratio_ours_over_torch"])
-            for r in rows if r["suite"] == "torch_cp_flex"]
 
 
 def _torch_cp_flex_agree(rows):
@@ -537,7 +536,8 @@ TORCH_CP_FLEX = Suite(
     "torch_cp_flex", suite("torch_cp_flex"),
     targets=(Target("short mix at cp=2 (fp32, 8 heads x 64, forward): ours no slower than torch's flex-attention "
                     "context parallelism (per-document head-tail, compiled flex kernel)",
-                    _torch_cp_flex_checks, _listed(".2f", word="ours / torch"), unit="S x layout"),
+                    _ours_no_slower("torch_cp_flex", "layout"), _listed(".2f", word="ours / torch"),
+                    unit="S x layout"),
              Target("ours and torch's flex CP give the same output (max |diff| / max |value| <= 1e-4)",
                     _torch_cp_flex_agree, _listed(".1e", suffix="", word="max rel diff"), unit="S x layout")),
     tables=(
@@ -553,9 +553,7 @@ TORCH_CP_FLEX = Suite(
                                "alternate per iteration after a warm-up (flex compiles on its first call: `torch "
                                "1st s`); seconds are the median (slowest rank). `rel diff`: max |ours - torch| / "
                                "max |torch| of the output at global positions."),
-              columns=(Column("S", "S"), Column("docs", "docs"), Text("layout", "layout"),
-                       Column("ours s", "seconds", ".3f"), Column("torch s", "seconds_torch", ".3f"),
-                       Column("ours / torch", "ratio_ours_over_torch", ".2f"),
+              columns=(Column("S", "S"), Column("docs", "docs"), Text("layout", "layout"), *_OURS_BESIDE_TORCH,
                        Column("torch 1st s", "torch_first_call_s", ".1f"),
                        Column("rel diff", "max_rel_diff", fmt(".1e")))),
     ),

@@ -168,6 +168,13 @@ def load(path: str) -> List[Row]:
     return rows
 
 
+def append(path: str, rows: List[Row]) -> None:
+    """Add ``rows`` to a results file, one JSON object per line (a suite script's ``--out``)."""
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 # --- rendering --------------------------------------------------------------------------------
 
 

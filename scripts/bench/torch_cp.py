@@ -296,9 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     rows = run(tuple(int(s) for s in args.S.split(",")), tuple(args.exchanges.split(",")), args.reps, args.rounds)
-    with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    from summary import append
+
+    append(args.out, rows)
     return 0
 
 

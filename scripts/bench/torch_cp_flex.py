@@ -27,7 +27,6 @@ median. Before timing, both outputs are gathered to global positions and compare
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -190,9 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     rows = run(tuple(int(s) for s in args.S.split(",")), reps=args.reps)
-    with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    from summary import append
+
+    append(args.out, rows)
     return 0
 
 
