@@ -262,11 +262,9 @@ def document_pairs(ids: torch.Tensor, window: Optional[int]) -> int:
 def position_pairs(ids: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """[S] causal query-key pairs of each position's query: the keys of its document at or before it,
     under the window (padding, id 0: none). Summed, ``document_pairs``."""
-    pos = torch.arange(ids.numel())
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[1:] = ids[1:] != ids[:-1]
-    start = torch.cummax(torch.where(starts, pos, 0), 0).values  # [S] first position of its document
-    seen = pos - start + 1
+    from megatron_ext.blockdiag_cp.layouts import document_starts
+
+    seen = torch.arange(ids.numel()) - document_starts(ids) + 1
     if window is not None:
         seen = seen.clamp(max=window + 1)
     return torch.where(ids != 0, seen, 0)

@@ -124,7 +124,7 @@ def _inputs(S: int, seed: int = 0):
 
 
 def _to_global(local, pos, S):
-    """[s_local, 1, h, d] rows at global positions pos -> [S, 1, h, d], summed over ranks."""
+    """[s_local, ...] rows at global positions pos -> [S, ...], summed over ranks."""
     import torch.distributed as dist
 
     full = local.new_zeros((S,) + tuple(local.shape[1:]))

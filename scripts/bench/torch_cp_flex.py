@@ -53,17 +53,6 @@ def short_ids(S: int, cp: int = CP):
     return torch.nn.functional.pad(ids, (0, S - ids.numel()))
 
 
-def _to_global(local, positions, S: int):
-    """[s_local, h, d] rows at global ``positions`` -> [S, h, d], summed over the ranks."""
-    import torch
-    import torch.distributed as dist
-
-    full = local.new_zeros((S,) + tuple(local.shape[1:]))
-    full.index_copy_(0, positions, local)
-    dist.all_reduce(full)
-    return full
-
-
 def _probe_backward(attention, mesh, S: int = 512) -> str:
     """torch's flex CP forward + backward on one causal document of ``S`` (small: a failed grad-mode
     call may leave its full score matrix behind): "ran", or the error it raised."""
@@ -97,6 +86,7 @@ def compare(sizes: Sequence[int], layouts: Sequence[str], reps: int) -> List[Dic
     from torch.nn.attention.flex_attention import flex_attention
 
     import megatron_ext.blockdiag_cp as bdcp
+    from torch_cp import _to_global  # this folder: on the path of the script, run_all and the pool's workers
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (CP,))
