@@ -179,12 +179,7 @@ class _StreamedAttention(torch.autograd.Function):
                     aux.append(None)
                     continue
                 aux.append(a)
-                if share.writes:
-                    result.write(call.q_index, o, lse, alone=share.alone)
-                if share.adds is not None:  # rows a first call wrote: merged into the result in place
-                    result.merge(share.adds, o, lse)
-                if share.merges:
-                    acc.merge(share.target, o, lse, share.fresh, share.source)
+                result.take_output(call.q_index, share, o, lse, acc)
                 del qp, kp, vp, o, lse  # before the next call allocates its own
             stats["compute_seconds"] += time.perf_counter() - t0
 
@@ -247,7 +242,7 @@ class _StreamedAttention(torch.autograd.Function):
         # dq has the forward's writers: a row one call attends takes that call's dq, a row two attend is their
         # sum in dq's dtype (one rounding), rows of three or more add up in float32 (the sink adds nothing to
         # dq: all rows are merged then, as in forward)
-        merges = state.merges_on(ctx.kind, q.device, ctx.window, sink=ctx.has_sink)
+        merges = state.merges_on(ctx.kind, q.device, ctx.window, sink=ctx.has_sink, ends="gradient")
         dq = Result(merges, q_flat.shape[1], q_flat.shape[2], q.dtype, acc_dtype, q.device, with_lse=False)
         dq_merged = (torch.zeros if merges.needs_zeros else torch.empty)(
             (merges.merged_count,) + tuple(q_flat.shape[1:]), dtype=acc_dtype, device=q.device)

@@ -8,7 +8,7 @@ reads the row, merges in float32 and rounds once: the bits the float32 buffer gi
 Only rows that three or more calls write (a long document's rows, one call per chunk
 of earlier keys) are merged by log-sum-exp in float32, in a buffer that holds just
 those rows. Forward's out / lse and backward's dq have the same writers, so both
-read a ``MergePlan`` per step, kind and window:
+read a ``MergePlan`` per step, kind and window (one per direction: ``ends``):
 
     query rows of this rank      0 .................................. L*R
     calls writing a row          1 1 1 1 3 3 3 3 1 1 1 1 1 1 2 2 2 1 1
@@ -17,13 +17,18 @@ read a ``MergePlan`` per step, kind and window:
                                  merges its rows 4..7 into buffer rows 0..3
 
 Gradients add instead: a row two calls write is the first call's value plus the
-second's, added in the result's dtype (one rounding, as through float32). Both read
-the same plan.
+second's, added in the result's dtype (one rounding, as through float32).
+
+A merged row's ends skip the buffer where that costs no launch (``ends``): in
+forward its first writer writes the result, its second merges the first's output
+and its own into the buffer (``opens``), its last merges the buffer and its own into
+the result (``closes``); dq's last writer adds the buffer and its own into dq. The
+bits are those of copying into the buffer and writing it back, a pass fewer each.
 
 A call that covers every row and is the first to write the result lends it its
-output tensor (no copy). The buffer is written back into the result once, at the
-end. An attention sink is one more term in every row's denominator: with one,
-every row is merged.
+output tensor (no copy). The buffer rows no call closed are written back into the
+result once, at the end. An attention sink is one more term in every row's
+denominator: with one, every row is merged (and nothing skips the buffer).
 """
 
 from dataclasses import dataclass
@@ -42,7 +47,7 @@ class CallMerge:
     """One kernel call's share: rows it writes alone, rows it merges, and where."""
 
     writes: bool  # some of its rows are, so far, its output alone: those go to the result rows
-    merges: bool  # some of its rows are merged
+    merges: bool  # some of its rows are merged in the buffer (buffer to buffer)
     source: Rows  # rows of the call's output that are merged (``Rows`` over the call's rows)
     target: Rows  # their rows in the merge buffer (``Rows`` over ``MergePlan.merged_count``)
     fresh: bool  # no earlier call wrote any of its merged rows: a copy, not a merge
@@ -52,6 +57,21 @@ class CallMerge:
     alone: Optional[Tuple[Rows, Rows]] = None
     # (rows of its output, result rows) it merges into (gradients: adds to) the result: a pair's second writer
     adds: Optional[Tuple[Rows, Rows]] = None
+    # (rows of its output, result rows, buffer rows): merged rows it is the second writer of, whose first
+    # writer's output is in the result: merged from there into the buffer (``MergePlan.ends`` "forward")
+    opens: Optional[Tuple[Rows, Rows, Rows]] = None
+    # (rows of its output, buffer rows, result rows): merged rows it is the last writer of: the buffer's
+    # rows and its output merged (gradients: added) straight into the result (``MergePlan.ends``)
+    closes: Optional[Tuple[Rows, Rows, Rows]] = None
+
+
+# How a row of three or more writers meets the float32 buffer (``MergePlan.of``'s ``ends``):
+#   "none"      first writer copies into it, the rest merge (add) there, ``Result.finish`` writes it back;
+#   "forward"   the first writes the result, the second merges that and its own into the buffer, the last
+#               merges the buffer and its own into the result (no copy into the buffer, no write-back);
+#   "gradient"  as "none", but the last adds the buffer and its own into the result where the three are
+#               runs (float32 sum, rounded once into the result: the write-back's bits).
+ENDS = ("none", "forward", "gradient")
 
 
 @dataclass(frozen=True)
@@ -64,47 +84,80 @@ class MergePlan:
     merged_mask: np.ndarray  # [rows] host: merged or not
     needs_zeros: bool  # some merged row is merged into (or read) before a call copies it: the buffer starts at 0
     calls: List[List[CallMerge]]  # per step, per call, as ``stream_on`` orders them
+    # (buffer rows, result rows) ``Result.finish`` writes back: the merged rows no call closes (None: none)
+    write_back: Optional[Tuple[Rows, Rows]] = None
+    ends: str = "none"
 
     @classmethod
     def of(cls, steps: Sequence[Sequence], rows: int, device, every_row_merged: bool = False,
-           also_merged: Optional[torch.Tensor] = None) -> "MergePlan":
+           also_merged: Optional[torch.Tensor] = None, ends: str = "none", closing: bool = True) -> "MergePlan":
         """``steps``: per step, its calls' host row indices (``CallPlan.q_index``, [Nq] rows each);
         ``also_merged``: host rows merged however many calls write them. A row two calls write is the
         first's output, then the second's merged into it (gradients: added) in the result's dtype, rounded
-        once as the float32 buffer gives; only rows of three or more go there."""
+        once as the float32 buffer gives; only rows of three or more go there. ``ends`` (``ENDS``): how
+        their first and last writers meet the buffer; "none" where rows are merged whatever their
+        writers (a sink's rescale, returned key gradients) as those read the buffer after every call.
+        ``closing`` False: no last writer closes (the plan without them, where they would cost a launch)."""
         from .step import device_rows
+
+        if ends not in ENDS:
+            raise ValueError(f"ends={ends!r}; known: {ENDS}")
+        if every_row_merged or also_merged is not None:
+            ends = "none"
 
         def on_device(index: np.ndarray, n: int) -> Rows:
             return device_rows(torch.from_numpy(index), n, device)
 
         writers = np.zeros(rows, dtype=np.int64)
+        nths = []  # per step, per call: which writer of each of its rows it is
         for step in steps:
+            here = []
             for q_index in step:
-                writers[q_index.numpy()] += 1  # a call holds a row at most once
+                qi = q_index.numpy()  # a call holds a row at most once
+                writers[qi] += 1
+                here.append(writers[qi].copy())
+            nths.append(here)
         merged = (writers >= 3) | bool(every_row_merged)
         if also_merged is not None:
             merged[also_merged.numpy()] = True
         paired = (writers == 2) & ~merged  # the second writer merges (adds) into the result
         slot = np.cumsum(merged) - 1  # a merged row's place in the buffer
         count = int(merged.sum())
-        seen = np.zeros(rows, dtype=bool)  # merged rows some call wrote
+        opened = _opened(steps, nths, merged) if ends == "forward" else np.zeros(rows, dtype=bool)
+        seen = np.zeros(rows, dtype=bool)  # merged rows some call wrote into the buffer
         written = np.zeros(rows, dtype=bool)  # paired rows their first writer wrote
+        closed = np.zeros(rows, dtype=bool)  # merged rows their last writer merged into the result
         needs_zeros = False
         calls: List[List[CallMerge]] = []
-        for step in steps:
+        for step, step_nths in zip(steps, nths):
             here = []
-            for q_index in step:
+            for q_index, nth in zip(step, step_nths):
                 qi = q_index.numpy()
                 mine = merged[qi]
+                first = mine & (nth == 1) & opened[qi]
                 second = paired[qi] & written[qi]
                 written[qi[paired[qi]]] = True
-                own = np.flatnonzero(~mine & ~second)  # the rows this call's output is the result of, so far
-                at = np.flatnonzero(mine)
+                own = np.flatnonzero((~mine & ~second) | first)  # the rows this call's output is the result of, so far
+                opening = np.flatnonzero(mine & (nth == 2) & opened[qi])
+                opens = closes = None
+                if opening.size:
+                    opens = (on_device(opening, qi.size), on_device(qi[opening], rows),
+                             on_device(slot[qi[opening]], count))
+                    seen[qi[opening]] = True
+                at = np.flatnonzero(mine & ~(opened[qi] & (nth <= 2)))  # merged in the buffer
+                # The last writer of every row it merges there: into the result instead (one op either way;
+                # "gradient": where the buffer's, its own and the result's rows are runs)
+                if closing and ends != "none" and at.size and bool((nth[at] == writers[qi[at]]).all()):
+                    closing = (on_device(at, qi.size), on_device(slot[qi[at]], count), on_device(qi[at], rows))
+                    if ends == "forward" or not any(isinstance(r, torch.Tensor) for r in closing):
+                        closed[qi[at]] = True
+                        closes, at = closing, at[:0]
                 late = np.flatnonzero(second)
                 alone = None
-                # Writing every row would overwrite a first writer's half of a pair; merged rows are only
-                # overwritten later, so those are skipped when that saves bytes
-                if own.size and (late.size or (at.size and 2 * own.size <= qi.size)):
+                # Writing every row would overwrite a first writer's half of a pair (or the first writer's
+                # output a second merges from: ``opens``); merged rows are only overwritten later, so those
+                # are skipped when that saves bytes
+                if own.size and (late.size or opening.size or ((mine & ~first).any() and 2 * own.size <= qi.size)):
                     alone = (on_device(own, qi.size), on_device(qi[own], rows))
                 adds = (on_device(late, qi.size), on_device(qi[late], rows)) if late.size else None
                 if at.size:
@@ -112,15 +165,52 @@ class MergePlan:
                     needs_zeros |= not fresh and not bool(seen[qi[at]].all())
                     seen[qi[at]] = True
                     here.append(CallMerge(bool(own.size), True, on_device(at, qi.size),
-                                          on_device(slot[qi[at]], count), fresh, alone, adds))
+                                          on_device(slot[qi[at]], count), fresh, alone, adds, opens, closes))
                 else:
-                    here.append(CallMerge(bool(own.size), False, None, None, False, alone, adds))
+                    here.append(CallMerge(bool(own.size), False, None, None, False, alone, adds, opens, closes))
             calls.append(here)
         target = on_device(np.flatnonzero(merged), rows) if count else None
         needs_zeros |= not bool(seen[merged].all())  # a merged row no call writes (a ring piece's padding)
+        back = np.flatnonzero(merged & ~closed)  # the merged rows ``finish`` writes back
+        write_back = None
+        if back.size == count and count:
+            write_back = (None, target)
+        elif back.size:
+            write_back = (on_device(slot[back], count), on_device(back, rows))
+            if isinstance(write_back[1], torch.Tensor) and not isinstance(target, torch.Tensor):
+                # the rows left to write back are scattered where all of them were a run: a gather and
+                # a scatter each, more launches than the closes save
+                return cls.of(steps, rows, device, every_row_merged, also_merged, ends, closing=False)
         empty = np.flatnonzero((writers == 0) & ~merged)  # never written: a padding row's zeros
         uncovered = on_device(empty, rows) if empty.size else None
-        return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls)
+        return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls, write_back, ends)
+
+
+def _opened(steps, nths, merged: np.ndarray) -> np.ndarray:
+    """[rows] the merged rows "forward" opens: the first writer writes them to the result, the second
+    merges from there into the buffer. Only where that replaces a buffer op rather than adding one: every
+    merged row of the first's call is one it opens first, and every merged row of the second's call is one
+    it opens first or second, and the second's call does not write rows of its own over every row (its
+    output would otherwise become the result, uncopied). Starts from every merged row and drops rows until
+    these hold."""
+    rows = merged.size
+    opened = merged.copy()
+    changed = True
+    while changed:
+        changed = False
+        for step, step_nths in zip(steps, nths):
+            for q_index, nth in zip(step, step_nths):
+                qi = q_index.numpy()
+                mine = merged[qi]
+                firsts, seconds = qi[mine & (nth == 1)], qi[mine & (nth == 2)]
+                if firsts.size and not (bool(opened[firsts].all()) and not (mine & (nth >= 2)).any()):
+                    changed |= bool(opened[firsts].any())
+                    opened[firsts] = False
+                if seconds.size and not (bool(opened[seconds].all()) and bool(opened[firsts].all())
+                                         and not (mine & (nth >= 3)).any() and (qi.size < rows or mine.all())):
+                    changed |= bool(opened[seconds].any())
+                    opened[seconds] = False
+    return opened
 
 
 class Accumulator:
@@ -141,18 +231,37 @@ class Accumulator:
             return
         merge_into(self.out, self.lse, index, out, lse, source)
 
+    def open(self, opens: Tuple[Rows, Rows, Rows], result: "Result", out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Rows a second writer merges (``CallMerge.opens``): the first's output and lse, in the result, merged
+        with this call's into the buffer (nothing copied into it first)."""
+        source, rows, slots = opens
+        merge_into(result.allocated(), result.lse, rows, out, lse, source, self.out, self.lse, slots)
+
+    def close(self, closes: Tuple[Rows, Rows, Rows], result: "Result", out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Rows a last writer merges (``CallMerge.closes``): the buffer's and this call's, into the result
+        (rounded once there: nothing written back after)."""
+        source, slots, rows = closes
+        merge_into(self.out, self.lse, slots, out, lse, source, result.allocated(), result.lse, rows)
+
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, index: Rows, out: torch.Tensor,
-               lse: torch.Tensor, source: Rows = None) -> None:
-    """``acc_out`` / ``acc_lse``'s rows ``index`` merged with ``out`` / ``lse``'s rows ``source``: one
-    ``merge_rows_`` (views for runs, its index arguments for scattered rows)."""
-    target = index if isinstance(index, torch.Tensor) else None
-    if target is None:  # a run (or every row): the op merges into its view
-        acc_out, acc_lse = gather(acc_out, index), gather(acc_lse, index)
-    rows = source if isinstance(source, torch.Tensor) else None
-    if rows is None:
-        out, lse = gather(out, source), gather(lse, source)
-    merge_rows_(acc_out, acc_lse, out, lse, rows, target)
+               lse: torch.Tensor, source: Rows = None, dst_out: Optional[torch.Tensor] = None,
+               dst_lse: Optional[torch.Tensor] = None, dst_index: Rows = None) -> None:
+    """``acc_out`` / ``acc_lse``'s rows ``index`` merged with ``out`` / ``lse``'s rows ``source`` (into
+    ``dst_out`` / ``dst_lse``'s rows ``dst_index`` where given): one ``merge_rows_`` (views for runs, its
+    index arguments for scattered rows)."""
+
+    def rows_of(a: torch.Tensor, b: torch.Tensor, rows: Rows):
+        if isinstance(rows, torch.Tensor):
+            return a, b, rows
+        return gather(a, rows), gather(b, rows), None  # a run (or every row): the op gets its view
+
+    acc_out, acc_lse, target = rows_of(acc_out, acc_lse, index)
+    out, lse, rows = rows_of(out, lse, source)
+    dst_target = None
+    if dst_out is not None:
+        dst_out, dst_lse, dst_target = rows_of(dst_out, dst_lse, dst_index)
+    merge_rows_(acc_out, acc_lse, out, lse, rows, target, dst_out, dst_lse, dst_target)
 
 
 class Result:
@@ -206,6 +315,21 @@ class Result:
         source, index = adds
         add_rows(self.value, index, gather(value, source))
 
+    def take_output(self, index: Rows, share: CallMerge, out: torch.Tensor, lse: torch.Tensor,
+                    acc: Accumulator) -> None:
+        """One forward call's out / lse over its rows ``index`` (a ``MergePlan`` share): the rows it writes
+        alone into the result, a pair's second merged there, the merged rows through ``acc``."""
+        if share.writes:
+            self.write(index, out, lse, alone=share.alone)
+        if share.adds is not None:  # rows a first call wrote: merged into the result in place
+            self.merge(share.adds, out, lse)
+        if share.opens is not None:  # the first writer's output is in the result
+            acc.open(share.opens, self, out, lse)
+        if share.merges:
+            acc.merge(share.target, out, lse, share.fresh, share.source)
+        if share.closes is not None:  # the last writer: straight into the result
+            acc.close(share.closes, self, out, lse)
+
     def take(self, index: Rows, share: CallMerge, grad: torch.Tensor, buffer: torch.Tensor) -> None:
         """One call's gradient over its rows ``index`` (a ``MergePlan`` share): the rows it
         writes alone into the result, a pair's second added there, the merged rows into ``buffer``."""
@@ -215,14 +339,18 @@ class Result:
             self.add(share.adds, grad)
         if share.merges:
             (set_rows if share.fresh else add_rows)(buffer, share.target, gather(grad, share.source))
+        if share.closes is not None:  # runs (``MergePlan.ends`` "gradient"): summed in float32, rounded once
+            source, slots, rows = share.closes
+            torch.add(gather(buffer, slots), gather(grad, source), out=gather(self.allocated(), rows))
 
     def finish(self, merged_value: Optional[torch.Tensor], merged_lse: Optional[torch.Tensor] = None):
-        """Write the merge buffer's rows back; (value, lse) of every row."""
+        """Write back the merge buffer's rows no call closed; (value, lse) of every row."""
         self.allocated()
-        if merged_value is not None and self.plan.merged_count:
-            set_rows(self.value, self.plan.merged, merged_value)
+        if merged_value is not None and self.plan.write_back is not None:
+            slots, rows = self.plan.write_back
+            set_rows(self.value, rows, gather(merged_value, slots))
             if merged_lse is not None:
-                set_rows(self.lse, self.plan.merged, merged_lse)
+                set_rows(self.lse, rows, gather(merged_lse, slots))
         return self.value, self.lse
 
 

@@ -15,6 +15,11 @@ on the way. Per merged element that is 2 bytes of a bf16 output and 8 of the
 float32 buffer; the same merge as separate torch ops (cast, lerp, index_select and
 index_copy_ for scattered rows) moves 18-34 and launches 6-9 ops.
 
+With ``dst_out`` / ``dst_lse`` (rows ``dst_target``) the merged rows are written there
+instead, and acc_out / acc_lse are only read: a row's second writer merges the
+first's output (in the result) into the float32 buffer, its last writer merges the
+buffer into the result, so no pass copies into the buffer or back out of it.
+
 It is one op of the dispatcher (``torch.ops.megatron_ext.merge_rows_``), so an op
 counter (``testing.op_counter``) and the bench's replay see and price one launch:
 
@@ -34,40 +39,52 @@ import torch
 
 _LIB = torch.library.Library("megatron_ext", "DEF")  # the op's registration (the dispatcher holds it)
 _LIB.define("merge_rows_(Tensor(a!) acc_out, Tensor(b!) acc_lse, Tensor out, Tensor lse, "
-            "Tensor? source, Tensor? target) -> ()")
+            "Tensor? source, Tensor? target, Tensor(c!)? dst_out=None, Tensor(d!)? dst_lse=None, "
+            "Tensor? dst_target=None) -> ()")
 
 
 def merge_rows_eager(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                     source: Optional[torch.Tensor], target: Optional[torch.Tensor]) -> None:
+                     source: Optional[torch.Tensor], target: Optional[torch.Tensor],
+                     dst_out: Optional[torch.Tensor] = None, dst_lse: Optional[torch.Tensor] = None,
+                     dst_target: Optional[torch.Tensor] = None) -> None:
     """``merge_rows_`` as torch ops: acc_out [N, H, D] (float32 buffer, or the result in the input dtype),
     acc_lse [N, H] (the merge's dtype), out [n', H, D], lse [n', H], source / target [n] int64 rows of
-    out / acc (None: rows 0..n-1). The merge runs in acc_lse's dtype, rounded once into acc_out."""
+    out / acc (None: rows 0..n-1). The merge runs in acc_lse's dtype, rounded once into acc_out, or into
+    ``dst_out`` / ``dst_lse``'s rows ``dst_target`` where given (acc then only read)."""
     dtype = acc_lse.dtype
+    if dst_out is None:  # in place: the rows read are the rows written
+        dst_out, dst_lse, dst_target = acc_out, acc_lse, target
     if source is not None:
         out, lse = out.index_select(0, source), lse.index_select(0, source)
     out, lse = out.to(dtype), lse.to(dtype)
     old_out = acc_out if target is None else acc_out.index_select(0, target)
-    old_out = old_out.to(dtype)  # acc_out itself when it is the buffer (in place on a run)
     old_lse = acc_lse if target is None else acc_lse.index_select(0, target)
     new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
     # old * exp(old_lse - new_lse) + out * exp(lse - new_lse): the weights sum to 1, so one pass
-    old_out.lerp_(out, torch.exp(lse - new_lse).unsqueeze(-1))
-    if target is None:
-        old_lse.copy_(new_lse)
-        if old_out.data_ptr() != acc_out.data_ptr():
-            acc_out.copy_(old_out)
+    weight = torch.exp(lse - new_lse).unsqueeze(-1)
+    if old_out is dst_out and old_out.dtype == dtype:  # a run of the float32 buffer: merged where it lies
+        merged = old_out.lerp_(out, weight)
     else:
-        acc_out.index_copy_(0, target, old_out.to(acc_out.dtype))
-        acc_lse.index_copy_(0, target, new_lse)
+        merged = torch.lerp(old_out.to(dtype), out, weight)
+    if dst_target is None:
+        if merged is not dst_out:
+            dst_out.copy_(merged)
+        dst_lse.copy_(new_lse)
+    else:
+        dst_out.index_copy_(0, dst_target, merged.to(dst_out.dtype))
+        dst_lse.index_copy_(0, dst_target, new_lse.to(dst_lse.dtype))
 
 
 def merge_rows_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                source: Optional[torch.Tensor] = None, target: Optional[torch.Tensor] = None) -> None:
-    """Merge ``out`` / ``lse``'s rows ``source`` into ``acc_out`` / ``acc_lse``'s rows ``target`` (one op)."""
-    torch.ops.megatron_ext.merge_rows_(acc_out, acc_lse, out, lse, source, target)
+                source: Optional[torch.Tensor] = None, target: Optional[torch.Tensor] = None,
+                dst_out: Optional[torch.Tensor] = None, dst_lse: Optional[torch.Tensor] = None,
+                dst_target: Optional[torch.Tensor] = None) -> None:
+    """Merge ``out`` / ``lse``'s rows ``source`` into ``acc_out`` / ``acc_lse``'s rows ``target`` (one op);
+    with ``dst_out`` / ``dst_lse``, the merged rows go to their rows ``dst_target`` instead."""
+    torch.ops.megatron_ext.merge_rows_(acc_out, acc_lse, out, lse, source, target, dst_out, dst_lse, dst_target)
 
 
-def _check(acc_out, acc_lse, out, lse, source, target) -> None:
+def _check(acc_out, acc_lse, out, lse, source, target, dst_out=None, dst_lse=None, dst_target=None) -> None:
     n = out.shape[0] if source is None else source.numel()
     targets = acc_out.shape[0] if target is None else target.numel()
     if targets != n:
@@ -75,6 +92,13 @@ def _check(acc_out, acc_lse, out, lse, source, target) -> None:
     if not acc_lse.dtype.is_floating_point or out.shape[1:] != acc_out.shape[1:] or lse.shape[1:] != acc_lse.shape[1:]:
         raise ValueError(f"merge_rows_: acc {tuple(acc_out.shape)} {acc_out.dtype} / {tuple(acc_lse.shape)} "
                          f"{acc_lse.dtype} against out {tuple(out.shape)} / lse {tuple(lse.shape)}")
+    if (dst_out is None) != (dst_lse is None) or (dst_out is None and dst_target is not None):
+        raise ValueError("merge_rows_: dst_out and dst_lse go together, and dst_target needs them")
+    if dst_out is not None:
+        dsts = dst_out.shape[0] if dst_target is None else dst_target.numel()
+        if dsts != n or dst_out.shape[1:] != acc_out.shape[1:] or dst_lse.shape[1:] != acc_lse.shape[1:]:
+            raise ValueError(f"merge_rows_: {n} merged rows of {tuple(acc_out.shape[1:])} against dst "
+                             f"{tuple(dst_out.shape)} / {tuple(dst_lse.shape)} ({dsts} rows written)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,9 +117,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _merge_rows_kernel(acc_out, acc_lse, out, lse, source, target, H, D,
+    def _merge_rows_kernel(acc_out, acc_lse, out, lse, source, target, dst_out, dst_lse, dst_target, H, D,
                            sa_n, sa_h, sa_d, sal_n, sal_h, so_n, so_h, so_d, sl_n, sl_h,
-                           HAS_SOURCE: tl.constexpr, HAS_TARGET: tl.constexpr,
+                           sd_n, sd_h, sd_d, sdl_n, sdl_h,
+                           HAS_SOURCE: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_DST_TARGET: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         i = tl.program_id(0)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
@@ -108,6 +133,10 @@ def _kernel():
             t = tl.load(target + i).to(tl.int64)
         else:
             t = i.to(tl.int64)
+        if HAS_DST_TARGET:
+            w_row = tl.load(dst_target + i).to(tl.int64)
+        else:
+            w_row = i.to(tl.int64)
         mh = h < H
         m = mh[:, None] & (d < D)[None, :]
         acc_t = acc_lse.dtype.element_ty  # the merge's dtype (float32; float64 in fp64 runs)
@@ -117,19 +146,22 @@ def _kernel():
         merged = top + tl.log(tl.exp(lse_old - top) + tl.exp(lse_new - top))
         w = tl.exp(lse_new - merged)
         o_new = tl.load(out + r * so_n + h[:, None] * so_h + d[None, :] * so_d, mask=m, other=0.0).to(acc_t)
-        at = acc_out + t * sa_n + h[:, None] * sa_h + d[None, :] * sa_d
-        o_old = tl.load(at, mask=m, other=0.0).to(acc_t)
-        tl.store(at, (o_old + w[:, None] * (o_new - o_old)).to(acc_out.dtype.element_ty), mask=m)
-        tl.store(acc_lse + t * sal_n + h * sal_h, merged, mask=mh)
+        o_old = tl.load(acc_out + t * sa_n + h[:, None] * sa_h + d[None, :] * sa_d, mask=m, other=0.0).to(acc_t)
+        at = dst_out + w_row * sd_n + h[:, None] * sd_h + d[None, :] * sd_d
+        tl.store(at, (o_old + w[:, None] * (o_new - o_old)).to(dst_out.dtype.element_ty), mask=m)
+        tl.store(dst_lse + w_row * sdl_n + h * sdl_h, merged.to(dst_lse.dtype.element_ty), mask=mh)
 
     return _merge_rows_kernel
 
 
-def triton_merge_rows_(acc_out, acc_lse, out, lse, source=None, target=None) -> None:
+def triton_merge_rows_(acc_out, acc_lse, out, lse, source=None, target=None, dst_out=None, dst_lse=None,
+                       dst_target=None) -> None:
     """``merge_rows_`` through the Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1)."""
     import triton
 
-    _check(acc_out, acc_lse, out, lse, source, target)
+    _check(acc_out, acc_lse, out, lse, source, target, dst_out, dst_lse, dst_target)
+    if dst_out is None:  # in place: the rows read are the rows written
+        dst_out, dst_lse, dst_target = acc_out, acc_lse, target
     n = out.shape[0] if source is None else source.numel()
     H, D = acc_out.shape[1], acc_out.shape[2]
     if n == 0:
@@ -139,24 +171,26 @@ def triton_merge_rows_(acc_out, acc_lse, out, lse, source=None, target=None) -> 
     dummy = acc_lse  # a pointer for an absent index (never read)
     _kernel()[(n, triton.cdiv(H, block_h))](
         acc_out, acc_lse, out, lse, dummy if source is None else source, dummy if target is None else target,
-        H, D, *acc_out.stride(), *acc_lse.stride(), *out.stride(), *lse.stride(),
-        HAS_SOURCE=source is not None, HAS_TARGET=target is not None, BLOCK_H=block_h, BLOCK_D=block_d)
+        dst_out, dst_lse, dummy if dst_target is None else dst_target,
+        H, D, *acc_out.stride(), *acc_lse.stride(), *out.stride(), *lse.stride(), *dst_out.stride(),
+        *dst_lse.stride(), HAS_SOURCE=source is not None, HAS_TARGET=target is not None,
+        HAS_DST_TARGET=dst_target is not None, BLOCK_H=block_h, BLOCK_D=block_d)
 
 
-def _merge_rows_cpu(acc_out, acc_lse, out, lse, source, target) -> None:
-    _check(acc_out, acc_lse, out, lse, source, target)
-    merge_rows_eager(acc_out, acc_lse, out, lse, source, target)
+def _merge_rows_cpu(acc_out, acc_lse, out, lse, source, target, dst_out=None, dst_lse=None, dst_target=None) -> None:
+    _check(acc_out, acc_lse, out, lse, source, target, dst_out, dst_lse, dst_target)
+    merge_rows_eager(acc_out, acc_lse, out, lse, source, target, dst_out, dst_lse, dst_target)
 
 
-def _merge_rows_cuda(acc_out, acc_lse, out, lse, source, target) -> None:
+def _merge_rows_cuda(acc_out, acc_lse, out, lse, source, target, dst_out=None, dst_lse=None, dst_target=None) -> None:
     if not _triton_imports():
-        _merge_rows_cpu(acc_out, acc_lse, out, lse, source, target)
+        _merge_rows_cpu(acc_out, acc_lse, out, lse, source, target, dst_out, dst_lse, dst_target)
     else:
-        triton_merge_rows_(acc_out, acc_lse, out, lse, source, target)
+        triton_merge_rows_(acc_out, acc_lse, out, lse, source, target, dst_out, dst_lse, dst_target)
 
 
-def _merge_rows_meta(acc_out, acc_lse, out, lse, source, target) -> None:
-    _check(acc_out, acc_lse, out, lse, source, target)
+def _merge_rows_meta(acc_out, acc_lse, out, lse, source, target, dst_out=None, dst_lse=None, dst_target=None) -> None:
+    _check(acc_out, acc_lse, out, lse, source, target, dst_out, dst_lse, dst_target)
 
 
 _LIB.impl("merge_rows_", _merge_rows_cpu, "CPU")

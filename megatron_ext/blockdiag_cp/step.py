@@ -855,15 +855,16 @@ class BlockDiagCPState:
         return self._device_index[key]
 
     def merges_on(self, kind: str, device: torch.device, window: Optional[int] = None,
-                  sink: bool = False) -> MergePlan:
+                  sink: bool = False, ends: str = "forward") -> MergePlan:
         """Per call of ``stream_on``, which of its query rows it writes alone and which are merged (host work
-        once per step, kind, window and sink; with a sink every row is merged): forward's out and
-        backward's dq read the same plan (``MergePlan.of``)."""
-        key = ("merges", kind, str(device), window, sink)
+        once per step, kind, window, sink and ends; with a sink every row is merged): forward's out
+        (``ends`` "forward") and backward's dq ("gradient") have the same writers (``MergePlan.of``)."""
+        key = ("merges", kind, str(device), window, sink, ends)
         if key not in self._device_index:
             steps = self.plan_for(window).stream[kind].steps
             self._device_index[key] = MergePlan.of([[call.q_index for call in step.calls] for step in steps],
-                                                   self.local_len * self.rows, device, every_row_merged=sink)
+                                                   self.local_len * self.rows, device, every_row_merged=sink,
+                                                   ends=ends)
         return self._device_index[key]
 
     def key_merges_on(self, kind: str, device: torch.device, window: Optional[int] = None):

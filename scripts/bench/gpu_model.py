@@ -195,10 +195,19 @@ def _op_bytes(event, run: Dims, target: Dims) -> float:
         return size[0] + size[1] if len(size) > 1 else 2 * sum(out)
     if event.name == "cat":
         return 2 * sum(out)
-    if event.name == "merge_rows_":  # (acc_out, acc_lse, out, lse, [source], [target]): n rows of each merged
-        n = event.inputs[4][0][0] if len(event.inputs) > 4 else event.inputs[2][0][0]
-        acc_rows, out_rows = max(1, event.inputs[0][0][0]), max(1, event.inputs[2][0][0])
-        return (size[2] + size[3]) * n / out_rows + 2 * (size[0] + size[1]) * n / acc_rows + small
+    if event.name == "merge_rows_":
+        # (acc_out, acc_lse, out, lse, [dst_out, dst_lse]) and the index tensors given (source, target,
+        # dst_target: n rows each): n rows of out / lse read, of acc read and written (with a destination:
+        # read there, written in it)
+        floats = [(s, b) for s, b in zip(event.inputs, size) if s[1].is_floating_point]
+        index = [s for s in event.inputs if not s[1].is_floating_point]
+        n = index[0][0][0] if index else floats[2][0][0][0]
+
+        def rows_of(*tensors):
+            return sum(b * n / max(1, s[0][0]) for s, b in tensors)
+
+        moved = rows_of(*floats[2:4]) + rows_of(*floats[:2]) * (2 if len(floats) == 4 else 1)
+        return moved + rows_of(*floats[4:6]) + small
     return sum(size) + sum(out)
 
 

@@ -180,12 +180,20 @@ def test_a_merge_is_priced_at_the_rows_it_merges():
         merge_rows_(acc_out, acc_lse, out, lse, source, target_rows)
     with counter, counter.region("runs"):
         merge_rows_(acc_out[:30], acc_lse[:30], out, lse)
+    result, result_lse = torch.zeros(40, 1, 8, dtype=torch.bfloat16), torch.zeros(40, 1)
+    result_rows = torch.arange(10) + 5
+    with counter, counter.region("closed"):  # a last writer: the buffer's rows read, the result's written
+        merge_rows_(acc_out, acc_lse, out, lse, source, target_rows, result, result_lse, result_rows)
     (scattered,), (runs,) = counter.counts["scattered"].events, counter.counts["runs"].events
-    assert scattered.name == runs.name == "merge_rows_"
+    (closed,) = counter.counts["closed"].events
+    assert scattered.name == runs.name == closed.name == "merge_rows_"
     # 10 rows: out 10 x 8 x 2 B x4 = 640, lse 10 x 4 B x2 = 80; buffer 2 x (10 x 8 x 4 x4 + 10 x 4 x2) =
     # 2 x 1360; the two index tensors 80 B each
     assert gm._op_bytes(scattered, run, target) == pytest.approx(640 + 80 + 2 * 1360 + 160)
     assert gm._op_bytes(runs, run, target) == pytest.approx(3 * (640 + 80 + 2 * 1360))
+    # closed: out and lse read (720), the buffer's rows read once (1360), the result's written (bf16: 720),
+    # three index tensors
+    assert gm._op_bytes(closed, run, target) == pytest.approx(720 + 1360 + 720 + 240)
 
 
 def shared_counts(layout: str, exchange: str, window, relayout: str):

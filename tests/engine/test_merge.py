@@ -84,6 +84,124 @@ def test_merge_plan_against_a_recount_of_the_calls(seed):
     assert plan.needs_zeros == needs_zeros
 
 
+def _random_steps(seed):
+    """Per step, per call, sorted query rows: runs or scattered rows, rows of one to many writers."""
+    g = torch.Generator().manual_seed(seed)
+    rows = int(torch.randint(4, 48, (1,), generator=g))
+    steps = []
+    for _ in range(int(torch.randint(2, 7, (1,), generator=g))):
+        calls = []
+        for _ in range(int(torch.randint(0, 3, (1,), generator=g))):
+            if seed % 2:
+                start = int(torch.randint(0, rows, (1,), generator=g))
+                picked = torch.arange(start, int(torch.randint(start + 1, rows + 1, (1,), generator=g)))
+            else:
+                picked = torch.randperm(rows, generator=g)[:int(torch.randint(1, rows + 1, (1,), generator=g))]
+            calls.append(torch.sort(picked).values)
+        steps.append(calls)
+    return rows, steps
+
+
+def _through(plan, steps, rows, seed, dtype=torch.bfloat16):
+    """Forward out / lse and a gradient through ``plan`` as the op takes its calls (``Result.take_output``,
+    ``Result.take``), for random call outputs of ``dtype``."""
+    from megatron_ext.blockdiag_cp.merge import Accumulator, Result
+    from megatron_ext.blockdiag_cp.step import device_rows
+
+    g = torch.Generator().manual_seed(1000 + seed)
+    H, D = 3, 5
+    out = Result(plan, H, D, dtype, torch.float32, "cpu", with_lse=True)
+    acc = Accumulator(plan.merged_count, H, D, torch.float32, "cpu", zeros=plan.needs_zeros)
+    grad = Result(plan, H, D, dtype, torch.float32, "cpu", with_lse=False)
+    buffer = (torch.zeros if plan.needs_zeros else torch.empty)(plan.merged_count, H, D)
+    for calls, shares in zip(steps, plan.calls):
+        for q_index, share in zip(calls, shares):
+            n = q_index.numel()
+            o = torch.randn(n, H, D, generator=g).to(dtype)
+            lse = 3 * torch.randn(n, H, generator=g)
+            gq = torch.randn(n, H, D, generator=g).mul(10 ** torch.randn(n, 1, 1, generator=g)).to(dtype)
+            index = device_rows(q_index, rows, "cpu")
+            out.take_output(index, share, o, lse, acc)
+            grad.take(index, share, gq, buffer)
+    value, lse = out.finish(acc.out, acc.lse)
+    return value, lse, grad.finish(buffer)[0]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_merge_ends_give_the_bits_of_the_buffer_round_trip(seed):
+    """``ends`` "forward" and "gradient" against "none" (first copied into the float32 buffer, written back
+    at the end): the same out, lse and gradient bits; a merged row is opened (forward) by its second writer
+    at most once, closed by its last at most once, the rest written back; no call merges more than once."""
+    rows, steps = _random_steps(seed)
+    plans = {ends: MergePlan.of(steps, rows, "cpu", ends=ends) for ends in ("none", "forward", "gradient")}
+    want = _through(plans["none"], steps, rows, seed)
+    fwd = _through(plans["forward"], steps, rows, seed)
+    bwd = _through(plans["gradient"], steps, rows, seed)
+    written = torch.zeros(rows, dtype=torch.bool)
+    for calls in steps:
+        for q_index in calls:
+            written[q_index] = True
+    for got, ends in ((fwd[:2], "forward"), (bwd[2:], "gradient")):
+        for a, b in zip(got, want[:2] if ends == "forward" else want[2:]):
+            assert torch.equal(a[written], b[written]), (seed, ends)
+    total = writers_total(steps, rows)
+    for ends in ("forward", "gradient"):
+        plan = plans[ends]
+        writers = torch.zeros(rows, dtype=torch.long)
+        opened, closed = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        for calls, shares in zip(steps, plan.calls):
+            for q_index, share in zip(calls, shares):
+                writers[q_index] += 1
+                # one merge op a call at most, as with "none": opening or closing replaces it
+                assert share.merges + (share.opens is not None) + (share.closes is not None) <= 1, (seed, ends)
+                for field, counted in (("opens", opened), ("closes", closed)):
+                    rows_of = getattr(share, field)
+                    if rows_of is None:
+                        continue
+                    picked = q_index[_rows(rows_of[0], q_index.numel())]
+                    assert picked.tolist() == _rows(rows_of[2 if field == "closes" else 1], rows)
+                    counted[picked] += 1
+                    if field == "opens":
+                        assert bool((writers[picked] == 2).all()), (seed, "opened by a row's second writer")
+                    else:
+                        assert bool((writers[picked] == total[picked]).all()), (seed, "closed by a row's last writer")
+                    if ends == "gradient":
+                        assert field == "closes" and not any(isinstance(r, torch.Tensor) for r in rows_of)
+        merged = torch.from_numpy(plan.merged_mask)
+        assert bool((opened <= 1).all() and (closed <= 1).all()) and not opened[~merged].any()
+        back = [] if plan.write_back is None else _rows(plan.write_back[1], rows)
+        assert back == [r for r in range(rows) if merged[r] and not closed[r]], (seed, ends)
+
+
+def writers_total(steps, rows):
+    writers = torch.zeros(rows, dtype=torch.long)
+    for calls in steps:
+        for q_index in calls:
+            writers[q_index] += 1
+    return writers
+
+
+def test_merge_ends_open_and_close_every_row_of_one_writer_per_source():
+    """thd's shape: every call covers every row (the own keys, then one source each): the first writes the
+    result, the second opens, the last closes; forward writes nothing back, and the gradient's last call
+    adds the buffer straight into the result."""
+    steps = [[torch.arange(10)] for _ in range(5)]
+    forward = MergePlan.of(steps, 10, "cpu", ends="forward")
+    assert [[(s.writes, s.merges, s.opens is not None, s.closes is not None) for s in c] for c in forward.calls] == [
+        [(True, False, False, False)], [(False, False, True, False)], [(False, True, False, False)],
+        [(False, True, False, False)], [(False, False, False, True)]]
+    assert forward.write_back is None and not forward.needs_zeros
+    gradient = MergePlan.of(steps, 10, "cpu", ends="gradient")
+    assert [[(s.merges, s.fresh, s.closes is not None) for s in c] for c in gradient.calls] == [
+        [(True, True, False)], [(True, False, False)], [(True, False, False)], [(True, False, False)],
+        [(False, False, True)]]
+    assert gradient.write_back is None
+    for seed in range(3):
+        want = _through(MergePlan.of(steps, 10, "cpu"), steps, 10, seed)
+        for got in (_through(forward, steps, 10, seed)[:2], _through(gradient, steps, 10, seed)[2:]):
+            assert all(torch.equal(a, b) for a, b in zip(got, want[:2] if len(got) == 2 else want[2:]))
+
+
 def test_a_pair_added_in_bfloat16_rounds_once_as_through_float32():
     """Why a row's two gradients add in the result's dtype: bf16 + bf16 is computed in float32
     and rounded once, the same bits as the float32 buffer's sum written back."""

@@ -78,6 +78,48 @@ def _check(name, got, case):
     assert torch.equal(a[untouched], acc_out[untouched]) and torch.equal(b[untouched], acc_lse[untouched]), name
 
 
+def _apply_to(fn, acc_out, acc_lse, out, lse, source, target, target_rows, dst_dtype, by_dst):
+    """The merge written into a fresh destination (rows ``dst_rows`` of it) with acc only read: (acc out, acc
+    lse, dst out, dst lse, dst_rows); the destination's other rows keep their sentinel."""
+    n = len(target_rows)
+    dst_out = torch.full((n + 3,) + tuple(acc_out.shape[1:]), 7.0, dtype=dst_dtype)
+    dst_lse = torch.full((n + 3, acc_lse.shape[1]), 7.0, dtype=acc_lse.dtype)
+    dst_rows = torch.randperm(n + 3, generator=torch.Generator().manual_seed(n))[:n] if by_dst else torch.arange(n)
+    a, b = acc_out.clone(), acc_lse.clone()
+    if target is None:
+        a_rows, b_rows = a[:n], b[:n]
+    else:
+        a_rows, b_rows = a, b
+    if by_dst:
+        fn(a_rows, b_rows, out, lse, source, target, dst_out, dst_lse, dst_rows)
+    else:
+        fn(a_rows, b_rows, out, lse, source, target, dst_out[:n], dst_lse[:n], None)
+    return a, b, dst_out, dst_lse, dst_rows
+
+
+def _check_to(name, fn, case, rounding_ulps=0):
+    """Into another tensor: the buffer's rows untouched, the destination's merged rows the bits ``fn`` merges
+    in place in the merge's dtype, rounded once into the destination's (by torch's rounding: Triton's own
+    conversion may differ by ``rounding_ulps``), its other rows untouched."""
+    acc_out, acc_lse, out, lse, source, target, target_rows = case
+    in_place = _apply(fn, acc_out.to(acc_lse.dtype), *case[1:])
+    for dst_dtype in {acc_out.dtype, acc_lse.dtype}:  # the result's dtype, or the float32 buffer's
+        for by_dst in (False, True):
+            a, b, dst_out, dst_lse, dst_rows = _apply_to(fn, *case, dst_dtype, by_dst)
+            assert torch.equal(a, acc_out) and torch.equal(b, acc_lse), (name, "acc was written")
+            want = in_place[0][target_rows].to(dst_dtype), in_place[1][target_rows]
+            assert torch.equal(dst_lse[dst_rows], want[1]), (name, dst_dtype, by_dst)
+            if dst_dtype == acc_lse.dtype or not rounding_ulps:
+                assert torch.equal(dst_out[dst_rows], want[0]), (name, dst_dtype, by_dst)
+            else:
+                ulp = rounding_ulps * torch.finfo(dst_dtype).eps
+                torch.testing.assert_close(dst_out[dst_rows].double(), in_place[0][target_rows].double(), atol=ulp,
+                                           rtol=ulp, msg=f"{name} {dst_dtype} {by_dst}")
+            rest = torch.ones(dst_out.shape[0], dtype=torch.bool)
+            rest[dst_rows] = False
+            assert bool((dst_out[rest] == 7).all()) and bool((dst_lse[rest] == 7).all()), (name, by_dst)
+
+
 def _all_cases():
     for i, shape in enumerate(SHAPES):
         for by_source in (False, True):
@@ -100,6 +142,22 @@ def test_merging_into_the_result_rounds_once_as_through_the_float32_buffer():
         direct = _apply(merge_rows_eager, *case)
         through = _apply(merge_rows_eager, acc_out.float(), *case[1:])
         assert torch.equal(direct[0], through[0].to(acc_out.dtype)) and torch.equal(direct[1], through[1]), name
+
+
+def test_merging_into_another_tensor_reads_acc_and_writes_the_in_place_bits_there():
+    """``dst_out`` / ``dst_lse``: a second writer merging the first's output (the result) into the float32
+    buffer, a last writer merging the buffer into the result, each the in-place merge's bits."""
+    for name, case in _all_cases():
+        _check_to(name, merge_rows_eager, case)
+        _check_to(name, merge_rows_, case)
+
+
+def test_a_destination_without_its_lse_or_of_other_rows_is_refused():
+    acc_out, acc_lse, out, lse = torch.zeros(4, 2, 3), torch.zeros(4, 2), torch.zeros(4, 2, 3), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="dst_out and dst_lse go together"):
+        merge_rows_(acc_out, acc_lse, out, lse, None, None, torch.zeros(4, 2, 3))
+    with pytest.raises(ValueError, match="4 merged rows"):
+        merge_rows_(acc_out, acc_lse, out, lse, None, None, torch.zeros(5, 2, 3), torch.zeros(5, 2))
 
 
 def test_the_op_is_one_launch_and_merges_as_the_eager_body():
@@ -134,6 +192,7 @@ _INTERPRETED = textwrap.dedent("""
         t._check(name, t._apply(merge_kernel.triton_merge_rows_, *case), case)
         # the CUDA registration's body: the Triton kernel where Triton imports
         t._check(name, t._apply(merge_kernel._merge_rows_cuda, *case), case)
+        t._check_to(name, merge_kernel.triton_merge_rows_, case, rounding_ulps=1)  # into another tensor
     print("interpreted", len(list(t._all_cases())))
 """)
 
