@@ -16,9 +16,11 @@ float32 buffer; the same merge as separate torch ops (cast, lerp, index_select a
 index_copy_ for scattered rows) moves 18-34 and launches 6-9 ops.
 
 With ``dst_out`` / ``dst_lse`` (rows ``dst_target``) the merged rows are written there
-instead, and acc_out / acc_lse are only read: a row's second writer merges the
-first's output (in the result) into the float32 buffer, its last writer merges the
-buffer into the result, so no pass copies into the buffer or back out of it.
+instead, and acc_out's rows are no longer the result (the Triton kernel only reads
+them; the eager body merges a run of them in place on the way, as no caller reads
+them again): a row's second writer merges the first's output (in the result) into
+the float32 buffer, its last writer merges the buffer into the result, so no pass
+copies into the buffer or back out of it.
 
 It is one op of the dispatcher (``torch.ops.megatron_ext.merge_rows_``), so an op
 counter (``testing.op_counter``) and the bench's replay see and price one launch:
@@ -50,7 +52,8 @@ def merge_rows_eager(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Te
     """``merge_rows_`` as torch ops: acc_out [N, H, D] (float32 buffer, or the result in the input dtype),
     acc_lse [N, H] (the merge's dtype), out [n', H, D], lse [n', H], source / target [n] int64 rows of
     out / acc (None: rows 0..n-1). The merge runs in acc_lse's dtype, rounded once into acc_out, or into
-    ``dst_out`` / ``dst_lse``'s rows ``dst_target`` where given (acc then only read)."""
+    ``dst_out`` / ``dst_lse``'s rows ``dst_target`` where given (acc's rows are then not the result: a run
+    of them in the merge's dtype is merged in place on the way, acc_lse only read)."""
     dtype = acc_lse.dtype
     if dst_out is None:  # in place: the rows read are the rows written
         dst_out, dst_lse, dst_target = acc_out, acc_lse, target
@@ -62,10 +65,18 @@ def merge_rows_eager(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Te
     new_lse = torch.logaddexp(old_lse, lse)  # every row of a call sees >= 1 key: finite
     # old * exp(old_lse - new_lse) + out * exp(lse - new_lse): the weights sum to 1, so one pass
     weight = torch.exp(lse - new_lse).unsqueeze(-1)
-    if old_out is dst_out and old_out.dtype == dtype:  # a run of the float32 buffer: merged where it lies
+    # Merged in tensors that exist already where it can (a fresh one costs its page faults on CPU): a
+    # destination run in the merge's dtype the old rows are copied into, the old rows where they lie in
+    # that dtype (acc's own run: with a destination its rows hold the merged values after, unlike the
+    # Triton kernel's), the gathered copy; else a copy in the merge's dtype
+    if old_out.dtype == dtype:
+        if dst_target is None and dst_out.dtype == dtype and old_out is not dst_out:
+            old_out = dst_out.copy_(old_out)
         merged = old_out.lerp_(out, weight)
+    elif dst_target is None and dst_out.dtype == dtype:
+        merged = dst_out.copy_(old_out).lerp_(out, weight)
     else:
-        merged = torch.lerp(old_out.to(dtype), out, weight)
+        merged = old_out.to(dtype).lerp_(out, weight)
     if dst_target is None:
         if merged is not dst_out:
             dst_out.copy_(merged)
