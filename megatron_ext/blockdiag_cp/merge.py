@@ -177,9 +177,10 @@ class MergePlan:
             write_back = (None, target)
         elif back.size:
             write_back = (on_device(slot[back], count), on_device(back, rows))
-            if isinstance(write_back[1], torch.Tensor) and not isinstance(target, torch.Tensor):
-                # the rows left to write back are scattered where all of them were a run: a gather and
-                # a scatter each, more launches than the closes save
+            if isinstance(write_back[0], torch.Tensor) or (isinstance(write_back[1], torch.Tensor)
+                                                           and not isinstance(target, torch.Tensor)):
+                # the rows left to write back are scattered where all of them were not: a gather (and a
+                # scatter) each, more launches than the closes save
                 return cls.of(steps, rows, device, every_row_merged, also_merged, ends, closing=False)
         empty = np.flatnonzero((writers == 0) & ~merged)  # never written: a padding row's zeros
         uncovered = on_device(empty, rows) if empty.size else None
