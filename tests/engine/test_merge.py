@@ -21,20 +21,27 @@ def _rows(index, n):
     return index.tolist()
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_merge_plan_against_a_recount_of_the_calls(seed):
+def _random_steps(seed, rows=(1, 40), steps=(1, 5)):
+    """Per step, per call, sorted query rows of a random table: scattered rows, or runs (odd seeds) as most
+    calls' rows are; rows of one to many writers."""
     g = torch.Generator().manual_seed(seed)
-    rows = int(torch.randint(1, 40, (1,), generator=g))
-    steps = []
-    for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+    n = int(torch.randint(*rows, (1,), generator=g))
+    table = []
+    for _ in range(int(torch.randint(*steps, (1,), generator=g))):
         calls = []
         for _ in range(int(torch.randint(0, 3, (1,), generator=g))):
-            picked = torch.randperm(rows, generator=g)[:int(torch.randint(1, rows + 1, (1,), generator=g))]
-            if seed % 2:  # runs, as most calls' rows are
-                start = int(torch.randint(0, rows, (1,), generator=g))
-                picked = torch.arange(start, int(torch.randint(start + 1, rows + 1, (1,), generator=g)))
+            picked = torch.randperm(n, generator=g)[:int(torch.randint(1, n + 1, (1,), generator=g))]
+            if seed % 2:
+                start = int(torch.randint(0, n, (1,), generator=g))
+                picked = torch.arange(start, int(torch.randint(start + 1, n + 1, (1,), generator=g)))
             calls.append(torch.sort(picked).values)
-        steps.append(calls)
+        table.append(calls)
+    return n, table
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_merge_plan_against_a_recount_of_the_calls(seed):
+    rows, steps = _random_steps(seed)
     also = torch.tensor([0]) if seed % 6 == 5 else None
     plan = MergePlan.of(steps, rows, "cpu", also_merged=also)
 
@@ -84,24 +91,6 @@ def test_merge_plan_against_a_recount_of_the_calls(seed):
     assert plan.needs_zeros == needs_zeros
 
 
-def _random_steps(seed):
-    """Per step, per call, sorted query rows: runs or scattered rows, rows of one to many writers."""
-    g = torch.Generator().manual_seed(seed)
-    rows = int(torch.randint(4, 48, (1,), generator=g))
-    steps = []
-    for _ in range(int(torch.randint(2, 7, (1,), generator=g))):
-        calls = []
-        for _ in range(int(torch.randint(0, 3, (1,), generator=g))):
-            if seed % 2:
-                start = int(torch.randint(0, rows, (1,), generator=g))
-                picked = torch.arange(start, int(torch.randint(start + 1, rows + 1, (1,), generator=g)))
-            else:
-                picked = torch.randperm(rows, generator=g)[:int(torch.randint(1, rows + 1, (1,), generator=g))]
-            calls.append(torch.sort(picked).values)
-        steps.append(calls)
-    return rows, steps
-
-
 def _through(plan, steps, rows, seed, dtype=torch.bfloat16):
     """Forward out / lse and a gradient through ``plan`` as the op takes its calls (``Result.take_output``,
     ``Result.take``), for random call outputs of ``dtype``."""
@@ -132,7 +121,7 @@ def test_merge_ends_give_the_bits_of_the_buffer_round_trip(seed):
     """``ends`` "forward" and "gradient" against "none" (first copied into the float32 buffer, written back
     at the end): the same out, lse and gradient bits; a merged row is opened (forward) by its second writer
     at most once, closed by its last at most once, the rest written back; no call merges more than once."""
-    rows, steps = _random_steps(seed)
+    rows, steps = _random_steps(seed, rows=(4, 48), steps=(2, 7))
     plans = {ends: MergePlan.of(steps, rows, "cpu", ends=ends) for ends in ("none", "forward", "gradient")}
     want = _through(plans["none"], steps, rows, seed)
     fwd = _through(plans["forward"], steps, rows, seed)
