@@ -58,10 +58,10 @@ class CallMerge:
     # (rows of its output, result rows) it merges into (gradients: adds to) the result: a pair's second writer
     adds: Optional[Tuple[Rows, Rows]] = None
     # (rows of its output, result rows, buffer rows): merged rows it is the second writer of, whose first
-    # writer's output is in the result: merged from there into the buffer (``MergePlan.ends`` "forward")
+    # writer's output is in the result: merged from there into the buffer (``MergePlan.of``'s ``ends`` "forward")
     opens: Optional[Tuple[Rows, Rows, Rows]] = None
     # (rows of its output, buffer rows, result rows): merged rows it is the last writer of: the buffer's
-    # rows and its output merged (gradients: added) straight into the result (``MergePlan.ends``)
+    # rows and its output merged (gradients: added) straight into the result (``MergePlan.of``'s ``ends``)
     closes: Optional[Tuple[Rows, Rows, Rows]] = None
 
 
@@ -86,7 +86,6 @@ class MergePlan:
     calls: List[List[CallMerge]]  # per step, per call, as ``stream_on`` orders them
     # (buffer rows, result rows) ``Result.finish`` writes back: the merged rows no call closes (None: none)
     write_back: Optional[Tuple[Rows, Rows]] = None
-    ends: str = "none"
 
     @classmethod
     def of(cls, steps: Sequence[Sequence], rows: int, device, every_row_merged: bool = False,
@@ -148,10 +147,10 @@ class MergePlan:
                 # The last writer of every row it merges there: into the result instead (one op either way;
                 # "gradient": where the buffer's, its own and the result's rows are runs)
                 if closing and ends != "none" and at.size and bool((nth[at] == writers[qi[at]]).all()):
-                    closing = (on_device(at, qi.size), on_device(slot[qi[at]], count), on_device(qi[at], rows))
-                    if ends == "forward" or not any(isinstance(r, torch.Tensor) for r in closing):
+                    last = (on_device(at, qi.size), on_device(slot[qi[at]], count), on_device(qi[at], rows))
+                    if ends == "forward" or not any(isinstance(r, torch.Tensor) for r in last):
                         closed[qi[at]] = True
-                        closes, at = closing, at[:0]
+                        closes, at = last, at[:0]
                 late = np.flatnonzero(second)
                 alone = None
                 # Writing every row would overwrite a first writer's half of a pair (or the first writer's
@@ -184,7 +183,7 @@ class MergePlan:
                 return cls.of(steps, rows, device, every_row_merged, also_merged, ends, closing=False)
         empty = np.flatnonzero((writers == 0) & ~merged)  # never written: a padding row's zeros
         uncovered = on_device(empty, rows) if empty.size else None
-        return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls, write_back, ends)
+        return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls, write_back)
 
 
 def _opened(steps, nths, merged: np.ndarray) -> np.ndarray:
@@ -251,18 +250,20 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, index: Rows, out: t
     """``acc_out`` / ``acc_lse``'s rows ``index`` merged with ``out`` / ``lse``'s rows ``source`` (into
     ``dst_out`` / ``dst_lse``'s rows ``dst_index`` where given): one ``merge_rows_`` (views for runs, its
     index arguments for scattered rows)."""
-
-    def rows_of(a: torch.Tensor, b: torch.Tensor, rows: Rows):
-        if isinstance(rows, torch.Tensor):
-            return a, b, rows
-        return gather(a, rows), gather(b, rows), None  # a run (or every row): the op gets its view
-
-    acc_out, acc_lse, target = rows_of(acc_out, acc_lse, index)
-    out, lse, rows = rows_of(out, lse, source)
+    acc_out, acc_lse, target = _op_rows(acc_out, acc_lse, index)
+    out, lse, rows = _op_rows(out, lse, source)
     dst_target = None
     if dst_out is not None:
-        dst_out, dst_lse, dst_target = rows_of(dst_out, dst_lse, dst_index)
+        dst_out, dst_lse, dst_target = _op_rows(dst_out, dst_lse, dst_index)
     merge_rows_(acc_out, acc_lse, out, lse, rows, target, dst_out, dst_lse, dst_target)
+
+
+def _op_rows(a: torch.Tensor, b: torch.Tensor, rows: Rows):
+    """(a, b, index) as ``merge_rows_`` takes rows ``rows`` of them: the tensors and the index tensor for
+    scattered rows, their views and None for a run (or every row)."""
+    if isinstance(rows, torch.Tensor):
+        return a, b, rows
+    return gather(a, rows), gather(b, rows), None
 
 
 class Result:
@@ -340,7 +341,7 @@ class Result:
             self.add(share.adds, grad)
         if share.merges:
             (set_rows if share.fresh else add_rows)(buffer, share.target, gather(grad, share.source))
-        if share.closes is not None:  # runs (``MergePlan.ends`` "gradient"): summed in float32, rounded once
+        if share.closes is not None:  # runs (``ends`` "gradient"): summed in float32, rounded once
             source, slots, rows = share.closes
             torch.add(gather(buffer, slots), gather(grad, source), out=gather(self.allocated(), rows))
 
