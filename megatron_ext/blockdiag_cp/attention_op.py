@@ -117,7 +117,8 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
                              state.ring_gradients(plan.window))
     if state.kv_exchange == "hierarchical":
         return HierarchicalTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
-                                     plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window))
+                                     plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window, True),
+                                     whole=state.gathered_plan(plan.window) is not None)
     return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                            state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends)
 
@@ -145,7 +146,7 @@ class _StreamedAttention(torch.autograd.Function):
         geo = _Geometry(q, k, v, state.rows)
         kind = chunk_kind(state.kv_exchange) if state.cp > 1 else "needed"
         plan = state.plan_for(window)
-        steps = plan.stream[kind].steps
+        steps = state.stream_plan(kind, window).steps
         calls = state.stream_on(kind, q.device, window)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats
@@ -227,7 +228,7 @@ class _StreamedAttention(torch.autograd.Function):
         state, backend, scale, dropout_p = ctx.state, ctx.backend, ctx.scale, ctx.dropout_p
         geo = _Geometry(q, k, v, state.rows)
         plan = state.plan_for(ctx.window)
-        steps = plan.stream[ctx.kind].steps
+        steps = state.stream_plan(ctx.kind, ctx.window).steps
         calls = state.stream_on(ctx.kind, q.device, ctx.window)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats

@@ -317,16 +317,19 @@ class HierarchicalTransport:
 
     The buffer is what ``hierarchical_exchange.RouteForward`` delivers: local rows, then the rows
     received from each source in rank order, ascending; step (i, j) reads source (rank - i)'s
-    piece j. Stage 1 (the inter-node one) is in flight while the local keys are attended; the
-    first remote step waits for it and runs stage 2 inside the node. Gradients collect in a
-    buffer of the same shape and go back through the routes once, at the end.
+    piece j. With ``whole`` (the route placing the received rows in ``gathered``'s band order)
+    one step reads every received row. Stage 1 (the inter-node one) is in flight while the
+    local keys are attended; the first remote step waits for it and runs stage 2 inside the
+    node. Gradients collect in a buffer of the same shape and go back through the routes once,
+    at the end.
     """
 
     kind = "needed"
 
     def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
-                 counts: torch.Tensor, route):
+                 counts: torch.Tensor, route, whole: bool = False):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
+        self.whole = whole  # one remote step reads every received row (``gathered``)
         self.group, self.stats, self.prefix, self.route = group, stats, prefix, route
         received = counts[:, rank].tolist()  # host ints: no tensor op per layer call
         received[rank] = 0
@@ -337,6 +340,8 @@ class HierarchicalTransport:
         self._grad = None
 
     def _rows(self, step):
+        if self.whole:
+            return self.k.shape[0], sum(self.from_source)
         i, j = step
         src = (self.rank - i) % self.cp
         n = piece_rows(self.from_source[src], self.c, j)

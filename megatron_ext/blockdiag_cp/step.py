@@ -787,18 +787,44 @@ class BlockDiagCPState:
             self._window_plans[window] = build_plan(self.doc_ids, self.layout, self.rank, kinds=(), window=window)
         return self._window_plans[window]
 
-    def hierarchical_route_on(self, device: torch.device, window: Optional[int] = None):
-        """This rank's two-level route (``hierarchy``) for the step, on the device once per step and window."""
+    def hierarchical_route_on(self, device: torch.device, window: Optional[int] = None, gathered: bool = False):
+        """This rank's two-level route (``hierarchy``) for the step, on the device once per step and window.
+
+        ``gathered``: the route the streamed op's transport runs, its received rows placed in the order
+        the gathered step reads them (``gathered``), where that plan applies; else the needed-only order."""
         from .hierarchy import build_hierarchical_route
 
-        key = ("hier", str(device), window)
+        band = self.gathered_plan(window) if gathered else None
+        key = ("hier", str(device), window, band is not None)
         if key not in self._device_index:
             route = self._host_routes.get(window)  # planned ahead (prepare_plan), else now
             if route is None:
                 route = self._host_routes[window] = build_hierarchical_route(
                     self.layout, self.doc_ids, self.rank, ps.cp_ranks_per_node(self.group), window=window)
-            self._device_index[key] = route.to(device)
+            self._device_index[key] = (route if band is None else band.route(route)).to(device)
         return self._device_index[key]
+
+    def gathered_plan(self, window: Optional[int] = None):
+        """``gathered.GatheredPlan`` of the step (host, once per step), or None: the hierarchical exchange
+        without a window and with one row of doc ids attends its whole received buffer by bands."""
+        if self.kv_exchange != "hierarchical" or window is not None or self.rows != 1:
+            return None
+        key = ("gathered", window)
+        if key not in self._device_index:
+            from .gathered import gathered_stream_plan
+            from .intervals import document_runs
+
+            plan = self.plan_for(window)
+            rows = [document_runs(self.doc_ids.reshape(-1, self.doc_ids.shape[-1])[0])]
+            self._device_index[key] = (gathered_stream_plan(plan.stream["needed"], self.layout.runs, rows,
+                                                            plan.exchange.recv_positions),)
+        return self._device_index[key][0]
+
+    def stream_plan(self, kind: str, window: Optional[int] = None):
+        """The ``chunks.StreamPlan`` the streamed op walks for a chunk kind: the plan's own, or for the
+        hierarchical exchange its gathered one (``gathered_plan``)."""
+        band = self.gathered_plan(window) if kind == "needed" else None
+        return band.stream if band is not None else self.plan_for(window).stream[kind]
 
     def send_indices_on(self, device: torch.device, window: Optional[int] = None) -> List[Optional[torch.Tensor]]:
         """Per destination, the local rows this rank sends it (needed-only), on the device once per step.
@@ -851,7 +877,7 @@ class BlockDiagCPState:
         if key not in self._device_index:
             self._device_index[key] = [[DeviceCall.of(call, self.local_len * self.rows, step.chunk_len * self.rows,
                                                       device) for call in step.calls]
-                                       for step in self.plan_for(window).stream[kind].steps]
+                                       for step in self.stream_plan(kind, window).steps]
         return self._device_index[key]
 
     def merges_on(self, kind: str, device: torch.device, window: Optional[int] = None,
@@ -861,7 +887,7 @@ class BlockDiagCPState:
         (``ends`` "forward") and backward's dq ("gradient") have the same writers (``MergePlan.of``)."""
         key = ("merges", kind, str(device), window, sink, ends)
         if key not in self._device_index:
-            steps = self.plan_for(window).stream[kind].steps
+            steps = self.stream_plan(kind, window).steps
             self._device_index[key] = MergePlan.of([[call.q_index for call in step.calls] for step in steps],
                                                    self.local_len * self.rows, device, every_row_merged=sink,
                                                    ends=ends)
@@ -880,7 +906,7 @@ class BlockDiagCPState:
         if key not in self._device_index:
             plan = self.plan_for(window)
             L = self.local_len
-            own = [call.k_index for call in plan.stream[kind].steps[0].calls]
+            own = [call.k_index for call in self.stream_plan(kind, window).steps[0].calls]
             every = self.rows > 1
             direct = kind == "needed" and self.kv_exchange != "hierarchical" and not every
             if kind == "ring":

@@ -1,0 +1,104 @@
+"""The two-level exchange's received keys as one step: a kernel call per band, not per source.
+
+``HierarchicalTransport`` delivers every needed row at once: the first remote step waits for
+the whole buffer, and nothing arrives after it. Attending it source by source (``chunks``:
+up to two calls per source piece) buys no overlap, only calls, query gathers and float32
+merges. Here the received rows are attended by *band* instead:
+
+    one document on this rank, local pieces P0 < P1 (zigzag's two halves, THD's two chunks):
+
+        positions   [ds ........ | P0 | ........ | P1 | ...
+                      band 0       own   band 1    own
+                      remote             remote
+
+    band i: the remote positions with i local pieces of their document before them;
+    every piece from Pi on sees all of band i, and every key of it precedes them (full)
+
+    call i: per document with keys in band i, one segment: queries Pi .. Pk over band i
+
+so a document with k local pieces has k bands, and the step has as many calls as the most
+pieces a document has on this rank (two for zigzag and THD). Every received row lies in one
+band, every query row in at most one segment of a call.
+
+The buffer the routes fill is reordered to match (``GatheredPlan.order``: the routes place each
+row where the plan reads it, so the reorder costs no copy): band 0 of every document in
+position order, then band 1, ... Each call's keys are then one run of the buffer, read in place.
+
+One row of doc ids (R = 1) and no sliding window: a windowed segment sees a band of positions
+its own pieces cut, and several rows of ids interleave their keys in the buffer; those keep
+``chunks``' plan.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .chunks import CallPlan, Step, StreamPlan, _pieces
+from .intervals import DocRuns, RankRuns, np64, ranges_np
+
+
+@dataclass(frozen=True)
+class GatheredPlan:
+    """The whole-buffer step plan and the buffer order it reads."""
+
+    stream: StreamPlan  # the own step, then one step over every received row (if any step moves rows)
+    order: np.ndarray  # [received] for each row of the gathered buffer, its row in the needed-only one
+
+    def route(self, route):
+        """``hierarchy.HierarchicalRoute`` with its received rows placed in this plan's order (host)."""
+        L = route.local_len
+        new_of_old = np.empty_like(self.order)
+        new_of_old[self.order] = np.arange(self.order.size)
+
+        def placed(slots: torch.Tensor) -> torch.Tensor:
+            s = slots.numpy().copy()
+            received = s >= L  # the local rows and slot1's -1 (fetched for the node only) stay
+            s[received] = L + new_of_old[s[received] - L]
+            return torch.from_numpy(s)
+
+        return replace(route, slot1=placed(route.slot1), slot2=placed(route.slot2), kept1_slot=placed(route.kept1_slot))
+
+
+def gathered_stream_plan(needed: StreamPlan, runs: RankRuns, rows: Sequence[DocRuns],
+                         recv_positions: Sequence[torch.Tensor]) -> Optional[GatheredPlan]:
+    """The band plan for ``needed`` (``chunks``' plan of the same rank, no window), or None where it does
+    not apply: several rows of doc ids, or pieces out of position order."""
+    rank, cp, L = needed.rank, needed.cp, needed.local_len
+    if needed.rows != 1 or len(rows) != 1:
+        return None
+    own = needed.steps[0]
+    if len(needed.steps) == 1:  # nothing moves on any rank (the steps are global)
+        return GatheredPlan(needed, np.zeros(0, dtype=np.int64))
+    pos = np.concatenate([np64(recv_positions[s]) for s in range(cp) if s != rank] or [np.zeros(0, np.int64)])
+    calls = []
+    order = np.zeros(0, dtype=np.int64)
+    if pos.size:
+        _, doc_p, _, pa_p, pb_p, q_first = _pieces(runs, rows, rank)
+        if pa_p.size > 1 and not (pa_p[1:] >= pb_p[:-1]).all():
+            return None
+        n_q = pb_p - pa_p
+        doc_x = np64(rows[0][0]).searchsorted(pos, side="right") - 1  # [received] its document
+        first = doc_p.searchsorted(doc_x, side="left")  # its document's first local piece
+        band = pa_p.searchsorted(pos, side="right") - first  # local pieces of its document before it
+        if (first + band >= doc_p.searchsorted(doc_x, side="right")).any():
+            raise RuntimeError("blockdiag-cp: a received row precedes no local query of its document; "
+                               "the needed-only exchange and the pieces disagree")
+        order = np.lexsort((pos, doc_x, band))  # band, then document, then position
+        band_sorted, doc_sorted = band[order], doc_x[order]
+        edges = np.flatnonzero(np.diff(band_sorted)) + 1
+        for lo, hi in zip(np.r_[0, edges], np.r_[edges, pos.size]):
+            i = int(band_sorted[lo])
+            docs, k_lens = np.unique(doc_sorted[lo:hi], return_counts=True)  # ascending documents
+            p0 = doc_p.searchsorted(docs, side="left") + i
+            n_pieces = doc_p.searchsorted(docs, side="right") - p0  # >= 1: Pi .. Pk
+            piece = ranges_np(p0, n_pieces)
+            q_lens = np.add.reduceat(n_q[piece], np.cumsum(n_pieces) - n_pieces)
+            calls.append(CallPlan(False, torch.from_numpy(ranges_np(q_first[piece], n_q[piece])),
+                                  torch.arange(int(lo), int(hi)), tuple(q_lens.tolist()), tuple(k_lens.tolist())))
+    whole = Step(1, 0, -1, 0, int(pos.size), tuple(calls))
+    return GatheredPlan(StreamPlan(needed.kind, rank, cp, 1, L, max(1, int(pos.size)), (own, whole)), order)
+
+
+__all__ = ["GatheredPlan", "gathered_stream_plan"]

@@ -1,0 +1,118 @@
+"""The gathered plan (``gathered``) against a brute force: every (query, key) pair once, a call per band.
+
+For the test cases' document ids, every layout and rank: the own step and the one step over every
+received row (read in ``GatheredPlan.order`` from the needed-only buffer, ``recv_positions`` by source)
+cover exactly the per-document causal pairs of the rank's queries, each once; the received rows are
+each read by one call, as one run of the buffer; every remote segment is full; a call per band.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ext.blockdiag_cp.gathered import gathered_stream_plan
+from megatron_ext.blockdiag_cp.intervals import document_runs
+from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
+from megatron_ext.blockdiag_cp.plan import build_plan
+from megatron_ext.testing.cases import CASES, make_doc_ids
+
+from test_chunks import _expected_pairs
+
+
+def _bands(ids, mine, received):
+    """Per received position, how many local runs of its document start before it (positions ``mine``,
+    ascending), position by position."""
+    d = ids[0].tolist()
+    doc = list(range(len(d)))  # a document: a run of equal ids, named by its first position
+    for p in range(1, len(d)):
+        if d[p] == d[p - 1]:
+            doc[p] = doc[p - 1]
+    mine = mine.tolist()
+    starts = [p for i, p in enumerate(mine) if i == 0 or mine[i - 1] != p - 1 or doc[mine[i - 1]] != doc[p]]
+    return {sum(1 for s in starts if doc[s] == doc[x] and s < x) for x in received.tolist()}
+
+
+def _check(ids, cp, layout):
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
+    lay = build_layout(layout, ids, cp)
+    for rank in range(cp):
+        plan = build_plan(ids, lay, rank)
+        needed = plan.stream["needed"]
+        got_plan = gathered_stream_plan(needed, lay.runs, [document_runs(ids[0])], plan.exchange.recv_positions)
+        if ids.shape[0] > 1:
+            assert got_plan is None  # several rows of doc ids keep chunks' plan
+            continue
+        stream = got_plan.stream
+        assert stream.steps[0] == needed.steps[0]
+        if len(needed.steps) == 1:
+            assert stream is needed
+            continue
+        assert len(stream.steps) == 2, "one step over every received row"
+        mine = lay.runs.positions(rank)
+        received = torch.cat([plan.exchange.recv_positions[s] for s in range(cp) if s != rank])
+        assert sorted(got_plan.order.tolist()) == list(range(received.numel()))  # a permutation
+        buffer = received[torch.from_numpy(got_plan.order)]
+        whole = stream.steps[1]
+        assert whole.chunk_len == received.numel()
+        pairs = []
+        for step, chunk in ((stream.steps[0], mine), (whole, buffer)):
+            for call in step.calls:
+                assert call.q_index.unique().numel() == call.q_index.numel(), (layout, cp, rank)
+                for qs, ks in zip(call.q_index.split(list(call.q_lens)), call.k_index.split(list(call.k_lens))):
+                    q_pos, k_pos = mine[qs], chunk[ks]
+                    if call.causal:
+                        assert torch.equal(q_pos, k_pos)
+                        pairs += [(0, int(q), int(k)) for i, q in enumerate(q_pos) for k in k_pos[:i + 1]]
+                    else:
+                        assert int(k_pos.max()) < int(q_pos.min())  # every key precedes every query
+                        pairs += [(0, int(q), int(k)) for q in q_pos for k in k_pos]
+        assert len(pairs) == len(set(pairs)), (layout, cp, rank, "a pair attended twice")
+        assert set(pairs) == _expected_pairs(ids, mine), (layout, cp, rank)
+        # Each received row read by one call, each call's keys one run, a call per band
+        runs = sorted((int(c.k_index[0]), int(c.k_index.numel())) for c in whole.calls)
+        assert all(torch.equal(c.k_index, torch.arange(int(c.k_index[0]), int(c.k_index[0]) + c.k_index.numel()))
+                   for c in whole.calls)
+        assert [start for start, _ in runs] == np.cumsum([0] + [n for _, n in runs])[:-1].tolist()
+        assert sum(n for _, n in runs) == received.numel()
+        assert all(not c.causal and c.window is None for c in whole.calls)
+        assert len(whole.calls) == len(_bands(ids, mine, received)), (layout, cp, rank)
+        assert len(whole.calls) <= 2 or layout == "balanced", (layout, cp, rank)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_bands_cover_every_pair_once(case, cp):
+    for layout in ("contiguous", "zigzag", "balanced"):
+        _check(make_doc_ids(case, 96, cp), cp, layout)
+
+
+def test_thd_layout_takes_two_calls():
+    g = torch.Generator().manual_seed(5)
+    for cp in (2, 3, 4):
+        lengths = torch.randint(1, 30, (7,), generator=g).tolist()
+        parts = []
+        for i, n in enumerate(lengths):  # each document padded to a multiple of 2 * cp, as THD packs
+            parts += [torch.full((n,), i + 1), torch.zeros(-(-n // (2 * cp)) * 2 * cp - n, dtype=torch.long)]
+        _check(torch.cat(parts), cp, "thd")
+
+
+def test_route_places_each_row_where_the_plan_reads_it():
+    # The reordered route puts needed-only row order[j] at gathered row j: slots past the local rows map
+    # through the inverse permutation, the local rows and slot1's "not needed here" (-1) stay.
+    from megatron_ext.blockdiag_cp.gathered import GatheredPlan
+    from megatron_ext.blockdiag_cp.hierarchy import build_hierarchical_route
+
+    ids = make_doc_ids("short", 96, 4).unsqueeze(0)
+    lay = build_layout("zigzag", ids, 4)
+    for rank in range(4):
+        route = build_hierarchical_route(lay, ids, rank, 2)
+        n = route.out_rows - route.local_len
+        order = np.random.default_rng(rank).permutation(n)
+        placed = GatheredPlan(None, order).route(route)
+        L = route.local_len
+        for name in ("slot1", "slot2", "kept1_slot"):
+            old, new = getattr(route, name), getattr(placed, name)
+            keep = old < L
+            assert torch.equal(new[keep], old[keep])
+            assert torch.equal(torch.from_numpy(order)[new[~keep] - L], old[~keep] - L), name
