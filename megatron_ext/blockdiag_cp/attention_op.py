@@ -44,7 +44,7 @@ from .agreement import (
 from .backend import call_backend
 from .chunks import chunk_kind
 from .exchange import HierarchicalTransport, NeededTransport, RingTransport
-from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather
+from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather, set_rows as _set_rows
 from .resolve import resolve_step_state
 from .state import count_cp_attn_fire
 from .relayout import relaid_attention
@@ -106,6 +106,23 @@ class _Geometry:
         else:
             _add_rows(grad[..., :self.dk], index, gk)
             _add_rows(grad[..., self.dk:], index, gv)
+
+
+def _tiles(calls, rows: int) -> bool:
+    """Whether the calls' key rows (``step.Rows``: None, a run, or an index) are disjoint runs that cover
+    ``rows``."""
+    spans = []
+    for call in calls:
+        index = call.k_index
+        if isinstance(index, torch.Tensor):
+            return False
+        spans.append((0, rows) if index is None else (index.start, index.stop))
+    end = 0
+    for start, stop in sorted(spans):
+        if start != end:
+            return False
+        end = stop
+    return bool(spans) and end == rows
 
 
 def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: bool = False):
@@ -250,13 +267,20 @@ class _StreamedAttention(torch.autograd.Function):
         aux = iter(ctx.aux)
         failed = [ctx.failed]
 
-        def differentiate(step_calls, step_merges, chunk_k, chunk_v, n_rows, keys=None):
+        def differentiate(step_calls, step_merges, chunk_k, chunk_v, n_rows, keys=None, into=None):
             """This step's dq into ``dq``; the own keys' gradients into ``keys`` (``KeyGradients``, step 0),
-            else returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient."""
+            else returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient (in ``into``, k's dtype, where the
+            transport hands one over and the calls read disjoint runs covering the chunk)."""
             t0 = time.perf_counter()
-            # A received chunk whose one call reads every row in order: its gradient is that call's, as sent
-            whole = keys is None and len(step_calls) == 1 and step_calls[0].k_index is None
-            grad = geo.grad_chunk(n_rows, acc_dtype, q.device) if keys is None and not whole else None
+            # Calls whose key runs tile the chunk write each row's gradient once: no float32 sum. One call
+            # reading every row in order: its gradient is the chunk's, as sent
+            tiled = keys is None and _tiles(step_calls, n_rows * geo.R)
+            whole = tiled and into is None and len(step_calls) == 1
+            grad = None
+            if keys is None and not whole:
+                grad = (into if into is not None else torch.empty(
+                    (n_rows * geo.R, geo.g * geo.hkv, geo.dk + geo.dv), dtype=k.dtype, device=q.device)) \
+                    if tiled else geo.grad_chunk(n_rows, acc_dtype, q.device)
             key_shares = keys.plan.calls[0] if keys is not None else step_merges  # the own calls' key rows
             for call, share, key_share in zip(step_calls, step_merges, key_shares):
                 a = next(aux)
@@ -276,9 +300,13 @@ class _StreamedAttention(torch.autograd.Function):
                     keys.take(ki, key_share, gk, gv)
                 elif whole:
                     grad = geo.fused_grad(gk, gv)
+                elif tiled:
+                    _set_rows(grad, ki, geo.fused_grad(gk, gv))
                 else:
                     geo.add_kv_rows(grad, ki, gk, gv)
                 del gq, gk, gv
+            if failed[0] and tiled and grad is not None:
+                grad.zero_()  # rows a failed call left unwritten: zeros go home, as on every failure
             stats["backward_compute_seconds"] += time.perf_counter() - t0
             return grad
 
@@ -306,7 +334,10 @@ class _StreamedAttention(torch.autograd.Function):
                     chunk = saved[index] if index >= 0 else None
                 grad_chunk = None  # no call here: the transport sends zeros only where the home expects them
                 if calls[s]:
-                    grad_chunk = differentiate(calls[s], merges.calls[s], *geo.split(chunk), chunk.shape[0])
+                    into = transport.gradient_buffer((step.round, step.piece), chunk)
+                    grad_chunk = differentiate(calls[s], merges.calls[s], *geo.split(chunk), chunk.shape[0],
+                                               into=None if into is None else into.view(
+                                                   chunk.shape[0] * geo.R, geo.g * geo.hkv, geo.dk + geo.dv))
                     if grad_chunk is None:  # the kernel failed: zeros go home, as every transfer still runs
                         grad_chunk = geo.grad_chunk(chunk.shape[0], k.dtype, q.device)
                     grad_chunk = grad_chunk.view(chunk.shape[0], geo.b, -1).to(k.dtype)

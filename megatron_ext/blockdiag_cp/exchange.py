@@ -162,6 +162,11 @@ class _DirectGradients:
     # Where a step's transfers go: a subclass may hand them over instead (testing.loopback).
     post = staticmethod(post)
 
+    @staticmethod
+    def gradient_buffer(step, chunk) -> None:
+        """Each chunk's gradient is a buffer of its own, sent as it is made (see ``HierarchicalTransport``)."""
+        return None
+
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         rows, incoming = self.sent_rows(step)
         outgoing = self.gradient_rows(step)
@@ -320,8 +325,8 @@ class HierarchicalTransport:
     piece j. With ``whole`` (the route placing the received rows in ``gathered``'s band order)
     one step reads every received row. Stage 1 (the inter-node one) is in flight while the
     local keys are attended; the first remote step waits for it and runs stage 2 inside the
-    node. Gradients collect in a buffer of the same shape and go back through the routes once,
-    at the end.
+    node. Gradients collect in a buffer of the same shape (``whole``: written there by the
+    step's calls, ``gradient_buffer``) and go back through the routes once, at the end.
     """
 
     kind = "needed"
@@ -370,11 +375,24 @@ class HierarchicalTransport:
     def received(self, chunk) -> None:
         pass
 
+    def gradient_buffer(self, step, chunk: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where the whole step writes its chunk's gradient ([n, b, F], k's dtype): its rows of the buffer
+        the routes send back, so nothing is copied. None without ``whole``."""
+        if not self.whole:
+            return None
+        if self._grad is None:  # every received row is written by the step: nothing to zero
+            self._grad = torch.empty((self.route.out_rows,) + tuple(chunk.shape[1:]), dtype=self.k.dtype,
+                                     device=self.k.device)
+        first, n = self._rows(step)
+        return self._grad[first:first + n]
+
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         if grad_chunk is not None:
+            first, n = self._rows(step)
+            if self._grad is not None and grad_chunk.data_ptr() == self._grad[first:first + n].data_ptr():
+                return None  # written in place (``gradient_buffer``)
             if self._grad is None:
                 self._grad = self._received_grad(grad_chunk.shape[1:], grad_chunk.dtype)
-            first, n = self._rows(step)
             self._grad[first:first + n] += grad_chunk
         return None
 
