@@ -17,8 +17,9 @@ merges. Here the received rows are attended by *band* instead:
     call i: per document with keys in band i, one segment: queries Pi .. Pk over band i
 
 so a document with k local pieces has k bands, and the step has as many calls as the most
-pieces a document has on this rank (two for zigzag and THD). Every received row lies in one
-band, every query row in at most one segment of a call.
+pieces a document has on this rank (two for zigzag and THD), a band whose query rows fall in
+two runs one per run (``RUN_CALLS``). Every received row lies in one band, every query row in
+at most one segment of a call.
 
 The buffer the routes fill is reordered to match (``GatheredPlan.order``: the routes place each
 row where the plan reads it, so the reorder costs no copy): band 0 of every document in
@@ -61,6 +62,31 @@ class GatheredPlan:
         return replace(route, slot1=placed(route.slot1), slot2=placed(route.slot2), kept1_slot=placed(route.kept1_slot))
 
 
+# A band whose query rows fall in at most this many runs takes a call per run: its rows are then read
+# and written in place, where one call over all of them would gather q (and in backward q, dout and out)
+# and scatter its output. Past that, one call (with the gathers) keeps the calls few.
+RUN_CALLS = 2
+
+
+def _band_calls(q_rows: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, k_first: int):
+    """One band's calls: its segments (query rows ``q_rows`` cut by ``q_lens``, keys the buffer's rows from
+    ``k_first`` cut by ``k_lens``), split where the query rows break into runs if there are at most
+    ``RUN_CALLS`` runs and each break falls between segments; else one call."""
+    seg_q = np.cumsum(q_lens) - q_lens  # a segment's first row in q_rows
+    seg_k = k_first + np.cumsum(k_lens) - k_lens
+    breaks = np.flatnonzero(q_rows[1:] != q_rows[:-1] + 1) + 1  # where a new run of rows starts
+    cut = np.searchsorted(seg_q, breaks)  # the segment starting at each break
+    if breaks.size >= RUN_CALLS or not (cut < seg_q.size).all() or not (seg_q[np.minimum(cut, seg_q.size - 1)] == breaks).all():
+        cut = np.zeros(0, dtype=np.int64)
+    calls = []
+    for a, b in zip(np.r_[0, cut], np.r_[cut, seg_q.size]):
+        q0, q1 = int(seg_q[a]), int(seg_q[b - 1] + q_lens[b - 1])
+        k0, k1 = int(seg_k[a]), int(seg_k[b - 1] + k_lens[b - 1])
+        calls.append(CallPlan(False, torch.from_numpy(q_rows[q0:q1]), torch.arange(k0, k1),
+                              tuple(q_lens[a:b].tolist()), tuple(k_lens[a:b].tolist())))
+    return calls
+
+
 def gathered_stream_plan(needed: StreamPlan, runs: RankRuns, rows: Sequence[DocRuns],
                          recv_positions: Sequence[torch.Tensor]) -> Optional[GatheredPlan]:
     """The band plan for ``needed`` (``chunks``' plan of the same rank, no window), or None where it does
@@ -95,8 +121,7 @@ def gathered_stream_plan(needed: StreamPlan, runs: RankRuns, rows: Sequence[DocR
             n_pieces = doc_p.searchsorted(docs, side="right") - p0  # >= 1: Pi .. Pk
             piece = ranges_np(p0, n_pieces)
             q_lens = np.add.reduceat(n_q[piece], np.cumsum(n_pieces) - n_pieces)
-            calls.append(CallPlan(False, torch.from_numpy(ranges_np(q_first[piece], n_q[piece])),
-                                  torch.arange(int(lo), int(hi)), tuple(q_lens.tolist()), tuple(k_lens.tolist())))
+            calls += _band_calls(ranges_np(q_first[piece], n_q[piece]), q_lens, k_lens, int(lo))
     whole = Step(1, 0, -1, 0, int(pos.size), tuple(calls))
     return GatheredPlan(StreamPlan(needed.kind, rank, cp, 1, L, max(1, int(pos.size)), (own, whole)), order)
 

@@ -3,14 +3,15 @@
 For the test cases' document ids, every layout and rank: the own step and the one step over every
 received row (read in ``GatheredPlan.order`` from the needed-only buffer, ``recv_positions`` by source)
 cover exactly the per-document causal pairs of the rank's queries, each once; the received rows are
-each read by one call, as one run of the buffer; every remote segment is full; a call per band.
+each read by one call, as one run of the buffer; every remote segment is full; a call per band, or
+one per run of its query rows.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_ext.blockdiag_cp.gathered import gathered_stream_plan
+from megatron_ext.blockdiag_cp.gathered import RUN_CALLS, gathered_stream_plan
 from megatron_ext.blockdiag_cp.intervals import document_runs
 from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan
@@ -21,7 +22,7 @@ from test_chunks import _expected_pairs
 
 def _bands(ids, mine, received):
     """Per received position, how many local runs of its document start before it (positions ``mine``,
-    ascending), position by position."""
+    ascending), position by position: a list."""
     d = ids[0].tolist()
     doc = list(range(len(d)))  # a document: a run of equal ids, named by its first position
     for p in range(1, len(d)):
@@ -29,7 +30,7 @@ def _bands(ids, mine, received):
             doc[p] = doc[p - 1]
     mine = mine.tolist()
     starts = [p for i, p in enumerate(mine) if i == 0 or mine[i - 1] != p - 1 or doc[mine[i - 1]] != doc[p]]
-    return {sum(1 for s in starts if doc[s] == doc[x] and s < x) for x in received.tolist()}
+    return [sum(1 for s in starts if doc[s] == doc[x] and s < x) for x in received.tolist()]
 
 
 def _check(ids, cp, layout):
@@ -76,8 +77,26 @@ def _check(ids, cp, layout):
         assert [start for start, _ in runs] == np.cumsum([0] + [n for _, n in runs])[:-1].tolist()
         assert sum(n for _, n in runs) == received.numel()
         assert all(not c.causal and c.window is None for c in whole.calls)
-        assert len(whole.calls) == len(_bands(ids, mine, received)), (layout, cp, rank)
-        assert len(whole.calls) <= 2 or layout == "balanced", (layout, cp, rank)
+        # A call's keys lie in one band; a band takes one call, or one per run of its query rows (<= RUN_CALLS)
+        band = _bands(ids, mine, buffer)
+        per_band = {}
+        for c in whole.calls:
+            first, n = int(c.k_index[0]), int(c.k_index.numel())
+            assert len(set(band[first:first + n])) == 1, (layout, cp, rank)
+            per_band.setdefault(band[first], []).append(c)
+        assert set(per_band) == set(band), (layout, cp, rank)
+        def runs(rows):
+            return 1 + int((rows[1:] != rows[:-1] + 1).sum())
+
+        for calls in per_band.values():
+            assert len(calls) <= RUN_CALLS
+            if len(calls) > 1:  # split only where each call's rows are one run, read in place
+                assert all(runs(c.q_index) == 1 for c in calls), (layout, cp, rank)
+            elif runs(calls[0].q_index) > 1:  # one call gathering its rows: they break too often to split
+                c = calls[0]
+                whole_segments = all(runs(q) == 1 for q in c.q_index.split(list(c.q_lens)))
+                assert runs(c.q_index) > RUN_CALLS or not whole_segments, (layout, cp, rank)
+        assert len(per_band) <= 2 or layout == "balanced", (layout, cp, rank)
 
 
 @pytest.mark.parametrize("case", CASES)
