@@ -108,23 +108,6 @@ class _Geometry:
             _add_rows(grad[..., self.dk:], index, gv)
 
 
-def _tiles(calls, rows: int) -> bool:
-    """Whether the calls' key rows (``step.Rows``: None, a run, or an index) are disjoint runs that cover
-    ``rows``."""
-    spans = []
-    for call in calls:
-        index = call.k_index
-        if isinstance(index, torch.Tensor):
-            return False
-        spans.append((0, rows) if index is None else (index.start, index.stop))
-    end = 0
-    for start, stop in sorted(spans):
-        if start != end:
-            return False
-        end = stop
-    return bool(spans) and end == rows
-
-
 def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: bool = False):
     if state.loopback is not None:  # testing.loopback: one rank in one process, chunks handed over on its device
         return state.loopback.transport(kind, k, v, state, plan, stats, prefix)
@@ -247,6 +230,7 @@ class _StreamedAttention(torch.autograd.Function):
         plan = state.plan_for(ctx.window)
         steps = state.stream_plan(ctx.kind, ctx.window).steps
         calls = state.stream_on(ctx.kind, q.device, ctx.window)
+        partitions = state.key_partitions_on(ctx.kind, ctx.window)
         kernel = kernels.kernel_for(backend)
         stats = state.comm_stats
         for key in [key for key in stats if key.startswith("backward_")]:
@@ -267,15 +251,15 @@ class _StreamedAttention(torch.autograd.Function):
         aux = iter(ctx.aux)
         failed = [ctx.failed]
 
-        def differentiate(step_calls, step_merges, chunk_k, chunk_v, n_rows, keys=None, into=None):
+        def differentiate(step_calls, step_merges, chunk_k, chunk_v, n_rows, keys=None, into=None, tiled=False):
             """This step's dq into ``dq``; the own keys' gradients into ``keys`` (``KeyGradients``, step 0),
             else returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient (in ``into``, k's dtype, where the
-            transport hands one over and the calls read disjoint runs covering the chunk)."""
+            transport hands one over and ``tiled``: the calls read every row of the chunk once)."""
             t0 = time.perf_counter()
-            # Calls whose key runs tile the chunk write each row's gradient once: no float32 sum. One call
-            # reading every row in order: its gradient is the chunk's, as sent
-            tiled = keys is None and _tiles(step_calls, n_rows * geo.R)
-            whole = tiled and into is None and len(step_calls) == 1
+            # Calls that read every row of the chunk once write each row's gradient once: no float32 sum.
+            # One call reading every row in order: its gradient is the chunk's, as sent
+            tiled = tiled and keys is None
+            whole = tiled and into is None and len(step_calls) == 1 and step_calls[0].k_index is None
             grad = None
             if keys is None and not whole:
                 grad = (into if into is not None else torch.empty(
@@ -337,7 +321,8 @@ class _StreamedAttention(torch.autograd.Function):
                     into = transport.gradient_buffer((step.round, step.piece), chunk)
                     grad_chunk = differentiate(calls[s], merges.calls[s], *geo.split(chunk), chunk.shape[0],
                                                into=None if into is None else into.view(
-                                                   chunk.shape[0] * geo.R, geo.g * geo.hkv, geo.dk + geo.dv))
+                                                   chunk.shape[0] * geo.R, geo.g * geo.hkv, geo.dk + geo.dv),
+                                               tiled=partitions[s])
                     if grad_chunk is None:  # the kernel failed: zeros go home, as every transfer still runs
                         grad_chunk = geo.grad_chunk(chunk.shape[0], k.dtype, q.device)
                     grad_chunk = grad_chunk.view(chunk.shape[0], geo.b, -1).to(k.dtype)

@@ -117,6 +117,16 @@ class Step:
     def pairs(self) -> int:
         return sum(c.pairs for c in self.calls)
 
+    def reads_each_row_once(self, rows: int) -> bool:
+        """Whether the calls read every row of the chunk ([chunk_len * rows] flattened) exactly once: each
+        row's K / V gradient then has one writer. True of every needed-only chunk without a window (each
+        needed key lies in one segment); a ring chunk holds rows nobody here attends."""
+        n = self.chunk_len * rows
+        if n == 0 or not self.calls:
+            return False
+        read = np.concatenate([call.k_index.numpy() for call in self.calls])
+        return bool(read.size == n and (np.bincount(read, minlength=n) == 1).all())
+
 
 @dataclass(frozen=True)
 class StreamPlan:

@@ -880,6 +880,16 @@ class BlockDiagCPState:
                                        for step in self.stream_plan(kind, window).steps]
         return self._device_index[key]
 
+    def key_partitions_on(self, kind: str, window: Optional[int] = None) -> List[bool]:
+        """Per step of ``stream_on``, whether its calls read every row of its chunk exactly once
+        (``Step.reads_each_row_once``; host tables, once per step, kind and window): then each row's
+        K / V gradient is written, not summed."""
+        key = ("key_partitions", kind, window)
+        if key not in self._device_index:
+            self._device_index[key] = [step.reads_each_row_once(self.rows)
+                                       for step in self.stream_plan(kind, window).steps]
+        return self._device_index[key]
+
     def merges_on(self, kind: str, device: torch.device, window: Optional[int] = None,
                   sink: bool = False, ends: str = "forward") -> MergePlan:
         """Per call of ``stream_on``, which of its query rows it writes alone and which are merged (host work

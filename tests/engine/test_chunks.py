@@ -84,6 +84,14 @@ def _check(ids, cp, layout, window=None):
             got = _covered_pairs(plan, lay, kind, R, window)
             assert len(got) == len(set(got)), (layout, cp, rank, kind, "a pair attended twice")
             assert set(got) == want, (layout, cp, rank, kind)
+        # A chunk whose calls read each of its rows once has its gradient written, not summed. Without a
+        # window and with one row of ids every needed key lies in one segment: every needed-only chunk is one
+        for kind in ("ring", "needed"):
+            for step in plan.stream[kind].steps[1:]:
+                read = torch.cat([call.k_index for call in step.calls]) if step.calls else torch.zeros(0)
+                once = bool(step.calls) and torch.equal(read.sort().values, torch.arange(step.chunk_len * R))
+                assert step.reads_each_row_once(R) == once, (layout, cp, rank, kind, window)
+                assert once or not step.calls or kind == "ring" or window is not None or R > 1, (layout, cp, rank)
         # The needed-only steps deliver exactly the remote keys some query needs: the lower bound.
         mine = set(lay.runs.positions(rank).tolist())
         remote = {k for _, _, k in want if k not in mine}
