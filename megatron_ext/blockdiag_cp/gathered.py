@@ -76,7 +76,8 @@ def _band_calls(q_rows: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, k_fi
     seg_k = k_first + np.cumsum(k_lens) - k_lens
     breaks = np.flatnonzero(q_rows[1:] != q_rows[:-1] + 1) + 1  # where a new run of rows starts
     cut = np.searchsorted(seg_q, breaks)  # the segment starting at each break
-    if breaks.size >= RUN_CALLS or not (cut < seg_q.size).all() or not (seg_q[np.minimum(cut, seg_q.size - 1)] == breaks).all():
+    between_segments = (cut < seg_q.size).all() and (seg_q[np.minimum(cut, seg_q.size - 1)] == breaks).all()
+    if breaks.size >= RUN_CALLS or not between_segments:
         cut = np.zeros(0, dtype=np.int64)
     calls = []
     for a, b in zip(np.r_[0, cut], np.r_[cut, seg_q.size]):
