@@ -83,8 +83,9 @@ class _Geometry:
         flat = chunk.view(chunk.shape[0] * self.R, self.g * self.hkv, self.dk + self.dv)
         return flat[..., :self.dk], flat[..., self.dk:]
 
-    def grad_chunk(self, n, dtype, device):  # zeros [n * R, g * Hkv, Dk + Dv]
-        return torch.zeros(n * self.R, self.g * self.hkv, self.dk + self.dv, dtype=dtype, device=device)
+    def grad_chunk(self, n, dtype, device, zeros: bool = True):  # [n * R, g * Hkv, Dk + Dv], zeros or unset
+        return (torch.zeros if zeros else torch.empty)(n * self.R, self.g * self.hkv, self.dk + self.dv, dtype=dtype,
+                                                       device=device)
 
     @staticmethod
     def fused_grad(gk, gv):  # [n * R, g * Hkv, Dk] and [.., Dv] -> [n * R, g * Hkv, Dk + Dv], k's dtype
@@ -262,9 +263,10 @@ class _StreamedAttention(torch.autograd.Function):
             whole = tiled and into is None and len(step_calls) == 1 and step_calls[0].k_index is None
             grad = None
             if keys is None and not whole:
-                grad = (into if into is not None else torch.empty(
-                    (n_rows * geo.R, geo.g * geo.hkv, geo.dk + geo.dv), dtype=k.dtype, device=q.device)) \
-                    if tiled else geo.grad_chunk(n_rows, acc_dtype, q.device)
+                if not tiled:
+                    grad = geo.grad_chunk(n_rows, acc_dtype, q.device)
+                else:  # every row is written: nothing to zero
+                    grad = into if into is not None else geo.grad_chunk(n_rows, k.dtype, q.device, zeros=False)
             key_shares = keys.plan.calls[0] if keys is not None else step_merges  # the own calls' key rows
             for call, share, key_share in zip(step_calls, step_merges, key_shares):
                 a = next(aux)
@@ -318,7 +320,8 @@ class _StreamedAttention(torch.autograd.Function):
                     chunk = saved[index] if index >= 0 else None
                 grad_chunk = None  # no call here: the transport sends zeros only where the home expects them
                 if calls[s]:
-                    into = transport.gradient_buffer((step.round, step.piece), chunk)
+                    # only calls that write every row of the chunk may fill the transport's own (unset) rows
+                    into = transport.gradient_buffer((step.round, step.piece), chunk) if partitions[s] else None
                     grad_chunk = differentiate(calls[s], merges.calls[s], *geo.split(chunk), chunk.shape[0],
                                                into=None if into is None else into.view(
                                                    chunk.shape[0] * geo.R, geo.g * geo.hkv, geo.dk + geo.dv),

@@ -377,7 +377,8 @@ class HierarchicalTransport:
 
     def gradient_buffer(self, step, chunk: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the whole step writes its chunk's gradient ([n, b, F], k's dtype): its rows of the buffer
-        the routes send back, so nothing is copied. None without ``whole``."""
+        the routes send back, so nothing is copied; unset, for calls that write every row. None without
+        ``whole``."""
         if not self.whole:
             return None
         if self._grad is None:  # every received row is written by the step: nothing to zero
