@@ -49,6 +49,7 @@ class StepPlan:
     exchange: ExchangeTables
     stream: Mapping  # chunk kind ("ring" | "needed") -> StreamPlan (the streamed op's steps), lazily
     window: Optional[int] = None  # the sliding window this plan is for (None: whole documents)
+    doc_runs: Sequence = ()  # per row of doc ids, its ``intervals.document_runs`` (what the plan was built on)
 
     def positions_moved(self, kind: str) -> Tuple[int, int]:
         """(sent, received) K/V positions of this rank per attention call, for a chunk kind."""
@@ -150,7 +151,8 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
                    CHUNK_KINDS)
     for kind in kinds:
         stream[kind]
-    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window), (dst, a, b), overlap
+    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window, tuple(rows)), (dst, a, b), \
+        overlap
 
 
 def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:

@@ -812,11 +812,9 @@ class BlockDiagCPState:
         key = ("gathered", window)
         if key not in self._device_index:
             from .gathered import gathered_stream_plan
-            from .intervals import document_runs
 
             plan = self.plan_for(window)
-            rows = [document_runs(self.doc_ids.reshape(-1, self.doc_ids.shape[-1])[0])]
-            self._device_index[key] = (gathered_stream_plan(plan.stream["needed"], self.layout.runs, rows,
+            self._device_index[key] = (gathered_stream_plan(plan.stream["needed"], self.layout.runs, plan.doc_runs,
                                                             plan.exchange.recv_positions),)
         return self._device_index[key][0]
 
