@@ -26,7 +26,10 @@ the result (``closes``); dq's last writer adds the buffer and its own into dq. T
 bits are those of copying into the buffer and writing it back, a pass fewer each.
 
 A call that covers every row and is the first to write the result lends it its
-output tensor (no copy). The buffer rows no call closed are written back into the
+output tensor (no copy). A first writer that covers fewer rows (the rest padding or
+other calls' rows), each of which a later call merges and reads from it alone, keeps
+its output instead of copying it into the result (``keeps``): its readers merge from
+there (``adds_from``, ``opens_from``; gradients where the rows are runs). The buffer rows no call closed are written back into the
 result once, at the end. An attention sink is one more term in every row's
 denominator: with one, every row is merged (and nothing skips the buffer).
 """
@@ -63,6 +66,13 @@ class CallMerge:
     # (rows of its output, buffer rows, result rows): merged rows it is the last writer of: the buffer's
     # rows and its output merged (gradients: added) straight into the result (``MergePlan.of``'s ``ends``)
     closes: Optional[Tuple[Rows, Rows, Rows]] = None
+    # (slot, later calls that read it): a first writer whose every row a later call merges: its output is
+    # kept as it is (nothing written) until those calls have read it (``MergePlan.of``'s ``ends``)
+    keeps: Optional[Tuple[int, int]] = None
+    # (slot, rows of that kept output): where ``adds`` / ``opens`` read their first writer's rows (None: from
+    # the result)
+    adds_from: Optional[Tuple[int, Rows]] = None
+    opens_from: Optional[Tuple[int, Rows]] = None
 
 
 # How a row of three or more writers meets the float32 buffer (``MergePlan.of``'s ``ends``):
@@ -123,6 +133,8 @@ class MergePlan:
         slot = np.cumsum(merged) - 1  # a merged row's place in the buffer
         count = int(merged.sum())
         opened = _opened(steps, nths, merged) if ends == "forward" else np.zeros(rows, dtype=bool)
+        keeps, reads = _kept(steps, nths, paired, opened, rows, runs=ends == "gradient") if ends != "none" else ({}, {})
+        cid = -1  # the call's place in the step order (``_kept``'s keys)
         seen = np.zeros(rows, dtype=bool)  # merged rows some call wrote into the buffer
         written = np.zeros(rows, dtype=bool)  # paired rows their first writer wrote
         closed = np.zeros(rows, dtype=bool)  # merged rows their last writer merged into the result
@@ -131,18 +143,25 @@ class MergePlan:
         for step, step_nths in zip(steps, nths):
             here = []
             for q_index, nth in zip(step, step_nths):
+                cid += 1
                 qi = q_index.numpy()
                 mine = merged[qi]
                 first = mine & (nth == 1) & opened[qi]
                 second = paired[qi] & written[qi]
                 written[qi[paired[qi]]] = True
+                if cid in keeps:  # every row's first writer, each merged by one later call: nothing written now
+                    here.append(CallMerge(False, False, None, None, False, keeps=keeps[cid]))
+                    continue
                 own = np.flatnonzero((~mine & ~second) | first)  # the rows this call's output is the result of, so far
                 opening = np.flatnonzero(mine & (nth == 2) & opened[qi])
                 opens = closes = None
+                opens_from = adds_from = None
                 if opening.size:
                     opens = (on_device(opening, qi.size), on_device(qi[opening], rows),
                              on_device(slot[qi[opening]], count))
                     seen[qi[opening]] = True
+                    if cid in reads:
+                        opens_from = (reads[cid][0], on_device(reads[cid][1][qi[opening]], reads[cid][2]))
                 at = np.flatnonzero(mine & ~(opened[qi] & (nth <= 2)))  # merged in the buffer
                 # The last writer of every row it merges there: into the result instead (one op either way;
                 # "gradient": where the buffer's, its own and the result's rows are runs)
@@ -159,14 +178,18 @@ class MergePlan:
                 if own.size and (late.size or opening.size or ((mine & ~first).any() and 2 * own.size <= qi.size)):
                     alone = (on_device(own, qi.size), on_device(qi[own], rows))
                 adds = (on_device(late, qi.size), on_device(qi[late], rows)) if late.size else None
+                if late.size and cid in reads:
+                    adds_from = (reads[cid][0], on_device(reads[cid][1][qi[late]], reads[cid][2]))
                 if at.size:
                     fresh = not bool(seen[qi[at]].any())
                     needs_zeros |= not fresh and not bool(seen[qi[at]].all())
                     seen[qi[at]] = True
                     here.append(CallMerge(bool(own.size), True, on_device(at, qi.size),
-                                          on_device(slot[qi[at]], count), fresh, alone, adds, opens, closes))
+                                          on_device(slot[qi[at]], count), fresh, alone, adds, opens, closes,
+                                          adds_from=adds_from, opens_from=opens_from))
                 else:
-                    here.append(CallMerge(bool(own.size), False, None, None, False, alone, adds, opens, closes))
+                    here.append(CallMerge(bool(own.size), False, None, None, False, alone, adds, opens, closes,
+                                          adds_from=adds_from, opens_from=opens_from))
             calls.append(here)
         target = on_device(np.flatnonzero(merged), rows) if count else None
         needs_zeros |= not bool(seen[merged].all())  # a merged row no call writes (a ring piece's padding)
@@ -184,6 +207,56 @@ class MergePlan:
         empty = np.flatnonzero((writers == 0) & ~merged)  # never written: a padding row's zeros
         uncovered = on_device(empty, rows) if empty.size else None
         return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls, write_back)
+
+
+def _kept(steps, nths, paired: np.ndarray, opened: np.ndarray, rows: int, runs: bool):
+    """The first writers whose output is kept rather than written: ({call: (slot, readers)}, {reader call:
+    (slot, [rows] a row's place in the kept output, the kept output's rows)}), calls numbered in step order.
+
+    ``paired`` / ``opened``: [rows] the rows a later call merges from their first writer's output (a pair's
+    second, ``adds``; a row "forward" opens, ``opens``). A call is kept when every row it covers is one of those and it is their first
+    writer, and each call that merges them reads only from it: writing them first would be a pass over
+    rows the second reads once. Not a call that covers every row in order: it lends the result its
+    output, nothing copied. ``runs`` (gradients, added by ``torch.add``): only where the kept rows, the
+    reader's and the result's are runs."""
+    calls = [(q_index.numpy(), nth) for step, step_nths in zip(steps, nths) for q_index, nth in zip(step, step_nths)]
+    first = np.full(rows, -1, dtype=np.int64)
+    second = np.full(rows, -1, dtype=np.int64)
+    for cid, (qi, nth) in enumerate(calls):
+        first[qi[nth == 1]] = cid
+        second[qi[nth == 2]] = cid
+    later = paired | opened
+    keeps, reads = {}, {}
+    for cid, (qi, nth) in enumerate(calls):
+        if not qi.size or not (later[qi].all() and (nth == 1).all()):
+            continue
+        if qi.size == rows and _is_run(qi):  # lends its output to the result
+            continue
+        at = np.full(rows, -1, dtype=np.int64)
+        at[qi] = np.arange(qi.size)
+        readers = np.unique(second[qi])
+        fine, uses = True, 0
+        for reader in readers.tolist():
+            rq, rn = calls[reader]
+            read = rq[later[rq] & (rn == 2)]
+            uses += int(paired[read].any()) + int(opened[read].any())  # its adds and its opens read it
+            fine = bool((first[read] == cid).all())
+            if fine and runs:
+                fine = _is_run(at[read]) and _is_run(read) and _is_run(np.flatnonzero(later[rq] & (rn == 2)))
+            if not fine:
+                break
+        if not fine:
+            continue
+        slot = len(keeps)
+        keeps[cid] = (slot, uses)
+        for reader in readers.tolist():
+            reads[reader] = (slot, at, qi.size)
+    return keeps, reads
+
+
+def _is_run(index: np.ndarray) -> bool:
+    """One ascending run of consecutive rows (or none)."""
+    return index.size < 2 or bool((np.diff(index) == 1).all())
 
 
 def _opened(steps, nths, merged: np.ndarray) -> np.ndarray:
@@ -231,11 +304,13 @@ class Accumulator:
             return
         merge_into(self.out, self.lse, index, out, lse, source)
 
-    def open(self, opens: Tuple[Rows, Rows, Rows], result: "Result", out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Rows a second writer merges (``CallMerge.opens``): the first's output and lse, in the result, merged
-        with this call's into the buffer (nothing copied into it first)."""
+    def open(self, opens: Tuple[Rows, Rows, Rows], result: "Result", out: torch.Tensor, lse: torch.Tensor,
+             kept: Optional[Tuple[int, Rows]] = None) -> None:
+        """Rows a second writer merges (``CallMerge.opens``): the first's output and lse, in the result (or
+        kept: ``CallMerge.opens_from``), merged with this call's into the buffer (nothing copied into it first)."""
         source, rows, slots = opens
-        merge_into(result.allocated(), result.lse, rows, out, lse, source, self.out, self.lse, slots)
+        first, first_lse, rows = result.first_output(kept, rows)
+        merge_into(first, first_lse, rows, out, lse, source, self.out, self.lse, slots)
 
     def close(self, closes: Tuple[Rows, Rows, Rows], result: "Result", out: torch.Tensor, lse: torch.Tensor) -> None:
         """Rows a last writer merges (``CallMerge.closes``): the buffer's and this call's, into the result
@@ -274,6 +349,7 @@ class Result:
         self.dtype, self.lse_dtype, self.device, self.with_lse = dtype, lse_dtype, device, with_lse
         self.value: Optional[torch.Tensor] = None
         self.lse: Optional[torch.Tensor] = None
+        self.kept = {}  # slot -> [output, lse, readers left]: first writers' outputs (``CallMerge.keeps``)
 
     def _allocate(self) -> None:
         self.value = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -305,28 +381,60 @@ class Result:
         if lse is not None:
             set_rows(self.lse, index, lse)
 
-    def merge(self, adds: Tuple[Rows, Rows], value: torch.Tensor, lse: torch.Tensor) -> None:
-        """A pair's second writer in forward: its rows ``adds[0]`` merged into the result's rows ``adds[1]``
-        (which the first writer wrote, value and lse), in float32, rounded once into the result."""
-        source, index = adds
-        merge_into(self.value, self.lse, index, value, lse, source)
+    def keep(self, keeps: Tuple[int, int], value: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
+        """A first writer's output, kept as it is for the later calls that merge its rows (``CallMerge.keeps``;
+        in the result's dtypes: the bits writing it would have given)."""
+        slot, readers = keeps
+        self.kept[slot] = [value.to(self.dtype), None if lse is None else lse.to(self.lse_dtype), readers]
 
-    def add(self, adds: Tuple[Rows, Rows], value: torch.Tensor) -> None:
-        """A pair's second writer: the result's rows ``adds[1]`` += ``value``'s rows ``adds[0]`` (in the
-        result's dtype: the first writer's value plus this one, rounded once)."""
+    def first_output(self, kept: Optional[Tuple[int, Rows]], rows: Rows):
+        """(output, lse, rows) a second writer reads its first writer's rows ``rows`` of the result from: the
+        result, or the first writer's kept output (``kept``: ``CallMerge.adds_from`` / ``opens_from``), let go
+        after its last reader."""
+        if kept is None:
+            return self.allocated(), self.lse, rows
+        slot, at = kept
+        entry = self.kept[slot]
+        entry[2] -= 1
+        if not entry[2]:
+            del self.kept[slot]
+        return entry[0], entry[1], at
+
+    def merge(self, adds: Tuple[Rows, Rows], value: torch.Tensor, lse: torch.Tensor,
+              kept: Optional[Tuple[int, Rows]] = None) -> None:
+        """A pair's second writer in forward: its rows ``adds[0]`` merged with the first writer's (in the
+        result, or kept: ``CallMerge.adds_from``) into the result's rows ``adds[1]``, in float32, rounded once."""
         source, index = adds
-        add_rows(self.value, index, gather(value, source))
+        first, first_lse, rows = self.first_output(kept, index)
+        if kept is None:
+            merge_into(first, first_lse, rows, value, lse, source)
+        else:
+            merge_into(first, first_lse, rows, value, lse, source, self.allocated(), self.lse, index)
+
+    def add(self, adds: Tuple[Rows, Rows], value: torch.Tensor, kept: Optional[Tuple[int, Rows]] = None) -> None:
+        """A pair's second writer: the result's rows ``adds[1]`` are the first writer's value (in the result,
+        or kept: ``CallMerge.adds_from``, runs) plus ``value``'s rows ``adds[0]``, in the result's dtype,
+        rounded once."""
+        source, index = adds
+        if kept is None:
+            add_rows(self.value, index, gather(value, source))
+            return
+        first, _, rows = self.first_output(kept, index)
+        torch.add(gather(first, rows), gather(value, source), out=gather(self.allocated(), index))
 
     def take_output(self, index: Rows, share: CallMerge, out: torch.Tensor, lse: torch.Tensor,
                     acc: Accumulator) -> None:
         """One forward call's out / lse over its rows ``index`` (a ``MergePlan`` share): the rows it writes
         alone into the result, a pair's second merged there, the merged rows through ``acc``."""
+        if share.keeps is not None:
+            self.keep(share.keeps, out, lse)
+            return
         if share.writes:
             self.write(index, out, lse, alone=share.alone)
-        if share.adds is not None:  # rows a first call wrote: merged into the result in place
-            self.merge(share.adds, out, lse)
-        if share.opens is not None:  # the first writer's output is in the result
-            acc.open(share.opens, self, out, lse)
+        if share.adds is not None:  # rows a first call wrote (or kept): merged into the result
+            self.merge(share.adds, out, lse, share.adds_from)
+        if share.opens is not None:  # the first writer's output is in the result (or kept)
+            acc.open(share.opens, self, out, lse, share.opens_from)
         if share.merges:
             acc.merge(share.target, out, lse, share.fresh, share.source)
         if share.closes is not None:  # the last writer: straight into the result
@@ -335,10 +443,13 @@ class Result:
     def take(self, index: Rows, share: CallMerge, grad: torch.Tensor, buffer: torch.Tensor) -> None:
         """One call's gradient over its rows ``index`` (a ``MergePlan`` share): the rows it
         writes alone into the result, a pair's second added there, the merged rows into ``buffer``."""
+        if share.keeps is not None:
+            self.keep(share.keeps, grad)
+            return
         if share.writes:
             self.write(index, grad, alone=share.alone)
         if share.adds is not None:
-            self.add(share.adds, grad)
+            self.add(share.adds, grad, share.adds_from)
         if share.merges:
             (set_rows if share.fresh else add_rows)(buffer, share.target, gather(grad, share.source))
         if share.closes is not None:  # runs (``ends`` "gradient"): summed in float32, rounded once
@@ -348,6 +459,7 @@ class Result:
     def finish(self, merged_value: Optional[torch.Tensor], merged_lse: Optional[torch.Tensor] = None):
         """Write back the merge buffer's rows no call closed; (value, lse) of every row."""
         self.allocated()
+        self.kept.clear()  # outputs a failed call left unread
         if merged_value is not None and self.plan.write_back is not None:
             slots, rows = self.plan.write_back
             set_rows(self.value, rows, gather(merged_value, slots))

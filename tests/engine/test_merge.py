@@ -191,6 +191,54 @@ def test_merge_ends_open_and_close_every_row_of_one_writer_per_source():
             assert all(torch.equal(a, b) for a, b in zip(got, want[:2] if len(got) == 2 else want[2:]))
 
 
+def _copies_into_result(plan, steps, rows):
+    """Rows the calls write into the result before a later call reads them (the first writer's copy of a
+    merged or paired row), counted from the plan's shares."""
+    copied = 0
+    for calls, shares in zip(steps, plan.calls):
+        for q_index, share in zip(calls, shares):
+            if share.writes:
+                copied += (len(_rows(share.alone[0], q_index.numel())) if share.alone is not None
+                           else q_index.numel())
+    return copied
+
+
+def test_a_first_writer_the_next_call_merges_keeps_its_output():
+    """thd's shape with a padding row: the own call covers every row but the last, one source after it
+    covers the same rows. The own call's output is kept (written nowhere) and the second call merges it
+    and its own straight into the result (forward) or adds them there (dq): no copy first, the same bits.
+    A first writer that covers every row lends the result its output instead, and one whose rows two
+    later calls read keeps it until both have."""
+    rows = 10
+    cases = {
+        "pair": [[torch.arange(9)], [torch.arange(9)]],
+        "opened": [[torch.arange(9)], [torch.arange(9)], [torch.arange(9)]],
+        "two readers": [[torch.arange(9)], [torch.arange(5)], [torch.arange(5, 9)]],
+    }
+    for name, steps in cases.items():
+        for ends in ("forward", "gradient"):
+            plan = MergePlan.of(steps, rows, "cpu", ends=ends)
+            first = plan.calls[0][0]
+            kept = ends == "forward" or name != "opened"  # dq opens nothing: its three-writer rows are buffered
+            assert (first.keeps is not None) == kept, (name, ends)
+            if kept:
+                readers = [s for c in plan.calls[1:] for s in c if s.adds_from or s.opens_from]
+                assert first.keeps[1] == len(readers) == (2 if name == "two readers" else 1), (name, ends)
+                assert not first.writes and _copies_into_result(plan, steps, rows) == 0, (name, ends)
+            for seed in range(3):
+                want = _through(MergePlan.of(steps, rows, "cpu"), steps, rows, seed)
+                got = _through(plan, steps, rows, seed)
+                pick = slice(0, 2) if ends == "forward" else slice(2, 3)
+                assert all(torch.equal(a[:9], b[:9]) for a, b in zip(got[pick], want[pick])), (name, ends, seed)
+                assert not got[2][9].any() and not got[0][9].any()  # the padding row stays zero
+    # every row of the first call: lent, not kept
+    lend = MergePlan.of([[torch.arange(rows)], [torch.arange(rows)]], rows, "cpu", ends="forward")
+    assert lend.calls[0][0].keeps is None and lend.calls[0][0].writes
+    # a second writer that reads two first writers: neither is kept
+    split = [[torch.arange(5)], [torch.arange(5, 9)], [torch.arange(9)]]
+    assert all(s.keeps is None for c in MergePlan.of(split, rows, "cpu", ends="forward").calls for s in c)
+
+
 def test_a_pair_added_in_bfloat16_rounds_once_as_through_float32():
     """Why a row's two gradients add in the result's dtype: bf16 + bf16 is computed in float32
     and rounded once, the same bits as the float32 buffer's sum written back."""
