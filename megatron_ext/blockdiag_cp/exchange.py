@@ -148,8 +148,15 @@ def fused_width(k: torch.Tensor, v: torch.Tensor) -> int:
 
 def fused_rows(k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
     """[n, b, Hkv * (Dk + Dv)]: K and V of local ``rows`` (a slice or an index tensor) in one buffer."""
-    k, v = (t[rows] if isinstance(rows, slice) else t.index_select(0, rows) for t in (k, v))
-    return torch.cat([k, v], dim=-1).view(k.shape[0], k.shape[1], -1)
+    if isinstance(rows, slice):  # views: one pass
+        k, v = k[rows], v[rows]
+        return torch.cat([k, v], dim=-1).view(k.shape[0], k.shape[1], -1)
+    # scattered rows: each gathered straight into its half of the buffer (one pass, not a gather and a cat)
+    n, dk = rows.numel(), k.shape[-1]
+    fused = torch.empty((n,) + tuple(k.shape[1:-1]) + (dk + v.shape[-1],), dtype=k.dtype, device=k.device)
+    torch.index_select(k, 0, rows, out=fused[..., :dk])
+    torch.index_select(v, 0, rows, out=fused[..., dk:])
+    return fused.view(n, k.shape[1], -1)
 
 
 class _DirectGradients:
