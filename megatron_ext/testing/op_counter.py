@@ -221,7 +221,9 @@ class OpCounter(TorchDispatchMode):
                 counts.ops[name] += 1
                 if self.log:
                     result = func(*args, **kwargs)
-                    counts.events.append(OpEvent(name, _specs(list(args) + list(kwargs.values())),
+                    # an out= tensor is what the op writes (its result), not one it reads
+                    read = list(args) + [value for key, value in kwargs.items() if key != "out"]
+                    counts.events.append(OpEvent(name, _specs(read),
                                                  _specs(result if isinstance(result, (list, tuple)) else [result])))
                     return result
         return func(*args, **kwargs)

@@ -196,6 +196,31 @@ def test_a_merge_is_priced_at_the_rows_it_merges():
     assert gm._op_bytes(closed, run, target) == pytest.approx(720 + 1360 + 720 + 240)
 
 
+def test_an_out_tensor_is_priced_as_written_not_read():
+    """``torch.add(a, b, out=c)`` and ``index_select(..., out=)`` (a dq's pair added into the result, a send's
+    half gathered into its buffer): the counter records ``out`` as the op's output only, so the price is
+    a and b read and c written once, as the in-place ``add_`` that it replaces reads two and writes one."""
+    from megatron_ext.testing.op_counter import OpCounter
+
+    gm = _bench()
+    run = target = gm.Dims("run", 1, 1, 8)
+    a, b, c = (torch.zeros(10, 1, 8, dtype=torch.bfloat16) for _ in range(3))
+    counter = OpCounter(log=True)
+    with counter, counter.region("out"):
+        torch.add(a, b, out=c)
+    with counter, counter.region("in place"):
+        c.add_(b)
+    buffer, rows, index = torch.zeros(4, 1, 16), torch.ones(10, 1, 8), torch.arange(4)
+    with counter, counter.region("gather"):
+        torch.index_select(rows, 0, index, out=buffer[..., :8])
+    (added,), (in_place,) = counter.counts["out"].events, counter.counts["in place"].events
+    (gathered,) = counter.counts["gather"].events
+    assert len(added.inputs) == 2 and gm._op_bytes(added, run, target) == 3 * 160
+    assert gm._op_bytes(added, run, target) == gm._op_bytes(in_place, run, target)
+    assert gathered.outputs == (((4, 1, 8), torch.float32),)
+    assert gm._op_bytes(gathered, run, target) == 2 * 4 * 8 * 4 + 4 * 8  # rows read and written, the index
+
+
 def shared_counts(layout: str, exchange: str, window, relayout: str):
     """On every rank: the steady layer call's kernel calls, launching ops and transfers, forward and
     backward, as the gpu_model replay records them with every rank running at once."""
