@@ -245,18 +245,27 @@ class _StreamedAttention(torch.autograd.Function):
         # dq has the forward's writers: a row one call attends takes that call's dq, a row two attend is their
         # sum in dq's dtype (one rounding), rows of three or more add up in float32 (the sink adds nothing to
         # dq: all rows are merged then, as in forward)
-        merges = state.merges_on(ctx.kind, q.device, ctx.window, sink=ctx.has_sink, ends="gradient")
+        # With the received K/V kept, the own keys may go last: the last gradient home travels meanwhile
+        own_last = state.backward_own_last(ctx.kind, q.device, ctx.window, sink=ctx.has_sink)
+        merges = state.merges_on(ctx.kind, q.device, ctx.window, sink=ctx.has_sink, ends="gradient",
+                                 own_last=own_last)
         dq = Result(merges, q_flat.shape[1], q_flat.shape[2], q.dtype, acc_dtype, q.device, with_lse=False)
         dq_merged = (torch.zeros if merges.needs_zeros else torch.empty)(
             (merges.merged_count,) + tuple(q_flat.shape[1:]), dtype=acc_dtype, device=q.device)
-        aux = iter(ctx.aux)
+        offsets = [0]  # where each step's calls begin in forward's aux (one entry per call, in stream order)
+        for step_calls in calls:
+            offsets.append(offsets[-1] + len(step_calls))
         failed = [ctx.failed]
 
-        def differentiate(step_calls, step_merges, chunk_k, chunk_v, n_rows, keys=None, into=None, tiled=False):
-            """This step's dq into ``dq``; the own keys' gradients into ``keys`` (``KeyGradients``, step 0),
+        def shares(s):  # step s's dq shares: ``merges`` lists the steps in the order backward takes them
+            return merges.calls[(s - 1) % len(steps) if own_last else s]
+
+        def differentiate(s, chunk_k, chunk_v, n_rows, keys=None, into=None, tiled=False):
+            """Step s's dq into ``dq``; the own keys' gradients into ``keys`` (``KeyGradients``, step 0),
             else returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient (in ``into``, k's dtype, where the
             transport hands one over and ``tiled``: the calls read every row of the chunk once)."""
             t0 = time.perf_counter()
+            step_calls, step_merges, aux = calls[s], shares(s), iter(ctx.aux[offsets[s]:offsets[s + 1]])
             # Calls that read every row of the chunk once write each row's gradient once: no float32 sum.
             # One call reading every row in order: its gradient is the chunk's, as sent
             tiled = tiled and keys is None
@@ -304,9 +313,11 @@ class _StreamedAttention(torch.autograd.Function):
         key_plan, key_slot, key_returns = state.key_merges_on(ctx.kind, q.device, ctx.window)
         dkv = KeyGradients(key_plan, geo.g * geo.hkv, geo.dk, geo.dv, k.dtype, acc_dtype, q.device, key_slot, geo.R,
                            key_returns)
-        differentiate(calls[0], merges.calls[0], geo.kv_flat(k), geo.kv_flat(v), geo.L, keys=dkv)
+        if not own_last:
+            differentiate(0, geo.kv_flat(k), geo.kv_flat(v), geo.L, keys=dkv)
         if len(steps) > 1:
             in_flight = None  # the last gradient sent home
+            held = []  # own_last: what comes back is added once the own calls wrote dK / dV
             like = torch.empty((0, geo.b, geo.hkv * (geo.dk + geo.dv)), dtype=k.dtype, device=k.device)
             for s in range(1, len(steps)):
                 step = steps[s]
@@ -322,7 +333,7 @@ class _StreamedAttention(torch.autograd.Function):
                 if calls[s]:
                     # only calls that write every row of the chunk may fill the transport's own (unset) rows
                     into = transport.gradient_buffer((step.round, step.piece), chunk) if partitions[s] else None
-                    grad_chunk = differentiate(calls[s], merges.calls[s], *geo.split(chunk), chunk.shape[0],
+                    grad_chunk = differentiate(s, *geo.split(chunk), chunk.shape[0],
                                                into=None if into is None else into.view(
                                                    chunk.shape[0] * geo.R, geo.g * geo.hkv, geo.dk + geo.dv),
                                                tiled=partitions[s])
@@ -330,9 +341,16 @@ class _StreamedAttention(torch.autograd.Function):
                         grad_chunk = geo.grad_chunk(chunk.shape[0], k.dtype, q.device)
                     grad_chunk = grad_chunk.view(chunk.shape[0], geo.b, -1).to(k.dtype)
                 if in_flight is not None:  # one gradient transfer in flight: the last step's lands first
-                    transport.settle(in_flight, dkv)
+                    if own_last:
+                        held.append(in_flight)
+                    else:
+                        transport.settle(in_flight, dkv)
                 in_flight = transport.send_gradient((step.round, step.piece), grad_chunk, like)
                 del chunk, grad_chunk
+            if own_last:
+                differentiate(0, geo.kv_flat(k), geo.kv_flat(v), geo.L, keys=dkv)
+                for handle in held:
+                    transport.settle(handle, dkv)
             if in_flight is not None:
                 transport.settle(in_flight, dkv)
             transport.finish(dkv)

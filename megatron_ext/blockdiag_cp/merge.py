@@ -69,9 +69,10 @@ class CallMerge:
     # (slot, later calls that read it): a first writer whose every row a later call merges: its output is
     # kept as it is (nothing written) until those calls have read it (``MergePlan.of``'s ``ends``)
     keeps: Optional[Tuple[int, int]] = None
-    # (slot, rows of that kept output): where ``adds`` / ``opens`` read their first writer's rows (None: from
-    # the result)
-    adds_from: Optional[Tuple[int, Rows]] = None
+    # where ``adds`` read their first writers' rows (None: from the result): per kept first writer (slot, rows
+    # of its output, rows of this call's output, result rows)
+    adds_from: Optional[Tuple[Tuple[int, Rows, Rows, Rows], ...]] = None
+    # where ``opens`` read its first writer's rows: (slot, rows of that kept output); None: from the result
     opens_from: Optional[Tuple[int, Rows]] = None
 
 
@@ -134,6 +135,10 @@ class MergePlan:
         count = int(merged.sum())
         opened = _opened(steps, nths, merged) if ends == "forward" else np.zeros(rows, dtype=bool)
         keeps, reads = _kept(steps, nths, paired, opened, rows, runs=ends == "gradient") if ends != "none" else ({}, {})
+        first_writer = np.full(rows, -1, dtype=np.int64)  # the call that writes a row first (``_kept``'s numbers)
+        numbered = [q_index.numpy() for step in steps for q_index in step]
+        for at_call in reversed(range(len(numbered))):
+            first_writer[numbered[at_call]] = at_call
         cid = -1  # the call's place in the step order (``_kept``'s keys)
         seen = np.zeros(rows, dtype=bool)  # merged rows some call wrote into the buffer
         written = np.zeros(rows, dtype=bool)  # paired rows their first writer wrote
@@ -160,8 +165,9 @@ class MergePlan:
                     opens = (on_device(opening, qi.size), on_device(qi[opening], rows),
                              on_device(slot[qi[opening]], count))
                     seen[qi[opening]] = True
-                    if cid in reads:
-                        opens_from = (reads[cid][0], on_device(reads[cid][1][qi[opening]], reads[cid][2]))
+                    if cid in reads:  # forward: one kept first writer (``_kept``)
+                        (kept_slot, kept_at, kept_rows, _), = reads[cid]
+                        opens_from = (kept_slot, on_device(kept_at[qi[opening]], kept_rows))
                 at = np.flatnonzero(mine & ~(opened[qi] & (nth <= 2)))  # merged in the buffer
                 # The last writer of every row it merges there: into the result instead (one op either way;
                 # "gradient": where the buffer's, its own and the result's rows are runs)
@@ -178,8 +184,12 @@ class MergePlan:
                 if own.size and (late.size or opening.size or ((mine & ~first).any() and 2 * own.size <= qi.size)):
                     alone = (on_device(own, qi.size), on_device(qi[own], rows))
                 adds = (on_device(late, qi.size), on_device(qi[late], rows)) if late.size else None
-                if late.size and cid in reads:
-                    adds_from = (reads[cid][0], on_device(reads[cid][1][qi[late]], reads[cid][2]))
+                if late.size and cid in reads:  # per kept first writer: its rows there, ours, the result's
+                    adds_from = tuple(
+                        (kept_slot, on_device(kept_at[qi[mine_]], kept_rows), on_device(mine_, qi.size),
+                         on_device(qi[mine_], rows))
+                        for kept_slot, kept_at, kept_rows, kept_cid in reads[cid]
+                        for mine_ in [late[first_writer[qi[late]] == kept_cid]] if mine_.size)
                 if at.size:
                     fresh = not bool(seen[qi[at]].any())
                     needs_zeros |= not fresh and not bool(seen[qi[at]].all())
@@ -210,15 +220,18 @@ class MergePlan:
 
 
 def _kept(steps, nths, paired: np.ndarray, opened: np.ndarray, rows: int, runs: bool):
-    """The first writers whose output is kept rather than written: ({call: (slot, readers)}, {reader call:
-    (slot, [rows] a row's place in the kept output, the kept output's rows)}), calls numbered in step order.
+    """The first writers whose output is kept rather than written: ({call: (slot, reads)}, {reader call:
+    [(slot, [rows] a row's place in that kept output, the kept output's rows, the kept call)]}), calls
+    numbered in step order.
 
-    ``paired`` / ``opened``: [rows] the rows a later call merges from their first writer's output (a pair's
-    second, ``adds``; a row "forward" opens, ``opens``). A call is kept when every row it covers is one of those and it is their first
-    writer, and each call that merges them reads only from it: writing them first would be a pass over
-    rows the second reads once. Not a call that covers every row in order: it lends the result its
-    output, nothing copied. ``runs`` (gradients, added by ``torch.add``): only where the kept rows, the
-    reader's and the result's are runs."""
+    ``paired`` / ``opened``: [rows] the rows a later call merges from their first writer's output (a
+    pair's second, ``adds``; a row "forward" opens, ``opens``). A call is kept when every row it covers is
+    one of those and it is their first writer, and each call that merges them reads only from it, or
+    (gradients) covers every row: that reader lends the result its output and adds each kept first
+    writer's rows there, one op each as in place. Writing them first would be a pass over rows the
+    second reads once. Not a call that covers every row in order: it lends the result its output,
+    nothing copied. ``runs`` (gradients): a reader of one kept call, where it does not cover every row,
+    only where the kept rows, its own and the result's are runs (one ``torch.add`` into the result)."""
     calls = [(q_index.numpy(), nth) for step, step_nths in zip(steps, nths) for q_index, nth in zip(step, step_nths)]
     first = np.full(rows, -1, dtype=np.int64)
     second = np.full(rows, -1, dtype=np.int64)
@@ -226,32 +239,60 @@ def _kept(steps, nths, paired: np.ndarray, opened: np.ndarray, rows: int, runs: 
         first[qi[nth == 1]] = cid
         second[qi[nth == 2]] = cid
     later = paired | opened
+    kept = {cid for cid, (qi, nth) in enumerate(calls)
+            if qi.size and later[qi].all() and (nth == 1).all() and not (qi.size == rows and _is_run(qi))}
+    changed = True
+    while changed:  # drop the calls whose readers read from anything but them (or, lending, kept calls)
+        changed = False
+        for cid in sorted(kept):
+            qi = calls[cid][0]
+            at = np.full(rows, -1, dtype=np.int64)
+            at[qi] = np.arange(qi.size)
+            for reader in np.unique(second[qi]).tolist():
+                rq, rn = calls[reader]
+                read = rq[later[rq] & (rn == 2)]
+                lends = runs and rq.size == rows and _is_run(rq) and not opened[read].any()
+                if lends:
+                    fine = all(w in kept for w in np.unique(first[read]).tolist())
+                else:
+                    fine = bool((first[read] == cid).all()) and (not runs or (
+                        _is_run(at[read]) and _is_run(read) and _is_run(np.flatnonzero(later[rq] & (rn == 2)))))
+                if not fine:
+                    kept.discard(cid)
+                    changed = True
+                    break
     keeps, reads = {}, {}
-    for cid, (qi, nth) in enumerate(calls):
-        if not qi.size or not (later[qi].all() and (nth == 1).all()):
-            continue
-        if qi.size == rows and _is_run(qi):  # lends its output to the result
-            continue
+    for cid in sorted(kept):
+        qi = calls[cid][0]
         at = np.full(rows, -1, dtype=np.int64)
         at[qi] = np.arange(qi.size)
-        readers = np.unique(second[qi])
-        fine, uses = True, 0
-        for reader in readers.tolist():
+        uses = 0
+        for reader in np.unique(second[qi]).tolist():
             rq, rn = calls[reader]
-            read = rq[later[rq] & (rn == 2)]
+            read = rq[later[rq] & (rn == 2) & (first[rq] == cid)]
             uses += int(paired[read].any()) + int(opened[read].any())  # its adds and its opens read it
-            fine = bool((first[read] == cid).all())
-            if fine and runs:
-                fine = _is_run(at[read]) and _is_run(read) and _is_run(np.flatnonzero(later[rq] & (rn == 2)))
-            if not fine:
-                break
-        if not fine:
-            continue
-        slot = len(keeps)
-        keeps[cid] = (slot, uses)
-        for reader in readers.tolist():
-            reads[reader] = (slot, at, qi.size)
+            reads.setdefault(reader, []).append((len(keeps), at, qi.size, cid))
+        keeps[cid] = (len(keeps), uses)
     return keeps, reads
+
+
+def copied_rows(plan: MergePlan, steps) -> int:
+    """Rows ``plan``'s calls (``steps``: per step, per call, its query rows, as ``plan`` was built from) copy
+    into the result as they are: every row a call writes, but where the first call to write covers every
+    row (it lends the result its output) or keeps its output (``CallMerge.keeps``). The part of a plan's
+    cost its call order moves: a pair's add, a merge and a write-back are the same in any order."""
+    copied, written = 0, False
+    for calls, shares in zip(steps, plan.calls):
+        for q_index, share in zip(calls, shares):
+            if not share.writes:
+                continue
+            n = q_index.numel()
+            if written or n != plan.rows or not _is_run(q_index.numpy()):  # else: lent, as ``Result.write``
+                picked = None if share.alone is None else share.alone[0]
+                copied += (picked.numel() if isinstance(picked, torch.Tensor)
+                           else len(range(n)[_all(picked)]))
+            written = True
+    return copied
 
 
 def _is_run(index: np.ndarray) -> bool:
@@ -365,13 +406,13 @@ class Result:
         return self.value
 
     def write(self, index: Rows, value: torch.Tensor, lse: Optional[torch.Tensor] = None,
-              alone: Optional[Tuple[Rows, Rows]] = None) -> None:
+              alone: Optional[Tuple[Rows, Rows]] = None) -> bool:
         """The result's rows ``index`` are ``value``; with ``alone`` (``CallMerge.alone``) only the rows the
-        call writes alone (the merged ones are ``finish``'s)."""
+        call writes alone (the merged ones are ``finish``'s). True where ``value`` became the result."""
         if self.value is None and index is None:  # the first writer covers every row: its tensor is the result
             self.value = value.to(self.dtype).contiguous()
             self.lse = None if lse is None else lse.to(self.lse_dtype).contiguous()
-            return
+            return True
         self.allocated()
         if alone is not None:
             source, index = alone
@@ -380,6 +421,7 @@ class Result:
         set_rows(self.value, index, value)
         if lse is not None:
             set_rows(self.lse, index, lse)
+        return False
 
     def keep(self, keeps: Tuple[int, int], value: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
         """A first writer's output, kept as it is for the later calls that merge its rows (``CallMerge.keeps``;
@@ -389,38 +431,46 @@ class Result:
 
     def first_output(self, kept: Optional[Tuple[int, Rows]], rows: Rows):
         """(output, lse, rows) a second writer reads its first writer's rows ``rows`` of the result from: the
-        result, or the first writer's kept output (``kept``: ``CallMerge.adds_from`` / ``opens_from``), let go
-        after its last reader."""
+        result, or the first writer's kept output (``kept``: (slot, its rows), from ``CallMerge.adds_from`` /
+        ``opens_from``), let go after its last reader."""
         if kept is None:
             return self.allocated(), self.lse, rows
-        slot, at = kept
+        slot, at = kept[:2]
         entry = self.kept[slot]
         entry[2] -= 1
         if not entry[2]:
             del self.kept[slot]
         return entry[0], entry[1], at
 
-    def merge(self, adds: Tuple[Rows, Rows], value: torch.Tensor, lse: torch.Tensor,
-              kept: Optional[Tuple[int, Rows]] = None) -> None:
+    def merge(self, adds: Tuple[Rows, Rows], value: torch.Tensor, lse: torch.Tensor, kept=None) -> None:
         """A pair's second writer in forward: its rows ``adds[0]`` merged with the first writer's (in the
         result, or kept: ``CallMerge.adds_from``) into the result's rows ``adds[1]``, in float32, rounded once."""
         source, index = adds
-        first, first_lse, rows = self.first_output(kept, index)
         if kept is None:
-            merge_into(first, first_lse, rows, value, lse, source)
-        else:
-            merge_into(first, first_lse, rows, value, lse, source, self.allocated(), self.lse, index)
+            merge_into(self.value, self.lse, index, value, lse, source)
+            return
+        for entry in kept:  # forward keeps one first writer per reader (``_kept``)
+            first, first_lse, rows = self.first_output(entry, None)
+            merge_into(first, first_lse, rows, value, lse, entry[2], self.allocated(), self.lse, entry[3])
 
-    def add(self, adds: Tuple[Rows, Rows], value: torch.Tensor, kept: Optional[Tuple[int, Rows]] = None) -> None:
+    def add(self, adds: Tuple[Rows, Rows], value: torch.Tensor, kept: Optional[Tuple[int, Rows]] = None,
+            lent: bool = False) -> None:
         """A pair's second writer: the result's rows ``adds[1]`` are the first writer's value (in the result,
-        or kept: ``CallMerge.adds_from``, runs) plus ``value``'s rows ``adds[0]``, in the result's dtype,
-        rounded once."""
+        or kept: ``CallMerge.adds_from``) plus ``value``'s rows ``adds[0]``, in the result's dtype, rounded
+        once (either order: the same bits). ``lent``: ``value`` is the result (``write``)."""
         source, index = adds
         if kept is None:
             add_rows(self.value, index, gather(value, source))
             return
-        first, _, rows = self.first_output(kept, index)
-        torch.add(gather(first, rows), gather(value, source), out=gather(self.allocated(), index))
+        for entry in kept:  # per kept first writer: (slot, its rows, ours, the result's)
+            first, _, rows = self.first_output(entry, None)
+            source, index = entry[2], entry[3]
+            if lent:  # this call's rows are there already: the first writer's added onto them
+                add_rows(self.value, index, gather(first, rows))
+            elif not any(isinstance(r, torch.Tensor) for r in (index, rows, source)):
+                torch.add(gather(first, rows), gather(value, source), out=gather(self.allocated(), index))
+            else:  # not planned (``_kept``), but right whatever wrote the result first
+                set_rows(self.allocated(), index, torch.add(gather(first, rows), gather(value, source)))
 
     def take_output(self, index: Rows, share: CallMerge, out: torch.Tensor, lse: torch.Tensor,
                     acc: Accumulator) -> None:
@@ -429,6 +479,8 @@ class Result:
         if share.keeps is not None:
             self.keep(share.keeps, out, lse)
             return
+        if share.adds_from is not None or share.opens_from is not None:
+            self.allocated()  # not lent: the merge reads this call's output while it writes the result
         if share.writes:
             self.write(index, out, lse, alone=share.alone)
         if share.adds is not None:  # rows a first call wrote (or kept): merged into the result
@@ -446,10 +498,9 @@ class Result:
         if share.keeps is not None:
             self.keep(share.keeps, grad)
             return
-        if share.writes:
-            self.write(index, grad, alone=share.alone)
+        lent = self.write(index, grad, alone=share.alone) if share.writes else False
         if share.adds is not None:
-            self.add(share.adds, grad, share.adds_from)
+            self.add(share.adds, grad, share.adds_from, lent)
         if share.merges:
             (set_rows if share.fresh else add_rows)(buffer, share.target, gather(grad, share.source))
         if share.closes is not None:  # runs (``ends`` "gradient"): summed in float32, rounded once
@@ -561,5 +612,5 @@ def gather(x: torch.Tensor, index) -> torch.Tensor:
     return x.index_select(0, index) if isinstance(index, torch.Tensor) else x[_all(index)]
 
 
-__all__ = ["Accumulator", "CallMerge", "KeyGradients", "MergePlan", "Result", "add_rows", "gather", "merge_into",
-           "set_rows"]
+__all__ = ["Accumulator", "CallMerge", "KeyGradients", "MergePlan", "Result", "add_rows", "copied_rows", "gather",
+           "merge_into", "set_rows"]

@@ -37,7 +37,7 @@ from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_win
 from .exchange import RingGradients, piece_rows
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
-from .merge import MergePlan
+from .merge import MergePlan, copied_rows
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
     ATTN_BACKEND_VALUES,
@@ -889,16 +889,46 @@ class BlockDiagCPState:
         return self._device_index[key]
 
     def merges_on(self, kind: str, device: torch.device, window: Optional[int] = None,
-                  sink: bool = False, ends: str = "forward") -> MergePlan:
+                  sink: bool = False, ends: str = "forward", own_last: bool = False) -> MergePlan:
         """Per call of ``stream_on``, which of its query rows it writes alone and which are merged (host work
         once per step, kind, window, sink and ends; with a sink every row is merged): forward's out
-        (``ends`` "forward") and backward's dq ("gradient") have the same writers (``MergePlan.of``)."""
-        key = ("merges", kind, str(device), window, sink, ends)
+        (``ends`` "forward") and backward's dq ("gradient") have the same writers (``MergePlan.of``).
+        ``own_last``: the calls in backward's order when it takes the own step last (``backward_own_last``):
+        the remote steps' plans, then the own step's."""
+        key = ("merges", kind, str(device), window, sink, ends, own_last)
+        if key not in self._device_index:
+            steps = [[call.q_index for call in step.calls] for step in self.stream_plan(kind, window).steps]
+            if own_last:
+                steps = steps[1:] + steps[:1]
+            self._device_index[key] = MergePlan.of(steps, self.local_len * self.rows, device,
+                                                   every_row_merged=sink, ends=ends)
+        return self._device_index[key]
+
+    def backward_own_last(self, kind: str, device: torch.device, window: Optional[int] = None,
+                          sink: bool = False) -> bool:
+        """Whether backward differentiates the remote steps first and the own keys last (this rank's own plan:
+        the gradients are posted in step order either way, so ranks that differ still pair their transfers).
+
+        With the received K/V kept from forward (``kv_backward`` "save") backward waits for no fetch, so
+        its first call need not hide one; the last gradient sent home is then in flight while the own
+        keys are differentiated instead of after every call. The gradients coming back for our rows are
+        added after the own calls wrote theirs (``KeyGradients``' order), so all of them are in flight
+        until then: only where they are at most the local rows (a2a / halo: ``KV_SAVE_BUDGET_LOCAL_MULTIPLE``),
+        and where dq's plan in that order copies no more rows than in stream order
+        (``merge.copied_rows``)."""
+        key = ("own_last", kind, str(device), window, sink)
         if key not in self._device_index:
             steps = self.stream_plan(kind, window).steps
-            self._device_index[key] = MergePlan.of([[call.q_index for call in step.calls] for step in steps],
-                                                   self.local_len * self.rows, device, every_row_merged=sink,
-                                                   ends=ends)
+            plan = self.plan_for(window)
+            sent = sum(int(t.numel()) for t in plan.exchange.send_index) if kind == "needed" else 0
+            fine = (self.kv_backward == "save" and kind == "needed" and self.kv_exchange in ("a2a", "halo")
+                    and len(steps) > 1 and sent <= KV_SAVE_BUDGET_LOCAL_MULTIPLE * self.local_len)
+            if fine:
+                rows = [[call.q_index for call in step.calls] for step in steps]
+                fine = copied_rows(self.merges_on(kind, device, window, sink, "gradient", own_last=True),
+                                   rows[1:] + rows[:1]) <= copied_rows(
+                    self.merges_on(kind, device, window, sink, "gradient"), rows)
+            self._device_index[key] = fine
         return self._device_index[key]
 
     def key_merges_on(self, kind: str, device: torch.device, window: Optional[int] = None):

@@ -8,7 +8,7 @@ bfloat16's tolerance of the fp64 reference.
 import pytest
 import torch
 
-from megatron_ext.blockdiag_cp.merge import MergePlan
+from megatron_ext.blockdiag_cp.merge import MergePlan, copied_rows
 from megatron_ext.testing import pool_fixture, reference_attention, runs_to_doc_ids
 
 
@@ -231,6 +231,24 @@ def test_a_first_writer_the_next_call_merges_keeps_its_output():
                 pick = slice(0, 2) if ends == "forward" else slice(2, 3)
                 assert all(torch.equal(a[:9], b[:9]) for a, b in zip(got[pick], want[pick])), (name, ends, seed)
                 assert not got[2][9].any() and not got[0][9].any()  # the padding row stays zero
+    # backward with the own keys last: two remote calls on scattered rows first, then the own call over every
+    # row, which lends dq its output and adds both kept outputs there (one op each, as in place)
+    scattered = [[torch.tensor([1, 4, 6])], [torch.tensor([2, 3, 8])], [torch.arange(rows)]]
+    plan = MergePlan.of(scattered, rows, "cpu", ends="gradient")
+    assert [plan.calls[s][0].keeps is not None for s in range(2)] == [True, True]
+    assert len(plan.calls[2][0].adds_from) == 2 and copied_rows(plan, scattered) == 0  # lent
+    for seed in range(3):
+        want = _through(MergePlan.of(scattered, rows, "cpu"), scattered, rows, seed)[2]
+        assert torch.equal(_through(plan, scattered, rows, seed)[2], want), seed
+    # a forward reader over every row merges a kept output into a result it does not lend (in float32 the
+    # eager merge would otherwise write the result before reading the call's rows there)
+    cover = [[torch.arange(9)], [torch.arange(rows)]]
+    plan = MergePlan.of(cover, rows, "cpu", ends="forward")
+    assert plan.calls[0][0].keeps is not None
+    for seed in range(3):
+        want = _through(MergePlan.of(cover, rows, "cpu"), cover, rows, seed, dtype=torch.float32)
+        got = _through(plan, cover, rows, seed, dtype=torch.float32)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
     # every row of the first call: lent, not kept
     lend = MergePlan.of([[torch.arange(rows)], [torch.arange(rows)]], rows, "cpu", ends="forward")
     assert lend.calls[0][0].keeps is None and lend.calls[0][0].writes

@@ -311,3 +311,42 @@ def test_relayout_attends_short_thd_documents_in_fewer_calls(pool4):
         assert relaid[0][0] < thd[0][0], (rank, thd, relaid)  # kernel calls
     assert [thd for thd, _ in kept] == THD_PINNED, [thd for thd, _ in kept]
     assert [relaid for relaid, _ in moved] == RELAID_PINNED, [relaid for relaid, _ in moved]
+
+
+def backward_order(kv_backward, layout):
+    """This rank's backward events of a steady layer call (thd or zigzag, a2a, ``_thd_mix``): per event
+    "kernel", "post" or "wait", and whether the step took the own keys last."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing.op_counter import KernelEvent, OpCounter, PostEvent, WaitEvent
+
+    ids = _thd_mix()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(ids.shape[-1], 1, h, 8, generator=g) for h in (4, 2, 2))
+    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
+                                        kv_backward=kv_backward)
+    counter = OpCounter(log=True)
+    with bdcp.blockdiag_cp_step(state):
+        for layer in range(2):
+            inputs = [state.shard(t).requires_grad_() for t in (q, k, v)]
+            with counter, counter.region(("forward", layer)):
+                out = bdcp.blockdiag_cp_attention(*inputs)
+            with counter, counter.region(("backward", layer)):
+                out.sum().backward()
+    kinds = {KernelEvent: "kernel", PostEvent: "post", WaitEvent: "wait"}
+    order = [kinds[type(e)] for e in counter.counts[("backward", 1)].events if type(e) in kinds]
+    own_calls = len(state.stream_plan("needed").steps[0].calls)
+    return order, own_calls, state.backward_own_last("needed", torch.device("cpu"))
+
+
+@pytest.mark.timeout(120)
+def test_backward_with_kept_kv_takes_the_own_keys_while_the_last_gradient_travels(pool2):
+    """``kv_backward="save"``: nothing to fetch, so backward differentiates the received chunks first and the
+    own keys last, their calls between the last gradient's post and its wait (what comes back for our rows
+    is added after the own calls wrote dK / dV). With a refetch the own keys go first, hiding the fetch."""
+    for layout in ("thd", "zigzag"):
+        for rank, (order, own_calls, own_last) in enumerate(pool2.run(backward_order, "save", layout)):
+            assert own_last, (layout, rank)
+            last_post = len(order) - 1 - order[::-1].index("post")
+            assert order[last_post + 1:] == ["kernel"] * own_calls + ["wait"] * order.count("post"), (layout, rank, order)
+        for rank, (order, own_calls, own_last) in enumerate(pool2.run(backward_order, "refetch", layout)):
+            assert not own_last and order[1:1 + own_calls] == ["kernel"] * own_calls, (layout, rank, order)
