@@ -133,6 +133,7 @@ class Case:
     window: Optional[int]
     model: str  # key of MODELS
     relayout: str = "none"  # "balanced": the batch's rows attended in the balanced layout (``relayout``)
+    kv_backward: str = "refetch"  # the knob as built; "auto": what it resolves to (suite gpu_model_kv)
 
 
 def doc_ids(mix: str, S: int, layout: str = "zigzag", cp: int = 1) -> torch.Tensor:
@@ -434,14 +435,14 @@ def record_layers(state, q, k, v, layers: int = LAYERS, **attention_kwargs):
 
 
 def replay_inputs(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str,
-                  relayout: str = "none"):
-    """This rank's state as the replay builds it (dense, refetch, the case's knobs) and its local q, k, v
-    [L, 1, h, d] at the run dims (bf16, seeded by the rank): (state, (q, k, v))."""
+                  relayout: str = "none", kv_backward: str = "refetch"):
+    """This rank's state as the replay builds it (dense, refetch unless the case says, the case's knobs)
+    and its local q, k, v [L, 1, h, d] at the run dims (bf16, seeded by the rank): (state, (q, k, v))."""
     import megatron_ext.blockdiag_cp as bdcp
 
     run = RUN_DIMS[model]
     state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                        kv_backward="refetch", windows=window, relayout=relayout)
+                                        kv_backward=kv_backward, windows=window, relayout=relayout)
     g = torch.Generator().manual_seed(state.rank)
     return state, tuple(torch.randn(state.local_len, 1, h, run.d, generator=g).to(torch.bfloat16)
                         for h in (run.hq, run.hkv, run.hkv))
@@ -449,7 +450,7 @@ def replay_inputs(ids: torch.Tensor, layout: str, exchange: str, window: Optiona
 
 def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str,
                 hw: Optional[Dict] = None, layers: int = LAYERS, hw_measured: Optional[Dict] = None,
-                relayout: str = "none") -> Dict:
+                relayout: str = "none", kv_backward: str = "refetch") -> Dict:
     """On every rank: build the step, run ``layers`` calls with the null kernel, price each call
     (``hw``: ``asdict(H200(...))``, plain values so the worker unpickles it before importing us), and
     again on ``hw_measured`` where given (``modeled_s_measured_kernel``). ``relayout`` "balanced": the
@@ -461,7 +462,7 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
     hw = H200(**(hw or {}))
     measured = H200(**hw_measured) if hw_measured else None
     t0 = time.perf_counter()
-    state, (q, k, v) = replay_inputs(ids, layout, exchange, window, model, relayout)
+    state, (q, k, v) = replay_inputs(ids, layout, exchange, window, model, relayout, kv_backward)
     build_s = time.perf_counter() - t0
     if state.kv_exchange != exchange:
         return {"refused": f"resolved to {state.kv_exchange}: {state.kv_exchange_reason}"}
@@ -487,7 +488,7 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
                       for phase, (c, thread, wall) in zip(("forward", "backward"), (fwd, bwd))})
     counts = state.plan_for(window).exchange.counts.clone()  # [cp, cp] positions src -> dst, global
     return {"calls": calls, "counts": counts, "per_node": per_node, "local_len": state.local_len,
-            "build_s": build_s, "attended_pairs": attended_pairs(state, window)}
+            "build_s": build_s, "attended_pairs": attended_pairs(state, window), "kv_backward": state.kv_backward}
 
 
 def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optional[Dict] = None,
@@ -531,7 +532,8 @@ def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optiona
 
 
 def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str, cp: int,
-               relayout: str = "none", env: Optional[Dict[str, str]] = None, reps: int = 5) -> List[Dict]:
+               relayout: str = "none", env: Optional[Dict[str, str]] = None, reps: int = 5,
+               kv_backward: str = "refetch") -> List[Dict]:
     """Per rank, the host thread time of a steady layer call with that rank alone on the CPU, the ranks one
     after another in this process: rank r of torch's fake process group (its collectives and transfers
     post nothing; what arrives is whatever the receive buffer held, which the null kernel never reads),
@@ -553,7 +555,7 @@ def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[i
         for rank in range(cp):
             fake_group(rank, cp)
             try:
-                state, (q, k, v) = replay_inputs(ids, layout, exchange, window, model, relayout)
+                state, (q, k, v) = replay_inputs(ids, layout, exchange, window, model, relayout, kv_backward)
                 steady = []
                 with override_kernel("dense", _null_kernel()):
                     fwd, bwd = layer_calls(state, q, k, v, layers=2, **kwargs)[1]
@@ -646,7 +648,8 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
     ``layer``, the host time of the steady calls, the ideal and the roofline; with ``hw_measured``
     (the calls priced on it too) the same ratio on the measured kernel (``ratio_*_measured_kernel``)."""
     target = MODELS[case.model]
-    base = {"suite": "gpu_model", **asdict(case), "model": target.name, "model_key": case.model,
+    suite = "gpu_model" if case.kv_backward == "refetch" else "gpu_model_kv"
+    base = {"suite": suite, **asdict(case), "model": target.name, "model_key": case.model,
             "heads": target.hq, "kv_heads": target.hkv, "head_dim": target.d, "backend": "null",
             "point": f"{case.S // 1024}k / cp {case.cp}", "window": case.window or 0}
     if "refused" in per_rank[0]:
@@ -662,6 +665,7 @@ def case_row(case: Case, per_rank: List[Dict], ids: torch.Tensor, hw: H200 = H20
     calls = [r["calls"][layer] for r in per_rank]
     busiest = max(range(len(calls)), key=lambda r: calls[r]["forward"]["modeled_s"] + calls[r]["backward"]["modeled_s"])
     row = {**base, "busiest_rank": busiest, "local_len": per_rank[0]["local_len"], "nodes": case.cp // per_node,
+           "kv_backward_resolved": per_rank[0].get("kv_backward"),
            "ideal_fwd_s": ideal_f, "ideal_bwd_s": ideal_b, "needed_link_s": link,
            "roofline_fwd_s": roof_f, "roofline_bwd_s": roof_b,
            "rank_work_fwd_s": own_f, "rank_work_bwd_s": own_b,
@@ -717,6 +721,10 @@ FULL_POINTS = (
     (32768, 2, MIXES, ("zigzag", "thd"), ("a2a",), (None,), ("gqa",), "balanced"),
     (131072, 8, MIXES, ("zigzag", "thd"), ("a2a", "hierarchical"), (None,), ("gqa",), "balanced"),
     (131072, 8, MIXES, ("zigzag", "thd"), ("ulysses",), (None,), ("gqa_heads",)),
+    # kv_backward "auto" (a 9th field; suite gpu_model_kv): what the knob's default resolves to, beside the
+    # refetch rows above (at cp 2 it keeps the received K/V: backward fetches nothing)
+    (32768, 2, MIXES, LAYOUTS, ("a2a", "halo"), (None,), ("gqa", "mha"), "none", "auto"),
+    (131072, 8, MIXES, ("zigzag", "balanced", "thd"), ("a2a",), (None,), ("gqa",), "none", "auto"),
 )
 QUICK_POINTS = ((32768, 2, ("short", "single"), ("zigzag", "balanced"), ("a2a", "allgather"), (None,), ("gqa",)),)
 
@@ -741,8 +749,9 @@ def run(points=FULL_POINTS, hw: H200 = H200(), log=print, budget_s: Optional[flo
 def _run_points(points, hw, log, budget_s, rows, t_start, measured, alone) -> None:
     from megatron_ext.testing import WorkerPool
 
-    for S, cp, mixes, layouts, exchanges, windows, models, *relaid in points:
-        relayout = relaid[0] if relaid else "none"
+    for S, cp, mixes, layouts, exchanges, windows, models, *extra in points:
+        relayout = extra[0] if extra else "none"
+        kv_backward = extra[1] if len(extra) > 1 else "refetch"
         for hier in (False, True):
             ex_here = [e for e in exchanges if (e == "hierarchical") == hier]
             if not ex_here:
@@ -758,19 +767,20 @@ def _run_points(points, hw, log, budget_s, rows, t_start, measured, alone) -> No
                                     if budget_s is not None and time.perf_counter() - t_start > budget_s:
                                         log(f"  gpu_model: budget {budget_s:.0f}s spent, later cases not run")
                                         return
-                                    case = Case(S, cp, mix, layout, exchange, window, model, relayout)
+                                    case = Case(S, cp, mix, layout, exchange, window, model, relayout, kv_backward)
                                     t0 = time.perf_counter()
                                     try:
                                         got = pool.run(replay_rank, ids, layout, exchange, window, model, asdict(hw),
                                                        LAYERS, None if measured is None else asdict(measured),
-                                                       relayout)
+                                                       relayout, kv_backward)
                                         row = case_row(case, got, ids, hw, hw_measured=measured)
                                     except Exception as exc:  # noqa: BLE001 - a refused case is a row
                                         row = {**case_row(case, [{"refused": ""}], ids, hw),
                                                "refused": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"}
                                     if "refused" not in row and exchange != "hierarchical":
                                         with_alone_host(row, alone.submit(alone_host, ids, layout, exchange, window,
-                                                                          model, cp, relayout, env).result())
+                                                                          model, cp, relayout, env, 5,
+                                                                          kv_backward).result())
                                     row["case_seconds"] = time.perf_counter() - t0
                                     rows.append(row)
                                     log(f"  gpu_model {case}: {_brief(row)} ({row['case_seconds']:.1f}s)")

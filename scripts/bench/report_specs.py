@@ -1134,6 +1134,48 @@ GPU_MODEL_LOOPBACK = Suite(
 )
 
 
+def _gm_key(r):
+    return (r["point"], r["mix"], r["layout"], r["exchange"], r["window"], r["model_key"], r.get("relayout", "none"))
+
+
+def _gm_kv_records(rows):
+    """The gpu_model_kv rows, each with its refetch row's modeled backward (``refetch_bwd_s``)."""
+    refetch = {_gm_key(r): r for r in _gpu_model_rows(rows)}
+    got = []
+    for r in rows:
+        if r["suite"] == "gpu_model_kv" and not r.get("refused"):
+            twin = refetch.get(_gm_key(r))
+            got.append({**r, "refetch_bwd_s": None if twin is None else twin["modeled_s_bwd"]})
+    return sorted(got, key=lambda r: (-r["cp"], r["model_key"], r["mix"], r["layout"], r["exchange"]))
+
+
+GPU_MODEL_KV = Suite(
+    "gpu_model_kv", suite("gpu_model_kv"),
+    tables=(
+        Table("Backward as kv_backward's default resolves it (gpu_model_kv: every GPU time modeled)", _gm_kv_records,
+              note="The gpu_model replay (the same recording, null kernel and H200 constants) of cases built with "
+                   "`kv_backward=\"auto\"`, the knob's default: `kv_backward` is what it resolved to (`save`: "
+                   "backward reads the K/V forward received and fetches nothing; then it takes the received "
+                   "chunks first and the own keys last, while the last gradient travels home: "
+                   "`BlockDiagCPState.backward_own_last`). `refetch bwd ms`: the same case's backward in the "
+                   "gpu_model table (built with `refetch`). Busiest rank, a steady layer call; `ratio`: modeled / "
+                   "roofline, forward + backward; `own ratio`: over the busiest rank's own roofline.",
+              columns=(Text("point", "point"), Text("mix", "mix"), Text("layout", "layout"),
+                       Text("exchange", "exchange"), Text("model", "model_key"),
+                       Text("kv_backward", lambda r: r.get("kv_backward_resolved") or "-"),
+                       Column("calls", _gm_pair("kernel_calls_fwd", "kernel_calls_bwd"), str),
+                       Column("ops", _gm_pair("launching_fwd", "launching_bwd"), str),
+                       Column("transfers", _gm_pair("transfers_fwd", "transfers_bwd"), str),
+                       Column("modeled ms", _gm_pair("modeled_s_fwd", "modeled_s_bwd", ".2f", 1e3), str),
+                       Column("refetch bwd ms", "refetch_bwd_s", fmt(".2f", scale=1e3)),
+                       Column("host ms (CPU)", _gm_pair("host_s_fwd", "host_s_bwd", ".1f", 1e3), str),
+                       Column("roofline ms", _gm_pair("roofline_fwd_s", "roofline_bwd_s", ".2f", 1e3), str),
+                       Column("ratio", "ratio", fmt(".2f")),
+                       Column("own ratio", _gm_own_ratio, str))),
+    ),
+)
+
+
 # --- dropin -----------------------------------------------------------------------------------
 
 DROPIN_PER = {"mask_derive": "micro batch", "mask_state": "micro batch", "layer_fwd_bwd": "layer",
@@ -1159,4 +1201,4 @@ DROPIN = Suite(
 
 # The order of SUMMARY.md: targets of every suite first, then each suite's tables.
 SUITES = (COMM, BALANCE, SPEED, MEMORY, LAYER_AB, TORCH_CP, TORCH_CP_FLEX, WINDOW, MODEL, GPU, SCALE, EXCHANGE_CHOICE, GPU_MODEL,
-          GPU_MODEL_LOOPBACK, DROPIN)
+          GPU_MODEL_KV, GPU_MODEL_LOOPBACK, DROPIN)

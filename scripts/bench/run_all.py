@@ -19,7 +19,8 @@ exchange_choice (plan only: bytes and modeled time of allgather, a2a, hierarchic
 scale mixes at 128k / cp 8 and 1M / cp 64),
 gpu_model (the op's recorded op sequence with a null kernel, replayed on a modeled H200 roofline:
 32k / cp 2 every case, 128k / cp 8 a subset; scripts/bench/gpu_model.py; and, as suite
-gpu_model_loopback, the gpu_check loopback's ranks modeled beside what an H200 measured for them),
+gpu_model_loopback, the gpu_check loopback's ranks modeled beside what an H200 measured for them, and as
+gpu_model_kv, cases replayed with kv_backward "auto" beside their refetch rows),
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
 Megatron-mask document derivation and the per-call q/k/v agreement against one layer at
 32k tokens, cp=4), torch_cp (not in the default set, about 10 minutes: one causal document at cp=2,
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
     path = os.path.join(args.out, "results.jsonl")
     rerun = (suites | ({"scale_worst"} if "scale" in suites else set())  # the scale suite writes both
-             | ({"gpu_model_loopback"} if "gpu_model" in suites else set()))  # and gpu_model these
+             | ({"gpu_model_loopback", "gpu_model_kv"} if "gpu_model" in suites else set()))  # and gpu_model these
     kept = [r for r in _load(path) if r.get("suite") not in rerun and r.get("suite") != "meta"]
     with open(path, "w") as f:
         for r in kept + rows + [meta]:
