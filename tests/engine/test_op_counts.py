@@ -314,39 +314,84 @@ def test_relayout_attends_short_thd_documents_in_fewer_calls(pool4):
 
 
 def backward_order(kv_backward, layout):
-    """This rank's backward events of a steady layer call (thd or zigzag, a2a, ``_thd_mix``): per event
-    "kernel", "post" or "wait", and whether the step took the own keys last."""
+    """This rank's backward events of a steady layer call (thd or zigzag, a2a, ``_thd_mix``, float64): per
+    event "kernel", "post" or "wait"; the own step's calls; whether the step took the own keys last (the
+    rows-per-launch rule set to 0: these documents are small); the largest error against the reference."""
+    from megatron_ext.blockdiag_cp import step as step_module
+
+    rule, step_module.OWN_LAST_ROWS_PER_LAUNCH = step_module.OWN_LAST_ROWS_PER_LAUNCH, 0
+    try:
+        return _backward_order(kv_backward, layout)
+    finally:
+        step_module.OWN_LAST_ROWS_PER_LAUNCH = rule  # the pool's worker runs the next test
+
+
+def _backward_order(kv_backward, layout):
     import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing import reference_attention
     from megatron_ext.testing.op_counter import KernelEvent, OpCounter, PostEvent, WaitEvent
 
     ids = _thd_mix()
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(ids.shape[-1], 1, h, 8, generator=g) for h in (4, 2, 2))
+    q, k, v, w = (torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    (reference_attention(*ref, ids) * w).sum().backward()
     state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
                                         kv_backward=kv_backward)
     counter = OpCounter(log=True)
+    errors = []
     with bdcp.blockdiag_cp_step(state):
         for layer in range(2):
             inputs = [state.shard(t).requires_grad_() for t in (q, k, v)]
             with counter, counter.region(("forward", layer)):
                 out = bdcp.blockdiag_cp_attention(*inputs)
             with counter, counter.region(("backward", layer)):
-                out.sum().backward()
+                (out * state.shard(w)).sum().backward()
+            errors += [float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(inputs, ref)]
     kinds = {KernelEvent: "kernel", PostEvent: "post", WaitEvent: "wait"}
     order = [kinds[type(e)] for e in counter.counts[("backward", 1)].events if type(e) in kinds]
     own_calls = len(state.stream_plan("needed").steps[0].calls)
-    return order, own_calls, state.backward_own_last("needed", torch.device("cpu"))
+    return order, own_calls, state.backward_own_last("needed", torch.device("cpu")), max(errors)
 
 
 @pytest.mark.timeout(120)
 def test_backward_with_kept_kv_takes_the_own_keys_while_the_last_gradient_travels(pool2):
     """``kv_backward="save"``: nothing to fetch, so backward differentiates the received chunks first and the
     own keys last, their calls between the last gradient's post and its wait (what comes back for our rows
-    is added after the own calls wrote dK / dV). With a refetch the own keys go first, hiding the fetch."""
+    is added after the own calls wrote dK / dV), with the reference's gradients. With a refetch the own
+    keys go first, hiding the fetch."""
     for layout in ("thd", "zigzag"):
-        for rank, (order, own_calls, own_last) in enumerate(pool2.run(backward_order, "save", layout)):
-            assert own_last, (layout, rank)
+        for rank, (order, own_calls, own_last, error) in enumerate(pool2.run(backward_order, "save", layout)):
+            assert own_last and error < 1e-12, (layout, rank, error)
             last_post = len(order) - 1 - order[::-1].index("post")
             assert order[last_post + 1:] == ["kernel"] * own_calls + ["wait"] * order.count("post"), (layout, rank, order)
-        for rank, (order, own_calls, own_last) in enumerate(pool2.run(backward_order, "refetch", layout)):
-            assert not own_last and order[1:1 + own_calls] == ["kernel"] * own_calls, (layout, rank, order)
+        for rank, (order, own_calls, own_last, error) in enumerate(pool2.run(backward_order, "refetch", layout)):
+            assert not own_last and error < 1e-12 and order[1:1 + own_calls] == ["kernel"] * own_calls, (
+                layout, rank, order)
+
+
+def own_last_at_32k(ids):
+    """Whether this rank's backward takes the own keys last (zigzag, a2a, save), the rule's own terms, and the
+    positions that come back at the last step."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.step import OWN_LAST_ROWS_PER_LAUNCH
+
+    state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange="a2a", attn_backend="dense",
+                                        kv_backward="save")
+    steps = state.stream_plan("needed").steps
+    launches = sum(len(step.calls) + 1 for step in steps[1:])
+    back = state._last_gradient_rows("needed", None) if len(steps) > 1 else 0
+    return state.backward_own_last("needed", torch.device("cpu")), back >= OWN_LAST_ROWS_PER_LAUNCH * launches, back
+
+
+@pytest.mark.timeout(120)
+def test_the_own_keys_go_last_only_where_the_last_gradient_back_outweighs_the_launches_before_them(pool2):
+    """One 32k document at cp 2: the last step moves thousands of positions' gradients (home or back), after a
+    launch or four: the own keys go last on both ranks. 100-token documents: the one cut document's few
+    positions: they go first."""
+    one = torch.ones(32768, dtype=torch.long)
+    for rank, (own_last, rule, back) in enumerate(pool2.run(own_last_at_32k, one)):
+        assert own_last and rule and back >= 8192, (rank, back)
+    short = runs_to_doc_ids([(i + 1, 100) for i in range(327)] + [(999, 68)])
+    for rank, (own_last, rule, back) in enumerate(pool2.run(own_last_at_32k, short)):
+        assert not own_last and not rule and back < 200, (rank, back)
