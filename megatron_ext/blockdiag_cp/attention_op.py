@@ -159,7 +159,8 @@ class _StreamedAttention(torch.autograd.Function):
         seed = _dropout_seed(backend, q, dropout_p)
         acc_dtype = kernels.lse_dtype(q.dtype)
         merges = state.merges_on(kind, q.device, window, sink=softmax_offset is not None)
-        state.backward_own_last(kind, q.device, window, sink=softmax_offset is not None)  # planned with the step's first call
+        # backward's order, planned here: with the step's first call, not inside a later layer's backward
+        state.backward_own_last(kind, q.device, window, sink=softmax_offset is not None)
         result = Result(merges, geo.g * geo.hq, geo.dv, q.dtype, acc_dtype, q.device, with_lse=True)
         acc = Accumulator(merges.merged_count, geo.g * geo.hq, geo.dv, acc_dtype, q.device, zeros=merges.needs_zeros)
         q_flat = geo.q_flat(q)

@@ -29,8 +29,8 @@ A call that covers every row and is the first to write the result lends it its
 output tensor (no copy). A first writer that covers fewer rows (the rest padding or
 other calls' rows), each of which a later call merges and reads from it alone, keeps
 its output instead of copying it into the result (``keeps``): its readers merge from
-there (``adds_from``, ``opens_from``; gradients where the rows are runs). The buffer rows no call closed are written back into the
-result once, at the end. An attention sink is one more term in every row's
+there (``adds_from``, ``opens_from``; gradients where the rows are runs). The buffer
+rows no call closed are written back into the result once, at the end. An attention sink is one more term in every row's
 denominator: with one, every row is merged (and nothing skips the buffer).
 """
 
@@ -134,11 +134,8 @@ class MergePlan:
         slot = np.cumsum(merged) - 1  # a merged row's place in the buffer
         count = int(merged.sum())
         opened = _opened(steps, nths, merged) if ends == "forward" else np.zeros(rows, dtype=bool)
-        keeps, reads = _kept(steps, nths, paired, opened, rows, runs=ends == "gradient") if ends != "none" else ({}, {})
-        first_writer = np.full(rows, -1, dtype=np.int64)  # the call that writes a row first (``_kept``'s numbers)
-        numbered = [q_index.numpy() for step in steps for q_index in step]
-        for at_call in reversed(range(len(numbered))):
-            first_writer[numbered[at_call]] = at_call
+        keeps, reads, first_writer = (_kept(steps, nths, paired, opened, rows, runs=ends == "gradient")
+                                      if ends != "none" else ({}, {}, None))
         cid = -1  # the call's place in the step order (``_kept``'s keys)
         seen = np.zeros(rows, dtype=bool)  # merged rows some call wrote into the buffer
         written = np.zeros(rows, dtype=bool)  # paired rows their first writer wrote
@@ -221,8 +218,8 @@ class MergePlan:
 
 def _kept(steps, nths, paired: np.ndarray, opened: np.ndarray, rows: int, runs: bool):
     """The first writers whose output is kept rather than written: ({call: (slot, reads)}, {reader call:
-    [(slot, [rows] a row's place in that kept output, the kept output's rows, the kept call)]}), calls
-    numbered in step order.
+    [(slot, [rows] a row's place in that kept output, the kept output's rows, the kept call)]}, [rows] the
+    call that writes each row first (-1: none)), calls numbered in step order.
 
     ``paired`` / ``opened``: [rows] the rows a later call merges from their first writer's output (a
     pair's second, ``adds``; a row "forward" opens, ``opens``). A call is kept when every row it covers is
@@ -241,13 +238,16 @@ def _kept(steps, nths, paired: np.ndarray, opened: np.ndarray, rows: int, runs: 
     later = paired | opened
     kept = {cid for cid, (qi, nth) in enumerate(calls)
             if qi.size and later[qi].all() and (nth == 1).all() and not (qi.size == rows and _is_run(qi))}
+    place = {}  # a kept candidate's [rows]: each row's place in its output
+    for cid in kept:
+        qi = calls[cid][0]
+        place[cid] = np.full(rows, -1, dtype=np.int64)
+        place[cid][qi] = np.arange(qi.size)
     changed = True
     while changed:  # drop the calls whose readers read from anything but them (or, lending, kept calls)
         changed = False
         for cid in sorted(kept):
-            qi = calls[cid][0]
-            at = np.full(rows, -1, dtype=np.int64)
-            at[qi] = np.arange(qi.size)
+            qi, at = calls[cid][0], place[cid]
             for reader in np.unique(second[qi]).tolist():
                 rq, rn = calls[reader]
                 read = rq[later[rq] & (rn == 2)]
@@ -264,16 +264,14 @@ def _kept(steps, nths, paired: np.ndarray, opened: np.ndarray, rows: int, runs: 
     keeps, reads = {}, {}
     for cid in sorted(kept):
         qi = calls[cid][0]
-        at = np.full(rows, -1, dtype=np.int64)
-        at[qi] = np.arange(qi.size)
         uses = 0
         for reader in np.unique(second[qi]).tolist():
             rq, rn = calls[reader]
             read = rq[later[rq] & (rn == 2) & (first[rq] == cid)]
             uses += int(paired[read].any()) + int(opened[read].any())  # its adds and its opens read it
-            reads.setdefault(reader, []).append((len(keeps), at, qi.size, cid))
+            reads.setdefault(reader, []).append((len(keeps), place[cid], qi.size, cid))
         keeps[cid] = (len(keeps), uses)
-    return keeps, reads
+    return keeps, reads, first
 
 
 def copied_rows(plan: MergePlan, steps) -> int:

@@ -61,8 +61,8 @@ KV_SAVE_BUDGET_LOCAL_MULTIPLE = 1.0
 
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last
 # step moves (the received chunk's going home, or ours coming back) have at least this many positions per
-# launch (call or post) of the received chunks' steps. Going last, the own calls start once those are launched: small calls are launches the GPU waits
-# on, and what the order hides is that last transfer. 750: one 7.5 us launch moves about 3 MB over NVLink
+# launch (call or post) of the received chunks' steps. Going last, the own calls start once those are
+# launched: small calls are launches the GPU waits on, and what the order hides is that last transfer. 750: one 7.5 us launch moves about 3 MB over NVLink
 # (400e9 B/s), 750 positions of Llama-3-8B K/V (4 KiB); bench gpu_model_kv, 128k / cp 8, balanced, short
 # mix: 1.01 -> 1.08 ms backward with the own keys last (101 positions back, 8 launches first).
 OWN_LAST_ROWS_PER_LAUNCH = 750
@@ -933,15 +933,15 @@ class BlockDiagCPState:
         added after the own calls wrote theirs (``KeyGradients``' order), so all of them are in flight
         until then: only where they are at most the local rows (a2a / halo: ``KV_SAVE_BUDGET_LOCAL_MULTIPLE``),
         where the gradients the last step moves (home and back) have at least ``OWN_LAST_ROWS_PER_LAUNCH``
-        positions per launch the received chunks' steps make before the own calls, and where dq's plan in that order copies no more
-        rows than in stream order (``merge.copied_rows``)."""
+        positions per launch the received chunks' steps make before the own calls, and where dq's plan in that
+        order copies no more rows than in stream order (``merge.copied_rows``)."""
         key = ("own_last", kind, str(device), window, sink)
         if key not in self._device_index:
             steps = self.stream_plan(kind, window).steps
-            plan = self.plan_for(window)
-            sent = sum(int(t.numel()) for t in plan.exchange.send_index) if kind == "needed" else 0
             fine = (self.kv_backward == "save" and kind == "needed" and self.kv_exchange in ("a2a", "halo")
-                    and len(steps) > 1 and sent <= KV_SAVE_BUDGET_LOCAL_MULTIPLE * self.local_len
+                    and len(steps) > 1
+                    and sum(int(t.numel()) for t in self.plan_for(window).exchange.send_index)
+                    <= KV_SAVE_BUDGET_LOCAL_MULTIPLE * self.local_len
                     and self._last_gradient_rows(kind, window) >= OWN_LAST_ROWS_PER_LAUNCH * sum(
                         len(step.calls) + 1 for step in steps[1:]))
             if fine:

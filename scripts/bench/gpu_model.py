@@ -779,8 +779,8 @@ def _run_points(points, hw, log, budget_s, rows, t_start, measured, alone) -> No
                                                "refused": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"}
                                     if "refused" not in row and exchange != "hierarchical":
                                         with_alone_host(row, alone.submit(alone_host, ids, layout, exchange, window,
-                                                                          model, cp, relayout, env, 5,
-                                                                          kv_backward).result())
+                                                                          model, cp, relayout, env,
+                                                                          kv_backward=kv_backward).result())
                                     row["case_seconds"] = time.perf_counter() - t0
                                     rows.append(row)
                                     log(f"  gpu_model {case}: {_brief(row)} ({row['case_seconds']:.1f}s)")

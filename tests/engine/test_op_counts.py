@@ -364,7 +364,8 @@ def test_backward_with_kept_kv_takes_the_own_keys_while_the_last_gradient_travel
         for rank, (order, own_calls, own_last, error) in enumerate(pool2.run(backward_order, "save", layout)):
             assert own_last and error < 1e-12, (layout, rank, error)
             last_post = len(order) - 1 - order[::-1].index("post")
-            assert order[last_post + 1:] == ["kernel"] * own_calls + ["wait"] * order.count("post"), (layout, rank, order)
+            tail = ["kernel"] * own_calls + ["wait"] * order.count("post")
+            assert order[last_post + 1:] == tail, (layout, rank, order)
         for rank, (order, own_calls, own_last, error) in enumerate(pool2.run(backward_order, "refetch", layout)):
             assert not own_last and error < 1e-12 and order[1:1 + own_calls] == ["kernel"] * own_calls, (
                 layout, rank, order)
