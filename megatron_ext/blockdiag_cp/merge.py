@@ -97,17 +97,22 @@ class MergePlan:
     calls: List[List[CallMerge]]  # per step, per call, as ``stream_on`` orders them
     # (buffer rows, result rows) ``Result.finish`` writes back: the merged rows no call closes (None: none)
     write_back: Optional[Tuple[Rows, Rows]] = None
+    # rows a call writes that are zeros in the result: padding the own call attends so that it covers every
+    # row (``BlockDiagCPState.run_steps``), zeroed by ``Result.finish`` (None: none)
+    padding: Optional[slice] = None
 
     @classmethod
     def of(cls, steps: Sequence[Sequence], rows: int, device, every_row_merged: bool = False,
-           also_merged: Optional[torch.Tensor] = None, ends: str = "none", closing: bool = True) -> "MergePlan":
+           also_merged: Optional[torch.Tensor] = None, ends: str = "none", closing: bool = True,
+           padding: Optional[slice] = None) -> "MergePlan":
         """``steps``: per step, its calls' host row indices (``CallPlan.q_index``, [Nq] rows each);
         ``also_merged``: host rows merged however many calls write them. A row two calls write is the
         first's output, then the second's merged into it (gradients: added) in the result's dtype, rounded
         once as the float32 buffer gives; only rows of three or more go there. ``ends`` (``ENDS``): how
         their first and last writers meet the buffer; "none" where rows are merged whatever their
         writers (a sink's rescale, returned key gradients) as those read the buffer after every call.
-        ``closing`` False: no last writer closes (the plan without them, where they would cost a launch)."""
+        ``closing`` False: no last writer closes (the plan without them, where they would cost a launch).
+        ``padding``: rows the calls write that ``Result.finish`` zeroes (``MergePlan.padding``)."""
         from .step import device_rows
 
         if ends not in ENDS:
@@ -210,10 +215,11 @@ class MergePlan:
                                                            and not isinstance(target, torch.Tensor)):
                 # the rows left to write back are scattered where all of them were not: a gather (and a
                 # scatter) each, more launches than the closes save
-                return cls.of(steps, rows, device, every_row_merged, also_merged, ends, closing=False)
+                return cls.of(steps, rows, device, every_row_merged, also_merged, ends, closing=False,
+                              padding=padding)
         empty = np.flatnonzero((writers == 0) & ~merged)  # never written: a padding row's zeros
         uncovered = on_device(empty, rows) if empty.size else None
-        return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls, write_back)
+        return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls, write_back, padding)
 
 
 def _kept(steps, nths, paired: np.ndarray, opened: np.ndarray, rows: int, runs: bool):
@@ -514,6 +520,8 @@ class Result:
             set_rows(self.value, rows, gather(merged_value, slots))
             if merged_lse is not None:
                 set_rows(self.lse, rows, gather(merged_lse, slots))
+        if self.plan.padding is not None:  # the lse keeps the padding's own: backward attends it alike
+            self.value[self.plan.padding].zero_()
         return self.value, self.lse
 
 

@@ -13,6 +13,7 @@ import logging
 import re
 import threading
 import zlib
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -832,6 +833,49 @@ class BlockDiagCPState:
         band = self.gathered_plan(window) if kind == "needed" else None
         return band.stream if band is not None else self.plan_for(window).stream[kind]
 
+    def own_padding(self, kind: str, window: Optional[int] = None) -> Optional[Tuple[int, int]]:
+        """(the own step's call, the real rows n) where that call attends the local rows [0, n) causally with
+        the same rows as keys and every local row past n is padding (no call writes it, so no real token:
+        each attends itself), else None. Host work, once per step, kind and window."""
+        key = ("own_padding", kind, window)
+        if key not in self._device_index:
+            steps, L, found = self.stream_plan(kind, window).steps, self.local_len, None
+            if self.rows == 1 and steps[0].chunk_len == L:
+                for u, call in enumerate(steps[0].calls):
+                    n = int(call.q_index.numel())
+                    if call.causal and 0 < n < L and _is_prefix(call.q_index, n) and _is_prefix(call.k_index, n):
+                        found = (u, n)
+            if found is not None and any(int(call.q_index.max()) >= found[1]
+                                         for step in steps for call in step.calls if call.q_index.numel()):
+                found = None
+            self._device_index[key] = found
+        return self._device_index[key]
+
+    def run_steps(self, kind: str, window: Optional[int] = None):
+        """The steps the streamed op runs: ``stream_plan``'s, with the own call of ``own_padding`` given one
+        more causal segment over the padding rows. That call then covers every local row, as queries and as
+        keys, so its out / lse, dq and dK / dV become the results (no copy of them into a larger tensor);
+        the padding rows attend only each other and are zeroed at the end (``MergePlan.padding``)."""
+        steps = self.stream_plan(kind, window).steps
+        padding = self.own_padding(kind, window)
+        if padding is None:
+            return steps
+        key = ("run_steps", kind, window)
+        if key not in self._device_index:
+            u, n = padding
+            L = self.local_len
+            call = steps[0].calls[u]
+            rows = torch.arange(L)
+            padded = replace(call, q_index=rows, k_index=rows, q_lens=call.q_lens + (L - n,),
+                             k_lens=call.k_lens + (L - n,))
+            own = replace(steps[0], calls=steps[0].calls[:u] + (padded,) + steps[0].calls[u + 1:])
+            self._device_index[key] = (own,) + tuple(steps[1:])
+        return self._device_index[key]
+
+    def _padding_rows(self, kind: str, window: Optional[int]) -> Optional[slice]:
+        padding = self.own_padding(kind, window)
+        return None if padding is None else slice(padding[1], self.local_len)
+
     def send_indices_on(self, device: torch.device, window: Optional[int] = None) -> List[Optional[torch.Tensor]]:
         """Per destination, the local rows this rank sends it (needed-only), on the device once per step.
 
@@ -883,7 +927,7 @@ class BlockDiagCPState:
         if key not in self._device_index:
             self._device_index[key] = [[DeviceCall.of(call, self.local_len * self.rows, step.chunk_len * self.rows,
                                                       device) for call in step.calls]
-                                       for step in self.stream_plan(kind, window).steps]
+                                       for step in self.run_steps(kind, window)]
         return self._device_index[key]
 
     def key_partitions_on(self, kind: str, window: Optional[int] = None) -> List[bool]:
@@ -915,11 +959,12 @@ class BlockDiagCPState:
         the remote steps' plans, then the own step's."""
         key = ("merges", kind, str(device), window, sink, ends, own_last)
         if key not in self._device_index:
-            steps = [[call.q_index for call in step.calls] for step in self.stream_plan(kind, window).steps]
+            steps = [[call.q_index for call in step.calls] for step in self.run_steps(kind, window)]
             if own_last:
                 steps = steps[1:] + steps[:1]
             self._device_index[key] = MergePlan.of(steps, self.local_len * self.rows, device,
-                                                   every_row_merged=sink, ends=ends)
+                                                   every_row_merged=sink, ends=ends,
+                                                   padding=self._padding_rows(kind, window))
         return self._device_index[key]
 
     def backward_own_last(self, kind: str, device: torch.device, window: Optional[int] = None,
@@ -945,7 +990,7 @@ class BlockDiagCPState:
                     and self._last_gradient_rows(kind, window) >= OWN_LAST_ROWS_PER_LAUNCH * sum(
                         len(step.calls) + 1 for step in steps[1:]))
             if fine:
-                rows = [[call.q_index for call in step.calls] for step in steps]
+                rows = [[call.q_index for call in step.calls] for step in self.run_steps(kind, window)]
                 fine = copied_rows(self.merges_on(kind, device, window, sink, "gradient", own_last=True),
                                    rows[1:] + rows[:1]) <= copied_rows(
                     self.merges_on(kind, device, window, sink, "gradient"), rows)
@@ -965,7 +1010,7 @@ class BlockDiagCPState:
         if key not in self._device_index:
             plan = self.plan_for(window)
             L = self.local_len
-            own = [call.k_index for call in self.stream_plan(kind, window).steps[0].calls]
+            own = [call.k_index for call in self.run_steps(kind, window)[0].calls]
             every = self.rows > 1
             direct = kind == "needed" and self.kv_exchange != "hierarchical" and not every
             if kind == "ring":
@@ -983,7 +1028,8 @@ class BlockDiagCPState:
                     writers[index.numpy()] += 1
                 back = back[writers[back] >= 3]
             merges = MergePlan.of([own], L * self.rows, device, every_row_merged=every,
-                                  also_merged=torch.from_numpy(np.unique(back)))
+                                  also_merged=torch.from_numpy(np.unique(back)),
+                                  padding=self._padding_rows(kind, window))
             at = np.full(L * self.rows, -1, dtype=np.int64)  # a row's buffer slot (-1: not merged)
             at[np.flatnonzero(merges.merged_mask)] = np.arange(merges.merged_count)
             slot = None if merges.merged is None else torch.from_numpy(at).to(device)  # None: every row, in order
@@ -1043,6 +1089,12 @@ class DeviceCall:
         seg = kernels.Segments(cu_q.to(device), cu_k.to(device), max(call.q_lens), max(call.k_lens),
                                call.q_lens, call.k_lens, call.causal, call.window)
         return cls(call, device_rows(call.q_index, q_rows, device), device_rows(call.k_index, k_rows, device), seg)
+
+
+def _is_prefix(index: torch.Tensor, n: int) -> bool:
+    """Whether a host index is 0, 1, ..., n - 1."""
+    host = index.numpy()
+    return host.size == n and bool((host == np.arange(n)).all())
 
 
 def device_rows(index: torch.Tensor, rows: int, device) -> Rows:

@@ -396,3 +396,57 @@ def test_the_own_keys_go_last_only_where_the_last_gradient_back_outweighs_the_la
     short = runs_to_doc_ids([(i + 1, 100) for i in range(327)] + [(999, 68)])
     for rank, (own_last, rule, back) in enumerate(pool2.run(own_last_at_32k, short)):
         assert not own_last and not rule and back < 200, (rank, back)
+
+
+def padded_pack(layout, padded=True):
+    """A pack of short documents and 8 padding positions (doc id 0) at its end, a2a, float64, dense: this
+    rank's ``own_padding``, the largest error of out / dq / dk / dv over real rows against the reference,
+    the largest magnitude on padding rows, and the steady call's copies and launching ops (forward, backward).
+    ``padded`` False: the own call without its padding segment (the plan as ``stream_plan`` has it)."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.step import BlockDiagCPState
+    from megatron_ext.testing import reference_attention
+
+    runs = [(i + 1, 4 * (1 + i % 5)) for i in range(10)]  # 120 positions, multiples of 2 * cp
+    ids = runs_to_doc_ids(runs + [(0, 8)])
+    g = torch.Generator().manual_seed(5)
+    q, k, v, w = (torch.randn(128, 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_attention(*ref, ids)
+    (ref_out * w).sum().backward()
+    own_padding = BlockDiagCPState.own_padding
+    if not padded:
+        BlockDiagCPState.own_padding = lambda self, kind, window=None: None
+    try:
+        state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense")
+        real = state.shard(ids) > 0
+        errors, on_padding = [], []
+        with bdcp.blockdiag_cp_step(state):
+            inputs = [state.shard(t).requires_grad_() for t in (q, k, v)]
+            out = bdcp.blockdiag_cp_attention(*inputs)
+            (out * state.shard(w)).sum().backward()  # upstream nonzero on the padding rows too
+        for got, want in zip([out.detach()] + [t.grad for t in inputs], [ref_out.detach()] + [r.grad for r in ref]):
+            errors.append(float((got[real] - state.shard(want)[real]).abs().max()))
+            on_padding.append(float(got[~real].abs().max()) if (~real).any() else 0.0)
+        fwd, bwd = count_layers("a2a", state.kv_backward, ids, layers=2, layout=layout)[1]
+        return (state.own_padding("needed"), max(errors), max(on_padding),
+                [(c.ops["copy_"], c.launching) for c in (fwd, bwd)])
+    finally:
+        BlockDiagCPState.own_padding = own_padding
+
+
+@pytest.mark.timeout(120)
+def test_the_own_call_attends_the_padding_so_its_outputs_are_the_results(pool2):
+    """Padding at the end of a rank's rows: the own call gets one more causal segment over it, so it covers
+    every local row, and its out, dq, dK and dV are the results (before, each was copied into a tensor one
+    padding longer). The padding rows are zeros, the real rows the reference's; fewer copies, no more ops."""
+    for layout in ("thd", "zigzag"):
+        ranks = pool2.run(padded_pack, layout)
+        before = pool2.run(padded_pack, layout, False)
+        assert any(padding is not None for padding, *_ in ranks), (layout, ranks)
+        for rank, ((padding, error, zeros, counts), (_, error0, zeros0, counts0)) in enumerate(zip(ranks, before)):
+            assert error < 1e-12 and zeros == 0.0 and error0 < 1e-12 and zeros0 == 0.0, (layout, rank, error, zeros)
+            for (copies, ops), (copies0, ops0) in zip(counts, counts0):
+                assert ops <= ops0 and copies <= copies0, (layout, rank, counts, counts0)
+                if padding is not None:
+                    assert copies < copies0 or ops < ops0, (layout, rank, counts, counts0)
