@@ -43,7 +43,7 @@ from .agreement import (
 )
 from .backend import call_backend
 from .chunks import chunk_kind
-from .exchange import HierarchicalTransport, NeededTransport, RingTransport
+from .exchange import HierarchicalTransport, NeededTransport, RingTransport, WholeNeededTransport
 from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather, set_rows as _set_rows
 from .resolve import resolve_step_state
 from .state import count_cp_attn_fire
@@ -120,6 +120,11 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
         return HierarchicalTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                                      plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window, True),
                                      whole=state.gathered_plan(plan.window) is not None)
+    if state.needed_whole(plan.window):  # every needed row at once, read by bands (``gathered``)
+        return WholeNeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+                                    state.send_indices_on(k.device, plan.window), plan.exchange.counts,
+                                    [(step.round, step.piece) for step in plan.stream[kind].steps[1:]],
+                                    state.whole_band_rows_on(k.device, plan.window), fuse_sends=fuse_sends)
     return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                            state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends)
 

@@ -12,7 +12,9 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
 
     needed (a2a, halo)   r sends r + i piece j of the rows of its own K/V that r + i needs and
                          receives from r - i piece j of the rows it needs: exactly the
-                         needed-only lower bound, a step with nothing either way posts nothing
+                         needed-only lower bound, a step with nothing either way posts nothing;
+                         where the group takes them at once (``WholeNeededTransport``), every
+                         piece is posted together and placed in the bands' order (``gathered``)
 
     hierarchical         the needed rows, moved once per step through two-level routes
                          (``hierarchy``): what a node needs from another node crosses the
@@ -312,6 +314,65 @@ class NeededTransport(_DirectGradients):
         pass
 
 
+class _Delivered:
+    """Every piece of every source, posted at once; ``wait`` places each where the bands read it."""
+
+    def __init__(self, transfers, shape, like: torch.Tensor):
+        self._transfers, self._shape, self._like = transfers, shape, like
+
+    def wait(self) -> Optional[torch.Tensor]:
+        band = None  # every transfer is waited for, the sends of a rank that receives nothing too
+        if self._shape[0]:
+            band = torch.empty(self._shape, dtype=self._like.dtype, device=self._like.device)
+        for rows, transfer in self._transfers:
+            received = transfer.wait()
+            if received is not None:
+                band.index_copy_(0, rows, received)
+        return band
+
+
+class WholeNeededTransport(NeededTransport):
+    """a2a / halo delivered at once for the gathered plan (``gathered``: the own step, then one step
+    over every received row, by bands). The step posts every piece the streamed steps would
+    (``pieces``: their (round, piece) in order, each the same message), all together, and
+    places each source's rows where the bands read them (``band_rows``: per source, its rows'
+    places in the band order); its gradient goes home piece by piece the same way. A pair's
+    messages are those of the streamed steps in their order, so a peer that streams its chunks
+    pairs up with it."""
+
+    def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
+                 send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, pieces: List[Tuple[int, int]],
+                 band_rows: List[Optional[torch.Tensor]], fuse_sends: bool = False):
+        super().__init__(k, v, rank, cp, chunk_rows, group, stats, prefix, send_index, counts, fuse_sends)
+        self.pieces, self.band_rows = pieces, band_rows
+
+    def _band_rows(self, step) -> Optional[torch.Tensor]:
+        """Where the rows received at ``step`` (round i, piece j) lie in the band order (None: none)."""
+        i, j = step
+        src = (self.rank - i) % self.cp
+        n = piece_rows(self.received_from[src], self.c, j)
+        return self.band_rows[src][j * self.c:j * self.c + n] if n else None
+
+    start_piece = NeededTransport.start  # one streamed step's transfer (testing.loopback hands it over)
+
+    def start(self, step) -> _Delivered:
+        transfers = [(self._band_rows(piece), self.start_piece(piece)) for piece in self.pieces]
+        received = sum(n for src, n in enumerate(self.received_from) if src != self.rank)
+        return _Delivered(transfers, (received, self.k.shape[1], fused_width(self.k, self.v)), self.k[:0])
+
+    def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
+        handles = []
+        for piece in self.pieces:
+            rows = self._band_rows(piece)
+            part = None if grad_chunk is None or rows is None else grad_chunk.index_select(0, rows)
+            handles.append(_DirectGradients.send_gradient(self, piece, part, like))
+        return handles
+
+    def settle(self, handles, dkv) -> None:
+        for handle in handles:
+            _DirectGradients.settle(handle, dkv)
+
+
 class _Slice:
     """Step (i, j)'s rows of the hierarchical buffer; the first ``wait`` finishes the routes' transfer."""
 
@@ -479,5 +540,5 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows", "fused_width",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows", "fused_width",
            "exposed_wait", "resolve_waits", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV"]

@@ -1,6 +1,7 @@
-"""The two-level exchange's received keys as one step: a kernel call per band, not per source.
+"""The received keys as one step: a kernel call per band, not per source.
 
-``HierarchicalTransport`` delivers every needed row at once: the first remote step waits for
+``HierarchicalTransport`` delivers every needed row at once (as ``WholeNeededTransport`` does
+for a2a / halo where ``BlockDiagCPState.needed_whole`` says so): the first remote step waits for
 the whole buffer, and nothing arrives after it. Attending it source by source (``chunks``:
 up to two calls per source piece) buys no overlap, only calls, query gathers and float32
 merges. Here the received rows are attended by *band* instead:

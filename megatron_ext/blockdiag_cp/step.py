@@ -60,6 +60,16 @@ from .state import (
 # holds between forward and backward); beyond it backward refetches, so memory stays O(S / cp).
 KV_SAVE_BUDGET_LOCAL_MULTIPLE = 1.0
 
+# a2a / halo take every needed row at once and attend them by bands (``gathered``: a call or two per
+# band, each query row merged once per band, not once per chunk) where some rank's received chunks make
+# at least this many steps: with fewer, attending each chunk while the next one moves is as fast or
+# faster (bench gpu_model, 32k / cp 2 and 128k / cp 8, ranks deciding alone: with 3 steps the bands won
+# on 10 of 16 ranks, from 7 on all but 2 of 150) ...
+WHOLE_MIN_STEPS = 3
+# ... and where no rank receives more than this multiple of its local rows: the layer call holds them all
+# at once (twice while they land in the bands' order), where the streamed steps hold two chunks.
+WHOLE_RECEIVED_LOCAL_MULTIPLE = 4.0
+
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last
 # step moves (the received chunk's going home, or ours coming back) have at least this many positions per
 # launch (call or post) of the received chunks' steps. Going last, the own calls start once those are
@@ -815,8 +825,45 @@ class BlockDiagCPState:
 
     def gathered_plan(self, window: Optional[int] = None):
         """``gathered.GatheredPlan`` of the step (host, once per step), or None: the hierarchical exchange
-        without a window and with one row of doc ids attends its whole received buffer by bands."""
-        if self.kv_exchange != "hierarchical" or window is not None or self.rows != 1:
+        without a window and with one row of doc ids attends its whole received buffer by bands, and a2a /
+        halo do where ``needed_whole`` says so."""
+        if self.kv_exchange != "hierarchical" and not self.needed_whole(window):
+            return None
+        return self._gathered(window)
+
+    def needed_whole(self, window: Optional[int] = None) -> bool:
+        """Whether a2a / halo deliver every needed row at once and attend them by bands (``gathered``,
+        ``exchange.WholeNeededTransport``) instead of chunk by chunk (host, once per step and window)."""
+        if self.kv_exchange not in ("a2a", "halo") or self.cp == 1 or window is not None or self.rows != 1:
+            return False
+        key = ("needed_whole", window)
+        if key not in self._device_index:
+            whole = _whole_pays(self, window)  # from global tables: every rank decides alike
+            if whole and self._gathered(window) is None:
+                raise RuntimeError("blockdiag-cp: the gathered plan does not apply on this rank where the group "
+                                   "takes every needed row at once")
+            self._device_index[key] = whole
+        return self._device_index[key]
+
+    def whole_band_rows_on(self, device: torch.device, window: Optional[int] = None) -> List[Optional[torch.Tensor]]:
+        """Per source rank, the rows of the gathered step's buffer its needed rows land in (None: none), on
+        the device once per step (``WholeNeededTransport``)."""
+        key = ("whole_band_rows", str(device), window)
+        if key not in self._device_index:
+            order = self.gathered_plan(window).order  # band row -> its row among the needed rows, source-major
+            band_of = np.empty_like(order)
+            band_of[order] = np.arange(order.size)
+            counts = self.plan_for(window).exchange.counts[:, self.rank].tolist()
+            rows, at = [], 0
+            for src, n in enumerate(counts):
+                n = 0 if src == self.rank else n
+                rows.append(torch.from_numpy(band_of[at:at + n]).to(device) if n else None)
+                at += n
+            self._device_index[key] = rows
+        return self._device_index[key]
+
+    def _gathered(self, window: Optional[int] = None):
+        if window is not None or self.rows != 1:
             return None
         key = ("gathered", window)
         if key not in self._device_index:
@@ -944,6 +991,10 @@ class BlockDiagCPState:
         """Positions of the gradients the last remote step moves: the larger of the chunk it received (its
         gradient goes home) and the rows this rank sent at that step (theirs come back)."""
         plan, last = self.plan_for(window), self.stream_plan(kind, window).steps[-1]
+        if kind == "needed" and self.needed_whole(window):  # one step moves every row, both ways
+            counts = plan.exchange.counts
+            return max(int(counts[self.rank].sum() - counts[self.rank, self.rank]),
+                       int(counts[:, self.rank].sum() - counts[self.rank, self.rank]))
         dst, src = (self.rank + last.round) % self.cp, (self.rank - last.round) % self.cp
         c = plan.stream[kind].chunk_rows
         sent = piece_rows(int(plan.exchange.send_index[dst].numel()), c, last.piece)
@@ -1089,6 +1140,19 @@ class DeviceCall:
         seg = kernels.Segments(cu_q.to(device), cu_k.to(device), max(call.q_lens), max(call.k_lens),
                                call.q_lens, call.k_lens, call.causal, call.window)
         return cls(call, device_rows(call.q_index, q_rows, device), device_rows(call.k_index, k_rows, device), seg)
+
+
+def _whole_pays(state, window: Optional[int]) -> bool:
+    """``needed_whole``'s rule, the same on every rank (the group's transfers pair up only if every rank
+    posts them in the same order: all at once, or chunk by chunk): some rank receives enough chunks that
+    their calls and merges outweigh the overlap streaming them buys, and none receives too many rows to
+    hold at once. Every received chunk has calls (needed-only), so the counts say it."""
+    plan = state.plan_for(window)
+    received = plan.exchange.counts.numpy().copy()  # [source, destination] rows
+    np.fill_diagonal(received, 0)
+    chunks = -(-received // plan.stream["needed"].chunk_rows)  # the streamed steps' pieces
+    return (int(chunks.sum(0).max()) >= WHOLE_MIN_STEPS
+            and int(received.sum(0).max()) <= WHOLE_RECEIVED_LOCAL_MULTIPLE * state.local_len)
 
 
 def _is_prefix(index: torch.Tensor, n: int) -> bool:

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..blockdiag_cp.exchange import NeededTransport, RingTransport, fused_width
+from ..blockdiag_cp.exchange import NeededTransport, RingTransport, WholeNeededTransport, fused_width
 
 
 class _Ready:
@@ -68,6 +68,25 @@ class _NeededHandover(_Handover, NeededTransport):
     def __init__(self, chunks, zeros, *args):
         NeededTransport.__init__(self, *args)
         _Handover.__init__(self, chunks, zeros)
+
+
+class _WholeHandover(_Handover, WholeNeededTransport):
+    """Every piece handed over as it would land, then placed in the bands' order as the real transport does."""
+
+    def __init__(self, chunks, zeros, *args):
+        WholeNeededTransport.__init__(self, *args)
+        _Handover.__init__(self, chunks, zeros)
+
+    def start(self, step):
+        return WholeNeededTransport.start(self, step)
+
+    def start_piece(self, piece):
+        self._step = piece
+        return NeededTransport.start(self, piece)
+
+    def send_gradient(self, step, grad_chunk, like):
+        self._step = None
+        return WholeNeededTransport.send_gradient(self, step, grad_chunk, like)
 
 
 class _RingHandover(_Handover, RingTransport):
@@ -119,6 +138,11 @@ class Loopback:
         if kind == "ring":
             return _RingHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats,
                                  prefix, state.ring_gradients(plan.window))
+        if state.needed_whole(plan.window):
+            return _WholeHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+                                  state.send_indices_on(k.device, plan.window), plan.exchange.counts,
+                                  [(step.round, step.piece) for step in plan.stream[kind].steps[1:]],
+                                  state.whole_band_rows_on(k.device, plan.window))
         return _NeededHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                                state.send_indices_on(k.device, plan.window), plan.exchange.counts)
 

@@ -4,7 +4,8 @@ For the test cases' document ids, every layout and rank: the own step and the on
 received row (read in ``GatheredPlan.order`` from the needed-only buffer, ``recv_positions`` by source)
 cover exactly the per-document causal pairs of the rank's queries, each once; the received rows are
 each read by one call, as one run of the buffer; every remote segment is full; a call per band, or
-one per run of its query rows.
+one per run of its query rows. a2a takes every needed row at once and attends them by bands where
+its rule says (exact against the reference, fewer calls), and streams them elsewhere.
 """
 
 import numpy as np
@@ -15,6 +16,7 @@ from megatron_ext.blockdiag_cp.gathered import RUN_CALLS, gathered_stream_plan
 from megatron_ext.blockdiag_cp.intervals import document_runs
 from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan
+from megatron_ext.testing import pool_fixture, runs_to_doc_ids
 from megatron_ext.testing.cases import CASES, make_doc_ids
 
 from test_chunks import _expected_pairs
@@ -135,3 +137,60 @@ def test_route_places_each_row_where_the_plan_reads_it():
             keep = old < L
             assert torch.equal(new[keep], old[keep])
             assert torch.equal(torch.from_numpy(order)[new[~keep] - L], old[~keep] - L), name
+
+
+pool4 = pool_fixture(4)
+
+
+def whole_a2a(layout, kv_backward, min_steps=None, multiple=None):
+    """a2a on 4 ranks over short documents (each a multiple of 2 * cp, as thd packs them), float64, dense:
+    whether the group took every needed row at once, the steps the op walks, the kernel calls of a steady
+    layer call (forward, backward) and the largest error of out / dq / dk / dv against the reference.
+    ``min_steps`` / ``multiple``: the rule's constants for this run."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import step as step_module
+    from megatron_ext.testing import reference_attention
+    from megatron_ext.testing.op_counter import layer_calls
+
+    ids = runs_to_doc_ids([(i + 1, 8 * (1 + i % 3)) for i in range(8)] + [(99, 32)])  # 160 positions
+    g = torch.Generator().manual_seed(11)
+    q, k, v, w = (torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_attention(*ref, ids)
+    (ref_out * w).sum().backward()
+    saved = step_module.WHOLE_MIN_STEPS, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE
+    step_module.WHOLE_MIN_STEPS = saved[0] if min_steps is None else min_steps
+    step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved[1] if multiple is None else multiple
+    try:
+        state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
+                                            kv_backward=kv_backward)
+        errors = []
+        with bdcp.blockdiag_cp_step(state):
+            for _ in range(2):
+                inputs = [state.shard(t).requires_grad_() for t in (q, k, v)]
+                out = bdcp.blockdiag_cp_attention(*inputs)
+                (out * state.shard(w)).sum().backward()
+                errors += [float((got - state.shard(want)).abs().max()) for got, want in
+                           zip([out.detach()] + [t.grad for t in inputs], [ref_out.detach()] + [r.grad for r in ref])]
+        fwd, bwd = layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=2)[1]
+        return (state.needed_whole(), len(state.stream_plan("needed").steps), fwd.kernel_calls, bwd.kernel_calls,
+                max(errors))
+    finally:
+        step_module.WHOLE_MIN_STEPS, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved
+
+
+@pytest.mark.timeout(180)
+def test_a2a_takes_every_needed_row_at_once_where_a_rank_receives_many_chunks(pool4):
+    """thd cuts every document over the 4 ranks: a rank receives chunks from each of the 3 others, so the
+    group takes every needed row at once (``needed_whole``: ``exchange.WholeNeededTransport``) and attends
+    them by bands: the own step and one more, fewer kernel calls than a call per chunk, the reference's
+    out and gradients with the received K/V refetched or kept. The rule's two bounds each turn it off (on
+    every rank alike: the transfers pair up only then)."""
+    for kv_backward in ("refetch", "save"):
+        whole = pool4.run(whole_a2a, "thd", kv_backward)
+        streamed = pool4.run(whole_a2a, "thd", kv_backward, 99)
+        for rank, ((on, steps, fwd, bwd, error), (off, steps0, fwd0, bwd0, error0)) in enumerate(zip(whole, streamed)):
+            assert on and steps == 2 and not off and steps0 > 3, (kv_backward, rank, steps, steps0)
+            assert error < 1e-12 and error0 < 1e-12, (kv_backward, rank, error, error0)
+            assert fwd < fwd0 and bwd < bwd0, (kv_backward, rank, fwd, fwd0, bwd, bwd0)
+    assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "refetch", None, 0.5))
