@@ -61,14 +61,16 @@ from .state import (
 KV_SAVE_BUDGET_LOCAL_MULTIPLE = 1.0
 
 # a2a / halo take every needed row at once and attend them by bands (``gathered``: a call or two per
-# band, each query row merged once per band, not once per chunk) where some rank's received chunks make
-# at least this many steps: with fewer, attending each chunk while the next one moves is as fast or
-# faster (bench gpu_model, 32k / cp 2 and 128k / cp 8, ranks deciding alone: with 3 steps the bands won
-# on 10 of 16 ranks, from 7 on all but 2 of 150) ...
-WHOLE_MIN_STEPS = 3
+# band, each query row merged once per band, not once per chunk) where the ranks receive at least this
+# many chunks each on average: with fewer, attending each chunk while the next one moves is as fast or
+# faster (bench gpu_model's replay, every rank alike: at 32k / cp 2, 0.5-1.5 chunks a rank, the bands
+# gained at most 0.5 ms and lost up to 0.4; at 128k / cp 8 they lost 0.01-0.08 ms at 0.9-1.9 and
+# gained 0.2-4.9 ms at 2.3-10.5, thd and one long document the most) ...
+WHOLE_MIN_CHUNKS_PER_RANK = 2.0
 # ... and where no rank receives more than this multiple of its local rows: the layer call holds them all
-# at once (twice while they land in the bands' order), where the streamed steps hold two chunks.
-WHOLE_RECEIVED_LOCAL_MULTIPLE = 4.0
+# at once (twice while they land in the bands' order), where the streamed steps hold two chunks (thd and
+# one document at cp 8: 6.5-7).
+WHOLE_RECEIVED_LOCAL_MULTIPLE = 8.0
 
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last
 # step moves (the received chunk's going home, or ours coming back) have at least this many positions per
@@ -1144,14 +1146,14 @@ class DeviceCall:
 
 def _whole_pays(state, window: Optional[int]) -> bool:
     """``needed_whole``'s rule, the same on every rank (the group's transfers pair up only if every rank
-    posts them in the same order: all at once, or chunk by chunk): some rank receives enough chunks that
+    posts them in the same order: all at once, or chunk by chunk): the ranks receive enough chunks that
     their calls and merges outweigh the overlap streaming them buys, and none receives too many rows to
     hold at once. Every received chunk has calls (needed-only), so the counts say it."""
     plan = state.plan_for(window)
     received = plan.exchange.counts.numpy().copy()  # [source, destination] rows
     np.fill_diagonal(received, 0)
     chunks = -(-received // plan.stream["needed"].chunk_rows)  # the streamed steps' pieces
-    return (int(chunks.sum(0).max()) >= WHOLE_MIN_STEPS
+    return (float(chunks.sum()) >= WHOLE_MIN_CHUNKS_PER_RANK * state.cp
             and int(received.sum(0).max()) <= WHOLE_RECEIVED_LOCAL_MULTIPLE * state.local_len)
 
 

@@ -142,11 +142,11 @@ def test_route_places_each_row_where_the_plan_reads_it():
 pool4 = pool_fixture(4)
 
 
-def whole_a2a(layout, kv_backward, min_steps=None, multiple=None):
+def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None):
     """a2a on 4 ranks over short documents (each a multiple of 2 * cp, as thd packs them), float64, dense:
     whether the group took every needed row at once, the steps the op walks, the kernel calls of a steady
     layer call (forward, backward) and the largest error of out / dq / dk / dv against the reference.
-    ``min_steps`` / ``multiple``: the rule's constants for this run."""
+    ``min_chunks`` / ``multiple``: the rule's constants for this run."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp import step as step_module
     from megatron_ext.testing import reference_attention
@@ -158,8 +158,8 @@ def whole_a2a(layout, kv_backward, min_steps=None, multiple=None):
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out = reference_attention(*ref, ids)
     (ref_out * w).sum().backward()
-    saved = step_module.WHOLE_MIN_STEPS, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE
-    step_module.WHOLE_MIN_STEPS = saved[0] if min_steps is None else min_steps
+    saved = step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE
+    step_module.WHOLE_MIN_CHUNKS_PER_RANK = saved[0] if min_chunks is None else min_chunks
     step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved[1] if multiple is None else multiple
     try:
         state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
@@ -176,12 +176,12 @@ def whole_a2a(layout, kv_backward, min_steps=None, multiple=None):
         return (state.needed_whole(), len(state.stream_plan("needed").steps), fwd.kernel_calls, bwd.kernel_calls,
                 max(errors))
     finally:
-        step_module.WHOLE_MIN_STEPS, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved
+        step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved
 
 
 @pytest.mark.timeout(180)
 def test_a2a_takes_every_needed_row_at_once_where_a_rank_receives_many_chunks(pool4):
-    """thd cuts every document over the 4 ranks: a rank receives chunks from each of the 3 others, so the
+    """thd cuts every document over the 4 ranks: the ranks receive chunks from each of the 3 others, so the
     group takes every needed row at once (``needed_whole``: ``exchange.WholeNeededTransport``) and attends
     them by bands: the own step and one more, fewer kernel calls than a call per chunk, the reference's
     out and gradients with the received K/V refetched or kept. The rule's two bounds each turn it off (on
