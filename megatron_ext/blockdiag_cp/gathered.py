@@ -1,10 +1,10 @@
 """The received keys as one step: a kernel call per band, not per source.
 
 ``HierarchicalTransport`` delivers every needed row at once (as ``WholeNeededTransport`` does
-for a2a / halo where ``BlockDiagCPState.needed_whole`` says so): the first remote step waits for
-the whole buffer, and nothing arrives after it. Attending it source by source (``chunks``:
-up to two calls per source piece) buys no overlap, only calls, query gathers and float32
-merges. Here the received rows are attended by *band* instead:
+for a2a / halo with the received K/V kept, where ``BlockDiagCPState.needed_whole`` says so): the
+first remote step waits for the whole buffer, and nothing arrives after it. Attending it source
+by source (``chunks``: up to two calls per source piece) buys no overlap, only calls, query
+gathers and float32 merges. Here the received rows are attended by *band* instead:
 
     one document on this rank, local pieces P0 < P1 (zigzag's two halves, THD's two chunks):
 

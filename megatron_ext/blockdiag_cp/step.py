@@ -835,8 +835,11 @@ class BlockDiagCPState:
 
     def needed_whole(self, window: Optional[int] = None) -> bool:
         """Whether a2a / halo deliver every needed row at once and attend them by bands (``gathered``,
-        ``exchange.WholeNeededTransport``) instead of chunk by chunk (host, once per step and window)."""
-        if self.kv_exchange not in ("a2a", "halo") or self.cp == 1 or window is not None or self.rows != 1:
+        ``exchange.WholeNeededTransport``) instead of chunk by chunk (host, once per step and window).
+        Only with ``kv_backward="save"``, which holds every received row from forward to backward
+        anyway; ``"refetch"`` streams, so a layer call holds two chunks at a time (memory O(S / cp))."""
+        if (self.kv_exchange not in ("a2a", "halo") or self.kv_backward != "save" or self.cp == 1
+                or window is not None or self.rows != 1):
             return False
         key = ("needed_whole", window)
         if key not in self._device_index:

@@ -228,12 +228,10 @@ def test_a2a_at_cp4_fuses_the_forward_sends_of_rows_several_ranks_need(pool4):
     """One document over 4 ranks (zigzag): a rank's rows go to up to three ranks, so forward fuses K and V of
     every local row once and each send gathers from it (``NeededTransport``), one op a step instead of two;
     backward builds each step's buffer (a local-sized buffer there would raise the layer's peak), K and V
-    gathered straight into its halves (two ops, no cat). Rank 3 receives 3 chunks, so the group takes every
-    needed row at once (``needed_whole``): a call per band, not per chunk (2 or 3 calls where there were 4
-    to 7), each piece placed in the bands' order as it lands (an op per piece, forward and backward)."""
+    gathered straight into its halves (two ops, no cat)."""
     got = pool4.run(steady_counts_at, "a2a", torch.ones(128, dtype=torch.long))
-    assert got == [((2, 11, 9, 0), (2, 27, 18, 0)), ((3, 13, 9, 0), (3, 33, 18, 0)),
-                   ((3, 11, 9, 0), (3, 31, 18, 0)), ((2, 5, 9, 0), (2, 24, 18, 0))], got
+    assert got == [((7, 10, 9, 0), (7, 26, 18, 0)), ((6, 11, 9, 0), (6, 27, 18, 0)),
+                   ((5, 8, 9, 0), (5, 25, 18, 0)), ((4, 4, 9, 0), (4, 23, 18, 0))], got
 
 
 def _thd_mix() -> torch.Tensor:
@@ -285,8 +283,8 @@ def test_layer_call_counts_are_pinned(pool2, pool4, exchange):
 # Per rank, (forward, backward) of a steady call moved to balanced: (kernel calls, launching ops, transfers,
 # syncs); every document whole, so one kernel call and no K/V exchange, 4 all-to-alls of 3 peers each way.
 RELAID_PINNED = [[(1, 8, 24, 0), (1, 8, 24, 0)]] * 4
-THD_PINNED = [[(2, 12, 9, 0), (2, 33, 18, 0)], [(3, 16, 9, 0), (3, 50, 18, 0)],  # the same documents in thd,
-              [(3, 14, 9, 0), (3, 39, 18, 0)], [(2, 5, 9, 0), (2, 24, 18, 0)]]  # every needed row at once
+THD_PINNED = [[(7, 22, 9, 0), (7, 54, 18, 0)], [(6, 19, 9, 0), (6, 56, 18, 0)],  # the same documents in thd
+              [(5, 10, 9, 0), (5, 33, 18, 0)], [(4, 4, 9, 0), (4, 23, 18, 0)]]
 
 
 def relaid_counts(relayout):
@@ -302,8 +300,8 @@ def relaid_counts(relayout):
 
 @pytest.mark.timeout(120)
 def test_relayout_attends_short_thd_documents_in_fewer_calls(pool4):
-    """thd cuts each short document over all 4 ranks: the ranks receive their chunks at once and attend them
-    by bands (two or three calls, not one per chunk). Moved to balanced, the documents are whole: the
+    """thd cuts each short document over all 4 ranks: a call per source rank, each merging into every row
+    (a write, an open, merges and a close: one op each). Moved to balanced, the documents are whole: the
     local keys' calls and the rows of the one document cut, q / k / v / out each one all-to-all (3 peers:
     6 messages), no sync after the first call."""
     kept = pool4.run(relaid_counts, None)
