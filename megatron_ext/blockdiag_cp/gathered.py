@@ -48,11 +48,16 @@ class GatheredPlan:
     stream: StreamPlan  # the own step, then one step over every received row (if any step moves rows)
     order: np.ndarray  # [received] for each row of the gathered buffer, its row in the needed-only one
 
+    def band_of(self) -> np.ndarray:
+        """[received] for each row of the needed-only buffer, its row in this plan's order (``order``'s inverse)."""
+        band_of = np.empty_like(self.order)
+        band_of[self.order] = np.arange(self.order.size)
+        return band_of
+
     def route(self, route):
         """``hierarchy.HierarchicalRoute`` with its received rows placed in this plan's order (host)."""
         L = route.local_len
-        new_of_old = np.empty_like(self.order)
-        new_of_old[self.order] = np.arange(self.order.size)
+        new_of_old = self.band_of()
 
         def placed(slots: torch.Tensor) -> torch.Tensor:
             s = slots.numpy().copy()

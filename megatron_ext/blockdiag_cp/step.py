@@ -855,9 +855,7 @@ class BlockDiagCPState:
         the device once per step (``WholeNeededTransport``)."""
         key = ("whole_band_rows", str(device), window)
         if key not in self._device_index:
-            order = self.gathered_plan(window).order  # band row -> its row among the needed rows, source-major
-            band_of = np.empty_like(order)
-            band_of[order] = np.arange(order.size)
+            band_of = self.gathered_plan(window).band_of()  # needed rows (source-major) -> their band rows
             counts = self.plan_for(window).exchange.counts[:, self.rank].tolist()
             rows, at = [], 0
             for src, n in enumerate(counts):
