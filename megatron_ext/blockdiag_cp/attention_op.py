@@ -121,10 +121,9 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
                                      plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window, True),
                                      whole=state.gathered_plan(plan.window) is not None)
     if state.needed_whole(plan.window):  # every needed row at once, read by bands (``gathered``)
-        return WholeNeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+        return WholeNeededTransport(k, v, state.rank, state.cp, state.group, stats, prefix,
                                     state.send_indices_on(k.device, plan.window), plan.exchange.counts,
-                                    [(step.round, step.piece) for step in plan.stream[kind].steps[1:]],
-                                    state.whole_band_rows_on(k.device, plan.window), fuse_sends=fuse_sends)
+                                    state.whole_delivery_on(k.device, plan.window), fuse_sends=fuse_sends)
     return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                            state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends)
 

@@ -331,38 +331,47 @@ class _Delivered:
         return band
 
 
+@dataclass(frozen=True)
+class WholeDelivery:
+    """What ``WholeNeededTransport`` moves for the band mode (``BlockDiagCPState.whole_delivery_on``)."""
+
+    pieces: Tuple[Tuple[int, int], ...]  # the streamed steps' (round, piece), in their order
+    chunk_rows: int  # the most rows one piece moves
+    band_rows: Tuple[Optional[torch.Tensor], ...]  # per source rank, its needed rows' places in the band order
+    received: int  # rows this rank receives, every source together
+
+
 class WholeNeededTransport(NeededTransport):
     """a2a / halo delivered at once for the gathered plan (``gathered``: the own step, then one step
     over every received row, by bands). The step posts every piece the streamed steps would
-    (``pieces``: their (round, piece) in order, each the same message), all together, and
-    places each source's rows where the bands read them (``band_rows``: per source, its rows'
-    places in the band order); its gradient goes home piece by piece the same way. A pair's
-    messages are those of the streamed steps in their order, so a peer that streams its chunks
-    pairs up with it."""
+    (``WholeDelivery.pieces``, each the same message), all together, and places each source's rows
+    where the bands read them (``band_rows``); its gradient goes home piece by piece the same way. A
+    pair's messages are those of the streamed steps in their order, and every rank of the group takes
+    the band mode or none does (``needed_whole``)."""
 
-    def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
-                 send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, pieces: List[Tuple[int, int]],
-                 band_rows: List[Optional[torch.Tensor]], fuse_sends: bool = False):
-        super().__init__(k, v, rank, cp, chunk_rows, group, stats, prefix, send_index, counts, fuse_sends)
-        self.pieces, self.band_rows = pieces, band_rows
+    def __init__(self, k, v, rank: int, cp: int, group, stats: Dict, prefix: str,
+                 send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, delivery: WholeDelivery,
+                 fuse_sends: bool = False):
+        super().__init__(k, v, rank, cp, delivery.chunk_rows, group, stats, prefix, send_index, counts, fuse_sends)
+        self.delivery = delivery
 
     def _band_rows(self, step) -> Optional[torch.Tensor]:
         """Where the rows received at ``step`` (round i, piece j) lie in the band order (None: none)."""
         i, j = step
         src = (self.rank - i) % self.cp
         n = piece_rows(self.received_from[src], self.c, j)
-        return self.band_rows[src][j * self.c:j * self.c + n] if n else None
+        return self.delivery.band_rows[src][j * self.c:j * self.c + n] if n else None
 
     start_piece = NeededTransport.start  # one streamed step's transfer (testing.loopback hands it over)
 
     def start(self, step) -> _Delivered:
-        transfers = [(self._band_rows(piece), self.start_piece(piece)) for piece in self.pieces]
-        received = sum(n for src, n in enumerate(self.received_from) if src != self.rank)
-        return _Delivered(transfers, (received, self.k.shape[1], fused_width(self.k, self.v)), self.k[:0])
+        transfers = [(self._band_rows(piece), self.start_piece(piece)) for piece in self.delivery.pieces]
+        return _Delivered(transfers, (self.delivery.received, self.k.shape[1], fused_width(self.k, self.v)),
+                          self.k[:0])
 
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         handles = []
-        for piece in self.pieces:
+        for piece in self.delivery.pieces:
             rows = self._band_rows(piece)
             part = None if grad_chunk is None or rows is None else grad_chunk.index_select(0, rows)
             handles.append(_DirectGradients.send_gradient(self, piece, part, like))
@@ -540,5 +549,5 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows", "fused_width",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows", "fused_width",
            "exposed_wait", "resolve_waits", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV"]

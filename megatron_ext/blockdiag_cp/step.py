@@ -35,7 +35,7 @@ from .agreement import (
 )
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
-from .exchange import RingGradients, piece_rows
+from .exchange import RingGradients, WholeDelivery, piece_rows
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
 from .merge import MergePlan, copied_rows
@@ -850,19 +850,21 @@ class BlockDiagCPState:
             self._device_index[key] = whole
         return self._device_index[key]
 
-    def whole_band_rows_on(self, device: torch.device, window: Optional[int] = None) -> List[Optional[torch.Tensor]]:
-        """Per source rank, the rows of the gathered step's buffer its needed rows land in (None: none), on
-        the device once per step (``WholeNeededTransport``)."""
-        key = ("whole_band_rows", str(device), window)
+    def whole_delivery_on(self, device: torch.device, window: Optional[int] = None) -> WholeDelivery:
+        """What ``WholeNeededTransport`` moves where the group takes every needed row at once: the streamed
+        steps' pieces, each source's rows placed where the gathered step's bands read them (their rows of
+        its buffer on the device), once per step."""
+        key = ("whole_delivery", str(device), window)
         if key not in self._device_index:
             band_of = self.gathered_plan(window).band_of()  # needed rows (source-major) -> their band rows
-            counts = self.plan_for(window).exchange.counts[:, self.rank].tolist()
+            received = _received_rows(self.plan_for(window).exchange.counts)[:, self.rank]  # per source
             rows, at = [], 0
-            for src, n in enumerate(counts):
-                n = 0 if src == self.rank else n
+            for n in received.tolist():
                 rows.append(torch.from_numpy(band_of[at:at + n]).to(device) if n else None)
                 at += n
-            self._device_index[key] = rows
+            stream = self.plan_for(window).stream["needed"]
+            self._device_index[key] = WholeDelivery(tuple((step.round, step.piece) for step in stream.steps[1:]),
+                                                    stream.chunk_rows, tuple(rows), at)
         return self._device_index[key]
 
     def _gathered(self, window: Optional[int] = None):
@@ -995,9 +997,8 @@ class BlockDiagCPState:
         gradient goes home) and the rows this rank sent at that step (theirs come back)."""
         plan, last = self.plan_for(window), self.stream_plan(kind, window).steps[-1]
         if kind == "needed" and self.needed_whole(window):  # one step moves every row, both ways
-            counts = plan.exchange.counts
-            return max(int(counts[self.rank].sum() - counts[self.rank, self.rank]),
-                       int(counts[:, self.rank].sum() - counts[self.rank, self.rank]))
+            received = _received_rows(plan.exchange.counts)
+            return max(int(received[self.rank].sum()), int(received[:, self.rank].sum()))
         dst, src = (self.rank + last.round) % self.cp, (self.rank - last.round) % self.cp
         c = plan.stream[kind].chunk_rows
         sent = piece_rows(int(plan.exchange.send_index[dst].numel()), c, last.piece)
@@ -1151,11 +1152,18 @@ def _whole_pays(state, window: Optional[int]) -> bool:
     their calls and merges outweigh the overlap streaming them buys, and none receives too many rows to
     hold at once. Every received chunk has calls (needed-only), so the counts say it."""
     plan = state.plan_for(window)
-    received = plan.exchange.counts.numpy().copy()  # [source, destination] rows
-    np.fill_diagonal(received, 0)
+    received = _received_rows(plan.exchange.counts)
     chunks = -(-received // plan.stream["needed"].chunk_rows)  # the streamed steps' pieces
     return (float(chunks.sum()) >= WHOLE_MIN_CHUNKS_PER_RANK * state.cp
             and int(received.sum(0).max()) <= WHOLE_RECEIVED_LOCAL_MULTIPLE * state.local_len)
+
+
+def _received_rows(counts: torch.Tensor) -> np.ndarray:
+    """[source, destination] the rows each rank receives from each other rank (the exchange's counts, the
+    diagonal, a rank's own rows, zeroed)."""
+    received = counts.numpy().copy()
+    np.fill_diagonal(received, 0)
+    return received
 
 
 def _is_prefix(index: torch.Tensor, n: int) -> bool:

@@ -139,10 +139,9 @@ class Loopback:
             return _RingHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats,
                                  prefix, state.ring_gradients(plan.window))
         if state.needed_whole(plan.window):
-            return _WholeHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+            return _WholeHandover(chunks, zeros, k, v, state.rank, state.cp, state.group, stats, prefix,
                                   state.send_indices_on(k.device, plan.window), plan.exchange.counts,
-                                  [(step.round, step.piece) for step in plan.stream[kind].steps[1:]],
-                                  state.whole_band_rows_on(k.device, plan.window))
+                                  state.whole_delivery_on(k.device, plan.window))
         return _NeededHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                                state.send_indices_on(k.device, plan.window), plan.exchange.counts)
 

@@ -173,8 +173,11 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None):
                 errors += [float((got - state.shard(want)).abs().max()) for got, want in
                            zip([out.detach()] + [t.grad for t in inputs], [ref_out.detach()] + [r.grad for r in ref])]
         fwd, bwd = layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=2)[1]
+        counts = state.plan.exchange.counts.clone()
+        counts.fill_diagonal_(0)
+        peers = int((counts[state.rank] > 0).sum() + (counts[:, state.rank] > 0).sum())  # sends + receives
         return (state.needed_whole(), len(state.stream_plan("needed").steps), fwd.kernel_calls, bwd.kernel_calls,
-                max(errors))
+                max(errors), (fwd.summary()["transfers"], bwd.summary()["transfers"], peers))
     finally:
         step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved
 
@@ -184,15 +187,19 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     """thd cuts every document over the 4 ranks: the ranks receive chunks from each of the 3 others, so
     with the received K/V kept (``kv_backward="save"``) the group takes every needed row at once
     (``needed_whole``: ``exchange.WholeNeededTransport``) and attends them by bands: the own step and one
-    more, fewer kernel calls than a call per chunk, the reference's out and gradients. The rule's two
+    more, fewer kernel calls than a call per chunk, the same messages as the streamed steps, the reference's
+    out and gradients. The rule's two
     bounds each turn it off, on every rank alike (the transfers pair up only then); with a refetch the
     chunks stream (a layer call holds two at a time)."""
     whole = pool4.run(whole_a2a, "thd", "save")
     streamed = pool4.run(whole_a2a, "thd", "save", 99)
-    for rank, ((on, steps, fwd, bwd, error), (off, steps0, fwd0, bwd0, error0)) in enumerate(zip(whole, streamed)):
+    for rank, ((on, steps, fwd, bwd, error, moved), (off, steps0, fwd0, bwd0, error0, moved0)) in enumerate(
+            zip(whole, streamed)):
         assert on and steps == 2 and not off and steps0 > 3, (rank, steps, steps0)
         assert error < 1e-12 and error0 < 1e-12, (rank, error, error0)
         assert fwd < fwd0 and bwd < bwd0, (rank, fwd, fwd0, bwd, bwd0)
+        # the streamed steps' messages (the same pieces, all posted at once): a peer that streamed would pair up
+        assert moved == moved0 and moved[0] >= moved[2], (rank, moved, moved0)
     assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "save", None, 0.5))
     refetched = pool4.run(whole_a2a, "thd", "refetch")
-    assert not any(on for on, *_ in refetched) and max(error for *_, error in refetched) < 1e-12
+    assert not any(on for on, *_ in refetched) and max(error for *_, error, _ in refetched) < 1e-12

@@ -16,7 +16,7 @@ def _ids(S: int = 192) -> torch.Tensor:
     return runs_to_doc_ids(runs + [(99, S - sum(n for _, n in runs))])
 
 
-def loopback_rank(rank, cp, layout, exchange):
+def loopback_rank(rank, cp, layout, exchange, kv_backward="auto"):
     """In a process of its own (a pool worker with its gloo group torn down): rank r through the loopback."""
     import torch.distributed as dist
 
@@ -33,7 +33,7 @@ def loopback_rank(rank, cp, layout, exchange):
     (reference_attention(*ref, ids) * w).sum().backward()
     out_ref = reference_attention(q, k, v, ids)
     state, ql, kl, vl = loopback_state(ids, rank, cp, q, k, v, layout=layout, kv_exchange=exchange,
-                                       attn_backend="dense")
+                                       attn_backend="dense", kv_backward=kv_backward)
     try:
         leaves = [t.detach().requires_grad_() for t in (ql, kl, vl)]
         with bdcp.blockdiag_cp_step(state):
@@ -42,12 +42,12 @@ def loopback_rank(rank, cp, layout, exchange):
         calls = [(f.kernel_calls, b.kernel_calls, f.launching, b.launching, f.sends + f.receives)
                  for f, b in layer_calls(state, ql, kl, vl, layers=2)]
         errors = [float((out - state.shard(out_ref)).abs().max()), float((leaves[0].grad - state.shard(ref[0].grad)).abs().max())]
-        return {"errors": errors, "calls": calls[1], "exchange": state.kv_exchange}
+        return {"errors": errors, "calls": calls[1], "exchange": state.kv_exchange, "whole": state.needed_whole()}
     finally:
         dist.destroy_process_group()
 
 
-def gloo_calls(layout, exchange, relayout="none"):
+def gloo_calls(layout, exchange, relayout="none", kv_backward="auto"):
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.op_counter import layer_calls
 
@@ -55,7 +55,7 @@ def gloo_calls(layout, exchange, relayout="none"):
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(ids.numel(), 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                        relayout=relayout)
+                                        relayout=relayout, kv_backward=kv_backward)
     f, b = layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=2)[1]
     return f.kernel_calls, b.kernel_calls, f.launching, b.launching
 
@@ -65,12 +65,15 @@ pool1 = pool_fixture(1)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,exchange", [("zigzag", "a2a"), ("balanced", "allgather"), ("contiguous", "halo")])
-def test_loopback_rank_matches_the_reference_and_the_gloo_run(pool4, pool1, layout, exchange):
-    expected = pool4.run(gloo_calls, layout, exchange)
+@pytest.mark.parametrize("layout,exchange,kv_backward", [("zigzag", "a2a", "auto"), ("balanced", "allgather", "auto"),
+                                                      ("contiguous", "halo", "auto"), ("zigzag", "a2a", "save")])
+def test_loopback_rank_matches_the_reference_and_the_gloo_run(pool4, pool1, layout, exchange, kv_backward):
+    """Ranks 0 and 3 through the loopback: the reference's out and dq, the gloo run's kernel calls and launching
+    ops, nothing sent. zigzag / a2a with the received K/V kept takes every needed row at once (the band mode)."""
+    expected = pool4.run(gloo_calls, layout, exchange, "none", kv_backward)
     for rank in (0, 3):
-        got, = pool1.run(loopback_rank, rank, 4, layout, exchange)
-        assert got["exchange"] == exchange
+        got, = pool1.run(loopback_rank, rank, 4, layout, exchange, kv_backward)
+        assert got["exchange"] == exchange and got["whole"] == (kv_backward == "save"), (rank, got)
         assert max(got["errors"]) < 1e-12, (rank, got)
         assert got["calls"][:4] == expected[rank], (rank, got, expected)  # the same ops, send gathers included
         assert got["calls"][4] == 0  # nothing crossed a process: the chunks were handed over
