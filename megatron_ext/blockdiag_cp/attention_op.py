@@ -26,6 +26,7 @@ import logging
 import os
 import struct
 import time
+from collections import deque
 from typing import List, Optional, Tuple
 
 import torch
@@ -128,6 +129,20 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
                            state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends)
 
 
+# Forward posts the chunks of a2a / halo this many steps ahead of the one it attends. One ahead, the
+# link idles from the moment a chunk lands until the step before it is attended, though the next
+# transfer could be under way: while the own keys are attended, which take longer than the first
+# chunk's transfer where a rank holds most of its keys. Two ahead, forward holds one chunk more (K/V of
+# half a shard), under backward's peak (its gradients in flight). More ahead would issue more posts
+# before the own keys' call, each delaying its launch. The ring forwards what it received the step
+# before, and the hierarchical exchange moves everything in its first step: one ahead.
+FORWARD_FETCHES_AHEAD = 2
+
+
+def _forward_fetches_ahead(transport) -> int:
+    return FORWARD_FETCHES_AHEAD if isinstance(transport, NeededTransport) else 1
+
+
 def _sink_logits(softmax_offset: Optional[torch.Tensor], groups: int, dtype) -> Optional[torch.Tensor]:
     # One logit per query head, [Hq]; the batch folded into heads repeats it per group.
     return None if softmax_offset is None else softmax_offset.detach().to(dtype).repeat(groups)
@@ -195,12 +210,17 @@ class _StreamedAttention(torch.autograd.Function):
         saved: List[torch.Tensor] = []  # save mode: the received chunks that have calls
         saved_at: List[int] = []  # per remote step, its index in ``saved`` (-1: not kept)
         transport = _transport(kind, k, v, state, plan, stats, "", fuse_sends=True) if state.cp > 1 else None
-        pending = transport.start((steps[1].round, steps[1].piece)) if len(steps) > 1 else None
+        ahead = _forward_fetches_ahead(transport)
+        # the transfers posted and not yet waited for, in step order; ``posted``: the next step to post
+        pending = deque(transport.start((step.round, step.piece)) for step in steps[1:1 + ahead])
+        posted = 1 + len(pending)
         attend(calls[0], merges.calls[0], geo.kv_flat(k), geo.kv_flat(v))
         for s in range(1, len(steps)):
-            chunk = pending.wait()
+            chunk = pending.popleft().wait()
             transport.received(chunk)
-            pending = transport.start((steps[s + 1].round, steps[s + 1].piece)) if s + 1 < len(steps) else None
+            if posted < len(steps):  # one landed, one more posted: ``ahead`` in flight
+                pending.append(transport.start((steps[posted].round, steps[posted].piece)))
+                posted += 1
             if chunk is not None:
                 attend(calls[s], merges.calls[s], *geo.split(chunk))
             keep = save and chunk is not None and bool(calls[s])

@@ -450,3 +450,53 @@ def test_the_own_call_attends_the_padding_so_its_outputs_are_the_results(pool2):
                 assert ops <= ops0 and copies <= copies0, (layout, rank, counts, counts0)
                 if padding is not None:
                     assert copies < copies0 or ops < ops0, (layout, rank, counts, counts0)
+
+
+
+def forward_order(exchange):
+    """This rank's forward events of a steady layer call (zigzag, one document over the 4 ranks, refetch,
+    float64): "kernel", or ("post" | "wait", the step of the batch); the largest error of out against the
+    reference. A step that moves nothing either way posts nothing."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.chunks import chunk_kind
+    from megatron_ext.blockdiag_cp.exchange import piece_rows
+    from megatron_ext.testing import reference_attention
+    from megatron_ext.testing.op_counter import KernelEvent, PostEvent, WaitEvent
+
+    ids = runs_to_doc_ids([(1, 256)])
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    want = reference_attention(q, k, v, ids)
+    state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange=exchange, attn_backend="dense",
+                                        kv_backward="refetch")
+    counter = OpCounter(log=True)
+    with bdcp.blockdiag_cp_step(state):
+        for layer in range(2):
+            with counter, counter.region(("forward", layer)):
+                out = bdcp.blockdiag_cp_attention(*(state.shard(t) for t in (q, k, v)))
+    stream = state.stream_plan(chunk_kind(exchange))
+    counts, r, cp = state.plan.exchange.counts, state.rank, state.cp
+    moving = [s for s, step in enumerate(stream.steps) if s and (
+        exchange == "allgather" or piece_rows(int(counts[r, (r + step.round) % cp]), stream.chunk_rows, step.piece)
+        or piece_rows(int(counts[(r - step.round) % cp, r]), stream.chunk_rows, step.piece))]
+    events = [e for e in counter.counts[("forward", 1)].events if isinstance(e, (KernelEvent, PostEvent, WaitEvent))]
+    step_of = dict(zip([e.post for e in events if isinstance(e, PostEvent)], moving))
+    order = [("post", step_of[e.post]) if isinstance(e, PostEvent) else ("wait", step_of[e.post])
+             if isinstance(e, WaitEvent) else "kernel" for e in events]
+    return order, moving, float((out - state.shard(want)).abs().max())
+
+
+@pytest.mark.timeout(120)
+def test_forward_posts_the_needed_chunks_two_ahead(pool4):
+    """a2a / halo forward posts two steps' chunks before the own keys' call and the next one as each lands
+    (``attention_op.FORWARD_FETCHES_AHEAD``): every step's chunk but the last is waited for with the next
+    one in flight. The ring forwards the piece it received the step before, so it posts one ahead."""
+    for exchange, ahead in (("a2a", 2), ("halo", 2), ("allgather", 1)):
+        for rank, (order, moving, error) in enumerate(pool4.run(forward_order, exchange)):
+            assert error < 1e-12 and len(moving) >= 3, (exchange, rank, order)
+            first_kernel = order.index("kernel")
+            assert order[:first_kernel] == [("post", s) for s in moving if s <= ahead], (exchange, rank, order)
+            for s in moving:  # when step s is waited for, steps up to s + ahead - 1 are posted, no later one
+                waited = order.index(("wait", s))
+                posted = [t for t in moving if ("post", t) in order[:waited]]
+                assert posted == [t for t in moving if t < s + ahead], (exchange, rank, s, order)
