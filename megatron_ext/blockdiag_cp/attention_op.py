@@ -549,6 +549,7 @@ def blockdiag_cp_attention(q, k, v, softmax_scale=None, dropout_p=0.0, *, state=
     agree_on_qkv(state, q, k, v, cp_group, window, softmax_offset is not None, scale=scale, dropout_p=dropout_p,
                  error=window_error, softmax_offset=softmax_offset)
     backend = call_backend(state, q, dropout_p, kv_heads=k.shape[2], window=window)
+    window = state.clipping_window(window)  # None where it hides no key (after the backend heard of it)
     state.kv_row_bytes = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
     if state.kv_exchange == "ulysses" and state.cp > 1 and state.kv_exchange_requested == "planned" \
             and q.shape[2] % state.ulysses_size:

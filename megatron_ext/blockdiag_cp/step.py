@@ -36,6 +36,7 @@ from .agreement import (
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .exchange import RingGradients, WholeDelivery, piece_rows
+from .intervals import document_runs
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
 from .merge import MergePlan, copied_rows
@@ -807,6 +808,24 @@ class BlockDiagCPState:
         if window not in self._window_plans:
             self._window_plans[window] = build_plan(self.doc_ids, self.layout, self.rank, kinds=(), window=window)
         return self._window_plans[window]
+
+    def clipping_window(self, window: Optional[int]) -> Optional[int]:
+        """``window``, or None where it hides no key: every document spans at most window + 1 positions, so
+        each query already sees its whole document's past (padding, id 0, attends only itself and is
+        zeroed either way). A layer whose window clips nothing then runs the step's own plan: the
+        windowed one splits the own keys into full, banded and causal calls a window needs. From the
+        replicated ids, alike on every rank; host work, once per step and window."""
+        if window is None:
+            return None
+        key = ("clipping_window", window)
+        if key not in self._device_index:
+            longest = 0
+            for row in self.doc_ids:  # [P] each
+                starts, ends, ids = document_runs(row)
+                lengths = (ends - starts)[ids != 0]
+                longest = max(longest, int(lengths.max()) if lengths.numel() else 0)
+            self._device_index[key] = window if longest > window + 1 else None
+        return self._device_index[key]
 
     def hierarchical_route_on(self, device: torch.device, window: Optional[int] = None, gathered: bool = False):
         """This rank's two-level route (``hierarchy``) for the step, on the device once per step and window.

@@ -500,3 +500,32 @@ def test_forward_posts_the_needed_chunks_two_ahead(pool4):
                 waited = order.index(("wait", s))
                 posted = [t for t in moving if ("post", t) in order[:waited]]
                 assert posted == [t for t in moving if t < s + ahead], (exchange, rank, s, order)
+
+
+def window_counts(windows):
+    """Per window (None: none), this rank's (kernel calls, launching ops) of a steady layer call forward and
+    backward, and the window the state attends it with; thd / a2a over 24 documents of 16 and 32 tokens (THD
+    cuts each into 2 * cp pieces: the own keys take one causal call without a window, more with one)."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    ids = runs_to_doc_ids([(i + 1, 16 * (1 + i % 2)) for i in range(24)])
+    out = []
+    for window in windows:
+        kwargs = {} if window is None else {"window_size": (window, 0)}
+        fwd, bwd = count_layers("a2a", "refetch", ids, layers=2, layout="thd", **kwargs)[1]
+        state = bdcp.BlockDiagCPState.build(ids, layout="thd", kv_exchange="a2a", attn_backend="dense")
+        out.append(((fwd.kernel_calls, fwd.launching), (bwd.kernel_calls, bwd.launching),
+                    state.clipping_window(window)))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_window_that_hides_no_key_runs_the_plan_without_it(pool2):
+    """Documents of at most 32 tokens: a window of 31 or more hides no key (``clipping_window``: None), so
+    the layer runs the step's own plan, the calls and ops of no window (the variants' tests check the
+    values against the windowed reference); a window of 30 hides some and keeps its own plan."""
+    ranks = pool2.run(window_counts, (None, 31, 30))
+    for rank, (plain, wide, narrow) in enumerate(ranks):
+        assert plain[2] is None and wide[2] is None and narrow[2] == 30, (rank, plain, wide, narrow)
+        assert wide[:2] == plain[:2], (rank, plain, wide)
+    assert any(narrow[:2] != plain[:2] for plain, _, narrow in ranks), ranks  # rank 0: 3 -> 5 calls
