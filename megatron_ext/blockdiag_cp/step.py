@@ -36,7 +36,6 @@ from .agreement import (
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .exchange import RingGradients, WholeDelivery, piece_rows
-from .intervals import document_runs
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
 from .merge import MergePlan, copied_rows
@@ -814,14 +813,14 @@ class BlockDiagCPState:
         each query already sees its whole document's past (padding, id 0, attends only itself and is
         zeroed either way). A layer whose window clips nothing then runs the step's own plan: the
         windowed one splits the own keys into full, banded and causal calls a window needs. From the
-        replicated ids, alike on every rank; host work, once per step and window."""
+        replicated ids' runs (the plan's ``doc_runs``), alike on every rank; host work, once per step and
+        window."""
         if window is None:
             return None
         key = ("clipping_window", window)
         if key not in self._device_index:
             longest = 0
-            for row in self.doc_ids:  # [P] each
-                starts, ends, ids = document_runs(row)
+            for starts, ends, ids in self.plan.doc_runs:  # per row of doc ids
                 lengths = (ends - starts)[ids != 0]
                 longest = max(longest, int(lengths.max()) if lengths.numel() else 0)
             self._device_index[key] = window if longest > window + 1 else None
@@ -875,13 +874,14 @@ class BlockDiagCPState:
         its buffer on the device), once per step."""
         key = ("whole_delivery", str(device), window)
         if key not in self._device_index:
+            plan = self.plan_for(window)
             band_of = self.gathered_plan(window).band_of()  # needed rows (source-major) -> their band rows
-            received = _received_rows(self.plan_for(window).exchange.counts)[:, self.rank]  # per source
+            received = _received_rows(plan.exchange.counts)[:, self.rank]  # per source
             rows, at = [], 0
             for n in received.tolist():
                 rows.append(torch.from_numpy(band_of[at:at + n]).to(device) if n else None)
                 at += n
-            stream = self.plan_for(window).stream["needed"]
+            stream = plan.stream["needed"]
             self._device_index[key] = WholeDelivery(tuple((step.round, step.piece) for step in stream.steps[1:]),
                                                     stream.chunk_rows, tuple(rows), at)
         return self._device_index[key]
