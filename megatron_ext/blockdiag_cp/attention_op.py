@@ -342,7 +342,7 @@ class _StreamedAttention(torch.autograd.Function):
         if not own_last:
             differentiate(0, geo.kv_flat(k), geo.kv_flat(v), geo.L, keys=dkv)
         if len(steps) > 1:
-            in_flight = None  # the last gradient sent home
+            in_flight = None  # the last gradient sent home, not yet waited for
             held = []  # own_last: what comes back is added once the own calls wrote dK / dV
             like = torch.empty((0, geo.b, geo.hkv * (geo.dk + geo.dv)), dtype=k.dtype, device=k.device)
             for s in range(1, len(steps)):
@@ -366,12 +366,16 @@ class _StreamedAttention(torch.autograd.Function):
                     if grad_chunk is None:  # the kernel failed: zeros go home, as every transfer still runs
                         grad_chunk = geo.grad_chunk(chunk.shape[0], k.dtype, q.device)
                     grad_chunk = grad_chunk.view(chunk.shape[0], geo.b, -1).to(k.dtype)
-                if in_flight is not None:  # one gradient transfer in flight: the last step's lands first
+                # Two gradient transfers in flight: this step's goes home before the last one's is waited
+                # for, so a step that attends nothing here (it only gets our rows' gradients back) does not
+                # hold the next transfer behind that landing
+                sent = transport.send_gradient((step.round, step.piece), grad_chunk, like)
+                if in_flight is not None:
                     if own_last:
                         held.append(in_flight)
                     else:
                         transport.settle(in_flight, dkv)
-                in_flight = transport.send_gradient((step.round, step.piece), grad_chunk, like)
+                in_flight = sent
                 del chunk, grad_chunk
             if own_last:
                 differentiate(0, geo.kv_flat(k), geo.kv_flat(v), geo.L, keys=dkv)

@@ -502,6 +502,61 @@ def test_forward_posts_the_needed_chunks_two_ahead(pool4):
                 assert posted == [t for t in moving if t < s + ahead], (exchange, rank, s, order)
 
 
+def backward_gradient_order(exchange, kv_backward="save"):
+    """This rank's backward posts and first waits of a steady layer call (zigzag, one document over the 4
+    ranks; with kv_backward "save" backward fetches nothing, so every post moves K/V gradients), as ("post"
+    | "wait", number of the post); the largest error of dq, dK and dV against the fp64 reference."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing import reference_attention
+    from megatron_ext.testing.op_counter import PostEvent, WaitEvent
+
+    ids = runs_to_doc_ids([(1, 256)])
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    w = torch.randn(ids.shape[-1], 1, 4, 8, generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    (reference_attention(*full, ids) * w).sum().backward()
+    state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange=exchange, attn_backend="dense",
+                                        kv_backward=kv_backward)
+    counter = OpCounter(log=True)
+    with bdcp.blockdiag_cp_step(state):
+        for layer in range(2):
+            mine = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
+            out = bdcp.blockdiag_cp_attention(*mine)
+            with counter, counter.region(("backward", layer)):
+                (out * state.shard(w)).sum().backward()
+    error = max(float((t.grad - state.shard(f.grad)).abs().max()) for t, f in zip(mine, full))
+    events = counter.counts[("backward", 1)].events
+    order = [("post", e.post) if isinstance(e, PostEvent) else ("wait", e.post)
+             for e in events if isinstance(e, (PostEvent, WaitEvent))]
+    return order, error
+
+
+def _most_in_flight(order) -> int:
+    """The most posts in flight (posted, not yet waited for) when the layer call waits for one."""
+    live, most = set(), 0
+    for kind, n in order:
+        if kind == "post":
+            live.add(n)
+        else:
+            most = max(most, len(live))
+            live.discard(n)
+    return most
+
+
+@pytest.mark.timeout(120)
+def test_backward_posts_a_gradient_before_it_waits_for_the_last_one(pool4):
+    """Backward sends step s's K/V gradient home before it waits for (and adds) the one of step s - 1: two
+    gradient transfers in flight, so a step that attends nothing here (it only gets our rows' gradients
+    back) does not hold the next one behind the last one's landing, and never more than two. With the
+    received K/V kept (the ring: no fetch in backward) a wait finds two posts in flight; with refetch, three
+    (the next chunk's fetch beside them). dq, dK and dV match the reference."""
+    for exchange, kv_backward, most in (("allgather", "save", 2), ("allgather", "refetch", 3), ("a2a", "refetch", 3)):
+        for rank, (order, error) in enumerate(pool4.run(backward_gradient_order, exchange, kv_backward)):
+            assert error < 1e-12, (exchange, kv_backward, rank, error)
+            assert _most_in_flight(order) == most, (exchange, kv_backward, rank, order)
+
+
 def window_counts(windows):
     """Per window (None: none), this rank's (kernel calls, launching ops) of a steady layer call forward and
     backward, and the window the state attends it with; thd / a2a over 24 documents of 16 and 32 tokens (THD
