@@ -4,9 +4,9 @@
         rank 0: A0 A1 A6 A7 B0 B3 C0 C3          rank 1: A2 A3 A4 A5 B1 B2 C1 C2
     balanced (short documents whole where the costs allow):
         rank 0: A0 .. A7                         rank 1: B0 .. B3 C0 .. C3
-    q, k, v: one all-to-all-v each, the batch's rows -> the balanced rows; the streamed op on the
-    balanced state (its own K/V exchange of what it still needs: here nothing); the output: one
-    all-to-all-v back.
+    q, k, v: one all-to-all-v each (all three in flight at once), the batch's rows -> the balanced
+    rows; the streamed op on the balanced state (its own K/V exchange of what it still needs: here
+    nothing); the output: one all-to-all-v back.
 
 Why: TE's THD partition cuts every document into 2 * cp chunks, so at high cp each short
 document's rows are on every rank. Every rank then needs (cp - 1) / cp of every document's keys,
@@ -89,12 +89,24 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def _move_rows(x: torch.Tensor, move: RowMove, group) -> torch.Tensor:
-    """[L, ...] rows in the source layout's local order -> [L, ...] in the target's."""
-    send = x.index_select(0, move.send_order)
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, move.recv_counts, move.send_counts, group=group)
-    return received.index_select(0, move.placed)
+def _move_rows(xs: Tuple[torch.Tensor, ...], move: RowMove, group) -> Tuple[torch.Tensor, ...]:
+    """Each [L, ...] of ``xs``, rows in the source layout's local order -> [L, ...] in the target's.
+
+    Every all-to-all is posted before the first is waited for: the next tensor's rows are gathered
+    while the last one's move, and the moved rows put in place while the next ones arrive."""
+    posted = []
+    for x in xs:
+        send = x.index_select(0, move.send_order)
+        received = torch.empty_like(send)
+        work = dist.all_to_all_single(received, send, move.recv_counts, move.send_counts, group=group,
+                                      async_op=True)
+        posted.append((work, received, send))
+    out = []
+    for work, received, send in posted:
+        work.wait()
+        out.append(received.index_select(0, move.placed))
+        del send  # held until its all-to-all finished
+    return tuple(out)
 
 
 def _count(stats: Dict, key: str, x: torch.Tensor, move: RowMove, rank: int) -> None:
@@ -110,18 +122,24 @@ def _count(stats: Dict, key: str, x: torch.Tensor, move: RowMove, rank: int) -> 
 
 
 class _MoveRows(torch.autograd.Function):
-    """Forward: rows from one layout to the other (``there``). Backward: the gradient back (``back``)."""
+    """Forward: the rows of every tensor from one layout to the other (``there``), all moves in flight at
+    once. Backward: their gradients back (``back``), likewise."""
 
     @staticmethod
-    def forward(ctx, x, there: RowMove, back: RowMove, group, rank: int, stats: Dict):
+    def forward(ctx, there: RowMove, back: RowMove, group, rank: int, stats: Dict, *xs):
         ctx.back, ctx.group, ctx.rank, ctx.stats = back, group, rank, stats
-        _count(stats, "relayout_bytes", x, there, rank)
-        return _move_rows(x, there, group)
+        for x in xs:
+            _count(stats, "relayout_bytes", x, there, rank)
+        return _move_rows(xs, there, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        _count(ctx.stats, "backward_relayout_bytes", grad, ctx.back, ctx.rank)
-        return _move_rows(grad.contiguous(), ctx.back, ctx.group), None, None, None, None, None
+    def backward(ctx, *grads):
+        # Only the gradients some input needs move: every rank's inputs need the same ones (one model)
+        wanted = [i for i, grad in enumerate(grads) if ctx.needs_input_grad[5 + i]]
+        for i in wanted:
+            _count(ctx.stats, "backward_relayout_bytes", grads[i], ctx.back, ctx.rank)
+        moved = dict(zip(wanted, _move_rows(tuple(grads[i].contiguous() for i in wanted), ctx.back, ctx.group)))
+        return (None,) * 5 + tuple(moved.get(i) for i in range(len(grads)))
 
 
 # ---------------------------------------------------------------------------
@@ -160,11 +178,12 @@ def relaid_attention(q, k, v, softmax_offset, state, backend: str, scale: float,
     stats = state.comm_stats
     for key in [key for key in stats if key.startswith("relayout_")]:
         del stats[key]  # this call's figures only (a model's layers share the state)
-    q_t, k_t, v_t = (_MoveRows.apply(t, there, back, state.group, state.rank, stats) for t in (q, k, v))
+    q_t, k_t, v_t = _MoveRows.apply(there, back, state.group, state.rank, stats, q, k, v)
     inner = relaid.state
     inner.kv_row_bytes = state.kv_row_bytes
     out_t = streamed_attention(q_t, k_t, v_t, softmax_offset, inner, backend, scale, dropout_p, window)
-    return _MoveRows.apply(out_t, back, there, state.group, state.rank, stats)
+    out, = _MoveRows.apply(back, there, state.group, state.rank, stats, out_t)
+    return out
 
 
 __all__ = ["RowMove", "Relaid", "relaid_attention"]

@@ -142,6 +142,67 @@ def test_steps_it_leaves_in_their_own_layout(pool):
         assert alone and "splits the step itself" in reason, reason
 
 
+def relaid_posts(needs_grad):
+    """zigzag, short documents, a2a, relaid, float64; ``needs_grad``: which of q, k, v require a gradient.
+    This rank's (forward, backward) posts and first waits as ("post" | "wait", number of the post), the
+    errors of out and of the gradients asked for against the reference, the report, and the rows this
+    rank's positions send to other ranks by the balanced layout's owners and receive from them."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.layouts import build_layout
+    from megatron_ext.testing import reference_attention
+    from megatron_ext.testing.op_counter import OpCounter, PostEvent, WaitEvent
+
+    rank = dist.get_rank()
+    doc_ids = make_doc_ids("short", 96, dist.get_world_size())
+    hq, hkv, dk, dv = HEADS
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(96, 1, h, d, generator=g, dtype=torch.float64) for h, d in ((hq, dk), (hkv, dk), (hkv, dv)))
+    w = torch.randn(96, 1, hq, dv, generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_(need) for t, need in zip((q, k, v), needs_grad)]
+    want = reference_attention(*full, doc_ids)
+    (want * w).sum().backward()
+    state = bdcp.BlockDiagCPState.build(doc_ids, layout="zigzag", kv_exchange="a2a", attn_backend="dense",
+                                        relayout="balanced")
+    mine = [state.shard(t).detach().requires_grad_(need) for t, need in zip((q, k, v), needs_grad)]
+    counter = OpCounter(log=True)
+    with bdcp.blockdiag_cp_step(state), counter:
+        with counter.region("forward"):
+            out = bdcp.blockdiag_cp_attention(*mine)
+        with counter.region("backward"):
+            (out * state.shard(w)).sum().backward()
+    errors = [float((out - state.shard(want)).abs().max())] + [
+        float((t.grad - state.shard(f.grad)).abs().max()) for t, f in zip(mine, full) if f.requires_grad]
+    orders = tuple([("post", e.post) if isinstance(e, PostEvent) else ("wait", e.post)
+                    for e in counter.counts[phase].events if isinstance(e, (PostEvent, WaitEvent))]
+                   for phase in ("forward", "backward"))
+    balanced = build_layout("balanced", state.doc_ids, state.cp)
+    sent = int((balanced.owner()[state.layout.positions[rank]] != rank).sum())
+    received = int((state.layout.owner()[balanced.positions[rank]] != rank).sum())
+    return orders, errors, state.report(), sent, received
+
+
+@pytest.mark.timeout(120)
+def test_moves_of_q_k_v_and_their_gradients_are_in_flight_together(pool):
+    """Forward posts the all-to-alls of q, k and v before it waits for the first (the next tensor's rows
+    are gathered while the last one's move); backward moves dq, dK and dV back the same way, only those
+    an input needs (here: every one, or q's alone), and the gradients match the reference."""
+    if pool.world != 2:
+        pytest.skip("one cp is enough")
+    hq, hkv, dk, dv = HEADS
+    for needs_grad, back in (((True, True, True), 3), ((True, False, False), 1)):
+        for (forward, backward), errors, report, sent, received in pool.run(relaid_posts, needs_grad):
+            assert max(errors) < TOL and len(errors) == 1 + back, (needs_grad, errors)
+            posts = [n for kind, n in forward if kind == "post"][:3]
+            assert forward[:6] == [("post", n) for n in posts] + [("wait", n) for n in posts], forward
+            posts = [n for kind, n in backward if kind == "post"][-back:]
+            assert backward[-2 * back:] == [("post", n) for n in posts] + [("wait", n) for n in posts], backward
+            # back: the output's gradient there, and the inputs' gradients asked for home
+            grads = 8 * (hq * dk + (hkv * (dk + dv) if back == 3 else 0))
+            assert report["backward_relayout_bytes_sent"] == sent * 8 * hq * dv + received * grads, report
+
+
 def _build_with(relayout_by_rank):
     import torch.distributed as dist
 
