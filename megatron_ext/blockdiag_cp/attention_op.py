@@ -143,6 +143,11 @@ def _forward_fetches_ahead(transport) -> int:
     return FORWARD_FETCHES_AHEAD if isinstance(transport, NeededTransport) else 1
 
 
+def _sends_only(transport, step) -> bool:
+    """Whether a2a / halo's fetch at ``step`` brings this rank nothing (it only sends): no call waits for it."""
+    return isinstance(transport, NeededTransport) and not transport.received_rows(step)
+
+
 def _sink_logits(softmax_offset: Optional[torch.Tensor], groups: int, dtype) -> Optional[torch.Tensor]:
     # One logit per query head, [Hq]; the batch folded into heads repeats it per group.
     return None if softmax_offset is None else softmax_offset.detach().to(dtype).repeat(groups)
@@ -345,10 +350,18 @@ class _StreamedAttention(torch.autograd.Function):
             in_flight = None  # the last gradient sent home, not yet waited for
             held = []  # own_last: what comes back is added once the own calls wrote dK / dV
             like = torch.empty((0, geo.b, geo.hkv * (geo.dk + geo.dv)), dtype=k.dtype, device=k.device)
+            sent_only = []  # refetches that bring this rank nothing: waited for with the next that does
             for s in range(1, len(steps)):
                 step = steps[s]
                 if refetch:
-                    chunk = pending.wait()
+                    if _sends_only(transport, (step.round, step.piece)):
+                        sent_only.append(pending)
+                        chunk = None
+                    else:
+                        chunk = pending.wait()
+                        for transfer in sent_only:
+                            transfer.wait()
+                        sent_only = []
                     transport.received(chunk)
                     pending = (transport.start((steps[s + 1].round, steps[s + 1].piece))
                                if s + 1 < len(steps) else None)
@@ -381,6 +394,8 @@ class _StreamedAttention(torch.autograd.Function):
                 differentiate(0, geo.kv_flat(k), geo.kv_flat(v), geo.L, keys=dkv)
                 for handle in held:
                     transport.settle(handle, dkv)
+            for transfer in sent_only:
+                transfer.wait()
             if in_flight is not None:
                 transport.settle(in_flight, dkv)
             transport.finish(dkv)

@@ -502,21 +502,22 @@ def test_forward_posts_the_needed_chunks_two_ahead(pool4):
                 assert posted == [t for t in moving if t < s + ahead], (exchange, rank, s, order)
 
 
-def backward_gradient_order(exchange, kv_backward="save"):
-    """This rank's backward posts and first waits of a steady layer call (zigzag, one document over the 4
-    ranks; with kv_backward "save" backward fetches nothing, so every post moves K/V gradients), as ("post"
-    | "wait", number of the post); the largest error of dq, dK and dV against the fp64 reference."""
+def backward_events(exchange, kv_backward="save", layout="zigzag", runs=((1, 256),)):
+    """This rank's backward events of a steady layer call (documents ``runs`` (id, length), by default one
+    over the 4 ranks; with kv_backward
+    "save" backward fetches nothing, so every post moves K/V gradients): "kernel", or ("post" | "wait",
+    number of the post); the largest error of dq, dK and dV against the fp64 reference."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing import reference_attention
-    from megatron_ext.testing.op_counter import PostEvent, WaitEvent
+    from megatron_ext.testing.op_counter import KernelEvent, PostEvent, WaitEvent
 
-    ids = runs_to_doc_ids([(1, 256)])
+    ids = runs_to_doc_ids(list(runs))
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     w = torch.randn(ids.shape[-1], 1, 4, 8, generator=g, dtype=torch.float64)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     (reference_attention(*full, ids) * w).sum().backward()
-    state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange=exchange, attn_backend="dense",
+    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
                                         kv_backward=kv_backward)
     counter = OpCounter(log=True)
     with bdcp.blockdiag_cp_step(state):
@@ -527,15 +528,18 @@ def backward_gradient_order(exchange, kv_backward="save"):
                 (out * state.shard(w)).sum().backward()
     error = max(float((t.grad - state.shard(f.grad)).abs().max()) for t, f in zip(mine, full))
     events = counter.counts[("backward", 1)].events
-    order = [("post", e.post) if isinstance(e, PostEvent) else ("wait", e.post)
-             for e in events if isinstance(e, (PostEvent, WaitEvent))]
+    order = [("post", e.post) if isinstance(e, PostEvent) else ("wait", e.post) if isinstance(e, WaitEvent)
+             else "kernel" for e in events if isinstance(e, (KernelEvent, PostEvent, WaitEvent))]
     return order, error
 
 
 def _most_in_flight(order) -> int:
     """The most posts in flight (posted, not yet waited for) when the layer call waits for one."""
     live, most = set(), 0
-    for kind, n in order:
+    for event in order:
+        if event == "kernel":
+            continue
+        kind, n = event
         if kind == "post":
             live.add(n)
         else:
@@ -548,39 +552,29 @@ def _most_in_flight(order) -> int:
 def test_backward_posts_a_gradient_before_it_waits_for_the_last_one(pool4):
     """Backward sends step s's K/V gradient home before it waits for (and adds) the one of step s - 1: two
     gradient transfers in flight, so a step that attends nothing here (it only gets our rows' gradients
-    back) does not hold the next one behind the last one's landing, and never more than two. With the
-    received K/V kept (the ring: no fetch in backward) a wait finds two posts in flight; with refetch, three
-    (the next chunk's fetch beside them). dq, dK and dV match the reference."""
-    for exchange, kv_backward, most in (("allgather", "save", 2), ("allgather", "refetch", 3), ("a2a", "refetch", 3)):
-        for rank, (order, error) in enumerate(pool4.run(backward_gradient_order, exchange, kv_backward)):
-            assert error < 1e-12, (exchange, kv_backward, rank, error)
-            assert _most_in_flight(order) == most, (exchange, kv_backward, rank, order)
-
-
-def window_counts(windows):
-    """Per window (None: none), this rank's (kernel calls, launching ops) of a steady layer call forward and
-    backward, and the window the state attends it with; thd / a2a over 24 documents of 16 and 32 tokens (THD
-    cuts each into 2 * cp pieces: the own keys take one causal call without a window, more with one)."""
-    import megatron_ext.blockdiag_cp as bdcp
-
-    ids = runs_to_doc_ids([(i + 1, 16 * (1 + i % 2)) for i in range(24)])
-    out = []
-    for window in windows:
-        kwargs = {} if window is None else {"window_size": (window, 0)}
-        fwd, bwd = count_layers("a2a", "refetch", ids, layers=2, layout="thd", **kwargs)[1]
-        state = bdcp.BlockDiagCPState.build(ids, layout="thd", kv_exchange="a2a", attn_backend="dense")
-        out.append(((fwd.kernel_calls, fwd.launching), (bwd.kernel_calls, bwd.launching),
-                    state.clipping_window(window)))
-    return out
+    back) does not hold the next one behind the last one's landing, and never more than two. The ring,
+    zigzag: with the received K/V kept (no fetch in backward) a wait finds two posts in flight; with
+    refetch, three (the next piece's fetch beside them). dq, dK and dV match the reference."""
+    for kv_backward, most in (("save", 2), ("refetch", 3)):
+        for rank, (order, error) in enumerate(pool4.run(backward_events, "allgather", kv_backward)):
+            assert error < 1e-12, (kv_backward, rank, error)
+            assert _most_in_flight(order) == most, (kv_backward, rank, order)
 
 
 @pytest.mark.timeout(120)
-def test_a_window_that_hides_no_key_runs_the_plan_without_it(pool2):
-    """Documents of at most 32 tokens: a window of 31 or more hides no key (``clipping_window``: None), so
-    the layer runs the step's own plan, the calls and ops of no window (the variants' tests check the
-    values against the windowed reference); a window of 30 hides some and keeps its own plan."""
-    ranks = pool2.run(window_counts, (None, 31, 30))
-    for rank, (plain, wide, narrow) in enumerate(ranks):
-        assert plain[2] is None and wide[2] is None and narrow[2] == 30, (rank, plain, wide, narrow)
-        assert wide[:2] == plain[:2], (rank, plain, wide)
-    assert any(narrow[:2] != plain[:2] for plain, _, narrow in ranks), ranks  # rank 0: 3 -> 5 calls
+def test_a_rank_that_attends_no_received_key_posts_for_its_gradients_first(pool4):
+    """With a refetch, backward differentiates the own keys right after the first fetch is posted, to hide
+    it. A rank that attends no received key has nothing to hide: contiguous, two documents of two ranks
+    each, ranks 0 and 2 post every step (the fetches they only send, and the receives of their rows'
+    gradients) before their own calls, and wait for the fetches with the gradients, after them
+    (``backward_own_last``); ranks 1 and 3 keep the own keys first. dq, dK and dV match the reference."""
+    for exchange in ("a2a", "halo"):
+        ranks = pool4.run(backward_events, exchange, "refetch", "contiguous", ((1, 128), (2, 128)))
+        for rank, (order, error) in enumerate(ranks):
+            assert error < 1e-12, (exchange, rank, error)
+            first_kernel = order.index("kernel")
+            posts = [e for e in order if e != "kernel" and e[0] == "post"]
+            if rank in (0, 2):
+                assert order[:first_kernel] == posts and len(posts) >= 2, (exchange, rank, order)
+            else:
+                assert first_kernel == 1 and order[0][0] == "post", (exchange, rank, order)
