@@ -1058,18 +1058,16 @@ class BlockDiagCPState:
         With a refetch the own keys go first, to hide the first fetch, except on a rank that attends no
         received key (the first rank of ``contiguous``, say): there is no fetch of its own to hide, and
         its rows' gradients, which come back after the other ranks' calls, are posted for before its own
-        calls instead of after them (under the same bound on what comes back)."""
+        calls instead of after them (under the same bounds on what comes back)."""
         key = ("own_last", kind, str(device), window, sink)
         if key not in self._device_index:
             steps = self.stream_plan(kind, window).steps
-            if self.kv_backward == "save":
-                worth_it = self._last_gradient_rows(kind, window) >= OWN_LAST_ROWS_PER_LAUNCH * sum(
-                    len(step.calls) + 1 for step in steps[1:])
-            else:
-                worth_it = not any(step.calls for step in steps[1:])
             fine = (kind == "needed" and self.kv_exchange in ("a2a", "halo") and len(steps) > 1
+                    and (self.kv_backward == "save" or not any(step.calls for step in steps[1:]))
                     and sum(int(t.numel()) for t in self.plan_for(window).exchange.send_index)
-                    <= KV_SAVE_BUDGET_LOCAL_MULTIPLE * self.local_len and worth_it)
+                    <= KV_SAVE_BUDGET_LOCAL_MULTIPLE * self.local_len
+                    and self._last_gradient_rows(kind, window) >= OWN_LAST_ROWS_PER_LAUNCH * sum(
+                        len(step.calls) + 1 for step in steps[1:]))
             if fine:
                 rows = [[call.q_index for call in step.calls] for step in self.run_steps(kind, window)]
                 fine = copied_rows(self.merges_on(kind, device, window, sink, "gradient", own_last=True),

@@ -502,7 +502,20 @@ def test_forward_posts_the_needed_chunks_two_ahead(pool4):
                 assert posted == [t for t in moving if t < s + ahead], (exchange, rank, s, order)
 
 
-def backward_events(exchange, kv_backward="save", layout="zigzag", runs=((1, 256),)):
+def backward_events(exchange, kv_backward="save", layout="zigzag", runs=((1, 256),), rows_per_launch=None):
+    """``_backward_events`` with ``step.OWN_LAST_ROWS_PER_LAUNCH`` set to ``rows_per_launch`` (None: as it is)."""
+    from megatron_ext.blockdiag_cp import step as step_module
+
+    rule = step_module.OWN_LAST_ROWS_PER_LAUNCH
+    if rows_per_launch is not None:
+        step_module.OWN_LAST_ROWS_PER_LAUNCH = rows_per_launch
+    try:
+        return _backward_events(exchange, kv_backward, layout, runs)
+    finally:
+        step_module.OWN_LAST_ROWS_PER_LAUNCH = rule  # the pool's worker runs the next test
+
+
+def _backward_events(exchange, kv_backward, layout, runs):
     """This rank's backward events of a steady layer call (documents ``runs`` (id, length), by default one
     over the 4 ranks; with kv_backward
     "save" backward fetches nothing, so every post moves K/V gradients): "kernel", or ("post" | "wait",
@@ -567,9 +580,10 @@ def test_a_rank_that_attends_no_received_key_posts_for_its_gradients_first(pool4
     it. A rank that attends no received key has nothing to hide: contiguous, two documents of two ranks
     each, ranks 0 and 2 post every step (the fetches they only send, and the receives of their rows'
     gradients) before their own calls, and wait for the fetches with the gradients, after them
-    (``backward_own_last``); ranks 1 and 3 keep the own keys first. dq, dK and dV match the reference."""
+    (``backward_own_last``; its rows-per-launch rule set to 0: these documents are small); ranks 1 and 3
+    keep the own keys first. dq, dK and dV match the reference."""
     for exchange in ("a2a", "halo"):
-        ranks = pool4.run(backward_events, exchange, "refetch", "contiguous", ((1, 128), (2, 128)))
+        ranks = pool4.run(backward_events, exchange, "refetch", "contiguous", ((1, 128), (2, 128)), 0)
         for rank, (order, error) in enumerate(ranks):
             assert error < 1e-12, (exchange, rank, error)
             first_kernel = order.index("kernel")
@@ -578,3 +592,7 @@ def test_a_rank_that_attends_no_received_key_posts_for_its_gradients_first(pool4
                 assert order[:first_kernel] == posts and len(posts) >= 2, (exchange, rank, order)
             else:
                 assert first_kernel == 1 and order[0][0] == "post", (exchange, rank, order)
+        # with the rule as it is, 64 rows coming back are worth no launch before the own calls
+        for rank, (order, error) in enumerate(pool4.run(backward_events, exchange, "refetch", "contiguous",
+                                                        ((1, 128), (2, 128)))):
+            assert error < 1e-12 and order.index("kernel") == 1, (exchange, rank, order)
