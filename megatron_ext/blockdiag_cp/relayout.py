@@ -13,7 +13,7 @@ document's rows are on every rank. Every rank then needs (cp - 1) / cp of every 
 and merges one partial output per source rank into every row. Moving q, k, v and the output
 costs (cp - 1) / cp of (Hq + 2 Hkv) + Hq head rows per local row, whatever the documents; the
 balanced layout then keeps short documents whole and exchanges keys only for the documents it
-cuts. Worth it when a document is short against S / cp (``docs/user-guide/knobs.md``); a long
+cuts. Worth it when a document is short against S / cp (``docs/user_guide/knobs.md``); a long
 document's rows come back to the same cut and move for nothing.
 
 Every rank computes the same two layouts from the replicated doc ids, so the split sizes of
