@@ -8,11 +8,11 @@
         rank 0 holds a d, heads 0-3      -->  rank 0 holds a b c d, heads 0 1
         rank 1 holds b c, heads 0-3      -->  rank 1 holds a b c d, heads 2 3
 
-Two all-to-alls replace the K/V exchange: q, k and v go from sequence shards to head shards,
-the output comes back the same way. In between each rank runs the engine's single-rank op
-over the padded pack in global order: one plan of every document of every row (windows as
-bottom-right windows, sinks as the rank's share of ``softmax_offset``), so the kernel path
-(te -> flash -> dense), dropout replay and kernel-failure handling are the engine's own. No
+Two all-to-alls replace the K/V exchange: q, k and v go from sequence shards to head shards (the
+three in flight at once), the output comes back the same way. In between each rank runs the
+engine's single-rank op over the padded pack in global order: one plan of every document of every
+row (windows as bottom-right windows, sinks as the rank's share of ``softmax_offset``), so the
+kernel path (te -> flash -> dense), dropout replay and kernel-failure handling are the engine's own. No
 merge, no plan of needed keys, every rank does the same work whatever the documents; the
 price is bytes that do not shrink with short documents: (cp - 1) / cp of the local q, k, v
 and out per layer forward.
@@ -35,12 +35,12 @@ head is repeated ``r = u / gcd(Hkv, u)`` times first, so each rank's query heads
 K/V heads; the repeat's gradient sums back through autograd.
 
 Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the all-to-all primitives, one
-autograd Function for the all-to-all (either direction; backward is the other), and
+autograd Function for the all-to-alls (either direction; backward is the other), and
 ``ulysses_attention``.
 """
 
 from math import gcd
-from typing import Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,28 +52,44 @@ from .agreement import BlockDiagCPError
 # ---------------------------------------------------------------------------
 
 
-def _all_to_all(blocks: torch.Tensor, group) -> torch.Tensor:
-    """[cp, ...] -> [cp, ...]: block j goes to rank j; block i of the result came from rank i."""
-    blocks = blocks.contiguous()
-    received = torch.empty_like(blocks)
-    dist.all_to_all_single(received, blocks, group=group)
-    return received
+def _all_to_all(blocks: Sequence[torch.Tensor], group, finish: Callable) -> Tuple[torch.Tensor, ...]:
+    """Each [cp, ...] of ``blocks``: block j goes to rank j, block i of the result came from rank i, then
+    ``finish(i, received)``. Every all-to-all is posted before the first is waited for: the next tensor's
+    blocks are laid out while the last one's move, and the moved ones finished while the next arrive."""
+    posted = []
+    for x in blocks:
+        x = x.contiguous()
+        received = torch.empty_like(x)
+        posted.append((dist.all_to_all_single(received, x, group=group, async_op=True), received, x))
+    out = []
+    for i, (work, received, sent) in enumerate(posted):
+        work.wait()
+        out.append(finish(i, received))
+        del sent  # held until its all-to-all finished
+    return tuple(out)
 
 
-def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """[L, b, H, D] this rank's positions, every head -> [cp * L, b, H / cp, D] every rank's
-    positions (source-rank major), this rank's heads."""
-    L, b, H, D = x.shape
-    blocks = x.reshape(L, b, cp, H // cp, D).permute(2, 0, 1, 3, 4)  # [cp, L, b, H / cp, D]
-    return _all_to_all(blocks, group).reshape(cp * L, b, H // cp, D)
+def _sequence_to_heads(xs: Sequence[torch.Tensor], group, cp: int, order: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Each [L, b, H, D] this rank's positions, every head -> [cp * L, b, H / cp, D] every rank's positions,
+    this rank's heads, rows in ``order`` (of the source-rank-major rows)."""
+    def heads(i, received):
+        L, b, H, D = xs[i].shape
+        return received.reshape(cp * L, b, H // cp, D).index_select(0, order)
+
+    # [cp, L, b, H / cp, D] block j: the heads of rank j
+    return _all_to_all([x.reshape(x.shape[0], x.shape[1], cp, x.shape[2] // cp, x.shape[3]).permute(2, 0, 1, 3, 4)
+                        for x in xs], group, heads)
 
 
-def _heads_to_sequence(y: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """[cp * L, b, h, D] every rank's positions (source-rank major), this rank's heads -> [L, b, cp * h, D]
-    this rank's positions, every head: the inverse of ``_sequence_to_heads``."""
-    P, b, h, D = y.shape
-    received = _all_to_all(y.reshape(cp, P // cp, b, h, D), group)  # [cp, L, b, h, D] block i: heads of rank i
-    return received.permute(1, 2, 0, 3, 4).reshape(P // cp, b, cp * h, D)
+def _heads_to_sequence(ys: Sequence[torch.Tensor], group, cp: int, order: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Each [cp * L, b, h, D] every rank's positions, this rank's heads, taken in ``order`` to source-rank-major
+    rows -> [L, b, cp * h, D] this rank's positions, every head: the inverse of ``_sequence_to_heads``."""
+    def sequence(i, received):  # [cp, L, b, h, D] block i: heads of rank i
+        P, b, h, D = ys[i].shape
+        return received.permute(1, 2, 0, 3, 4).reshape(P // cp, b, cp * h, D)
+
+    return _all_to_all([y.index_select(0, order).reshape(cp, y.shape[0] // cp, *y.shape[1:]) for y in ys],
+                       group, sequence)
 
 
 # ---------------------------------------------------------------------------
@@ -82,19 +98,36 @@ def _heads_to_sequence(y: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 
 class _AllToAllHeads(torch.autograd.Function):
-    """Forward: sequence shards -> head shards (``to_heads``) or back. Backward: the other direction."""
+    """Forward: sequence shards -> head shards (``to_heads``) or back, every tensor's all-to-all in flight
+    at once. Backward: their gradients the other direction, likewise.
+
+    ``to_local`` orders the head shards' source-rank-major rows as the heads state's local ones, and
+    ``to_ranks`` back (two inverse permutations): the all-to-all's rows and the state's are one gather
+    apart, each way."""
 
     @staticmethod
-    def forward(ctx, x, group, cp: int, stats: dict, to_heads: bool):
+    def forward(ctx, group, cp: int, stats: dict, to_heads: bool, to_local, to_ranks, *xs):
         ctx.group, ctx.cp, ctx.stats, ctx.to_heads = group, cp, stats, to_heads
-        _count(stats, "", x, cp)
-        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, group, cp)
+        ctx.to_local, ctx.to_ranks = to_local, to_ranks
+        for x in xs:
+            _count(stats, "", x, cp)
+        if to_heads:
+            return _sequence_to_heads(xs, group, cp, to_local)
+        return _heads_to_sequence(xs, group, cp, to_ranks)
 
     @staticmethod
-    def backward(ctx, grad):
-        _count(ctx.stats, "backward_", grad, ctx.cp)
-        return (_heads_to_sequence if ctx.to_heads else _sequence_to_heads)(grad, ctx.group, ctx.cp), \
-            None, None, None, None
+    def backward(ctx, *grads):
+        # Only the gradients some input needs move: every rank's inputs need the same ones (one model)
+        wanted = [i for i, grad in enumerate(grads) if ctx.needs_input_grad[6 + i]]
+        for i in wanted:
+            _count(ctx.stats, "backward_", grads[i], ctx.cp)
+        picked = tuple(grads[i].contiguous() for i in wanted)
+        if ctx.to_heads:
+            moved = _heads_to_sequence(picked, ctx.group, ctx.cp, ctx.to_ranks)
+        else:
+            moved = _sequence_to_heads(picked, ctx.group, ctx.cp, ctx.to_local)
+        moved = dict(zip(wanted, moved))
+        return (None,) * 6 + tuple(moved.get(i) for i in range(len(grads)))
 
 
 def _count(stats: dict, prefix: str, x: torch.Tensor, cp: int) -> None:
@@ -141,9 +174,8 @@ def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, ba
     stats = state.comm_stats
     for key in [key for key in stats if not key.startswith("backward_")]:
         del stats[key]  # this call's figures only (a model's layers share the state)
-    # [cp * L, b, H / cp, D] source-rank major -> [n, b, H / cp, D] the heads state's local order: global
-    # order in one dimension, the ring layout's in two (index_select: its backward is the inverse scatter)
-    q_h, k_h, v_h = (_AllToAllHeads.apply(t, group, cp, stats, True).index_select(0, to_local) for t in (q, k, v))
+    # [n, b, H / cp, D] in the heads state's local order: global order in one dimension, the ring layout's in two
+    q_h, k_h, v_h = _AllToAllHeads.apply(group, cp, stats, True, to_local, to_ranks, q, k, v)
     if two_dim:
         heads_state.kv_row_bytes = k_h[0].numel() * k_h.element_size() + v_h[0].numel() * v_h.element_size()
     sink = None
@@ -151,7 +183,8 @@ def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, ba
         share, place = q.shape[2] // cp, state.rank % cp  # place in the Ulysses group
         sink = softmax_offset[place * share:(place + 1) * share]  # [Hq / cp]: this rank's heads
     out_h = streamed_attention(q_h, k_h, v_h, sink, heads_state, backend, scale, dropout_p, window)  # [n, b, Hq / cp, Dv]
-    return _AllToAllHeads.apply(out_h.index_select(0, to_ranks), group, cp, stats, False)
+    out, = _AllToAllHeads.apply(group, cp, stats, False, to_local, to_ranks, out_h)
+    return out
 
 
 def ulysses_single_rank_state(state):

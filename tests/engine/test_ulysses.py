@@ -140,6 +140,58 @@ def test_dropout_gradients_and_replayed_masks(pool):
         assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r
 
 
+def ulysses_posts(needs_grad):
+    """zigzag, short documents, ulysses, float64; ``needs_grad``: which of q, k, v require a gradient. This
+    rank's (forward, backward) posts and first waits as ("post" | "wait", number of the post), and the
+    errors of out and of the gradients asked for against the reference."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.testing.op_counter import OpCounter, PostEvent, WaitEvent
+
+    doc_ids = make_doc_ids("short", 96, dist.get_world_size())
+    hq, hkv, dk, dv = HEADS[0]
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(96, 1, h, d, generator=g, dtype=torch.float64) for h, d in ((hq, dk), (hkv, dk), (hkv, dv)))
+    w = torch.randn(96, 1, hq, dv, generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_(need) for t, need in zip((q, k, v), needs_grad)]
+    want = reference_attention(*full, doc_ids)
+    (want * w).sum().backward()
+    state = bdcp.BlockDiagCPState.build(doc_ids, layout="zigzag", kv_exchange="ulysses", attn_backend="dense")
+    mine = [state.shard(t).detach().requires_grad_(need) for t, need in zip((q, k, v), needs_grad)]
+    counter = OpCounter(log=True)
+    with bdcp.blockdiag_cp_step(state), counter:
+        with counter.region("forward"):
+            out = bdcp.blockdiag_cp_attention(*mine)
+        with counter.region("backward"):
+            (out * state.shard(w)).sum().backward()
+    errors = [_rel(out, state.shard(want))] + [_rel(t.grad, state.shard(f.grad))
+                                               for t, f in zip(mine, full) if f.requires_grad]
+    orders = tuple([("post", e.post) if isinstance(e, PostEvent) else ("wait", e.post)
+                    for e in counter.counts[phase].events if isinstance(e, (PostEvent, WaitEvent))]
+                   for phase in ("forward", "backward"))
+    return orders, errors
+
+
+@pytest.mark.timeout(120)
+def test_moves_of_q_k_v_and_their_gradients_are_in_flight_together(pool):
+    """Forward posts the all-to-alls of q, k and v before it waits for the first (the next tensor's blocks
+    are laid out while the last one's move), then the output's; backward the output's gradient, then dq,
+    dK and dV's the same way, only those an input needs (here: every one, or q's alone). The results
+    match the reference."""
+    if pool.world != 2:
+        pytest.skip("one cp is enough")
+    for needs_grad, back in (((True, True, True), 3), ((True, False, False), 1)):
+        for (forward, backward), errors in pool.run(ulysses_posts, needs_grad):
+            assert max(errors) < TOL and len(errors) == 1 + back, (needs_grad, errors)
+            posts = [n for kind, n in forward if kind == "post"]
+            assert len(posts) == 4 and forward == [("post", n) for n in posts[:3]] + [
+                ("wait", n) for n in posts[:3]] + [("post", posts[3]), ("wait", posts[3])], forward
+            posts = [n for kind, n in backward if kind == "post"]
+            assert len(posts) == 1 + back and backward == [("post", posts[0]), ("wait", posts[0])] + [
+                ("post", n) for n in posts[1:]] + [("wait", n) for n in posts[1:]], backward
+
+
 @pytest.mark.timeout(120)
 def test_a_cp_that_does_not_split_the_query_heads_is_refused_on_every_rank():
     with WorkerPool(3) as pool:
