@@ -15,7 +15,7 @@ from megatron_ext.testing import WorkerPool, catch, pool_fixture, pool_per_cp_fi
 from megatron_ext.testing.cases import CASES, make_doc_ids
 from test_engine_dist import dropout_checks
 from test_two_dim import planned_step
-from test_ulysses import errors_against_reference
+from test_ulysses import errors_against_reference, posts_against_reference
 from test_variants import _thd_padded
 
 LAYOUTS = ("contiguous", "zigzag", "thd")
@@ -143,40 +143,16 @@ def test_steps_it_leaves_in_their_own_layout(pool):
 
 
 def relaid_posts(needs_grad):
-    """zigzag, short documents, a2a, relaid, float64; ``needs_grad``: which of q, k, v require a gradient.
-    This rank's (forward, backward) posts and first waits as ("post" | "wait", number of the post), the
-    errors of out and of the gradients asked for against the reference, the report, and the rows this
-    rank's positions send to other ranks by the balanced layout's owners and receive from them."""
+    """``posts_against_reference`` of a2a relaid to balanced: (orders, errors, the report, the rows this rank's
+    positions send to other ranks by the balanced layout's owners, the rows it receives from them)."""
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp.layouts import build_layout
-    from megatron_ext.testing import reference_attention
-    from megatron_ext.testing.op_counter import OpCounter, PostEvent, WaitEvent
 
     rank = dist.get_rank()
-    doc_ids = make_doc_ids("short", 96, dist.get_world_size())
-    hq, hkv, dk, dv = HEADS
-    g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(96, 1, h, d, generator=g, dtype=torch.float64) for h, d in ((hq, dk), (hkv, dk), (hkv, dv)))
-    w = torch.randn(96, 1, hq, dv, generator=g, dtype=torch.float64)
-    full = [t.clone().requires_grad_(need) for t, need in zip((q, k, v), needs_grad)]
-    want = reference_attention(*full, doc_ids)
-    (want * w).sum().backward()
-    state = bdcp.BlockDiagCPState.build(doc_ids, layout="zigzag", kv_exchange="a2a", attn_backend="dense",
-                                        relayout="balanced")
-    mine = [state.shard(t).detach().requires_grad_(need) for t, need in zip((q, k, v), needs_grad)]
-    counter = OpCounter(log=True)
-    with bdcp.blockdiag_cp_step(state), counter:
-        with counter.region("forward"):
-            out = bdcp.blockdiag_cp_attention(*mine)
-        with counter.region("backward"):
-            (out * state.shard(w)).sum().backward()
-    errors = [float((out - state.shard(want)).abs().max())] + [
-        float((t.grad - state.shard(f.grad)).abs().max()) for t, f in zip(mine, full) if f.requires_grad]
-    orders = tuple([("post", e.post) if isinstance(e, PostEvent) else ("wait", e.post)
-                    for e in counter.counts[phase].events if isinstance(e, (PostEvent, WaitEvent))]
-                   for phase in ("forward", "backward"))
+    orders, errors, state = posts_against_reference(HEADS, needs_grad, lambda ids: bdcp.BlockDiagCPState.build(
+        ids, layout="zigzag", kv_exchange="a2a", attn_backend="dense", relayout="balanced"), seed=7)
     balanced = build_layout("balanced", state.doc_ids, state.cp)
     sent = int((balanced.owner()[state.layout.positions[rank]] != rank).sum())
     received = int((state.layout.owner()[balanced.positions[rank]] != rank).sum())

@@ -140,24 +140,25 @@ def test_dropout_gradients_and_replayed_masks(pool):
         assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r
 
 
-def ulysses_posts(needs_grad):
-    """zigzag, short documents, ulysses, float64; ``needs_grad``: which of q, k, v require a gradient. This
-    rank's (forward, backward) posts and first waits as ("post" | "wait", number of the post), and the
-    errors of out and of the gradients asked for against the reference."""
+def posts_against_reference(heads, needs_grad, build, seed):
+    """zigzag, short documents over this group, float64; ``needs_grad``: which of q, k, v require a
+    gradient; the state ``build(doc_ids)``. This rank's (forward, backward) posts and first waits as
+    ("post" | "wait", number of the post), the errors of out and of the gradients asked for against the
+    reference, and the state."""
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.op_counter import OpCounter, PostEvent, WaitEvent
 
     doc_ids = make_doc_ids("short", 96, dist.get_world_size())
-    hq, hkv, dk, dv = HEADS[0]
-    g = torch.Generator().manual_seed(9)
+    hq, hkv, dk, dv = heads
+    g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(96, 1, h, d, generator=g, dtype=torch.float64) for h, d in ((hq, dk), (hkv, dk), (hkv, dv)))
     w = torch.randn(96, 1, hq, dv, generator=g, dtype=torch.float64)
     full = [t.clone().requires_grad_(need) for t, need in zip((q, k, v), needs_grad)]
     want = reference_attention(*full, doc_ids)
     (want * w).sum().backward()
-    state = bdcp.BlockDiagCPState.build(doc_ids, layout="zigzag", kv_exchange="ulysses", attn_backend="dense")
+    state = build(doc_ids)
     mine = [state.shard(t).detach().requires_grad_(need) for t, need in zip((q, k, v), needs_grad)]
     counter = OpCounter(log=True)
     with bdcp.blockdiag_cp_step(state), counter:
@@ -170,6 +171,15 @@ def ulysses_posts(needs_grad):
     orders = tuple([("post", e.post) if isinstance(e, PostEvent) else ("wait", e.post)
                     for e in counter.counts[phase].events if isinstance(e, (PostEvent, WaitEvent))]
                    for phase in ("forward", "backward"))
+    return orders, errors, state
+
+
+def ulysses_posts(needs_grad):
+    """``posts_against_reference`` of the ulysses exchange: (orders, errors)."""
+    import megatron_ext.blockdiag_cp as bdcp
+
+    orders, errors, _ = posts_against_reference(HEADS[0], needs_grad, lambda ids: bdcp.BlockDiagCPState.build(
+        ids, layout="zigzag", kv_exchange="ulysses", attn_backend="dense"), seed=9)
     return orders, errors
 
 
