@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 
+from .exchange import all_to_alls, needed_gradients
 from .layouts import Layout
 
 # ---------------------------------------------------------------------------
@@ -90,23 +90,10 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 
 def _move_rows(xs: Tuple[torch.Tensor, ...], move: RowMove, group) -> Tuple[torch.Tensor, ...]:
-    """Each [L, ...] of ``xs``, rows in the source layout's local order -> [L, ...] in the target's.
-
-    Every all-to-all is posted before the first is waited for: the next tensor's rows are gathered
-    while the last one's move, and the moved rows put in place while the next ones arrive."""
-    posted = []
-    for x in xs:
-        send = x.index_select(0, move.send_order)
-        received = torch.empty_like(send)
-        work = dist.all_to_all_single(received, send, move.recv_counts, move.send_counts, group=group,
-                                      async_op=True)
-        posted.append((work, received, send))
-    out = []
-    for work, received, send in posted:
-        work.wait()
-        out.append(received.index_select(0, move.placed))
-        del send  # held until its all-to-all finished
-    return tuple(out)
+    """Each [L, ...] of ``xs``, rows in the source layout's local order -> [L, ...] in the target's: a
+    gather, the all-to-alls in flight together (``exchange.all_to_alls``), a gather."""
+    return all_to_alls((x.index_select(0, move.send_order) for x in xs), group,
+                       lambda i, received: received.index_select(0, move.placed), move.send_counts, move.recv_counts)
 
 
 def _count(stats: Dict, key: str, x: torch.Tensor, move: RowMove, rank: int) -> None:
@@ -134,12 +121,12 @@ class _MoveRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # Only the gradients some input needs move: every rank's inputs need the same ones (one model)
-        wanted = [i for i, grad in enumerate(grads) if ctx.needs_input_grad[5 + i]]
-        for i in wanted:
-            _count(ctx.stats, "backward_relayout_bytes", grads[i], ctx.back, ctx.rank)
-        moved = dict(zip(wanted, _move_rows(tuple(grads[i].contiguous() for i in wanted), ctx.back, ctx.group)))
-        return (None,) * 5 + tuple(moved.get(i) for i in range(len(grads)))
+        def move(picked):
+            for grad in picked:
+                _count(ctx.stats, "backward_relayout_bytes", grad, ctx.back, ctx.rank)
+            return _move_rows(picked, ctx.back, ctx.group)
+
+        return (None,) * 5 + needed_gradients(grads, ctx.needs_input_grad[5:], move)
 
 
 # ---------------------------------------------------------------------------

@@ -40,33 +40,16 @@ autograd Function for the all-to-alls (either direction; backward is the other),
 """
 
 from math import gcd
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .agreement import BlockDiagCPError
+from .exchange import all_to_alls, needed_gradients
 
 # ---------------------------------------------------------------------------
 # Primitives
 # ---------------------------------------------------------------------------
-
-
-def _all_to_all(blocks: Sequence[torch.Tensor], group, finish: Callable) -> Tuple[torch.Tensor, ...]:
-    """Each [cp, ...] of ``blocks``: block j goes to rank j, block i of the result came from rank i, then
-    ``finish(i, received)``. Every all-to-all is posted before the first is waited for: the next tensor's
-    blocks are laid out while the last one's move, and the moved ones finished while the next arrive."""
-    posted = []
-    for x in blocks:
-        x = x.contiguous()
-        received = torch.empty_like(x)
-        posted.append((dist.all_to_all_single(received, x, group=group, async_op=True), received, x))
-    out = []
-    for i, (work, received, sent) in enumerate(posted):
-        work.wait()
-        out.append(finish(i, received))
-        del sent  # held until its all-to-all finished
-    return tuple(out)
 
 
 def _sequence_to_heads(xs: Sequence[torch.Tensor], group, cp: int, order: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -77,8 +60,8 @@ def _sequence_to_heads(xs: Sequence[torch.Tensor], group, cp: int, order: torch.
         return received.reshape(cp * L, b, H // cp, D).index_select(0, order)
 
     # [cp, L, b, H / cp, D] block j: the heads of rank j
-    return _all_to_all([x.reshape(x.shape[0], x.shape[1], cp, x.shape[2] // cp, x.shape[3]).permute(2, 0, 1, 3, 4)
-                        for x in xs], group, heads)
+    return all_to_alls((x.reshape(x.shape[0], x.shape[1], cp, x.shape[2] // cp, x.shape[3]).permute(2, 0, 1, 3, 4)
+                        for x in xs), group, heads)
 
 
 def _heads_to_sequence(ys: Sequence[torch.Tensor], group, cp: int, order: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -88,7 +71,7 @@ def _heads_to_sequence(ys: Sequence[torch.Tensor], group, cp: int, order: torch.
         P, b, h, D = ys[i].shape
         return received.permute(1, 2, 0, 3, 4).reshape(P // cp, b, cp * h, D)
 
-    return _all_to_all([y.index_select(0, order).reshape(cp, y.shape[0] // cp, *y.shape[1:]) for y in ys],
+    return all_to_alls([y.index_select(0, order).reshape(cp, y.shape[0] // cp, *y.shape[1:]) for y in ys],
                        group, sequence)
 
 
@@ -117,17 +100,14 @@ class _AllToAllHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # Only the gradients some input needs move: every rank's inputs need the same ones (one model)
-        wanted = [i for i, grad in enumerate(grads) if ctx.needs_input_grad[6 + i]]
-        for i in wanted:
-            _count(ctx.stats, "backward_", grads[i], ctx.cp)
-        picked = tuple(grads[i].contiguous() for i in wanted)
-        if ctx.to_heads:
-            moved = _heads_to_sequence(picked, ctx.group, ctx.cp, ctx.to_ranks)
-        else:
-            moved = _sequence_to_heads(picked, ctx.group, ctx.cp, ctx.to_local)
-        moved = dict(zip(wanted, moved))
-        return (None,) * 6 + tuple(moved.get(i) for i in range(len(grads)))
+        def move(picked):
+            for grad in picked:
+                _count(ctx.stats, "backward_", grad, ctx.cp)
+            if ctx.to_heads:
+                return _heads_to_sequence(picked, ctx.group, ctx.cp, ctx.to_ranks)
+            return _sequence_to_heads(picked, ctx.group, ctx.cp, ctx.to_local)
+
+        return (None,) * 6 + needed_gradients(grads, ctx.needs_input_grad[6:], move)
 
 
 def _count(stats: dict, prefix: str, x: torch.Tensor, cp: int) -> None:

@@ -7,6 +7,9 @@ exchange; the all-gather ring sending home only the K/V gradients some query pro
 exchange's kernel calls, launching ops, transfers and syncs per layer call, pinned.
 """
 
+import contextlib
+from typing import Optional
+
 import pytest
 import torch
 
@@ -313,17 +316,27 @@ def test_relayout_attends_short_thd_documents_in_fewer_calls(pool4):
     assert [relaid for relaid, _ in moved] == RELAID_PINNED, [relaid for relaid, _ in moved]
 
 
+@contextlib.contextmanager
+def own_last_rows_per_launch(rows: Optional[int]):
+    """``step.OWN_LAST_ROWS_PER_LAUNCH`` set to ``rows`` (None: as it is) inside, restored after: the pool's
+    worker runs the next test."""
+    from megatron_ext.blockdiag_cp import step as step_module
+
+    rule = step_module.OWN_LAST_ROWS_PER_LAUNCH
+    if rows is not None:
+        step_module.OWN_LAST_ROWS_PER_LAUNCH = rows
+    try:
+        yield
+    finally:
+        step_module.OWN_LAST_ROWS_PER_LAUNCH = rule
+
+
 def backward_order(kv_backward, layout):
     """This rank's backward events of a steady layer call (thd or zigzag, a2a, ``_thd_mix``, float64): per
     event "kernel", "post" or "wait"; the own step's calls; whether the step took the own keys last (the
     rows-per-launch rule set to 0: these documents are small); the largest error against the reference."""
-    from megatron_ext.blockdiag_cp import step as step_module
-
-    rule, step_module.OWN_LAST_ROWS_PER_LAUNCH = step_module.OWN_LAST_ROWS_PER_LAUNCH, 0
-    try:
+    with own_last_rows_per_launch(0):
         return _backward_order(kv_backward, layout)
-    finally:
-        step_module.OWN_LAST_ROWS_PER_LAUNCH = rule  # the pool's worker runs the next test
 
 
 def _backward_order(kv_backward, layout):
@@ -503,16 +516,9 @@ def test_forward_posts_the_needed_chunks_two_ahead(pool4):
 
 
 def backward_events(exchange, kv_backward="save", layout="zigzag", runs=((1, 256),), rows_per_launch=None):
-    """``_backward_events`` with ``step.OWN_LAST_ROWS_PER_LAUNCH`` set to ``rows_per_launch`` (None: as it is)."""
-    from megatron_ext.blockdiag_cp import step as step_module
-
-    rule = step_module.OWN_LAST_ROWS_PER_LAUNCH
-    if rows_per_launch is not None:
-        step_module.OWN_LAST_ROWS_PER_LAUNCH = rows_per_launch
-    try:
+    """``_backward_events`` under ``own_last_rows_per_launch(rows_per_launch)``."""
+    with own_last_rows_per_launch(rows_per_launch):
         return _backward_events(exchange, kv_backward, layout, runs)
-    finally:
-        step_module.OWN_LAST_ROWS_PER_LAUNCH = rule  # the pool's worker runs the next test
 
 
 def _backward_events(exchange, kv_backward, layout, runs):
