@@ -71,7 +71,7 @@ def _heads_to_sequence(ys: Sequence[torch.Tensor], group, cp: int, order: torch.
         P, b, h, D = ys[i].shape
         return received.permute(1, 2, 0, 3, 4).reshape(P // cp, b, cp * h, D)
 
-    return all_to_alls([y.index_select(0, order).reshape(cp, y.shape[0] // cp, *y.shape[1:]) for y in ys],
+    return all_to_alls((y.index_select(0, order).reshape(cp, y.shape[0] // cp, *y.shape[1:]) for y in ys),
                        group, sequence)
 
 

@@ -140,15 +140,15 @@ def test_dropout_gradients_and_replayed_masks(pool):
         assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r
 
 
-def posts_against_reference(heads, needs_grad, build, seed):
+def posts_against_reference(heads, needs_grad, build, seed, gathers=False):
     """zigzag, short documents over this group, float64; ``needs_grad``: which of q, k, v require a
     gradient; the state ``build(doc_ids)``. This rank's (forward, backward) posts and first waits as
-    ("post" | "wait", number of the post), the errors of out and of the gradients asked for against the
-    reference, and the state."""
+    ("post" | "wait", number of the post), with ``gathers`` also each row gather as ("gather", None), the
+    errors of out and of the gradients asked for against the reference, and the state."""
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.testing.op_counter import OpCounter, PostEvent, WaitEvent
+    from megatron_ext.testing.op_counter import OpCounter, OpEvent, PostEvent, WaitEvent
 
     doc_ids = make_doc_ids("short", 96, dist.get_world_size())
     hq, hkv, dk, dv = heads
@@ -168,18 +168,24 @@ def posts_against_reference(heads, needs_grad, build, seed):
             (out * state.shard(w)).sum().backward()
     errors = [_rel(out, state.shard(want))] + [_rel(t.grad, state.shard(f.grad))
                                                for t, f in zip(mine, full) if f.requires_grad]
-    orders = tuple([("post", e.post) if isinstance(e, PostEvent) else ("wait", e.post)
-                    for e in counter.counts[phase].events if isinstance(e, (PostEvent, WaitEvent))]
+    def entry(e):
+        if isinstance(e, PostEvent):
+            return ("post", e.post)
+        if isinstance(e, WaitEvent):
+            return ("wait", e.post)
+        return ("gather", None) if gathers and isinstance(e, OpEvent) and e.name == "index_select" else None
+
+    orders = tuple([x for x in map(entry, counter.counts[phase].events) if x is not None]
                    for phase in ("forward", "backward"))
     return orders, errors, state
 
 
 def ulysses_posts(needs_grad):
-    """``posts_against_reference`` of the ulysses exchange: (orders, errors)."""
+    """``posts_against_reference`` of the ulysses exchange, with its row gathers: (orders, errors)."""
     import megatron_ext.blockdiag_cp as bdcp
 
     orders, errors, _ = posts_against_reference(HEADS[0], needs_grad, lambda ids: bdcp.BlockDiagCPState.build(
-        ids, layout="zigzag", kv_exchange="ulysses", attn_backend="dense"), seed=9)
+        ids, layout="zigzag", kv_exchange="ulysses", attn_backend="dense"), seed=9, gathers=True)
     return orders, errors
 
 
@@ -187,19 +193,25 @@ def ulysses_posts(needs_grad):
 def test_moves_of_q_k_v_and_their_gradients_are_in_flight_together(pool):
     """Forward posts the all-to-alls of q, k and v before it waits for the first (the next tensor's blocks
     are laid out while the last one's move), then the output's; backward the output's gradient, then dq,
-    dK and dV's the same way, only those an input needs (here: every one, or q's alone). The results
-    match the reference."""
+    dK and dV's the same way, only those an input needs (here: every one, or q's alone): each gradient's
+    rows are gathered after the last one's all-to-all was posted. The results match the reference."""
     if pool.world != 2:
         pytest.skip("one cp is enough")
+    gather = ("gather", None)
     for needs_grad, back in (((True, True, True), 3), ((True, False, False), 1)):
         for (forward, backward), errors in pool.run(ulysses_posts, needs_grad):
             assert max(errors) < TOL and len(errors) == 1 + back, (needs_grad, errors)
+            gathered = backward
+            forward, backward = ([x for x in order if x != gather] for order in (forward, backward))
             posts = [n for kind, n in forward if kind == "post"]
             assert len(posts) == 4 and forward == [("post", n) for n in posts[:3]] + [
                 ("wait", n) for n in posts[:3]] + [("post", posts[3]), ("wait", posts[3])], forward
             posts = [n for kind, n in backward if kind == "post"]
             assert len(posts) == 1 + back and backward == [("post", posts[0]), ("wait", posts[0])] + [
                 ("post", n) for n in posts[1:]] + [("wait", n) for n in posts[1:]], backward
+            first = gathered.index(("post", posts[1]))
+            assert gathered[first - 1:] == [x for n in posts[1:] for x in (gather, ("post", n))] + [
+                ("wait", n) for n in posts[1:]], gathered
 
 
 @pytest.mark.timeout(120)
