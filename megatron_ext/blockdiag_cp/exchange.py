@@ -239,6 +239,25 @@ def piece_rows(count: int, chunk_rows: int, piece: int) -> int:
     return max(0, min(chunk_rows, count - piece * chunk_rows))
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """How a pair's needed rows (ascending positions) are cut into its messages: ``rows`` at a time (the
+    streamed steps' chunks), or into ``parts`` parts of equal rows (the band mode's groups: piece g of
+    every pair then covers about the same documents, a pair that sends less sending smaller pieces)."""
+
+    rows: int = 0
+    parts: int = 0
+
+    def span(self, count: int, piece: int) -> Tuple[int, int]:
+        """(first row, rows) of piece ``piece`` of ``count`` rows; 0 rows past the last."""
+        c = self.rows or max(1, -(-count // self.parts))
+        return piece * c, piece_rows(count, c, piece)
+
+    def count(self, count: int) -> int:
+        """How many pieces ``count`` rows make."""
+        return min(count, self.parts) if self.parts else -(-count // self.rows)
+
+
 class RingTransport(_DirectGradients):
     """allgather as a ring: step (i, j) forwards piece j of the chunk received at (i - 1, j) to rank + 1."""
 
@@ -287,6 +306,7 @@ class NeededTransport(_DirectGradients):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
         self.send_index = send_index
+        self.pieces = Pieces(rows=chunk_rows)
         # The host table as Python ints: reading a tensor element per step costs a dispatch each
         # (and on a device it would be a sync, were the table ever moved there).
         self.sent_to, self.received_from = counts[rank].tolist(), counts[:, rank].tolist()
@@ -314,9 +334,9 @@ class NeededTransport(_DirectGradients):
         """Local rows sent at ``step`` (a slice, or an index tensor) and their count."""
         i, j = step
         dst = (self.rank + i) % self.cp
-        n = piece_rows(self.sent_to[dst], self.c, j)
+        first, n = self.pieces.span(self.sent_to[dst], j)
         index = self.send_index[dst]  # None: every local row, in order
-        part = slice(j * self.c, j * self.c + n)
+        part = slice(first, first + n)
         return (part if index is None else index[part]), n
 
     def start(self, step) -> Transfer:
@@ -339,7 +359,7 @@ class NeededTransport(_DirectGradients):
 
     def received_rows(self, step) -> int:
         i, j = step
-        return piece_rows(self.received_from[(self.rank - i) % self.cp], self.c, j)
+        return self.pieces.span(self.received_from[(self.rank - i) % self.cp], j)[1]
 
     # Every needed row is attended: a received chunk's gradient goes back whole.
     gradient_rows = received_rows
@@ -369,43 +389,43 @@ class _Delivered:
 class WholeDelivery:
     """What ``WholeNeededTransport`` moves for the band mode (``BlockDiagCPState.whole_delivery_on``)."""
 
-    pieces: Tuple[Tuple[int, int], ...]  # the streamed steps' (round, piece), in their order
-    chunk_rows: int  # the most rows one piece moves
-    band_rows: Tuple[Optional[torch.Tensor], ...]  # per source rank, its needed rows' places in the band order
-    received: int  # rows this rank receives, every source together
+    groups: Tuple[Tuple[Tuple[int, int], ...], ...]  # per band step, the (round, piece) it posts, in order
+    pieces: Pieces  # how a pair's rows are cut: piece g goes with band step g
+    band_rows: Tuple[Optional[torch.Tensor], ...]  # per source rank, each needed row's place in its group's buffer
+    received: Tuple[int, ...]  # per group, the rows this rank receives, every source together
 
 
 class WholeNeededTransport(NeededTransport):
-    """a2a / halo delivered at once for the gathered plan (``gathered``: the own step, then one step
-    over every received row, by bands). The step posts every piece the streamed steps would
-    (``WholeDelivery.pieces``, each the same message), all together, and places each source's rows
-    where the bands read them (``band_rows``); its gradient goes home piece by piece the same way. A
-    pair's messages are those of the streamed steps in their order, and every rank of the group takes
-    the band mode or none does (``needed_whole``)."""
+    """a2a / halo for the gathered plan (``gathered``: the own step, then one step per group of pieces,
+    by bands). Band step g posts piece g of every source (``WholeDelivery.groups``), all together,
+    and places each source's rows where the bands read them (``band_rows``); its gradient goes home
+    piece by piece the same way. Every rank posts the same pieces in the same order, and every rank
+    of the group takes the band mode or none does (``needed_whole``)."""
 
     def __init__(self, k, v, rank: int, cp: int, group, stats: Dict, prefix: str,
                  send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, delivery: WholeDelivery,
                  fuse_sends: bool = False):
-        super().__init__(k, v, rank, cp, delivery.chunk_rows, group, stats, prefix, send_index, counts, fuse_sends)
-        self.delivery = delivery
+        super().__init__(k, v, rank, cp, 0, group, stats, prefix, send_index, counts, fuse_sends)
+        self.delivery, self.pieces = delivery, delivery.pieces
 
     def _band_rows(self, step) -> Optional[torch.Tensor]:
-        """Where the rows received at ``step`` (round i, piece j) lie in the band order (None: none)."""
+        """Where the rows received at ``step`` (round i, piece j) lie in group j's buffer (None: none)."""
         i, j = step
         src = (self.rank - i) % self.cp
-        n = piece_rows(self.received_from[src], self.c, j)
-        return self.delivery.band_rows[src][j * self.c:j * self.c + n] if n else None
+        first, n = self.pieces.span(self.received_from[src], j)
+        return self.delivery.band_rows[src][first:first + n] if n else None
 
-    start_piece = NeededTransport.start  # one streamed step's transfer (testing.loopback hands it over)
+    start_piece = NeededTransport.start  # one piece's transfer (testing.loopback hands it over)
 
     def start(self, step) -> _Delivered:
-        transfers = [(self._band_rows(piece), self.start_piece(piece)) for piece in self.delivery.pieces]
-        return _Delivered(transfers, (self.delivery.received, self.k.shape[1], fused_width(self.k, self.v)),
+        group = step[1]
+        transfers = [(self._band_rows(piece), self.start_piece(piece)) for piece in self.delivery.groups[group]]
+        return _Delivered(transfers, (self.delivery.received[group], self.k.shape[1], fused_width(self.k, self.v)),
                           self.k[:0])
 
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         handles = []
-        for piece in self.delivery.pieces:
+        for piece in self.delivery.groups[step[1]]:
             rows = self._band_rows(piece)
             part = None if grad_chunk is None or rows is None else grad_chunk.index_select(0, rows)
             handles.append(_DirectGradients.send_gradient(self, piece, part, like))
@@ -584,5 +604,5 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
 
 
 __all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows", "fused_width",
-           "exposed_wait", "resolve_waits", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
+           "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
            "needed_gradients"]

@@ -32,21 +32,24 @@ its own pieces cut, and several rows of ids interleave their keys in the buffer;
 """
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .chunks import CallPlan, Step, StreamPlan, _pieces
+from .exchange import Pieces
 from .intervals import DocRuns, RankRuns, np64, ranges_np
 
 
 @dataclass(frozen=True)
 class GatheredPlan:
-    """The whole-buffer step plan and the buffer order it reads."""
+    """The band steps' plan and the buffer order they read."""
 
-    stream: StreamPlan  # the own step, then one step over every received row (if any step moves rows)
-    order: np.ndarray  # [received] for each row of the gathered buffer, its row in the needed-only one
+    stream: StreamPlan  # the own step, then one step per group of pieces (if any step moves rows)
+    order: np.ndarray  # [received] for each row of the groups' buffers, one after the other, its row in the
+    #                    needed-only one
+    starts: Tuple[int, ...] = (0,)  # where each group's buffer starts in ``order``
 
     def band_of(self) -> np.ndarray:
         """[received] for each row of the needed-only buffer, its row in this plan's order (``order``'s inverse)."""
@@ -95,42 +98,72 @@ def _band_calls(q_rows: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, k_fi
 
 
 def gathered_stream_plan(needed: StreamPlan, runs: RankRuns, rows: Sequence[DocRuns],
-                         recv_positions: Sequence[torch.Tensor]) -> Optional[GatheredPlan]:
+                         recv_positions: Sequence[torch.Tensor], groups: int = 1) -> Optional[GatheredPlan]:
     """The band plan for ``needed`` (``chunks``' plan of the same rank, no window), or None where it does
-    not apply: several rows of doc ids, or pieces out of position order."""
+    not apply: several rows of doc ids, or pieces out of position order.
+
+    ``groups`` steps after the own one (the same on every rank): each source's rows (ascending positions)
+    are cut into that many pieces (``exchange.Pieces``), and step g reads piece g of every source."""
     rank, cp, L = needed.rank, needed.cp, needed.local_len
     if needed.rows != 1 or len(rows) != 1:
         return None
     own = needed.steps[0]
     if len(needed.steps) == 1:  # nothing moves on any rank (the steps are global)
         return GatheredPlan(needed, np.zeros(0, dtype=np.int64))
-    pos = np.concatenate([np64(recv_positions[s]) for s in range(cp) if s != rank] or [np.zeros(0, np.int64)])
-    calls = []
-    order = np.zeros(0, dtype=np.int64)
+    by_source = [np64(recv_positions[s]) for s in range(cp) if s != rank]
+    pos = np.concatenate(by_source or [np.zeros(0, np.int64)])
+    cut = Pieces(parts=groups)
+    pieces = None
     if pos.size:
-        _, doc_p, _, pa_p, pb_p, q_first = _pieces(runs, rows, rank)
+        pieces = _pieces(runs, rows, rank)
+        pa_p, pb_p = pieces[3], pieces[4]
         if pa_p.size > 1 and not (pa_p[1:] >= pb_p[:-1]).all():
             return None
-        n_q = pb_p - pa_p
-        doc_x = np64(rows[0][0]).searchsorted(pos, side="right") - 1  # [received] its document
-        first = doc_p.searchsorted(doc_x, side="left")  # its document's first local piece
-        band = pa_p.searchsorted(pos, side="right") - first  # local pieces of its document before it
-        if (first + band >= doc_p.searchsorted(doc_x, side="right")).any():
-            raise RuntimeError("blockdiag-cp: a received row precedes no local query of its document; "
-                               "the needed-only exchange and the pieces disagree")
-        order = np.lexsort((pos, doc_x, band))  # band, then document, then position
-        band_sorted, doc_sorted = band[order], doc_x[order]
-        edges = np.flatnonzero(np.diff(band_sorted)) + 1
-        for lo, hi in zip(np.r_[0, edges], np.r_[edges, pos.size]):
-            i = int(band_sorted[lo])
-            docs, k_lens = np.unique(doc_sorted[lo:hi], return_counts=True)  # ascending documents
-            p0 = doc_p.searchsorted(docs, side="left") + i
-            n_pieces = doc_p.searchsorted(docs, side="right") - p0  # >= 1: Pi .. Pk
-            piece = ranges_np(p0, n_pieces)
-            q_lens = np.add.reduceat(n_q[piece], np.cumsum(n_pieces) - n_pieces)
-            calls += _band_calls(ranges_np(q_first[piece], n_q[piece]), q_lens, k_lens, int(lo))
-    whole = Step(1, 0, -1, 0, int(pos.size), tuple(calls))
-    return GatheredPlan(StreamPlan(needed.kind, rank, cp, 1, L, max(1, int(pos.size)), (own, whole)), order)
+    first_row = np.cumsum([0] + [p.size for p in by_source])
+    steps, order, starts = [own], [], []
+    for g in range(groups):
+        # needed-only rows of group g: piece g of every source, source after source
+        rows_g = np.concatenate([first_row[s] + np.arange(*_first_last(cut.span(p.size, g)))
+                                 for s, p in enumerate(by_source)] or [np.zeros(0, np.int64)])
+        calls, order_g = _band_step(pieces, np64(rows[0][0]), pos[rows_g]) if rows_g.size else ((), rows_g)
+        starts.append(sum(o.size for o in order))
+        order.append(rows_g[order_g])
+        steps.append(Step(1, g, -1, 0, int(rows_g.size), tuple(calls)))
+    chunk_rows = max(1, max(step.chunk_len for step in steps[1:]))
+    return GatheredPlan(StreamPlan(needed.kind, rank, cp, 1, L, chunk_rows, tuple(steps)), np.concatenate(order),
+                        tuple(starts))
+
+
+def _first_last(span):
+    first, n = span
+    return first, first + n
+
+
+def _band_step(pieces, doc_starts: np.ndarray, pos: np.ndarray):
+    """One band step over the received positions ``pos`` (this rank's ``_pieces``, the documents' first
+    positions ``doc_starts``): its calls, and for each row of its buffer (band, then document, then
+    position) the row of ``pos`` it holds."""
+    _, doc_p, _, pa_p, pb_p, q_first = pieces
+    n_q = pb_p - pa_p
+    doc_x = doc_starts.searchsorted(pos, side="right") - 1  # [received] its document
+    first = doc_p.searchsorted(doc_x, side="left")  # its document's first local piece
+    band = pa_p.searchsorted(pos, side="right") - first  # local pieces of its document before it
+    if (first + band >= doc_p.searchsorted(doc_x, side="right")).any():
+        raise RuntimeError("blockdiag-cp: a received row precedes no local query of its document; "
+                           "the needed-only exchange and the pieces disagree")
+    order = np.lexsort((pos, doc_x, band))  # band, then document, then position
+    band_sorted, doc_sorted = band[order], doc_x[order]
+    edges = np.flatnonzero(np.diff(band_sorted)) + 1
+    calls = []
+    for lo, hi in zip(np.r_[0, edges], np.r_[edges, pos.size]):
+        i = int(band_sorted[lo])
+        docs, k_lens = np.unique(doc_sorted[lo:hi], return_counts=True)  # ascending documents
+        p0 = doc_p.searchsorted(docs, side="left") + i
+        n_pieces = doc_p.searchsorted(docs, side="right") - p0  # >= 1: Pi .. Pk
+        piece = ranges_np(p0, n_pieces)
+        q_lens = np.add.reduceat(n_q[piece], np.cumsum(n_pieces) - n_pieces)
+        calls += _band_calls(ranges_np(q_first[piece], n_q[piece]), q_lens, k_lens, int(lo))
+    return calls, order
 
 
 __all__ = ["GatheredPlan", "gathered_stream_plan"]

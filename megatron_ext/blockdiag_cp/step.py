@@ -35,7 +35,8 @@ from .agreement import (
 )
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
-from .exchange import RingGradients, WholeDelivery, piece_rows
+from .exchange import Pieces, RingGradients, WholeDelivery, piece_rows
+from .intervals import np64
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
 from .merge import MergePlan, copied_rows
@@ -71,6 +72,20 @@ WHOLE_MIN_CHUNKS_PER_RANK = 2.0
 # at once (twice while they land in the bands' order), where the streamed steps hold two chunks (thd and
 # one document at cp 8: 6.5-7).
 WHOLE_RECEIVED_LOCAL_MULTIPLE = 8.0
+# The band mode moves each source's rows in up to this many pieces, and its step g attends piece g of every
+# source: while one group is attended the next moves (and in backward, the last one's gradient goes home),
+# where one step over every row waited for all of them first and sent every gradient after its calls. The
+# sources' rows arrive in position order, so a group is about a quarter of the documents: a row merges
+# once per band of its document's group, plus once where a piece's edge cuts its document.
+BAND_GROUPS = 4
+# ... each piece at least this many rows (and so fewer groups where the sources send less): a group's
+# calls and posts are launches (~7.5 us each), and a smaller group hides less than that.
+BAND_MIN_PIECE_ROWS = 256
+# ... and at least this many times the largest document of every pair that moves rows: a piece's edge
+# cuts a document, whose rows then merge once more (bench gpu_model_kv's replay, 128k / cp 8, thd, save,
+# busiest rank, forward ms: the short mix 1.82 -> 1.58 in four groups; the lognormal one 2.93 -> 2.67 in
+# two, 2.76 in four; the heavy-tailed one, whose longest document four pieces cut, 4.31 -> 4.51 in four).
+BAND_MIN_DOCS_PER_PIECE = 2
 
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last
 # step moves (the received chunk's going home, or ours coming back) have at least this many positions per
@@ -874,17 +889,44 @@ class BlockDiagCPState:
         its buffer on the device), once per step."""
         key = ("whole_delivery", str(device), window)
         if key not in self._device_index:
-            plan = self.plan_for(window)
-            band_of = self.gathered_plan(window).band_of()  # needed rows (source-major) -> their band rows
+            plan, band = self.plan_for(window), self.gathered_plan(window)
+            pieces = self.band_pieces(window)
+            band_of = band.band_of()  # needed rows (source-major) -> their rows in the groups' buffers
             received = _received_rows(plan.exchange.counts)[:, self.rank]  # per source
             rows, at = [], 0
             for n in received.tolist():
-                rows.append(torch.from_numpy(band_of[at:at + n]).to(device) if n else None)
+                if not n:
+                    rows.append(None)
+                    continue
+                # piece g of the source lands in group g's buffer: its rows there
+                start = np.zeros(n, dtype=np.int64)
+                for g in range(pieces.parts):
+                    first, m = pieces.span(n, g)
+                    start[first:first + m] = band.starts[g]
+                rows.append(torch.from_numpy(band_of[at:at + n] - start).to(device))
                 at += n
-            stream = plan.stream["needed"]
-            self._device_index[key] = WholeDelivery(tuple((step.round, step.piece) for step in stream.steps[1:]),
-                                                    stream.chunk_rows, tuple(rows), at)
+            self._device_index[key] = WholeDelivery(
+                tuple(tuple((i, g) for i in range(1, self.cp)) for g in range(pieces.parts)), pieces, tuple(rows),
+                tuple(step.chunk_len for step in band.stream.steps[1:]))
         return self._device_index[key]
+
+    def band_pieces(self, window: Optional[int] = None) -> Pieces:
+        """How the band mode cuts each pair's rows into its groups (``_band_pieces``), once per step."""
+        key = ("band_pieces", window)
+        if key not in self._device_index:
+            plan = self.plan_for(window)
+            self._device_index[key] = _band_pieces(plan.exchange.counts, self.layout.runs, plan.doc_runs)
+        return self._device_index[key]
+
+    def needed_pieces(self, window: Optional[int] = None) -> Tuple[Pieces, List[Tuple[int, int]]]:
+        """(how a pair's rows are cut, the (round, piece) of each a2a / halo message in posting order): the
+        streamed steps' chunks, or the band mode's groups (``whole_delivery_on``)."""
+        plan = self.plan_for(window)
+        if self.needed_whole(window):
+            pieces = self.band_pieces(window)
+            return pieces, [(i, g) for g in range(pieces.parts) for i in range(1, self.cp)]
+        stream = plan.stream["needed"]
+        return Pieces(rows=stream.chunk_rows), [(step.round, step.piece) for step in stream.steps[1:]]
 
     def _gathered(self, window: Optional[int] = None):
         if window is not None or self.rows != 1:
@@ -894,8 +936,9 @@ class BlockDiagCPState:
             from .gathered import gathered_stream_plan
 
             plan = self.plan_for(window)
+            groups = 1 if self.kv_exchange == "hierarchical" else self.band_pieces(window).parts
             self._device_index[key] = (gathered_stream_plan(plan.stream["needed"], self.layout.runs, plan.doc_runs,
-                                                            plan.exchange.recv_positions),)
+                                                            plan.exchange.recv_positions, groups),)
         return self._device_index[key][0]
 
     def stream_plan(self, kind: str, window: Optional[int] = None):
@@ -1015,9 +1058,11 @@ class BlockDiagCPState:
         """Positions of the gradients the last remote step moves: the larger of the chunk it received (its
         gradient goes home) and the rows this rank sent at that step (theirs come back)."""
         plan, last = self.plan_for(window), self.stream_plan(kind, window).steps[-1]
-        if kind == "needed" and self.needed_whole(window):  # one step moves every row, both ways
+        if kind == "needed" and self.needed_whole(window):  # the last group's pieces, both ways
             received = _received_rows(plan.exchange.counts)
-            return max(int(received[self.rank].sum()), int(received[:, self.rank].sum()))
+            pieces = self.band_pieces(window)
+            return max(sum(pieces.span(n, pieces.parts - 1)[1] for n in received[self.rank].tolist()),
+                       sum(pieces.span(n, pieces.parts - 1)[1] for n in received[:, self.rank].tolist()))
         dst, src = (self.rank + last.round) % self.cp, (self.rank - last.round) % self.cp
         c = plan.stream[kind].chunk_rows
         sent = piece_rows(int(plan.exchange.send_index[dst].numel()), c, last.piece)
@@ -1112,7 +1157,7 @@ class BlockDiagCPState:
             at = np.full(L * self.rows, -1, dtype=np.int64)  # a row's buffer slot (-1: not merged)
             at[np.flatnonzero(merges.merged_mask)] = np.arange(merges.merged_count)
             slot = None if merges.merged is None else torch.from_numpy(at).to(device)  # None: every row, in order
-            returns = KeyReturns.of(plan, kind, merges, at, device) if direct else None
+            returns = KeyReturns.of(plan, self.needed_pieces(window)[0], merges, at, device) if direct else None
             self._device_index[key] = (merges, slot, returns)
         return self._device_index[key]
 
@@ -1126,9 +1171,9 @@ class KeyReturns:
         self.steps = steps  # (i, j) -> (added, merged): each None or (Rows of the gradient, Rows there)
 
     @classmethod
-    def of(cls, plan, kind: str, merges: MergePlan, slot_of: Optional[np.ndarray], device) -> "KeyReturns":
+    def of(cls, plan, pieces: Pieces, merges: MergePlan, slot_of: Optional[np.ndarray], device) -> "KeyReturns":
+        """``pieces``: how a pair's rows are cut into its messages (``BlockDiagCPState.needed_pieces``)."""
         L, cp, rank = plan.local_len, plan.cp, plan.rank
-        c = plan.stream[kind].chunk_rows
         counts = plan.exchange.counts[rank].tolist()
 
         def on_device(index, size):
@@ -1138,9 +1183,9 @@ class KeyReturns:
         for i in range(1, cp):
             dst = (rank + i) % cp
             rows = plan.exchange.send_index[dst].numpy()
-            for j in range(-(-counts[dst] // c)):  # the pieces NeededTransport.sent_rows sends
-                n = piece_rows(counts[dst], c, j)
-                part = rows[j * c:j * c + n]
+            for j in range(pieces.count(counts[dst])):  # the pieces NeededTransport.sent_rows sends
+                first, n = pieces.span(counts[dst], j)
+                part = rows[first:first + n]
                 merged = merges.merged_mask[part]
                 added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
                 steps[(i, j)] = (
@@ -1180,6 +1225,31 @@ def _whole_pays(state, window: Optional[int]) -> bool:
     chunks = -(-received // plan.stream["needed"].chunk_rows)  # the streamed steps' pieces
     return (float(chunks.sum()) >= WHOLE_MIN_CHUNKS_PER_RANK * state.cp
             and int(received.sum(0).max()) <= WHOLE_RECEIVED_LOCAL_MULTIPLE * state.local_len)
+
+
+def _band_pieces(counts: torch.Tensor, runs, doc_runs) -> Pieces:
+    """How the band mode cuts a pair's rows (its groups), from global tables (the counts, the layout's runs,
+    the documents), the same on every rank: up to ``BAND_GROUPS`` parts, each at least
+    ``BAND_MIN_PIECE_ROWS`` rows of the largest pair and ``BAND_MIN_DOCS_PER_PIECE`` (0: any) times the
+    largest document of every pair that moves rows (its positions on the source, of the documents both
+    ranks hold)."""
+    received = _received_rows(counts)
+    parts = min(BAND_GROUPS, int(received.max()) // BAND_MIN_PIECE_ROWS)
+    if parts > 1 and BAND_MIN_DOCS_PER_PIECE:
+        starts, ends, ids = (np64(t) for t in doc_runs[0])
+        real = ids != 0  # padding is no document
+        starts, ends = starts[real], ends[real]
+        held = np.zeros((runs.cp, starts.size), dtype=np.int64)  # [rank, document] its positions there
+        first = np64(runs.start)
+        end = first + np64(runs.length)
+        lo = np.searchsorted(ends, first, side="right")  # the first document ending past the run's start
+        hi = np.searchsorted(starts, end - 1, side="right")  # past the last document starting in the run
+        for r, a, b, f, e in zip(np64(runs.rank).tolist(), lo.tolist(), hi.tolist(), first.tolist(), end.tolist()):
+            held[r, a:b] += np.minimum(ends[a:b], e) - np.maximum(starts[a:b], f)
+        for src, dst in zip(*np.nonzero(received)):
+            largest = int((held[src] * (held[dst] > 0)).max())
+            parts = min(parts, int(received[src, dst]) // max(1, BAND_MIN_DOCS_PER_PIECE * largest))
+    return Pieces(parts=max(1, parts))
 
 
 def _received_rows(counts: torch.Tensor) -> np.ndarray:

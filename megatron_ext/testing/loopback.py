@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..blockdiag_cp.exchange import NeededTransport, RingTransport, WholeNeededTransport, fused_width
+from ..blockdiag_cp.exchange import NeededTransport, Pieces, RingTransport, WholeNeededTransport, fused_width
 
 
 class _Ready:
@@ -106,11 +106,13 @@ class Loopback:
     def _positions(self, kind: str, plan, step) -> torch.Tensor:
         """Global positions of the chunk rank r receives at ``step`` (round i, piece j)."""
         i, j = step
-        state, c = self.state, plan.stream[kind].chunk_rows
+        state = self.state
+        pieces = Pieces(rows=plan.stream[kind].chunk_rows) if kind == "ring" else state.needed_pieces(plan.window)[0]
         src = (state.rank - i) % state.cp
         whole = (state.layout.rank_positions(src) if kind == "ring"
                  else plan.exchange.recv_positions[src])  # the needed rows arrive ascending
-        return whole[j * c:(j + 1) * c]
+        first, n = pieces.span(whole.numel(), j)
+        return whole[first:first + n]
 
     def prepare(self, kind: str, window: Optional[int] = None) -> Dict:
         """Every chunk of the step plan (kind, window), fused [n, b, Hkv * (Dk + Dv)] on the K/V's device."""
@@ -118,8 +120,9 @@ class Loopback:
         if key not in self._chunks:
             plan = self.state.plan_for(window)
             chunks = {}
-            for step in plan.stream[kind].steps[1:]:
-                at = (step.round, step.piece)
+            pieces = ([(step.round, step.piece) for step in plan.stream[kind].steps[1:]] if kind == "ring"
+                      else self.state.needed_pieces(window)[1])
+            for at in pieces:
                 pos = self._positions(kind, plan, at).to(self.k_full.device)
                 if pos.numel():
                     k, v = self.k_full.index_select(0, pos), self.v_full.index_select(0, pos)

@@ -1,11 +1,12 @@
 """The gathered plan (``gathered``) against a brute force: every (query, key) pair once, a call per band.
 
-For the test cases' document ids, every layout and rank: the own step and the one step over every
-received row (read in ``GatheredPlan.order`` from the needed-only buffer, ``recv_positions`` by source)
-cover exactly the per-document causal pairs of the rank's queries, each once; the received rows are
-each read by one call, as one run of the buffer; every remote segment is full; a call per band, or
-one per run of its query rows. a2a takes every needed row at once and attends them by bands where
-its rule says (exact against the reference, fewer calls), and streams them elsewhere.
+For the test cases' document ids, every layout and rank: the own step and the band steps (one over every
+received row, or one per group: piece g of every source) (read in ``GatheredPlan.order`` from the
+needed-only buffer, ``recv_positions`` by source) cover exactly the per-document causal pairs of the
+rank's queries, each once; the received rows are each read by one call, as one run of its group's
+buffer; every remote segment is full; a call per band, or one per run of its query rows. a2a takes the
+needed rows in groups of pieces and attends them by bands where its rule says (exact against the
+reference, fewer calls), and streams them elsewhere.
 """
 
 import numpy as np
@@ -35,14 +36,15 @@ def _bands(ids, mine, received):
     return [sum(1 for s in starts if doc[s] == doc[x] and s < x) for x in received.tolist()]
 
 
-def _check(ids, cp, layout):
+def _check(ids, cp, layout, groups=1):
     ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
     ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
     lay = build_layout(layout, ids, cp)
     for rank in range(cp):
         plan = build_plan(ids, lay, rank)
         needed = plan.stream["needed"]
-        got_plan = gathered_stream_plan(needed, lay.runs, [document_runs(ids[0])], plan.exchange.recv_positions)
+        got_plan = gathered_stream_plan(needed, lay.runs, [document_runs(ids[0])], plan.exchange.recv_positions,
+                                        groups)
         if ids.shape[0] > 1:
             assert got_plan is None  # several rows of doc ids keep chunks' plan
             continue
@@ -51,54 +53,75 @@ def _check(ids, cp, layout):
         if len(needed.steps) == 1:
             assert stream is needed
             continue
-        assert len(stream.steps) == 2, "one step over every received row"
+        assert len(stream.steps) == 1 + groups, "one step per group"
         mine = lay.runs.positions(rank)
-        received = torch.cat([plan.exchange.recv_positions[s] for s in range(cp) if s != rank])
+        by_source = [plan.exchange.recv_positions[s] for s in range(cp) if s != rank]
+        received = torch.cat(by_source)
         assert sorted(got_plan.order.tolist()) == list(range(received.numel()))  # a permutation
         buffer = received[torch.from_numpy(got_plan.order)]
-        whole = stream.steps[1]
-        assert whole.chunk_len == received.numel()
-        pairs = []
-        for step, chunk in ((stream.steps[0], mine), (whole, buffer)):
-            for call in step.calls:
-                assert call.q_index.unique().numel() == call.q_index.numel(), (layout, cp, rank)
-                for qs, ks in zip(call.q_index.split(list(call.q_lens)), call.k_index.split(list(call.k_lens))):
-                    q_pos, k_pos = mine[qs], chunk[ks]
-                    if call.causal:
-                        assert torch.equal(q_pos, k_pos)
-                        pairs += [(0, int(q), int(k)) for i, q in enumerate(q_pos) for k in k_pos[:i + 1]]
-                    else:
-                        assert int(k_pos.max()) < int(q_pos.min())  # every key precedes every query
-                        pairs += [(0, int(q), int(k)) for q in q_pos for k in k_pos]
+        first = np.cumsum([0] + [p.numel() for p in by_source])
+        pairs = [pair for call in stream.steps[0].calls for pair in _pairs(call, mine, mine)]
+        for g, (band_step, start) in enumerate(zip(stream.steps[1:], got_plan.starts)):
+            chunk = buffer[start:start + band_step.chunk_len]
+            # group g: piece g of every source, rows [g * c, (g + 1) * c) of its c = ceil(n / groups) per part
+            piece = [int(first[s]) + c * g + i for s, p in enumerate(by_source)
+                     for c in [-(-p.numel() // groups)] for i in range(max(0, min(c, p.numel() - c * g)))]
+            assert sorted(got_plan.order[start:start + band_step.chunk_len].tolist()) == piece, (layout, rank, g)
+            for call in band_step.calls:
+                pairs += _pairs(call, mine, chunk)
+            _check_bands(ids, layout, cp, rank, mine, chunk, band_step)
         assert len(pairs) == len(set(pairs)), (layout, cp, rank, "a pair attended twice")
         assert set(pairs) == _expected_pairs(ids, mine), (layout, cp, rank)
-        # Each received row read by one call, each call's keys one run, a call per band
-        runs = sorted((int(c.k_index[0]), int(c.k_index.numel())) for c in whole.calls)
-        assert all(torch.equal(c.k_index, torch.arange(int(c.k_index[0]), int(c.k_index[0]) + c.k_index.numel()))
-                   for c in whole.calls)
-        assert [start for start, _ in runs] == np.cumsum([0] + [n for _, n in runs])[:-1].tolist()
-        assert sum(n for _, n in runs) == received.numel()
-        assert all(not c.causal and c.window is None for c in whole.calls)
-        # A call's keys lie in one band; a band takes one call, or one per run of its query rows (<= RUN_CALLS)
-        band = _bands(ids, mine, buffer)
-        per_band = {}
-        for c in whole.calls:
-            first, n = int(c.k_index[0]), int(c.k_index.numel())
-            assert len(set(band[first:first + n])) == 1, (layout, cp, rank)
-            per_band.setdefault(band[first], []).append(c)
-        assert set(per_band) == set(band), (layout, cp, rank)
-        def runs(rows):
-            return 1 + int((rows[1:] != rows[:-1] + 1).sum())
 
-        for calls in per_band.values():
-            assert len(calls) <= RUN_CALLS
-            if len(calls) > 1:  # split only where each call's rows are one run, read in place
-                assert all(runs(c.q_index) == 1 for c in calls), (layout, cp, rank)
-            elif runs(calls[0].q_index) > 1:  # one call gathering its rows: they break too often to split
-                c = calls[0]
-                whole_segments = all(runs(q) == 1 for q in c.q_index.split(list(c.q_lens)))
-                assert runs(c.q_index) > RUN_CALLS or not whole_segments, (layout, cp, rank)
-        assert len(per_band) <= 2 or layout == "balanced", (layout, cp, rank)
+
+def _pairs(call, mine, chunk):
+    """The (0, query, key) positions a call attends, its segments checked: causal on the diagonal, else every
+    key before every query."""
+    assert call.q_index.unique().numel() == call.q_index.numel()
+    pairs = []
+    for qs, ks in zip(call.q_index.split(list(call.q_lens)), call.k_index.split(list(call.k_lens))):
+        q_pos, k_pos = mine[qs], chunk[ks]
+        if call.causal:
+            assert torch.equal(q_pos, k_pos)
+            pairs += [(0, int(q), int(k)) for i, q in enumerate(q_pos) for k in k_pos[:i + 1]]
+        else:
+            assert int(k_pos.max()) < int(q_pos.min())  # every key precedes every query
+            pairs += [(0, int(q), int(k)) for q in q_pos for k in k_pos]
+    return pairs
+
+
+def _check_bands(ids, layout, cp, rank, mine, buffer, whole):
+    """A band step: each received row read by one call, each call's keys one run, a call per band."""
+    if not whole.calls:
+        assert buffer.numel() == 0
+        return
+    runs = sorted((int(c.k_index[0]), int(c.k_index.numel())) for c in whole.calls)
+    assert all(torch.equal(c.k_index, torch.arange(int(c.k_index[0]), int(c.k_index[0]) + c.k_index.numel()))
+               for c in whole.calls)
+    assert [start for start, _ in runs] == np.cumsum([0] + [n for _, n in runs])[:-1].tolist()
+    assert sum(n for _, n in runs) == buffer.numel()
+    assert all(not c.causal and c.window is None for c in whole.calls)
+    # A call's keys lie in one band; a band takes one call, or one per run of its query rows (<= RUN_CALLS)
+    band = _bands(ids, mine, buffer)
+    per_band = {}
+    for c in whole.calls:
+        first, n = int(c.k_index[0]), int(c.k_index.numel())
+        assert len(set(band[first:first + n])) == 1, (layout, cp, rank)
+        per_band.setdefault(band[first], []).append(c)
+    assert set(per_band) == set(band), (layout, cp, rank)
+
+    def runs(rows):
+        return 1 + int((rows[1:] != rows[:-1] + 1).sum())
+
+    for calls in per_band.values():
+        assert len(calls) <= RUN_CALLS
+        if len(calls) > 1:  # split only where each call's rows are one run, read in place
+            assert all(runs(c.q_index) == 1 for c in calls), (layout, cp, rank)
+        elif runs(calls[0].q_index) > 1:  # one call gathering its rows: they break too often to split
+            c = calls[0]
+            whole_segments = all(runs(q) == 1 for q in c.q_index.split(list(c.q_lens)))
+            assert runs(c.q_index) > RUN_CALLS or not whole_segments, (layout, cp, rank)
+    assert len(per_band) <= 2 or layout == "balanced", (layout, cp, rank)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -108,6 +131,16 @@ def test_bands_cover_every_pair_once(case, cp):
         _check(make_doc_ids(case, 96, cp), cp, layout)
 
 
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_groups_of_pieces_cover_every_pair_once(groups, cp):
+    """Band step g reads piece g of every source (each source's rows cut into ``groups`` parts): the steps
+    together attend every pair once, each by bands."""
+    for case in ("short", "single", "uneven", "pad_middle"):
+        for layout in ("contiguous", "zigzag", "balanced"):
+            _check(make_doc_ids(case, 96, cp), cp, layout, groups)
+
+
 def test_thd_layout_takes_two_calls():
     g = torch.Generator().manual_seed(5)
     for cp in (2, 3, 4):
@@ -115,7 +148,8 @@ def test_thd_layout_takes_two_calls():
         parts = []
         for i, n in enumerate(lengths):  # each document padded to a multiple of 2 * cp, as THD packs
             parts += [torch.full((n,), i + 1), torch.zeros(-(-n // (2 * cp)) * 2 * cp - n, dtype=torch.long)]
-        _check(torch.cat(parts), cp, "thd")
+        for groups in (1, 3):
+            _check(torch.cat(parts), cp, "thd", groups)
 
 
 def test_route_places_each_row_where_the_plan_reads_it():
@@ -142,11 +176,12 @@ def test_route_places_each_row_where_the_plan_reads_it():
 pool4 = pool_fixture(4)
 
 
-def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None):
+def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=None):
     """a2a on 4 ranks over short documents (each a multiple of 2 * cp, as thd packs them), float64, dense:
     whether the group took every needed row at once, the steps the op walks, the kernel calls of a steady
-    layer call (forward, backward) and the largest error of out / dq / dk / dv against the reference.
-    ``min_chunks`` / ``multiple``: the rule's constants for this run."""
+    layer call (forward, backward), the largest error of out / dq / dk / dv against the reference and the
+    transfers (forward, backward, this rank's peers that send or receive). ``min_chunks`` / ``multiple``:
+    the rule's constants for this run; ``min_piece``: the band mode's (rows, documents) a piece."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp import step as step_module
     from megatron_ext.testing import reference_attention
@@ -158,9 +193,11 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None):
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out = reference_attention(*ref, ids)
     (ref_out * w).sum().backward()
-    saved = step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE
+    saved = (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
+             step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE)
     step_module.WHOLE_MIN_CHUNKS_PER_RANK = saved[0] if min_chunks is None else min_chunks
     step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved[1] if multiple is None else multiple
+    step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved[2:]
     try:
         state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
                                             kv_backward=kv_backward)
@@ -177,9 +214,10 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None):
         counts.fill_diagonal_(0)
         peers = int((counts[state.rank] > 0).sum() + (counts[:, state.rank] > 0).sum())  # sends + receives
         return (state.needed_whole(), len(state.stream_plan("needed").steps), fwd.kernel_calls, bwd.kernel_calls,
-                max(errors), (fwd.summary()["transfers"], bwd.summary()["transfers"], peers))
+                max(errors), (fwd.summary()["transfers"], bwd.summary()["transfers"], peers), int(counts[counts > 0].min()))
     finally:
-        step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved
+        (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
+         step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE) = saved
 
 
 @pytest.mark.timeout(180)
@@ -187,19 +225,27 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     """thd cuts every document over the 4 ranks: the ranks receive chunks from each of the 3 others, so
     with the received K/V kept (``kv_backward="save"``) the group takes every needed row at once
     (``needed_whole``: ``exchange.WholeNeededTransport``) and attends them by bands: the own step and one
-    more, fewer kernel calls than a call per chunk, the same messages as the streamed steps, the reference's
-    out and gradients. The rule's two
-    bounds each turn it off, on every rank alike (the transfers pair up only then); with a refetch the
-    chunks stream (a layer call holds two at a time)."""
+    more, fewer kernel calls than a call per chunk, one message a pair each way, the reference's out and
+    gradients. Where the largest pair moves ``BAND_MIN_PIECE_ROWS`` rows a piece, and every pair
+    ``BAND_MIN_DOCS_PER_PIECE`` times its largest document, each pair's rows go in up to ``BAND_GROUPS``
+    pieces and step g attends piece g of every source: here (one row a piece, any document) four steps,
+    four messages a pair each way; with one document a piece, as many as the pair that moves the fewest
+    rows holds the longest document (32 positions, 8 on each rank) times.
+    The rule's two bounds each turn it off, on every rank alike (the transfers pair up only then); with a
+    refetch the chunks stream (a layer call holds two at a time)."""
     whole = pool4.run(whole_a2a, "thd", "save")
     streamed = pool4.run(whole_a2a, "thd", "save", 99)
-    for rank, ((on, steps, fwd, bwd, error, moved), (off, steps0, fwd0, bwd0, error0, moved0)) in enumerate(
-            zip(whole, streamed)):
-        assert on and steps == 2 and not off and steps0 > 3, (rank, steps, steps0)
-        assert error < 1e-12 and error0 < 1e-12, (rank, error, error0)
+    grouped = pool4.run(whole_a2a, "thd", "save", None, None, (1, 0))
+    by_documents = pool4.run(whole_a2a, "thd", "save", None, None, (1, 1))
+    for rank, ((on, steps, fwd, bwd, error, moved, fewest), (off, steps0, fwd0, bwd0, error0, moved0, _),
+               (on4, steps4, _, _, error4, moved4, _), (_, steps_docs, *_)) in enumerate(
+            zip(whole, streamed, grouped, by_documents)):
+        assert on and steps == 2 and not off and steps0 > 3 and on4 and steps4 == 5, (rank, steps, steps0, steps4)
+        assert 1 < steps_docs - 1 == min(4, fewest // 8) < 4, (rank, steps_docs, fewest)
+        assert max(error, error0, error4) < 1e-12, (rank, error, error0, error4)
         assert fwd < fwd0 and bwd < bwd0, (rank, fwd, fwd0, bwd, bwd0)
-        # the streamed steps' messages (the same pieces, all posted at once): a peer that streamed would pair up
-        assert moved == moved0 and moved[0] >= moved[2], (rank, moved, moved0)
+        assert moved == (moved[2],) * 3 and moved0[0] > moved0[2], (rank, moved, moved0)
+        assert moved4 == (4 * moved[2], 4 * moved[2], moved[2]), (rank, moved4)
     assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "save", None, 0.5))
     refetched = pool4.run(whole_a2a, "thd", "refetch")
-    assert not any(on for on, *_ in refetched) and max(error for *_, error, _ in refetched) < 1e-12
+    assert not any(on for on, *_ in refetched) and max(error for *_, error, _, _ in refetched) < 1e-12

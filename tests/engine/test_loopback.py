@@ -3,6 +3,7 @@ over on the rank's device). Rank r's out and dq equal the fp64 reference on its 
 on r's work alone), and its kernel calls and launching ops per layer call (the send buffers it gathers included) equal those of
 the same rank in a gloo group."""
 
+import contextlib
 import os
 
 import pytest
@@ -16,8 +17,26 @@ def _ids(S: int = 192) -> torch.Tensor:
     return runs_to_doc_ids(runs + [(99, S - sum(n for _, n in runs))])
 
 
-def loopback_rank(rank, cp, layout, exchange, kv_backward="auto"):
+@contextlib.contextmanager
+def band_pieces(min_piece):
+    """The band mode's (rows, documents) a piece for this block (None: the defaults)."""
+    from megatron_ext.blockdiag_cp import step as step_module
+
+    saved = step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE
+    step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved
+    try:
+        yield
+    finally:
+        step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = saved
+
+
+def loopback_rank(rank, cp, layout, exchange, kv_backward="auto", min_piece=None):
     """In a process of its own (a pool worker with its gloo group torn down): rank r through the loopback."""
+    with band_pieces(min_piece):
+        return _loopback_rank(rank, cp, layout, exchange, kv_backward)
+
+
+def _loopback_rank(rank, cp, layout, exchange, kv_backward):
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
@@ -42,21 +61,23 @@ def loopback_rank(rank, cp, layout, exchange, kv_backward="auto"):
         calls = [(f.kernel_calls, b.kernel_calls, f.launching, b.launching, f.sends + f.receives)
                  for f, b in layer_calls(state, ql, kl, vl, layers=2)]
         errors = [float((out - state.shard(out_ref)).abs().max()), float((leaves[0].grad - state.shard(ref[0].grad)).abs().max())]
-        return {"errors": errors, "calls": calls[1], "exchange": state.kv_exchange, "whole": state.needed_whole()}
+        return {"errors": errors, "calls": calls[1], "exchange": state.kv_exchange, "whole": state.needed_whole(),
+                "steps": len(state.stream_plan("needed").steps)}
     finally:
         dist.destroy_process_group()
 
 
-def gloo_calls(layout, exchange, relayout="none", kv_backward="auto"):
+def gloo_calls(layout, exchange, relayout="none", kv_backward="auto", min_piece=None):
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.op_counter import layer_calls
 
     ids = _ids()
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(ids.numel(), 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
-    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
-                                        relayout=relayout, kv_backward=kv_backward)
-    f, b = layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=2)[1]
+    with band_pieces(min_piece):
+        state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange=exchange, attn_backend="dense",
+                                            relayout=relayout, kv_backward=kv_backward)
+        f, b = layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=2)[1]
     return f.kernel_calls, b.kernel_calls, f.launching, b.launching
 
 
@@ -65,15 +86,18 @@ pool1 = pool_fixture(1)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,exchange,kv_backward", [("zigzag", "a2a", "auto"), ("balanced", "allgather", "auto"),
-                                                      ("contiguous", "halo", "auto"), ("zigzag", "a2a", "save")])
-def test_loopback_rank_matches_the_reference_and_the_gloo_run(pool4, pool1, layout, exchange, kv_backward):
+@pytest.mark.parametrize("layout,exchange,kv_backward,min_piece", [
+    ("zigzag", "a2a", "auto", None), ("balanced", "allgather", "auto", None), ("contiguous", "halo", "auto", None),
+    ("zigzag", "a2a", "save", None), ("zigzag", "a2a", "save", (1, 0))])
+def test_loopback_rank_matches_the_reference_and_the_gloo_run(pool4, pool1, layout, exchange, kv_backward, min_piece):
     """Ranks 0 and 3 through the loopback: the reference's out and dq, the gloo run's kernel calls and launching
-    ops, nothing sent. zigzag / a2a with the received K/V kept takes every needed row at once (the band mode)."""
-    expected = pool4.run(gloo_calls, layout, exchange, "none", kv_backward)
+    ops, nothing sent. zigzag / a2a with the received K/V kept takes every needed row at once (the band mode),
+    in one step, or with one row a piece (any document) in groups of pieces."""
+    expected = pool4.run(gloo_calls, layout, exchange, "none", kv_backward, min_piece)
     for rank in (0, 3):
-        got, = pool1.run(loopback_rank, rank, 4, layout, exchange, kv_backward)
+        got, = pool1.run(loopback_rank, rank, 4, layout, exchange, kv_backward, min_piece)
         assert got["exchange"] == exchange and got["whole"] == (kv_backward == "save"), (rank, got)
+        assert not got["whole"] or (got["steps"] == 2) == (min_piece is None), (rank, got)
         assert max(got["errors"]) < 1e-12, (rank, got)
         assert got["calls"][:4] == expected[rank], (rank, got, expected)  # the same ops, send gathers included
         assert got["calls"][4] == 0  # nothing crossed a process: the chunks were handed over
