@@ -74,7 +74,7 @@ WHOLE_MIN_CHUNKS_PER_RANK = 2.0
 WHOLE_RECEIVED_LOCAL_MULTIPLE = 8.0
 # The band mode moves each source's rows in up to this many pieces, and its step g attends piece g of every
 # source: while one group is attended the next moves (and in backward, the last one's gradient goes home),
-# where one step over every row waited for all of them first and sent every gradient after its calls. The
+# where one step over every row would wait for all of them first and send every gradient after its calls. The
 # sources' rows arrive in position order, so a group is about a quarter of the documents: a row merges
 # once per band of its document's group, plus once where a piece's edge cuts its document.
 BAND_GROUPS = 4
@@ -82,9 +82,9 @@ BAND_GROUPS = 4
 # calls and posts are launches (~7.5 us each), and a smaller group hides less than that.
 BAND_MIN_PIECE_ROWS = 256
 # ... and at least this many times the largest document of every pair that moves rows: a piece's edge
-# cuts a document, whose rows then merge once more (bench gpu_model_kv's replay, 128k / cp 8, thd, save,
-# busiest rank, forward ms: the short mix 1.82 -> 1.58 in four groups; the lognormal one 2.93 -> 2.67 in
-# two, 2.76 in four; the heavy-tailed one, whose longest document four pieces cut, 4.31 -> 4.51 in four).
+# cuts a document, whose rows then merge once more per band (gpu_model's replay, 128k / cp 8, thd, save,
+# the slowest rank's forward: the lognormal mix 2.95 ms in one step, 2.67 in two groups, 2.76 in four;
+# the heavy-tailed one, whose longest document four pieces cut, 4.31 in one, 4.51 in four).
 BAND_MIN_DOCS_PER_PIECE = 2
 
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last

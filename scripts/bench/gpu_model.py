@@ -725,6 +725,8 @@ FULL_POINTS = (
     # refetch rows above (at cp 2 it keeps the received K/V: backward fetches nothing)
     (32768, 2, MIXES, LAYOUTS, ("a2a", "halo"), (None,), ("gqa", "mha"), "none", "auto"),
     (131072, 8, MIXES, ("zigzag", "balanced", "thd"), ("a2a",), (None,), ("gqa",), "none", "auto"),
+    # and "save" where auto refetches but the band mode takes groups of pieces: thd at cp 8
+    (131072, 8, MIXES, ("thd",), ("a2a",), (None,), ("gqa",), "none", "save"),
 )
 QUICK_POINTS = ((32768, 2, ("short", "single"), ("zigzag", "balanced"), ("a2a", "allgather"), (None,), ("gqa",)),)
 

@@ -1154,7 +1154,9 @@ GPU_MODEL_KV = Suite(
     tables=(
         Table("Backward as kv_backward's default resolves it (gpu_model_kv: every GPU time modeled)", _gm_kv_records,
               note="The gpu_model replay (the same recording, null kernel and H200 constants) of cases built with "
-                   "`kv_backward=\"auto\"`, the knob's default: `kv_backward` is what it resolved to (`save`: "
+                   "`kv_backward=\"auto\"`, the knob's default, and `thd` at 128k / cp 8 built with `save` "
+                   "(auto refetches there; `save` takes the band mode's groups of pieces): `kv_backward` is "
+                   "what it resolved to (`save`: "
                    "backward reads the K/V forward received and fetches nothing; then it takes the received "
                    "chunks first and the own keys last, while the last gradient travels home: "
                    "`BlockDiagCPState.backward_own_last`). `refetch bwd ms`: the same case's backward in the "

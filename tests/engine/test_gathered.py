@@ -249,3 +249,51 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "save", None, 0.5))
     refetched = pool4.run(whole_a2a, "thd", "refetch")
     assert not any(on for on, *_ in refetched) and max(error for *_, error, _, _ in refetched) < 1e-12
+
+
+def grouped_order(min_piece):
+    """The band mode at cp 4 over the thd documents of ``whole_a2a`` with the band constants ``min_piece``:
+    per phase of one layer call, its posts and kernel calls in order ("post", or "call": a remote one, its
+    segments full, or "own": causal)."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import step as step_module
+    from megatron_ext.testing.op_counter import KernelEvent, OpCounter, PostEvent
+
+    ids = runs_to_doc_ids([(i + 1, 8 * (1 + i % 3)) for i in range(8)] + [(99, 32)])
+    saved = step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE
+    step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece
+    try:
+        state = bdcp.BlockDiagCPState.build(ids, layout="thd", kv_exchange="a2a", attn_backend="dense",
+                                            kv_backward="save")
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (state.shard(torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64))
+                   .requires_grad_() for h in (4, 2, 2))
+        counter = OpCounter(log=True)
+        with bdcp.blockdiag_cp_step(state), counter:
+            with counter.region("forward"):
+                out = bdcp.blockdiag_cp_attention(q, k, v)
+            with counter.region("backward"):
+                out.sum().backward()
+        return len(state.stream_plan("needed").steps), {
+            phase: ["post" if isinstance(e, PostEvent) else "own" if e.causal else "call"
+                    for e in counter.counts[phase].events if isinstance(e, (PostEvent, KernelEvent))]
+            for phase in ("forward", "backward")}
+    finally:
+        step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = saved
+
+
+@pytest.mark.timeout(120)
+def test_groups_move_while_the_last_one_is_attended(pool4):
+    """In groups, forward attends a group before it posts the last group's pieces, and backward sends a
+    group's gradient home before it differentiates the last group; in one step, every piece is posted
+    before the first remote call and every gradient after the last."""
+    for min_piece, grouped in (((1, 0), True), (None, False)):
+        for steps, order in pool4.run(grouped_order, min_piece or (256, 2)):
+            assert (steps > 2) == grouped, (min_piece, steps)
+            forward, backward = order["forward"], order["backward"]
+            last_post = max(i for i, x in enumerate(forward) if x == "post")
+            first_call = forward.index("call")
+            assert (first_call < last_post) == grouped, forward
+            last_call = max(i for i, x in enumerate(backward) if x == "call")
+            first_post = backward.index("post")
+            assert (first_post < last_call) == grouped, backward
