@@ -36,7 +36,7 @@ from .agreement import (
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
 from .exchange import Pieces, RingGradients, WholeDelivery, piece_rows
-from .intervals import np64
+from .intervals import np64, ranges_np
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
 from .merge import MergePlan, copied_rows
@@ -1244,8 +1244,10 @@ def _band_pieces(counts: torch.Tensor, runs, doc_runs) -> Pieces:
         end = first + np64(runs.length)
         lo = np.searchsorted(ends, first, side="right")  # the first document ending past the run's start
         hi = np.searchsorted(starts, end - 1, side="right")  # past the last document starting in the run
-        for r, a, b, f, e in zip(np64(runs.rank).tolist(), lo.tolist(), hi.tolist(), first.tolist(), end.tolist()):
-            held[r, a:b] += np.minimum(ends[a:b], e) - np.maximum(starts[a:b], f)
+        run = np.repeat(np.arange(lo.size), np.maximum(hi - lo, 0))  # one entry per (run, document) met
+        doc = ranges_np(lo, hi - lo)
+        np.add.at(held, (np64(runs.rank)[run], doc),
+                  np.minimum(ends[doc], end[run]) - np.maximum(starts[doc], first[run]))
         for src, dst in zip(*np.nonzero(received)):
             largest = int((held[src] * (held[dst] > 0)).max())
             parts = min(parts, int(received[src, dst]) // max(1, BAND_MIN_DOCS_PER_PIECE * largest))
