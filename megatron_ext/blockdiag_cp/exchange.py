@@ -13,8 +13,9 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
     needed (a2a, halo)   r sends r + i piece j of the rows of its own K/V that r + i needs and
                          receives from r - i piece j of the rows it needs: exactly the
                          needed-only lower bound, a step with nothing either way posts nothing;
-                         where the group takes them at once (``WholeNeededTransport``), every
-                         piece is posted together and placed in the bands' order (``gathered``)
+                         in the band mode (``WholeNeededTransport``), each pair's rows are cut
+                         into a few pieces, piece g of every pair is posted together for band
+                         step g and placed in the bands' order (``gathered``)
 
     hierarchical         the needed rows, moved once per step through two-level routes
                          (``hierarchy``): what a node needs from another node crosses the

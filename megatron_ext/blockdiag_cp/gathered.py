@@ -1,10 +1,11 @@
-"""The received keys as one step: a kernel call per band, not per source.
+"""The received keys as a few steps of every source: a kernel call per band, not per source.
 
-``HierarchicalTransport`` delivers every needed row at once (as ``WholeNeededTransport`` does
-for a2a / halo with the received K/V kept, where ``BlockDiagCPState.needed_whole`` says so): the
-first remote step waits for the whole buffer, and nothing arrives after it. Attending it source
-by source (``chunks``: up to two calls per source piece) buys no overlap, only calls, query
-gathers and float32 merges. Here the received rows are attended by *band* instead:
+``HierarchicalTransport`` delivers every needed row at once, and ``WholeNeededTransport`` (a2a /
+halo with the received K/V kept, where ``BlockDiagCPState.needed_whole`` says so) piece g of every
+source together for step g (``groups``: each source's rows cut into that many pieces, one for a
+single step). Attending such a step source by source (``chunks``: up to two calls per source
+piece) buys no overlap, only calls, query gathers and float32 merges. Here the step's rows are
+attended by *band* instead:
 
     one document on this rank, local pieces P0 < P1 (zigzag's two halves, THD's two chunks):
 
@@ -25,6 +26,7 @@ at most one segment of a call.
 The buffer the routes fill is reordered to match (``GatheredPlan.order``: the routes place each
 row where the plan reads it, so the reorder costs no copy): band 0 of every document in
 position order, then band 1, ... Each call's keys are then one run of the buffer, read in place.
+With groups, each step's buffer is ordered so, one after the other (``GatheredPlan.starts``).
 
 One row of doc ids (R = 1) and no sliding window: a windowed segment sees a band of positions
 its own pieces cut, and several rows of ids interleave their keys in the buffer; those keep
