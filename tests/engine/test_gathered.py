@@ -297,3 +297,47 @@ def test_groups_move_while_the_last_one_is_attended(pool4):
             last_call = max(i for i, x in enumerate(backward) if x == "call")
             first_post = backward.index("post")
             assert (first_post < last_call) == grouped, backward
+
+
+_EVERYWHERE = {"WHOLE_MIN_CHUNKS_PER_RANK": 0, "BAND_MIN_PIECE_ROWS": 1, "BAND_MIN_DOCS_PER_PIECE": 0}
+
+
+def in_groups_everywhere(fn, *args):
+    """(``fn(*args)``, the needed steps of zigzag / a2a / save over the short case) with the band mode on
+    wherever it applies (a2a / halo, save, one row of ids, no window) and each pair's rows in up to
+    ``BAND_GROUPS`` pieces of any size."""
+    import torch.distributed as dist
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import step as step_module
+
+    saved = {name: getattr(step_module, name) for name in _EVERYWHERE}
+    for name, value in _EVERYWHERE.items():
+        setattr(step_module, name, value)
+    try:
+        state = bdcp.BlockDiagCPState.build(make_doc_ids("short", 96, dist.get_world_size()), layout="zigzag",
+                                            kv_exchange="a2a", attn_backend="dense", kv_backward="save")
+        return fn(*args), len(state.stream_plan("needed").steps)
+    finally:
+        for name, value in saved.items():
+            setattr(step_module, name, value)
+
+
+@pytest.mark.timeout(300)
+def test_groups_with_sinks_mla_heads_and_dropout(pool4):
+    """The band mode's groups (forced on wherever the band mode applies) against the fp64 reference with a
+    learnable sink and MLA head dims over grouped K/V, every layout and exchange; and dropout: a
+    directional derivative of the group's loss, and masks replayed from the same seed."""
+    from test_engine_dist import dropout_checks
+    from test_variants import TOL, check_variant
+
+    for errors, steps in pool4.run(in_groups_everywhere, check_variant, "short", None, "learnable", (4, 2, 12, 8),
+                                   ("save",), 96, ("contiguous", "zigzag", "balanced")):
+        assert steps > 2, steps  # groups, not one step
+        for key, errs in errors.items():
+            assert max(errs) < TOL, (key, errs)
+    for r, steps in pool4.run(in_groups_everywhere, dropout_checks, "zigzag", "a2a", "save"):
+        assert steps > 2, steps
+        assert abs(r["analytic"] - r["numeric"]) <= 1e-6 * max(1.0, abs(r["numeric"])), r
+        assert r["out"] == r["same_seed"], r
+        assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r
