@@ -121,7 +121,7 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
         return HierarchicalTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                                      plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window, True),
                                      whole=state.gathered_plan(plan.window) is not None)
-    if state.needed_whole(plan.window):  # every needed row at once, read by bands (``gathered``)
+    if state.needed_whole(plan.window):  # the band mode: piece g of every source at once, read by bands
         return WholeNeededTransport(k, v, state.rank, state.cp, state.group, stats, prefix,
                                     state.send_indices_on(k.device, plan.window), plan.exchange.counts,
                                     state.whole_delivery_on(k.device, plan.window), fuse_sends=fuse_sends)

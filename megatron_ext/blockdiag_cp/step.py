@@ -61,7 +61,8 @@ from .state import (
 # holds between forward and backward); beyond it backward refetches, so memory stays O(S / cp).
 KV_SAVE_BUDGET_LOCAL_MULTIPLE = 1.0
 
-# a2a / halo take every needed row at once and attend them by bands (``gathered``: a call or two per
+# a2a / halo take the needed rows in a few steps of every source and attend them by bands (the band mode,
+# ``gathered``: a call or two per
 # band, each query row merged once per band, not once per chunk) where the ranks receive at least this
 # many chunks each on average: with fewer, attending each chunk while the next one moves is as fast or
 # faster (bench gpu_model's replay, every rank alike: at 32k / cp 2, 0.5-1.5 chunks a rank, the bands
@@ -69,8 +70,8 @@ KV_SAVE_BUDGET_LOCAL_MULTIPLE = 1.0
 # gained 0.2-4.9 ms at 2.3-10.5, thd and one long document the most) ...
 WHOLE_MIN_CHUNKS_PER_RANK = 2.0
 # ... and where no rank receives more than this multiple of its local rows: the layer call holds them all
-# at once (twice while they land in the bands' order), where the streamed steps hold two chunks (thd and
-# one document at cp 8: 6.5-7).
+# by the end of forward (a group twice while it lands in the bands' order), where the streamed steps hold
+# two chunks (thd and one document at cp 8: 6.5-7).
 WHOLE_RECEIVED_LOCAL_MULTIPLE = 8.0
 # The band mode moves each source's rows in up to this many pieces, and its step g attends piece g of every
 # source: while one group is attended the next moves (and in backward, the last one's gradient goes home),
@@ -867,8 +868,9 @@ class BlockDiagCPState:
         return self._gathered(window)
 
     def needed_whole(self, window: Optional[int] = None) -> bool:
-        """Whether a2a / halo deliver every needed row at once and attend them by bands (``gathered``,
-        ``exchange.WholeNeededTransport``) instead of chunk by chunk (host, once per step and window).
+        """Whether a2a / halo take the band mode: the needed rows in a few steps of every source (all at once,
+        or in groups: ``band_pieces``), attended by bands (``gathered``, ``exchange.WholeNeededTransport``),
+        instead of chunk by chunk (host, once per step and window).
         Only with ``kv_backward="save"``, which holds every received row from forward to backward
         anyway; ``"refetch"`` streams, so a layer call holds two chunks at a time (memory O(S / cp))."""
         if (self.kv_exchange not in ("a2a", "halo") or self.kv_backward != "save" or self.cp == 1
@@ -879,14 +881,14 @@ class BlockDiagCPState:
             whole = _whole_pays(self, window)  # from global tables: every rank decides alike
             if whole and self._gathered(window) is None:
                 raise RuntimeError("blockdiag-cp: the gathered plan does not apply on this rank where the group "
-                                   "takes every needed row at once")
+                                   "takes the band mode")
             self._device_index[key] = whole
         return self._device_index[key]
 
     def whole_delivery_on(self, device: torch.device, window: Optional[int] = None) -> WholeDelivery:
-        """What ``WholeNeededTransport`` moves where the group takes every needed row at once: the streamed
-        steps' pieces, each source's rows placed where the gathered step's bands read them (their rows of
-        its buffer on the device), once per step."""
+        """What ``WholeNeededTransport`` moves in the band mode: per band step, piece g of every pair
+        (``band_pieces``), each source's rows placed where that step's bands read them (their rows of its
+        buffer on the device), once per step."""
         key = ("whole_delivery", str(device), window)
         if key not in self._device_index:
             plan, band = self.plan_for(window), self.gathered_plan(window)

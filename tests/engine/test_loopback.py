@@ -91,7 +91,7 @@ pool1 = pool_fixture(1)
     ("zigzag", "a2a", "save", None), ("zigzag", "a2a", "save", (1, 0))])
 def test_loopback_rank_matches_the_reference_and_the_gloo_run(pool4, pool1, layout, exchange, kv_backward, min_piece):
     """Ranks 0 and 3 through the loopback: the reference's out and dq, the gloo run's kernel calls and launching
-    ops, nothing sent. zigzag / a2a with the received K/V kept takes every needed row at once (the band mode),
+    ops, nothing sent. zigzag / a2a with the received K/V kept takes the band mode,
     in one step, or with one row a piece (any document) in groups of pieces."""
     expected = pool4.run(gloo_calls, layout, exchange, "none", kv_backward, min_piece)
     for rank in (0, 3):
