@@ -44,7 +44,7 @@ from .agreement import (
 )
 from .backend import call_backend
 from .chunks import chunk_kind
-from .exchange import HierarchicalTransport, NeededTransport, RingTransport, WholeNeededTransport
+from .exchange import HierarchicalTransport, NeededTransport, Pieces, RingTransport, WholeNeededTransport
 from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather, set_rows as _set_rows
 from .resolve import resolve_step_state
 from .state import count_cp_attn_fire
@@ -125,7 +125,7 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
         return WholeNeededTransport(k, v, state.rank, state.cp, state.group, stats, prefix,
                                     state.send_indices_on(k.device, plan.window), plan.exchange.counts,
                                     state.whole_delivery_on(k.device, plan.window), fuse_sends=fuse_sends)
-    return NeededTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+    return NeededTransport(k, v, state.rank, state.cp, Pieces(rows=chunk_rows), state.group, stats, prefix,
                            state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends)
 
 

@@ -302,12 +302,11 @@ class NeededTransport(_DirectGradients):
 
     kind = "needed"
 
-    def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
+    def __init__(self, k, v, rank: int, cp: int, pieces: Pieces, group, stats: Dict, prefix: str,
                  send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, fuse_sends: bool = False):
-        self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
+        self.k, self.v, self.rank, self.cp, self.pieces = k, v, rank, cp, pieces  # how a pair's rows are cut
         self.group, self.stats, self.prefix = group, stats, prefix
         self.send_index = send_index
-        self.pieces = Pieces(rows=chunk_rows)
         # The host table as Python ints: reading a tensor element per step costs a dispatch each
         # (and on a device it would be a sync, were the table ever moved there).
         self.sent_to, self.received_from = counts[rank].tolist(), counts[:, rank].tolist()
@@ -406,8 +405,8 @@ class WholeNeededTransport(NeededTransport):
     def __init__(self, k, v, rank: int, cp: int, group, stats: Dict, prefix: str,
                  send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, delivery: WholeDelivery,
                  fuse_sends: bool = False):
-        super().__init__(k, v, rank, cp, 0, group, stats, prefix, send_index, counts, fuse_sends)
-        self.delivery, self.pieces = delivery, delivery.pieces
+        super().__init__(k, v, rank, cp, delivery.pieces, group, stats, prefix, send_index, counts, fuse_sends)
+        self.delivery = delivery
 
     def _band_rows(self, step) -> Optional[torch.Tensor]:
         """Where the rows received at ``step`` (round i, piece j) lie in group j's buffer (None: none)."""

@@ -907,9 +907,8 @@ class BlockDiagCPState:
                     start[first:first + m] = band.starts[g]
                 rows.append(torch.from_numpy(band_of[at:at + n] - start).to(device))
                 at += n
-            self._device_index[key] = WholeDelivery(
-                tuple(tuple((i, g) for i in range(1, self.cp)) for g in range(pieces.parts)), pieces, tuple(rows),
-                tuple(step.chunk_len for step in band.stream.steps[1:]))
+            self._device_index[key] = WholeDelivery(_band_posts(self.cp, pieces), pieces, tuple(rows),
+                                                    tuple(step.chunk_len for step in band.stream.steps[1:]))
         return self._device_index[key]
 
     def band_pieces(self, window: Optional[int] = None) -> Pieces:
@@ -926,7 +925,7 @@ class BlockDiagCPState:
         plan = self.plan_for(window)
         if self.needed_whole(window):
             pieces = self.band_pieces(window)
-            return pieces, [(i, g) for g in range(pieces.parts) for i in range(1, self.cp)]
+            return pieces, [post for group in _band_posts(self.cp, pieces) for post in group]
         stream = plan.stream["needed"]
         return Pieces(rows=stream.chunk_rows), [(step.round, step.piece) for step in stream.steps[1:]]
 
@@ -1254,6 +1253,11 @@ def _band_pieces(counts: torch.Tensor, runs, doc_runs) -> Pieces:
             largest = int((held[src] * (held[dst] > 0)).max())
             parts = min(parts, int(received[src, dst]) // max(1, BAND_MIN_DOCS_PER_PIECE * largest))
     return Pieces(parts=max(1, parts))
+
+
+def _band_posts(cp: int, pieces: Pieces) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+    """Per band step g, the (round, piece) messages it posts: piece g of every pair, round by round."""
+    return tuple(tuple((i, g) for i in range(1, cp)) for g in range(pieces.parts))
 
 
 def _received_rows(counts: torch.Tensor) -> np.ndarray:

@@ -103,11 +103,10 @@ class Loopback:
         self._chunks: Dict = {}
         self._zeros: Dict = {}  # (shape, dtype, device) -> the gradients coming home, allocated once
 
-    def _positions(self, kind: str, plan, step) -> torch.Tensor:
-        """Global positions of the chunk rank r receives at ``step`` (round i, piece j)."""
+    def _positions(self, kind: str, plan, pieces: Pieces, step) -> torch.Tensor:
+        """Global positions of the chunk rank r receives at ``step`` (round i, piece j, cut by ``pieces``)."""
         i, j = step
         state = self.state
-        pieces = Pieces(rows=plan.stream[kind].chunk_rows) if kind == "ring" else state.needed_pieces(plan.window)[0]
         src = (state.rank - i) % state.cp
         whole = (state.layout.rank_positions(src) if kind == "ring"
                  else plan.exchange.recv_positions[src])  # the needed rows arrive ascending
@@ -120,10 +119,13 @@ class Loopback:
         if key not in self._chunks:
             plan = self.state.plan_for(window)
             chunks = {}
-            pieces = ([(step.round, step.piece) for step in plan.stream[kind].steps[1:]] if kind == "ring"
-                      else self.state.needed_pieces(window)[1])
-            for at in pieces:
-                pos = self._positions(kind, plan, at).to(self.k_full.device)
+            if kind == "ring":
+                pieces = Pieces(rows=plan.stream[kind].chunk_rows)
+                posts = [(step.round, step.piece) for step in plan.stream[kind].steps[1:]]
+            else:
+                pieces, posts = self.state.needed_pieces(window)
+            for at in posts:
+                pos = self._positions(kind, plan, pieces, at).to(self.k_full.device)
                 if pos.numel():
                     k, v = self.k_full.index_select(0, pos), self.v_full.index_select(0, pos)
                     chunks[at] = torch.cat([k, v], dim=-1).reshape(k.shape[0], k.shape[1], -1)
@@ -145,7 +147,8 @@ class Loopback:
             return _WholeHandover(chunks, zeros, k, v, state.rank, state.cp, state.group, stats, prefix,
                                   state.send_indices_on(k.device, plan.window), plan.exchange.counts,
                                   state.whole_delivery_on(k.device, plan.window))
-        return _NeededHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
+        return _NeededHandover(chunks, zeros, k, v, state.rank, state.cp, Pieces(rows=chunk_rows), state.group, stats,
+                               prefix,
                                state.send_indices_on(k.device, plan.window), plan.exchange.counts)
 
 

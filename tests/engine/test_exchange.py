@@ -3,7 +3,7 @@ call where the local rows go out more than about once over."""
 
 import torch
 
-from megatron_ext.blockdiag_cp.exchange import NeededTransport, fused_rows
+from megatron_ext.blockdiag_cp.exchange import NeededTransport, Pieces, fused_rows
 
 
 def _transport(sent_to, send_index, L=10, fuse_sends=True):
@@ -12,7 +12,7 @@ def _transport(sent_to, send_index, L=10, fuse_sends=True):
     cp = len(sent_to)
     counts = torch.zeros(cp, cp, dtype=torch.long)
     counts[0] = torch.tensor(sent_to)
-    return NeededTransport(k, v, 0, cp, 4, None, {}, "", send_index, counts, fuse_sends=fuse_sends)
+    return NeededTransport(k, v, 0, cp, Pieces(rows=4), None, {}, "", send_index, counts, fuse_sends=fuse_sends)
 
 
 def test_fusing_once_where_it_moves_fewer_bytes():
