@@ -24,6 +24,8 @@ forward its first writer writes the result, its second merges the first's output
 and its own into the buffer (``opens``), its last merges the buffer and its own into
 the result (``closes``); dq's last writer adds the buffer and its own into dq. The
 bits are those of copying into the buffer and writing it back, a pass fewer each.
+A call that is the last writer of only some of its merged rows closes those and
+merges the rest, where then nothing is written back (``_partial_pays``).
 
 A call that covers every row and is the first to write the result lends it its
 output tensor (no copy). A first writer that covers fewer rows (the rest padding or
@@ -104,7 +106,7 @@ class MergePlan:
     @classmethod
     def of(cls, steps: Sequence[Sequence], rows: int, device, every_row_merged: bool = False,
            also_merged: Optional[torch.Tensor] = None, ends: str = "none", closing: bool = True,
-           padding: Optional[slice] = None) -> "MergePlan":
+           padding: Optional[slice] = None, partial: bool = True) -> "MergePlan":
         """``steps``: per step, its calls' host row indices (``CallPlan.q_index``, [Nq] rows each);
         ``also_merged``: host rows merged however many calls write them. A row two calls write is the
         first's output, then the second's merged into it (gradients: added) in the result's dtype, rounded
@@ -112,7 +114,10 @@ class MergePlan:
         their first and last writers meet the buffer; "none" where rows are merged whatever their
         writers (a sink's rescale, returned key gradients) as those read the buffer after every call.
         ``closing`` False: no last writer closes (the plan without them, where they would cost a launch).
-        ``padding``: rows the calls write that ``Result.finish`` zeroes (``MergePlan.padding``)."""
+        ``partial``: a call that is the last writer of only some of the rows it merges closes those and
+        merges the rest in the buffer (one op more), where that leaves no row to write back (else the plan
+        without: ``_partial_pays``). ``padding``: rows the calls write that ``Result.finish`` zeroes
+        (``MergePlan.padding``)."""
         from .step import device_rows
 
         if ends not in ENDS:
@@ -142,6 +147,7 @@ class MergePlan:
         keeps, reads, first_writer = (_kept(steps, nths, paired, opened, rows, runs=ends == "gradient")
                                       if ends != "none" else ({}, {}, None))
         cid = -1  # the call's place in the step order (``_kept``'s keys)
+        split = 0  # calls that close some of their merged rows and merge the rest (``partial``)
         seen = np.zeros(rows, dtype=bool)  # merged rows some call wrote into the buffer
         written = np.zeros(rows, dtype=bool)  # paired rows their first writer wrote
         closed = np.zeros(rows, dtype=bool)  # merged rows their last writer merged into the result
@@ -173,11 +179,15 @@ class MergePlan:
                 at = np.flatnonzero(mine & ~(opened[qi] & (nth <= 2)))  # merged in the buffer
                 # The last writer of every row it merges there: into the result instead (one op either way;
                 # "gradient": where the buffer's, its own and the result's rows are runs)
-                if closing and ends != "none" and at.size and bool((nth[at] == writers[qi[at]]).all()):
-                    last = (on_device(at, qi.size), on_device(slot[qi[at]], count), on_device(qi[at], rows))
+                # (``partial``: of the rows it is the last writer of, the rest merged in the buffer: one op more)
+                ending = (nth[at] == writers[qi[at]]) if closing and ends != "none" and at.size else None
+                if ending is not None and (bool(ending.all()) or (partial and bool(ending.any()))):
+                    lasts = at[ending]
+                    last = (on_device(lasts, qi.size), on_device(slot[qi[lasts]], count), on_device(qi[lasts], rows))
                     if ends == "forward" or not any(isinstance(r, torch.Tensor) for r in last):
-                        closed[qi[at]] = True
-                        closes, at = last, at[:0]
+                        closed[qi[lasts]] = True
+                        closes, at = last, at[~ending]
+                        split += int(at.size > 0)
                 late = np.flatnonzero(second)
                 alone = None
                 # Writing every row would overwrite a first writer's half of a pair (or the first writer's
@@ -206,6 +216,8 @@ class MergePlan:
         target = on_device(np.flatnonzero(merged), rows) if count else None
         needs_zeros |= not bool(seen[merged].all())  # a merged row no call writes (a ring piece's padding)
         back = np.flatnonzero(merged & ~closed)  # the merged rows ``finish`` writes back
+        if split and not _partial_pays(split, back.size, ends, scattered=not _is_run(np.flatnonzero(merged))):
+            return cls.of(steps, rows, device, every_row_merged, also_merged, ends, closing, padding, partial=False)
         write_back = None
         if back.size == count and count:
             write_back = (None, target)
@@ -216,10 +228,20 @@ class MergePlan:
                 # the rows left to write back are scattered where all of them were not: a gather (and a
                 # scatter) each, more launches than the closes save
                 return cls.of(steps, rows, device, every_row_merged, also_merged, ends, closing=False,
-                              padding=padding)
+                              padding=padding, partial=False)
         empty = np.flatnonzero((writers == 0) & ~merged)  # never written: a padding row's zeros
         uncovered = on_device(empty, rows) if empty.size else None
         return cls(rows, target, count, not empty.size, uncovered, merged, needs_zeros, calls, write_back, padding)
+
+
+def _partial_pays(split: int, left: int, ends: str, scattered: bool) -> bool:
+    """Whether ``split`` calls that each close some rows and merge the rest (an op more each) pay: only
+    where no merged row is left to write back (``left``), and the ops the write-back took are at least
+    those added (out: a cast, and a scatter where the merged rows are ``scattered``; forward's lse: one
+    more). Each closed row is then written once, in the result's dtype, instead of into the buffer and
+    again through the cast."""
+    write_back_ops = 1 + int(scattered) + int(ends == "forward")
+    return left == 0 and split <= write_back_ops
 
 
 def _kept(steps, nths, paired: np.ndarray, opened: np.ndarray, rows: int, runs: bool):

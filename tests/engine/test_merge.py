@@ -120,7 +120,13 @@ def _through(plan, steps, rows, seed, dtype=torch.bfloat16):
 def test_merge_ends_give_the_bits_of_the_buffer_round_trip(seed):
     """``ends`` "forward" and "gradient" against "none" (first copied into the float32 buffer, written back
     at the end): the same out, lse and gradient bits; a merged row is opened (forward) by its second writer
-    at most once, closed by its last at most once, the rest written back; no call merges more than once."""
+    at most once, closed by its last at most once, the rest written back; no call merges more than once,
+    but one that closes some rows and merges the rest where nothing is then written back."""
+    _ends_against_round_trip(seed)
+
+
+def _ends_against_round_trip(seed):
+    """``test_merge_ends_give_the_bits_of_the_buffer_round_trip``'s checks; {ends: calls that split}."""
     rows, steps = _random_steps(seed, rows=(4, 48), steps=(2, 7))
     plans = {ends: MergePlan.of(steps, rows, "cpu", ends=ends) for ends in ("none", "forward", "gradient")}
     want = _through(plans["none"], steps, rows, seed)
@@ -134,15 +140,20 @@ def test_merge_ends_give_the_bits_of_the_buffer_round_trip(seed):
         for a, b in zip(got, want[:2] if ends == "forward" else want[2:]):
             assert torch.equal(a[written], b[written]), (seed, ends)
     total = writers_total(steps, rows)
+    splits = {"forward": 0, "gradient": 0}
     for ends in ("forward", "gradient"):
         plan = plans[ends]
         writers = torch.zeros(rows, dtype=torch.long)
         opened, closed = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        split = 0
         for calls, shares in zip(steps, plan.calls):
             for q_index, share in zip(calls, shares):
                 writers[q_index] += 1
-                # one merge op a call at most, as with "none": opening or closing replaces it
-                assert share.merges + (share.opens is not None) + (share.closes is not None) <= 1, (seed, ends)
+                # one merge op a call at most, as with "none": opening or closing replaces it; but a call that
+                # closes some rows and merges the rest (``partial``), where that leaves nothing to write back
+                ops = share.merges + (share.opens is not None) + (share.closes is not None)
+                split += ops == 2 and share.merges and share.closes is not None
+                assert ops <= 1 or (ops == 2 and share.merges and share.closes is not None), (seed, ends)
                 for field, counted in (("opens", opened), ("closes", closed)):
                     rows_of = getattr(share, field)
                     if rows_of is None:
@@ -160,6 +171,19 @@ def test_merge_ends_give_the_bits_of_the_buffer_round_trip(seed):
         assert bool((opened <= 1).all() and (closed <= 1).all()) and not opened[~merged].any()
         back = [] if plan.write_back is None else _rows(plan.write_back[1], rows)
         assert back == [r for r in range(rows) if merged[r] and not closed[r]], (seed, ends)
+        # split calls only where they take the write-back's place, and no more ops than it took
+        assert not split or (not back and split <= 3), (seed, ends, split, back)
+        splits[ends] += split
+    return splits
+
+
+def test_merge_ends_split_calls_somewhere():
+    """The random tables above do exercise calls that close some rows and merge the rest."""
+    splits = {"forward": 0, "gradient": 0}
+    for seed in range(16):
+        for ends, n in _ends_against_round_trip(seed).items():
+            splits[ends] += n
+    assert splits["forward"] > 0, splits
 
 
 def writers_total(steps, rows):
