@@ -42,7 +42,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .merge_kernel import merge_rows_
+from .merge_kernel import ATOMIC_DTYPES, add_rows_, copy_rows_, merge_rows_
 
 Rows = object  # step.Rows: None (every row), a slice (one ascending run) or an index tensor
 
@@ -366,8 +366,8 @@ class Accumulator:
         """Merge rows ``source`` of one call's [n, H, Dv] out and [n, H] lse into buffer rows ``index``:
         one ``merge_rows_`` (views for runs, its index arguments for scattered rows)."""
         if fresh:  # nothing merged into these rows yet: a copy (into a run, cast on the way)
-            set_rows(self.out, index, gather(out, source))
-            set_rows(self.lse, index, gather(lse, source))
+            set_rows(self.out, index, out, source)
+            set_rows(self.lse, index, lse, source)
             return
         merge_into(self.out, self.lse, index, out, lse, source)
 
@@ -440,13 +440,12 @@ class Result:
             self.lse = None if lse is None else lse.to(self.lse_dtype).contiguous()
             return True
         self.allocated()
+        source = None
         if alone is not None:
             source, index = alone
-            value = gather(value, source)
-            lse = None if lse is None else gather(lse, source)
-        set_rows(self.value, index, value)
+        set_rows(self.value, index, value, source)
         if lse is not None:
-            set_rows(self.lse, index, lse)
+            set_rows(self.lse, index, lse, source)
         return False
 
     def keep(self, keeps: Tuple[int, int], value: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
@@ -486,13 +485,13 @@ class Result:
         once (either order: the same bits). ``lent``: ``value`` is the result (``write``)."""
         source, index = adds
         if kept is None:
-            add_rows(self.value, index, gather(value, source))
+            add_rows(self.value, index, value, source)
             return
         for entry in kept:  # per kept first writer: (slot, its rows, ours, the result's)
             first, _, rows = self.first_output(entry, None)
             source, index = entry[2], entry[3]
             if lent:  # this call's rows are there already: the first writer's added onto them
-                add_rows(self.value, index, gather(first, rows))
+                add_rows(self.value, index, first, rows)
             elif not any(isinstance(r, torch.Tensor) for r in (index, rows, source)):
                 torch.add(gather(first, rows), gather(value, source), out=gather(self.allocated(), index))
             else:  # not planned (``_kept``), but right whatever wrote the result first
@@ -528,7 +527,7 @@ class Result:
         if share.adds is not None:
             self.add(share.adds, grad, share.adds_from, lent)
         if share.merges:
-            (set_rows if share.fresh else add_rows)(buffer, share.target, gather(grad, share.source))
+            (set_rows if share.fresh else add_rows)(buffer, share.target, grad, share.source)
         if share.closes is not None:  # runs (``ends`` "gradient"): summed in float32, rounded once
             source, slots, rows = share.closes
             torch.add(gather(buffer, slots), gather(grad, source), out=gather(self.allocated(), rows))
@@ -539,9 +538,9 @@ class Result:
         self.kept.clear()  # outputs a failed call left unread
         if merged_value is not None and self.plan.write_back is not None:
             slots, rows = self.plan.write_back
-            set_rows(self.value, rows, gather(merged_value, slots))
+            set_rows(self.value, rows, merged_value, slots)
             if merged_lse is not None:
-                set_rows(self.lse, rows, gather(merged_lse, slots))
+                set_rows(self.lse, rows, merged_lse, slots)
         if self.plan.padding is not None:  # the lse keeps the padding's own: backward attends it alike
             self.value[self.plan.padding].zero_()
         return self.value, self.lse
@@ -586,7 +585,7 @@ class KeyGradients:
                 add_rows(self.dv.allocated(), index, part[..., self.dk_dim:])
             if merged is not None:
                 source, index = merged
-                add_rows(self.buffer, index, gather(grad, source))
+                add_rows(self.buffer, index, grad, source)
             return
         R = self.R
         grad = grad.reshape(grad.shape[0] * R, self.buffer.shape[1], self.buffer.shape[2])
@@ -598,7 +597,7 @@ class KeyGradients:
             add_rows(self.buffer, rows, grad)
         else:  # every returned row is merged: its place in the buffer, looked up on the device
             index = self.slot.index_select(0, rows) if isinstance(rows, torch.Tensor) else self.slot[_all(rows)]
-            self.buffer.index_add_(0, index, grad.to(self.buffer.dtype))
+            add_rows(self.buffer, index, grad)
 
     def finish(self):
         """(dk, dv) of every row."""
@@ -607,20 +606,36 @@ class KeyGradients:
         return dk, dv
 
 
-def add_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor) -> None:
-    """dst[index] += src for ``Rows`` (in place on a run, index_add_ for scattered rows)."""
-    if isinstance(index, torch.Tensor):
-        dst.index_add_(0, index, src.to(dst.dtype))
+def add_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor, source: Rows = None) -> None:
+    """dst[index] += src[source] for ``Rows``: in place on runs; one ``add_rows_`` where either side is
+    scattered and dst is a float32 buffer (the rows read where they lie, cast on the way), else
+    index_add_ (after a gather for scattered ``source``)."""
+    if not isinstance(index, torch.Tensor) and not isinstance(source, torch.Tensor):
+        dst[_all(index)].add_(src[_all(source)])
+    elif dst.dtype in ATOMIC_DTYPES:
+        _rows_into(dst, index, src, source, accumulate=True)
     else:
-        dst[_all(index)].add_(src)
+        dst.index_add_(0, index, gather(src, source).to(dst.dtype)) if isinstance(index, torch.Tensor) \
+            else dst[_all(index)].add_(gather(src, source))
 
 
-def set_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor) -> None:
-    """dst[index] = src for ``Rows`` (a copy into a run, index_copy_ for scattered rows)."""
-    if isinstance(index, torch.Tensor):
-        dst.index_copy_(0, index, src.to(dst.dtype))
+def set_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor, source: Rows = None) -> None:
+    """dst[index] = src[source] for ``Rows``: a copy between runs, else one ``copy_rows_`` (the rows read
+    where they lie, cast on the way)."""
+    if not isinstance(index, torch.Tensor) and not isinstance(source, torch.Tensor):
+        dst[_all(index)].copy_(src[_all(source)])
     else:
-        dst[_all(index)].copy_(src)
+        _rows_into(dst, index, src, source, accumulate=False)
+
+
+def _rows_into(dst: torch.Tensor, index: Rows, src: torch.Tensor, source: Rows, accumulate: bool) -> None:
+    """``add_rows_`` / ``copy_rows_`` (``accumulate``) over ``Rows``: a run is a view (no index), a
+    [rows, H] tensor a [rows, H, 1] one."""
+    dst, target = (dst, index) if isinstance(index, torch.Tensor) else (dst[_all(index)], None)
+    src, source = (src, source) if isinstance(source, torch.Tensor) else (src[_all(source)], None)
+    if dst.dim() == 2:
+        dst, src = dst.unsqueeze(-1), src.unsqueeze(-1)
+    (add_rows_ if accumulate else copy_rows_)(dst, src, source, target)
 
 
 def _zero_rows(dst: torch.Tensor, index: Rows) -> None:

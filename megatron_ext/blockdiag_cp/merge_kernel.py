@@ -1,4 +1,6 @@
-"""One fused log-sum-exp merge of a kernel call's rows into the float32 merge buffer or the result.
+"""Fused row ops of the merges: a log-sum-exp merge of a kernel call's rows into the float32 merge
+buffer or the result (``merge_rows_``), and rows gathered, cast and scattered or added in one pass
+(``copy_rows_``, ``add_rows_``).
 
 ``merge_rows_(acc_out, acc_lse, out, lse, source, target)`` does, for each i,
 
@@ -30,8 +32,21 @@ counter (``testing.op_counter``) and the bench's replay see and price one launch
 - everywhere else (CPU, CUDA without Triton): ``merge_rows_eager``, the same
   arithmetic as torch ops.
 
-The Triton kernel runs on CPU tensors under ``TRITON_INTERPRET=1`` (the tests run it
-against ``merge_rows_eager`` that way: ``triton_merge_rows_``).
+``copy_rows_(dst, src, source, target)`` (``add_rows_``: adds) does, for each i,
+
+    dst[target[i]] = src[source[i]]    (add_rows_: +=), in dst's dtype    (identity where None)
+
+in one pass: the rows a returned key gradient, a call's dq or a write-back moves into a
+float32 buffer or out of it are read where they lie and cast on the way. As torch ops a
+scattered add of bf16 rows into float32 is a cast and an index_add_ (18 bytes per
+element against 10), and a gathered source one pass more. Added rows that repeat in
+``target`` all land (atomic adds in the Triton kernel, as index_add_ on CUDA). Two ops,
+so that an op counter tells a copy from an add by name; on CUDA the Triton kernel
+``_rows_into_kernel`` where Triton imports (adds only into float32 / float64: the
+buffers'), else the eager body ``rows_into_eager``.
+
+The Triton kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests run them
+against the eager bodies that way: ``triton_merge_rows_``, ``triton_rows_into_``).
 """
 
 import functools
@@ -43,6 +58,8 @@ _LIB = torch.library.Library("megatron_ext", "DEF")  # the op's registration (th
 _LIB.define("merge_rows_(Tensor(a!) acc_out, Tensor(b!) acc_lse, Tensor out, Tensor lse, "
             "Tensor? source, Tensor? target, Tensor(c!)? dst_out=None, Tensor(d!)? dst_lse=None, "
             "Tensor? dst_target=None) -> ()")
+_LIB.define("copy_rows_(Tensor(a!) dst, Tensor src, Tensor? source, Tensor? target) -> ()")
+_LIB.define("add_rows_(Tensor(a!) dst, Tensor src, Tensor? source, Tensor? target) -> ()")
 
 
 def merge_rows_eager(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -208,4 +225,127 @@ _LIB.impl("merge_rows_", _merge_rows_cpu, "CPU")
 _LIB.impl("merge_rows_", _merge_rows_cuda, "CUDA")
 _LIB.impl("merge_rows_", _merge_rows_meta, "Meta")
 
-__all__ = ["merge_rows_", "merge_rows_eager", "triton_merge_rows_"]
+
+# Dtypes the Triton kernel adds into (atomically): the merge buffers' (float32; float64 in fp64 runs)
+ATOMIC_DTYPES = (torch.float32, torch.float64)
+
+
+def rows_into_eager(dst: torch.Tensor, src: torch.Tensor, source: Optional[torch.Tensor],
+                    target: Optional[torch.Tensor], accumulate: bool) -> None:
+    """``copy_rows_`` / ``add_rows_`` (``accumulate``) as torch ops: dst [N, H, D], src [n', H, D] (any
+    float dtypes; a row is cast to dst's dtype, then added there), source / target [n] int64 rows of src /
+    dst (None: rows 0..n-1, and then n = N for target)."""
+    part = src if source is None else src.index_select(0, source)
+    if target is None:  # every row of dst, in order: one in-place op, cast on the way
+        if accumulate and torch.promote_types(part.dtype, dst.dtype) != dst.dtype:
+            part = part.to(dst.dtype)  # added in dst's dtype, as index_add_ and the Triton kernel add
+        (dst.add_ if accumulate else dst.copy_)(part)
+    elif accumulate:
+        dst.index_add_(0, target, part.to(dst.dtype))
+    else:
+        dst.index_copy_(0, target, part.to(dst.dtype))
+
+
+def copy_rows_(dst: torch.Tensor, src: torch.Tensor, source: Optional[torch.Tensor] = None,
+               target: Optional[torch.Tensor] = None) -> None:
+    """``dst``'s rows ``target`` set to ``src``'s rows ``source``, cast to dst's dtype (one op)."""
+    torch.ops.megatron_ext.copy_rows_(dst, src, source, target)
+
+
+def add_rows_(dst: torch.Tensor, src: torch.Tensor, source: Optional[torch.Tensor] = None,
+              target: Optional[torch.Tensor] = None) -> None:
+    """``src``'s rows ``source`` added into ``dst``'s rows ``target``, in dst's dtype (one op; a target
+    row named twice gets both)."""
+    torch.ops.megatron_ext.add_rows_(dst, src, source, target)
+
+
+def _name(accumulate: bool) -> str:
+    return "add_rows_" if accumulate else "copy_rows_"
+
+
+def _check_rows(dst, src, source, target, accumulate) -> None:
+    n = src.shape[0] if source is None else source.numel()
+    targets = dst.shape[0] if target is None else target.numel()
+    if targets != n:
+        raise ValueError(f"{_name(accumulate)}: {n} source rows against {targets} target rows")
+    if dst.dim() != 3 or src.shape[1:] != dst.shape[1:]:
+        raise ValueError(f"{_name(accumulate)}: dst {tuple(dst.shape)} against src {tuple(src.shape)}: [rows, H, D] "
+                         f"each, the same H and D")
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rows_into_kernel(dst, src, source, target, H, D, sd_n, sd_h, sd_d, ss_n, ss_h, ss_d,
+                          HAS_SOURCE: tl.constexpr, HAS_TARGET: tl.constexpr, ACCUMULATE: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        i = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+        d = tl.arange(0, BLOCK_D)  # [BD]
+        if HAS_SOURCE:
+            r = tl.load(source + i).to(tl.int64)
+        else:
+            r = i.to(tl.int64)
+        if HAS_TARGET:
+            t = tl.load(target + i).to(tl.int64)
+        else:
+            t = i.to(tl.int64)
+        m = (h < H)[:, None] & (d < D)[None, :]
+        value = tl.load(src + r * ss_n + h[:, None] * ss_h + d[None, :] * ss_d, mask=m, other=0.0)
+        value = value.to(dst.dtype.element_ty)
+        at = dst + t * sd_n + h[:, None] * sd_h + d[None, :] * sd_d
+        if ACCUMULATE:
+            tl.atomic_add(at, value, mask=m)  # a row named twice in target gets both
+        else:
+            tl.store(at, value, mask=m)
+
+    return _rows_into_kernel
+
+
+def triton_rows_into_(dst, src, source=None, target=None, accumulate=False) -> None:
+    """``copy_rows_`` / ``add_rows_`` (``accumulate``) through the Triton kernel (CUDA tensors, or CPU ones
+    under TRITON_INTERPRET=1); adds only into ``ATOMIC_DTYPES``."""
+    import triton
+
+    _check_rows(dst, src, source, target, accumulate)
+    if accumulate and dst.dtype not in ATOMIC_DTYPES:
+        raise ValueError(f"add_rows_: the Triton kernel adds into {ATOMIC_DTYPES}, not {dst.dtype}")
+    n = src.shape[0] if source is None else source.numel()
+    H, D = dst.shape[1], dst.shape[2]
+    if n == 0:
+        return
+    block_d = triton.next_power_of_2(D)
+    block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_d))  # a program's tile: <= 4k elements
+    dummy = dst  # a pointer for an absent index (never read)
+    _rows_kernel()[(n, triton.cdiv(H, block_h))](
+        dst, src, dummy if source is None else source, dummy if target is None else target, H, D,
+        *dst.stride(), *src.stride(), HAS_SOURCE=source is not None, HAS_TARGET=target is not None,
+        ACCUMULATE=accumulate, BLOCK_H=block_h, BLOCK_D=block_d)
+
+
+def _rows_into_cpu(dst, src, source, target, accumulate) -> None:
+    _check_rows(dst, src, source, target, accumulate)
+    rows_into_eager(dst, src, source, target, accumulate)
+
+
+def _rows_into_cuda(dst, src, source, target, accumulate) -> None:
+    if not _triton_imports() or (accumulate and dst.dtype not in ATOMIC_DTYPES):
+        _rows_into_cpu(dst, src, source, target, accumulate)
+    else:
+        triton_rows_into_(dst, src, source, target, accumulate)
+
+
+def _rows_into_meta(dst, src, source, target, accumulate) -> None:
+    _check_rows(dst, src, source, target, accumulate)
+
+
+for _op, _accumulate in (("copy_rows_", False), ("add_rows_", True)):
+    _LIB.impl(_op, functools.partial(_rows_into_cpu, accumulate=_accumulate), "CPU")
+    _LIB.impl(_op, functools.partial(_rows_into_cuda, accumulate=_accumulate), "CUDA")
+    _LIB.impl(_op, functools.partial(_rows_into_meta, accumulate=_accumulate), "Meta")
+
+__all__ = ["ATOMIC_DTYPES", "add_rows_", "copy_rows_", "merge_rows_", "merge_rows_eager", "rows_into_eager",
+           "triton_merge_rows_", "triton_rows_into_"]

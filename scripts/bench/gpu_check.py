@@ -507,7 +507,8 @@ def run_thd_indices(emit):
 
 def run_merge_kernel(dry_run, emit):
     """The fused merge (``merge_rows_``: Triton on CUDA where it imports) against its eager body on the same
-    tensors, on runs and on scattered rows, and both timed (CUDA events) at 16k rows x 32 heads x 128."""
+    tensors, on runs and on scattered rows, then the row ops (``copy_rows_``, ``add_rows_``) on scattered
+    rows, each timed (CUDA events) at 16k rows x 32 heads x 128."""
     import torch
 
     from megatron_ext.blockdiag_cp import merge_kernel
@@ -536,6 +537,32 @@ def run_merge_kernel(dry_run, emit):
                 start.record()
                 for _ in range(20):
                     fn(a, b, out, lse, *args)
+                end.record()
+                torch.cuda.synchronize()
+                row[f"{label}_ms"] = start.elapsed_time(end) / 20
+        ok &= row["passed"]
+        emit(row)
+    # copy_rows_ / add_rows_ (Triton on CUDA where it imports): a write-back into bf16 and returned bf16
+    # gradients added into the float32 buffer, scattered rows against the eager body
+    grads = out[: n // 2]
+    for name, op, dst, src in (("copy_rows_", merge_kernel.copy_rows_, out, acc_out[: n // 2]),
+                               ("add_rows_", merge_kernel.add_rows_, acc_out, grads)):
+        accumulate = name == "add_rows_"
+        fused, eager = dst.clone(), dst.clone()
+        op(fused, src, None, target)
+        merge_kernel.rows_into_eager(eager, src, None, target, accumulate)
+        err = float((fused.float() - eager.float()).abs().max())
+        row = {"check": "merge_kernel", "op": name, "rows": "scattered", "triton": triton, "max_abs_diff": err,
+               "passed": err < (1e-2 if dst.dtype == torch.bfloat16 else 1e-4)}
+        if device.type == "cuda":
+            for label, fn in (("fused", lambda d: op(d, src, None, target)),
+                              ("eager", lambda d: merge_kernel.rows_into_eager(d, src, None, target, accumulate))):
+                d = dst.clone()
+                fn(d)  # warm (Triton compiles on first use)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    fn(d)
                 end.record()
                 torch.cuda.synchronize()
                 row[f"{label}_ms"] = start.elapsed_time(end) / 20

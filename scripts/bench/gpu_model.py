@@ -196,6 +196,14 @@ def _op_bytes(event, run: Dims, target: Dims) -> float:
         return size[0] + size[1] if len(size) > 1 else 2 * sum(out)
     if event.name == "cat":
         return 2 * sum(out)
+    if event.name in ("copy_rows_", "add_rows_"):
+        # (dst, src) and the index tensors given (source, target: n rows each): n rows of src read, of dst
+        # written (add_rows_: also read), each in its own dtype
+        (dst, dst_b), (src, src_b) = [(s, b) for s, b in zip(event.inputs, size) if s[1].is_floating_point][:2]
+        index = [s for s in event.inputs if not s[1].is_floating_point]
+        n = index[0][0][0] if index else src[0][0]
+        written = dst_b * n / max(1, dst[0][0])
+        return src_b * n / max(1, src[0][0]) + written * (2 if event.name == "add_rows_" else 1) + small
     if event.name == "merge_rows_":
         # (acc_out, acc_lse, out, lse, [dst_out, dst_lse]) and the index tensors given (source, target,
         # dst_target: n rows each): n rows of out / lse read, of acc read and written (with a destination:

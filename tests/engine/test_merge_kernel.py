@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron_ext.blockdiag_cp.merge_kernel import merge_rows_, merge_rows_eager
+from megatron_ext.blockdiag_cp.merge_kernel import add_rows_, copy_rows_, merge_rows_, merge_rows_eager
 
 # (rows of the buffer, heads, head dim, call output dtype, buffer dtype, lse dtype): the float32 buffer,
 # or the result itself in bf16 / fp16 (a pair's second writer merges into the first's output)
@@ -211,3 +211,132 @@ def test_triton_kernel_under_the_interpreter_against_the_definition():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"interpreted {4 * len(SHAPES)}" in done.stdout
+
+
+# copy_rows_ / add_rows_: (dst rows, heads, head dim, src dtype, dst dtype): bf16 gradients into the float32
+# buffer, the buffer written back into a bf16 result, fp64 runs, a same-dtype scatter
+ROW_SHAPES = [(9, 3, 5, torch.bfloat16, torch.float32), (7, 2, 8, torch.float32, torch.bfloat16),
+              (6, 4, 16, torch.float64, torch.float64), (8, 40, 130, torch.float16, torch.float32),
+              (5, 3, 8, torch.bfloat16, torch.bfloat16)]
+
+
+def _rows_case(seed, N, H, D, src_dtype, dst_dtype, by_source, by_target, repeats):
+    """A destination read through strides (one half of a [N, H, 2D] buffer, as dK of the fused dK / dV one),
+    a source with a padded head dim, the rows moved (with ``repeats``, some target rows named twice)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 4 if (by_source or by_target) else N
+    dst = torch.randn(N, H, 2 * D, generator=g, dtype=torch.float64).to(dst_dtype)[..., :D]
+    rows = n + 2 if by_source else n
+    src = torch.randn(rows, H, D + 3, generator=g, dtype=torch.float64).to(src_dtype)[..., :D]
+    source = torch.randperm(rows, generator=g)[:n] if by_source else None
+    target = torch.randperm(N, generator=g)[:n] if by_target else None
+    if target is not None and repeats:
+        target[-1] = target[0]
+    return dst, src, source, target
+
+
+def _rows_reference(dst, src, source, target, accumulate):
+    """Row by row in float64: each source row cast to dst's dtype, the sum rounded once into it."""
+    want = dst.double().clone()
+    n = src.shape[0] if source is None else source.numel()
+    for i in range(n):
+        r = i if source is None else int(source[i])
+        t = i if target is None else int(target[i])
+        want[t] = (want[t] if accumulate else 0) + src[r].to(dst.dtype).double()
+    return want.to(dst.dtype)
+
+
+def _rows_cases(accumulate):
+    for i, shape in enumerate(ROW_SHAPES):
+        for by_source in (False, True):
+            for by_target in (False, True):
+                for repeats in ((False, True) if accumulate and by_target else (False,)):
+                    yield (f"{shape} source={by_source} target={by_target} repeats={repeats}",
+                           _rows_case(i, *shape, by_source, by_target, repeats))
+
+
+def _rows_check(name, fn, case, accumulate, rounding_ulps=0):
+    dst, src, source, target = case
+    got = dst.clone()
+    n = src.shape[0] if source is None else source.numel()
+    fn(got if target is not None else got[:n], src, source, target, accumulate)  # a run of dst: its view
+    want = _rows_reference(dst, src, source, target, accumulate)
+    if accumulate and target is not None and target.unique().numel() < target.numel():  # summed in some order
+        tol = 2 * torch.finfo(dst.dtype).eps
+        torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol, msg=name)
+    elif rounding_ulps and dst.dtype.itemsize < src.dtype.itemsize:  # Triton's own rounding of the cast
+        tol = rounding_ulps * torch.finfo(dst.dtype).eps
+        torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol, msg=name)
+    else:  # one rounding into dst's dtype, as torch's cast and index_add_ give
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_row_copies_and_adds_against_the_definition(accumulate):
+    from megatron_ext.blockdiag_cp.merge_kernel import rows_into_eager
+
+    op = add_rows_ if accumulate else copy_rows_
+    for name, case in _rows_cases(accumulate):
+        _rows_check(name, lambda d, s, r, t, a: op(d, s, r, t), case, accumulate)
+        _rows_check(name, rows_into_eager, case, accumulate)
+
+
+def test_row_ops_are_one_launch_each():
+    from megatron_ext.testing.op_counter import OpCounter
+
+    counter = OpCounter()
+    for accumulate, op in ((False, copy_rows_), (True, add_rows_)):
+        for name, (dst, src, source, target) in _rows_cases(accumulate):
+            n = src.shape[0] if source is None else source.numel()
+            with counter, counter.region((accumulate, name)):
+                op(dst.clone()[: dst.shape[0] if target is not None else n], src, source, target)
+            # the clone, then the op: one whatever the rows and dtypes (the eager body's gather, cast and
+            # scatter are not seen)
+            assert dict(counter.counts[(accumulate, name)].ops) == {"clone": 1, op.__name__: 1}, name
+
+
+def test_row_ops_refuse_mismatched_rows_and_shapes():
+    with pytest.raises(ValueError, match="add_rows_: 3 source rows against 4 target rows"):
+        add_rows_(torch.zeros(4, 2, 3), torch.zeros(3, 2, 3))
+    with pytest.raises(ValueError, match=r"copy_rows_: dst \(4, 2, 3\) against src \(4, 3, 3\)"):
+        copy_rows_(torch.zeros(4, 2, 3), torch.zeros(4, 3, 3))
+    for key in ("CPU", "CUDA", "Meta"):
+        for op in ("copy_rows_", "add_rows_"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{op}", key), (op, key)
+
+
+def test_the_triton_row_kernel_adds_only_into_float32_or_float64():
+    from megatron_ext.blockdiag_cp.merge_kernel import triton_rows_into_
+
+    pytest.importorskip("triton", reason="Triton is in the test extras (pip install -e '.[test]')")
+    with pytest.raises(ValueError, match="adds into .* not torch.bfloat16"):
+        triton_rows_into_(torch.zeros(4, 2, 3, dtype=torch.bfloat16), torch.zeros(4, 2, 3), accumulate=True)
+
+
+_ROWS_INTERPRETED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import test_merge_kernel as t
+    from megatron_ext.blockdiag_cp import merge_kernel
+    count = 0
+    for accumulate in (False, True):
+        for name, case in t._rows_cases(accumulate):
+            if accumulate and case[0].dtype not in merge_kernel.ATOMIC_DTYPES:
+                continue  # the CUDA registration takes the eager body there
+            t._rows_check(name, merge_kernel.triton_rows_into_, case, accumulate, rounding_ulps=1)
+            t._rows_check(name, merge_kernel._rows_into_cuda, case, accumulate, rounding_ulps=1)
+            count += 1
+    print("interpreted", count)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_triton_row_kernel_under_the_interpreter_against_the_definition():
+    pytest.importorskip("triton", reason="Triton is in the test extras (pip install -e '.[test]')")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = _ROWS_INTERPRETED.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    expected = sum(1 for _ in _rows_cases(False)) + sum(
+        1 for _, case in _rows_cases(True) if case[0].dtype in (torch.float32, torch.float64))
+    assert f"interpreted {expected}" in done.stdout, done.stdout
