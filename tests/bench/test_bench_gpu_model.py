@@ -196,6 +196,32 @@ def test_a_merge_is_priced_at_the_rows_it_merges():
     assert gm._op_bytes(closed, run, target) == pytest.approx(720 + 1360 + 720 + 240)
 
 
+def test_row_copies_and_adds_are_priced_at_the_rows_they_move():
+    """``copy_rows_`` reads the source's moved rows and writes as many destination rows, each in its own
+    dtype, whatever the tensors' sizes; ``add_rows_`` also reads the destination's rows."""
+    from megatron_ext.blockdiag_cp.merge_kernel import add_rows_, copy_rows_
+    from megatron_ext.testing.op_counter import OpCounter
+
+    gm = _bench()
+    run, target = gm.Dims("run", 1, 1, 8), gm.Dims("model", 2, 2, 16)  # [.., 1, 8] -> x4, [.., 1, 1] -> x2
+    counter = OpCounter(log=True)
+    buffer, grad = torch.zeros(50, 1, 8), torch.zeros(30, 1, 8, dtype=torch.bfloat16)
+    source, target_rows = torch.arange(10), torch.arange(10) * 2
+    with counter, counter.region("add"):
+        add_rows_(buffer, grad, source, target_rows)
+    with counter, counter.region("copy"):  # a write-back: the buffer's rows into the bf16 result, a run
+        copy_rows_(grad[:10], buffer, target_rows)
+    lse_dst, lse_src = torch.zeros(40, 1, 1), torch.zeros(30, 1, 1)
+    with counter, counter.region("lse"):
+        copy_rows_(lse_dst, lse_src, source, target_rows)
+    (add,), (copy,), (lse,) = (counter.counts[k].events for k in ("add", "copy", "lse"))
+    assert (add.name, copy.name, lse.name) == ("add_rows_", "copy_rows_", "copy_rows_")
+    # 10 rows: bf16 10 x 8 x 2 B x4 = 640, float32 1280; the index tensors 80 B each
+    assert gm._op_bytes(add, run, target) == pytest.approx(640 + 2 * 1280 + 160)
+    assert gm._op_bytes(copy, run, target) == pytest.approx(1280 + 640 + 80)
+    assert gm._op_bytes(lse, run, target) == pytest.approx(2 * 10 * 4 * 2 + 160)  # [rows, H, 1]: lse-like, x2
+
+
 def test_an_out_tensor_is_priced_as_written_not_read():
     """``torch.add(a, b, out=c)`` and ``index_select(..., out=)`` (a dq's pair added into the result, a send's
     half gathered into its buffer): the counter records ``out`` as the op's output only, so the price is
