@@ -203,14 +203,20 @@ _INTERPRETED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.timeout(300)
-def test_triton_kernel_under_the_interpreter_against_the_definition():
+def _interpreted(template: str) -> str:
+    """``template`` (this directory formatted in as ``tests``) run under ``TRITON_INTERPRET=1`` in a fresh
+    interpreter: its stdout, the run asserted clean."""
     pytest.importorskip("triton", reason="Triton is in the test extras (pip install -e '.[test]')")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = _INTERPRETED.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    code = template.format(tests=os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"interpreted {4 * len(SHAPES)}" in done.stdout
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_triton_kernel_under_the_interpreter_against_the_definition():
+    assert f"interpreted {4 * len(SHAPES)}" in _interpreted(_INTERPRETED)
 
 
 # copy_rows_ / add_rows_: (dst rows, heads, head dim, src dtype, dst dtype): bf16 gradients into the float32
@@ -332,11 +338,7 @@ _ROWS_INTERPRETED = textwrap.dedent("""
 
 @pytest.mark.timeout(300)
 def test_triton_row_kernel_under_the_interpreter_against_the_definition():
-    pytest.importorskip("triton", reason="Triton is in the test extras (pip install -e '.[test]')")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = _ROWS_INTERPRETED.format(tests=os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stdout = _interpreted(_ROWS_INTERPRETED)
     expected = sum(1 for _ in _rows_cases(False)) + sum(
         1 for _, case in _rows_cases(True) if case[0].dtype in (torch.float32, torch.float64))
-    assert f"interpreted {expected}" in done.stdout, done.stdout
+    assert f"interpreted {expected}" in stdout, stdout
