@@ -919,14 +919,13 @@ class BlockDiagCPState:
             self._device_index[key] = _band_pieces(plan.exchange.counts, self.layout.runs, plan.doc_runs)
         return self._device_index[key]
 
-    def needed_pieces(self, window: Optional[int] = None) -> Tuple[Pieces, List[Tuple[int, int]]]:
-        """(how a pair's rows are cut, the (round, piece) of each a2a / halo message in posting order): the
-        streamed steps' chunks, or the band mode's groups (``whole_delivery_on``)."""
-        plan = self.plan_for(window)
-        if self.needed_whole(window):
+    def stream_pieces(self, kind: str, window: Optional[int] = None) -> Tuple[Pieces, List[Tuple[int, int]]]:
+        """(how a pair's rows are cut, the (round, piece) of each message in posting order): the streamed
+        steps' chunks, or for a2a / halo in the band mode its groups (``whole_delivery_on``)."""
+        if kind == "needed" and self.needed_whole(window):
             pieces = self.band_pieces(window)
             return pieces, [post for group in _band_posts(self.cp, pieces) for post in group]
-        stream = plan.stream["needed"]
+        stream = self.plan_for(window).stream[kind]
         return Pieces(rows=stream.chunk_rows), [(step.round, step.piece) for step in stream.steps[1:]]
 
     def _gathered(self, window: Optional[int] = None):
@@ -1158,7 +1157,7 @@ class BlockDiagCPState:
             at = np.full(L * self.rows, -1, dtype=np.int64)  # a row's buffer slot (-1: not merged)
             at[np.flatnonzero(merges.merged_mask)] = np.arange(merges.merged_count)
             slot = None if merges.merged is None else torch.from_numpy(at).to(device)  # None: every row, in order
-            returns = KeyReturns.of(plan, self.needed_pieces(window)[0], merges, at, device) if direct else None
+            returns = KeyReturns.of(plan, self.stream_pieces(kind, window)[0], merges, at, device) if direct else None
             self._device_index[key] = (merges, slot, returns)
         return self._device_index[key]
 
@@ -1173,7 +1172,7 @@ class KeyReturns:
 
     @classmethod
     def of(cls, plan, pieces: Pieces, merges: MergePlan, slot_of: Optional[np.ndarray], device) -> "KeyReturns":
-        """``pieces``: how a pair's rows are cut into its messages (``BlockDiagCPState.needed_pieces``)."""
+        """``pieces``: how a pair's rows are cut into its messages (``BlockDiagCPState.stream_pieces``)."""
         L, cp, rank = plan.local_len, plan.cp, plan.rank
         counts = plan.exchange.counts[rank].tolist()
 

@@ -119,11 +119,7 @@ class Loopback:
         if key not in self._chunks:
             plan = self.state.plan_for(window)
             chunks = {}
-            if kind == "ring":
-                pieces = Pieces(rows=plan.stream[kind].chunk_rows)
-                posts = [(step.round, step.piece) for step in plan.stream[kind].steps[1:]]
-            else:
-                pieces, posts = self.state.needed_pieces(window)
+            pieces, posts = self.state.stream_pieces(kind, window)
             for at in posts:
                 pos = self._positions(kind, plan, pieces, at).to(self.k_full.device)
                 if pos.numel():
