@@ -216,7 +216,7 @@ class MergePlan:
         target = on_device(np.flatnonzero(merged), rows) if count else None
         needs_zeros |= not bool(seen[merged].all())  # a merged row no call writes (a ring piece's padding)
         back = np.flatnonzero(merged & ~closed)  # the merged rows ``finish`` writes back
-        if split and not _partial_pays(split, back.size, ends, scattered=not _is_run(np.flatnonzero(merged))):
+        if split and not _partial_pays(split, back.size, ends, scattered=isinstance(target, torch.Tensor)):
             return cls.of(steps, rows, device, every_row_merged, also_merged, ends, closing, padding, partial=False)
         write_back = None
         if back.size == count and count:
@@ -614,9 +614,10 @@ def add_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor, source: Rows = N
         dst[_all(index)].add_(src[_all(source)])
     elif dst.dtype in ATOMIC_DTYPES:
         _rows_into(dst, index, src, source, accumulate=True)
+    elif isinstance(index, torch.Tensor):
+        dst.index_add_(0, index, gather(src, source).to(dst.dtype))
     else:
-        dst.index_add_(0, index, gather(src, source).to(dst.dtype)) if isinstance(index, torch.Tensor) \
-            else dst[_all(index)].add_(gather(src, source))
+        dst[_all(index)].add_(gather(src, source))
 
 
 def set_rows(dst: torch.Tensor, index: Rows, src: torch.Tensor, source: Rows = None) -> None:

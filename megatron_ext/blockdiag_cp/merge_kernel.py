@@ -182,6 +182,14 @@ def _kernel():
     return _merge_rows_kernel
 
 
+def _tile(H: int, D: int):
+    """(heads, head dim) of a Triton program's tile over one row: the whole head dim, at most 4k elements."""
+    import triton
+
+    block_d = triton.next_power_of_2(D)
+    return max(1, min(triton.next_power_of_2(H), 4096 // block_d)), block_d
+
+
 def triton_merge_rows_(acc_out, acc_lse, out, lse, source=None, target=None, dst_out=None, dst_lse=None,
                        dst_target=None) -> None:
     """``merge_rows_`` through the Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1)."""
@@ -194,8 +202,7 @@ def triton_merge_rows_(acc_out, acc_lse, out, lse, source=None, target=None, dst
     H, D = acc_out.shape[1], acc_out.shape[2]
     if n == 0:
         return
-    block_d = triton.next_power_of_2(D)
-    block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_d))  # a program's tile: <= 4k elements
+    block_h, block_d = _tile(H, D)
     dummy = acc_lse  # a pointer for an absent index (never read)
     _kernel()[(n, triton.cdiv(H, block_h))](
         acc_out, acc_lse, out, lse, dummy if source is None else source, dummy if target is None else target,
@@ -317,8 +324,7 @@ def triton_rows_into_(dst, src, source=None, target=None, accumulate=False) -> N
     H, D = dst.shape[1], dst.shape[2]
     if n == 0:
         return
-    block_d = triton.next_power_of_2(D)
-    block_h = max(1, min(triton.next_power_of_2(H), 4096 // block_d))  # a program's tile: <= 4k elements
+    block_h, block_d = _tile(H, D)
     dummy = dst  # a pointer for an absent index (never read)
     _rows_kernel()[(n, triton.cdiv(H, block_h))](
         dst, src, dummy if source is None else source, dummy if target is None else target, H, D,
