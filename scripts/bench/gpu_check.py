@@ -512,6 +512,7 @@ def run_merge_kernel(dry_run, emit):
     import torch
 
     from megatron_ext.blockdiag_cp import merge_kernel
+    from megatron_ext.testing.timing import median_ms
 
     device, _ = device_and_dtype(dry_run)
     triton = device.type == "cuda" and merge_kernel._triton_imports()
@@ -557,15 +558,8 @@ def run_merge_kernel(dry_run, emit):
         if device.type == "cuda":
             for label, fn in (("fused", lambda d: op(d, src, None, target)),
                               ("eager", lambda d: merge_kernel.rows_into_eager(d, src, None, target, accumulate))):
-                d = dst.clone()
-                fn(d)  # warm (Triton compiles on first use)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(20):
-                    fn(d)
-                end.record()
-                torch.cuda.synchronize()
-                row[f"{label}_ms"] = start.elapsed_time(end) / 20
+                d = dst.clone()  # warmed first (Triton compiles on first use), then CUDA events per call
+                row[f"{label}_ms"] = median_ms(lambda: fn(d), device, reps=20, warmup=1)
         ok &= row["passed"]
         emit(row)
     return ok

@@ -199,25 +199,30 @@ def _op_bytes(event, run: Dims, target: Dims) -> float:
     if event.name in ("copy_rows_", "add_rows_"):
         # (dst, src) and the index tensors given (source, target: n rows each): n rows of src read, of dst
         # written (add_rows_: also read), each in its own dtype
-        (dst, dst_b), (src, src_b) = [(s, b) for s, b in zip(event.inputs, size) if s[1].is_floating_point][:2]
-        index = [s for s in event.inputs if not s[1].is_floating_point]
-        n = index[0][0][0] if index else src[0][0]
-        written = dst_b * n / max(1, dst[0][0])
-        return src_b * n / max(1, src[0][0]) + written * (2 if event.name == "add_rows_" else 1) + small
+        floats, rows_of = _moved_rows(event, size, of=1)
+        return rows_of(floats[1]) + rows_of(floats[0]) * (2 if event.name == "add_rows_" else 1) + small
     if event.name == "merge_rows_":
         # (acc_out, acc_lse, out, lse, [dst_out, dst_lse]) and the index tensors given (source, target,
         # dst_target: n rows each): n rows of out / lse read, of acc read and written (with a destination:
         # read there, written in it)
-        floats = [(s, b) for s, b in zip(event.inputs, size) if s[1].is_floating_point]
-        index = [s for s in event.inputs if not s[1].is_floating_point]
-        n = index[0][0][0] if index else floats[2][0][0][0]
-
-        def rows_of(*tensors):
-            return sum(b * n / max(1, s[0][0]) for s, b in tensors)
-
+        floats, rows_of = _moved_rows(event, size, of=2)
         moved = rows_of(*floats[2:4]) + rows_of(*floats[:2]) * (2 if len(floats) == 4 else 1)
         return moved + rows_of(*floats[4:6]) + small
     return sum(size) + sum(out)
+
+
+def _moved_rows(event, size, of: int):
+    """A row op's floating tensors ((spec, bytes at the model's dims), in argument order) and
+    ``rows_of(*tensors)``: the bytes of the n rows it moves of each, n the length of its index tensors (each
+    n long) or, where it has none, the rows of floating tensor ``of``."""
+    floats = [(s, b) for s, b in zip(event.inputs, size) if s[1].is_floating_point]
+    index = [s for s in event.inputs if not s[1].is_floating_point]
+    n = index[0][0][0] if index else floats[of][0][0][0]
+
+    def rows_of(*tensors):
+        return sum(b * n / max(1, s[0][0]) for s, b in tensors)
+
+    return floats, rows_of
 
 
 def segment_pairs(q_lens: Sequence[int], k_lens: Sequence[int], causal: bool, window: Optional[int]) -> int:
