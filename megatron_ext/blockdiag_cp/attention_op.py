@@ -145,7 +145,7 @@ def _forward_fetches_ahead(transport) -> int:
 
 def _sends_only(transport, step) -> bool:
     """Whether a2a / halo's fetch at ``step`` brings this rank nothing (it only sends): no call waits for it."""
-    return isinstance(transport, NeededTransport) and not transport.received_rows(step)
+    return isinstance(transport, NeededTransport) and transport.brings_nothing(step)
 
 
 def _sink_logits(softmax_offset: Optional[torch.Tensor], groups: int, dtype) -> Optional[torch.Tensor]:

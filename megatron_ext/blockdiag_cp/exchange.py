@@ -364,6 +364,10 @@ class NeededTransport(_DirectGradients):
     # Every needed row is attended: a received chunk's gradient goes back whole.
     gradient_rows = received_rows
 
+    def brings_nothing(self, step) -> bool:
+        """Whether the fetch at ``step`` brings this rank no row (it only sends)."""
+        return not self.received_rows(step)
+
     def received(self, chunk) -> None:
         pass
 
@@ -416,6 +420,10 @@ class WholeNeededTransport(NeededTransport):
         return self.delivery.band_rows[src][first:first + n] if n else None
 
     start_piece = NeededTransport.start  # one piece's transfer (testing.loopback hands it over)
+
+    def brings_nothing(self, step) -> bool:
+        """Whether band step ``step``'s group brings this rank no row from any source."""
+        return not self.delivery.received[step[1]]
 
     def start(self, step) -> _Delivered:
         group = step[1]

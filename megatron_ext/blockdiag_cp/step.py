@@ -88,6 +88,16 @@ BAND_MIN_PIECE_ROWS = 256
 # the heavy-tailed one, whose longest document four pieces cut, 4.31 in one, 4.51 in four).
 BAND_MIN_DOCS_PER_PIECE = 2
 
+# With kv_backward="refetch" the band mode applies only where no rank receives more than this multiple of
+# its local rows in one group: a layer call holds up to three groups (forward posts two ahead; backward
+# holds a group, the next and two gradients), where the streamed refetch holds two chunks of half its rows.
+# The groups are as many as that takes (more than BAND_GROUPS where a rank receives more), and the
+# document bound below then admits the band mode only where documents are short against a group. Smaller
+# groups are more launches than the merges they save (gpu_model's replay, 128k / cp 8, thd, short mix, the
+# slowest rank's forward / backward: streamed 2.42 / 4.49 ms, groups of the local rows 1.68 / 3.62, of half
+# of them 2.96 / 6.86, of one and a half 1.52 / 3.27).
+REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
+
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last
 # step moves (the received chunk's going home, or ours coming back) have at least this many positions per
 # launch (call or post) of the received chunks' steps. Going last, the own calls start once those are
@@ -871,14 +881,20 @@ class BlockDiagCPState:
         """Whether a2a / halo take the band mode: the needed rows in a few steps of every source (all at once,
         or in groups: ``band_pieces``), attended by bands (``gathered``, ``exchange.WholeNeededTransport``),
         instead of chunk by chunk (host, once per step and window).
-        Only with ``kv_backward="save"``, which holds every received row from forward to backward
-        anyway; ``"refetch"`` streams, so a layer call holds two chunks at a time (memory O(S / cp))."""
-        if (self.kv_exchange not in ("a2a", "halo") or self.kv_backward != "save" or self.cp == 1
-                or window is not None or self.rows != 1):
+        With ``kv_backward="save"``, which holds every received row from forward to backward anyway. With
+        ``"refetch"`` only where the groups are small enough: no rank receives more than
+        ``REFETCH_GROUP_LOCAL_MULTIPLE`` times its local rows in one group (``_group_rows``), so a layer call
+        holds a few groups at a time and memory stays O(S / cp); elsewhere refetch streams."""
+        if (self.kv_exchange not in ("a2a", "halo") or self.kv_backward not in ("save", "refetch")
+                or self.cp == 1 or window is not None or self.rows != 1):
             return False
         key = ("needed_whole", window)
         if key not in self._device_index:
             whole = _whole_pays(self, window)  # from global tables: every rank decides alike
+            if whole and self.kv_backward == "refetch":  # the groups each within the refetch's memory bound
+                whole = bool(_group_rows(_received_rows(self.plan_for(window).exchange.counts),
+                                         self.band_pieces(window).parts).max()
+                             <= REFETCH_GROUP_LOCAL_MULTIPLE * self.local_len)
             if whole and self._gathered(window) is None:
                 raise RuntimeError("blockdiag-cp: the gathered plan does not apply on this rank where the group "
                                    "takes the band mode")
@@ -916,7 +932,14 @@ class BlockDiagCPState:
         key = ("band_pieces", window)
         if key not in self._device_index:
             plan = self.plan_for(window)
-            self._device_index[key] = _band_pieces(plan.exchange.counts, self.layout.runs, plan.doc_runs)
+            least = 1
+            if self.kv_backward == "refetch":  # enough groups that each fits the refetch's memory bound
+                received = _received_rows(plan.exchange.counts)
+                budget = REFETCH_GROUP_LOCAL_MULTIPLE * self.local_len
+                least = max(1, int(np.ceil(received.sum(0).max() / max(1.0, budget))))
+                if _group_rows(received, least).max() > budget:  # the pieces round up: one group more
+                    least += 1
+            self._device_index[key] = _band_pieces(plan.exchange.counts, self.layout.runs, plan.doc_runs, least)
         return self._device_index[key]
 
     def stream_pieces(self, kind: str, window: Optional[int] = None) -> Tuple[Pieces, List[Tuple[int, int]]]:
@@ -1227,14 +1250,14 @@ def _whole_pays(state, window: Optional[int]) -> bool:
             and int(received.sum(0).max()) <= WHOLE_RECEIVED_LOCAL_MULTIPLE * state.local_len)
 
 
-def _band_pieces(counts: torch.Tensor, runs, doc_runs) -> Pieces:
+def _band_pieces(counts: torch.Tensor, runs, doc_runs, least: int = 1) -> Pieces:
     """How the band mode cuts a pair's rows (its groups), from global tables (the counts, the layout's runs,
-    the documents), the same on every rank: up to ``BAND_GROUPS`` parts, each at least
-    ``BAND_MIN_PIECE_ROWS`` rows of the largest pair and ``BAND_MIN_DOCS_PER_PIECE`` (0: any) times the
+    the documents), the same on every rank: up to ``BAND_GROUPS`` parts (or ``least``, where more), each at
+    least ``BAND_MIN_PIECE_ROWS`` rows of the largest pair and ``BAND_MIN_DOCS_PER_PIECE`` (0: any) times the
     largest document of every pair that moves rows (its positions on the source, of the documents both
     ranks hold)."""
     received = _received_rows(counts)
-    parts = min(BAND_GROUPS, int(received.max()) // BAND_MIN_PIECE_ROWS)
+    parts = min(max(BAND_GROUPS, least), int(received.max()) // BAND_MIN_PIECE_ROWS)
     if parts > 1 and BAND_MIN_DOCS_PER_PIECE:
         starts, ends, ids = (np64(t) for t in doc_runs[0])
         real = ids != 0  # padding is no document
@@ -1252,6 +1275,14 @@ def _band_pieces(counts: torch.Tensor, runs, doc_runs) -> Pieces:
             largest = int((held[src] * (held[dst] > 0)).max())
             parts = min(parts, int(received[src, dst]) // max(1, BAND_MIN_DOCS_PER_PIECE * largest))
     return Pieces(parts=max(1, parts))
+
+
+def _group_rows(received: np.ndarray, parts: int) -> np.ndarray:
+    """[group, destination] the rows each rank receives in each band group when every pair's rows
+    (``received[source, destination]``) are cut into ``parts`` pieces (``exchange.Pieces(parts=...)``)."""
+    c = np.maximum(1, -(-received // parts))  # [source, destination] rows a piece
+    g = np.arange(parts).reshape(-1, 1, 1)
+    return np.clip(received[None] - g * c[None], 0, c[None]).sum(1)
 
 
 def _band_posts(cp: int, pieces: Pieces) -> Tuple[Tuple[Tuple[int, int], ...], ...]:

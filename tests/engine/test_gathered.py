@@ -176,12 +176,13 @@ def test_route_places_each_row_where_the_plan_reads_it():
 pool4 = pool_fixture(4)
 
 
-def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=None):
+def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=None, group_multiple=None):
     """a2a on 4 ranks over short documents (each a multiple of 2 * cp, as thd packs them), float64, dense:
     whether the group took every needed row at once, the steps the op walks, the kernel calls of a steady
     layer call (forward, backward), the largest error of out / dq / dk / dv against the reference and the
     transfers (forward, backward, this rank's peers that send or receive). ``min_chunks`` / ``multiple``:
-    the rule's constants for this run; ``min_piece``: the band mode's (rows, documents) a piece."""
+    the rule's constants for this run; ``min_piece``: the band mode's (rows, documents) a piece;
+    ``group_multiple``: the refetch's bound on a group (``REFETCH_GROUP_LOCAL_MULTIPLE``)."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp import step as step_module
     from megatron_ext.testing import reference_attention
@@ -194,13 +195,18 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
     ref_out = reference_attention(*ref, ids)
     (ref_out * w).sum().backward()
     saved = (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
-             step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE)
+             step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE,
+             step_module.REFETCH_GROUP_LOCAL_MULTIPLE)
     step_module.WHOLE_MIN_CHUNKS_PER_RANK = saved[0] if min_chunks is None else min_chunks
     step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved[1] if multiple is None else multiple
-    step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved[2:]
+    step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved[2:4]
+    step_module.REFETCH_GROUP_LOCAL_MULTIPLE = saved[4] if group_multiple is None else group_multiple
     try:
         state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
                                             kv_backward=kv_backward)
+        if state.needed_whole() and kv_backward == "refetch":  # no group above the refetch's bound
+            received = state.whole_delivery_on(torch.device("cpu")).received
+            assert max(received) <= step_module.REFETCH_GROUP_LOCAL_MULTIPLE * state.local_len, received
         errors = []
         with bdcp.blockdiag_cp_step(state):
             for _ in range(2):
@@ -217,7 +223,8 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
                 max(errors), (fwd.summary()["transfers"], bwd.summary()["transfers"], peers), int(counts[counts > 0].min()))
     finally:
         (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
-         step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE) = saved
+         step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE,
+         step_module.REFETCH_GROUP_LOCAL_MULTIPLE) = saved
 
 
 @pytest.mark.timeout(180)
@@ -231,8 +238,11 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     pieces and step g attends piece g of every source: here (one row a piece, any document) four steps,
     four messages a pair each way; with one document a piece, as many as the pair that moves the fewest
     rows holds the longest document (32 positions, 8 on each rank) times.
-    The rule's two bounds each turn it off, on every rank alike (the transfers pair up only then); with a
-    refetch the chunks stream (a layer call holds two at a time)."""
+    The rule's two bounds each turn it off, on every rank alike (the transfers pair up only then). With a
+    refetch, one group of every needed row is more than a rank's local rows, so the chunks stream; with one
+    row a piece the groups are as many as keep each within ``REFETCH_GROUP_LOCAL_MULTIPLE`` times the local
+    rows on every rank (four here; more than ``BAND_GROUPS`` with a quarter of them), and backward fetches
+    them again group by group, exact too."""
     whole = pool4.run(whole_a2a, "thd", "save")
     streamed = pool4.run(whole_a2a, "thd", "save", 99)
     grouped = pool4.run(whole_a2a, "thd", "save", None, None, (1, 0))
@@ -249,6 +259,13 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "save", None, 0.5))
     refetched = pool4.run(whole_a2a, "thd", "refetch")
     assert not any(on for on, *_ in refetched) and max(error for *_, error, _, _ in refetched) < 1e-12
+    for group_multiple, groups in ((None, 4), (0.25, 5)):
+        for on, steps, fwd, bwd, error, moved, _ in pool4.run(whole_a2a, "thd", "refetch", None, None, (1, 0),
+                                                              group_multiple):
+            assert on and (steps - 1 == groups if group_multiple is None else steps - 1 >= groups), (on, steps)
+            assert error < 1e-12, error
+            # every group's pieces fetched again in backward, beside their gradients going home
+            assert moved[0] * 2 == moved[1] and moved[0] >= groups * moved[2] / 2, moved
 
 
 def grouped_order(min_piece):
@@ -299,13 +316,14 @@ def test_groups_move_while_the_last_one_is_attended(pool4):
             assert (first_post < last_call) == grouped, backward
 
 
-_EVERYWHERE = {"WHOLE_MIN_CHUNKS_PER_RANK": 0, "BAND_MIN_PIECE_ROWS": 1, "BAND_MIN_DOCS_PER_PIECE": 0}
+_EVERYWHERE = {"WHOLE_MIN_CHUNKS_PER_RANK": 0, "BAND_MIN_PIECE_ROWS": 1, "BAND_MIN_DOCS_PER_PIECE": 0,
+               "REFETCH_GROUP_LOCAL_MULTIPLE": 99.0}
 
 
 def in_groups_everywhere(fn, *args):
-    """(``fn(*args)``, the needed steps of zigzag / a2a / save over the short case) with the band mode on
-    wherever it applies (a2a / halo, save, one row of ids, no window) and each pair's rows in up to
-    ``BAND_GROUPS`` pieces of any size."""
+    """(``fn(*args)``, the fewer needed steps of zigzag / a2a, save or refetch, over the short case) with
+    the band mode on wherever it applies (a2a / halo, save or refetch, one row of ids, no window) and each
+    pair's rows in up to ``BAND_GROUPS`` pieces of any size."""
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
@@ -315,9 +333,10 @@ def in_groups_everywhere(fn, *args):
     for name, value in _EVERYWHERE.items():
         setattr(step_module, name, value)
     try:
-        state = bdcp.BlockDiagCPState.build(make_doc_ids("short", 96, dist.get_world_size()), layout="zigzag",
-                                            kv_exchange="a2a", attn_backend="dense", kv_backward="save")
-        return fn(*args), len(state.stream_plan("needed").steps)
+        states = [bdcp.BlockDiagCPState.build(make_doc_ids("short", 96, dist.get_world_size()), layout="zigzag",
+                                              kv_exchange="a2a", attn_backend="dense", kv_backward=kv_backward)
+                  for kv_backward in ("save", "refetch")]
+        return fn(*args), min(len(state.stream_plan("needed").steps) for state in states)
     finally:
         for name, value in saved.items():
             setattr(step_module, name, value)
@@ -326,18 +345,37 @@ def in_groups_everywhere(fn, *args):
 @pytest.mark.timeout(300)
 def test_groups_with_sinks_mla_heads_and_dropout(pool4):
     """The band mode's groups (forced on wherever the band mode applies) against the fp64 reference with a
-    learnable sink and MLA head dims over grouped K/V, every layout and exchange; and dropout: a
-    directional derivative of the group's loss, and masks replayed from the same seed."""
+    learnable sink and MLA head dims over grouped K/V, every layout and exchange, the received K/V kept or
+    refetched group by group in backward; and dropout: a directional derivative of the group's loss, and
+    masks replayed from the same seed."""
     from test_engine_dist import dropout_checks
     from test_variants import TOL, check_variant
 
     for errors, steps in pool4.run(in_groups_everywhere, check_variant, "short", None, "learnable", (4, 2, 12, 8),
-                                   ("save",), 96, ("contiguous", "zigzag", "balanced")):
+                                   ("save", "refetch"), 96, ("contiguous", "zigzag", "balanced")):
         assert steps > 2, steps  # groups, not one step
+        assert {key[2] for key in errors} == {"save", "refetch"}, sorted(errors)
         for key, errs in errors.items():
             assert max(errs) < TOL, (key, errs)
-    for r, steps in pool4.run(in_groups_everywhere, dropout_checks, "zigzag", "a2a", "save"):
-        assert steps > 2, steps
-        assert abs(r["analytic"] - r["numeric"]) <= 1e-6 * max(1.0, abs(r["numeric"])), r
-        assert r["out"] == r["same_seed"], r
-        assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r
+    for kv_backward in ("save", "refetch"):
+        for r, steps in pool4.run(in_groups_everywhere, dropout_checks, "zigzag", "a2a", kv_backward):
+            assert steps > 2, steps
+            assert abs(r["analytic"] - r["numeric"]) <= 1e-6 * max(1.0, abs(r["numeric"])), (kv_backward, r)
+            assert r["out"] == r["same_seed"], (kv_backward, r)
+            assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], (kv_backward, r)
+
+
+def test_group_rows_are_the_pieces_the_transport_cuts():
+    """``_group_rows`` (the refetch's bound on a band group) counts, per group and destination, the rows of
+    ``exchange.Pieces(parts=...)``'s piece g of every source, as the transport cuts them."""
+    from megatron_ext.blockdiag_cp.exchange import Pieces
+    from megatron_ext.blockdiag_cp.step import _group_rows
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        cp, parts = int(rng.integers(2, 9)), int(rng.integers(1, 12))
+        received = rng.integers(0, 50, (cp, cp))
+        np.fill_diagonal(received, 0)
+        want = [[sum(Pieces(parts=parts).span(int(n), g)[1] for n in received[:, dst]) for dst in range(cp)]
+                for g in range(parts)]
+        assert np.array_equal(_group_rows(received, parts), np.array(want)), (received, parts)
