@@ -88,15 +88,19 @@ BAND_MIN_PIECE_ROWS = 256
 # the heavy-tailed one, whose longest document four pieces cut, 4.31 in one, 4.51 in four).
 BAND_MIN_DOCS_PER_PIECE = 2
 
-# With kv_backward="refetch" the band mode applies only where no rank receives more than this multiple of
-# its local rows in one group: a layer call holds up to three groups (forward posts two ahead; backward
-# holds a group, the next and two gradients), where the streamed refetch holds two chunks of half its rows.
-# The groups are as many as that takes (more than BAND_GROUPS where a rank receives more), and the
-# document bound below then admits the band mode only where documents are short against a group. Smaller
-# groups are more launches than the merges they save (gpu_model's replay, 128k / cp 8, thd, short mix, the
-# slowest rank's forward / backward: streamed 2.42 / 4.49 ms, groups of the local rows 1.68 / 3.62, of half
-# of them 2.96 / 6.86, of one and a half 1.52 / 3.27).
-REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
+# With kv_backward="refetch" and this above 0, the band mode also applies where no rank receives more than
+# this multiple of its local rows in one group: a layer call holds up to three groups (forward posts two
+# ahead; backward holds a group, the next and two gradients), where the streamed refetch holds two chunks of
+# half its rows. The groups are as many as that takes (more than BAND_GROUPS where a rank receives more),
+# and the document bound (BAND_MIN_DOCS_PER_PIECE) admits the band mode only where documents are short
+# against a group.
+# Off (0): each group moves, places, returns and adds its pieces one op per source, so the launching ops
+# grow with groups x sources (gpu_model's replay, 128k / cp 8, thd, short mix, slowest rank, at 1.0: 132 /
+# 345 launching ops forward / backward against 23 / 57 streamed, the CPU host time with the null kernel
+# 7.7 / 12.5 ms against 7.3 / 7.0, while the modeled GPU time at 7.5 us a launch is 1.68 / 3.62 ms against
+# 2.42 / 4.49; bench/gpu_check_h200.jsonl's steady loopback rows fit about 20 us of host per launching op,
+# at which those ops alone outlast the modeled GPU time). One op per group would bring them near streaming's.
+REFETCH_GROUP_LOCAL_MULTIPLE = 0.0
 
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last
 # step moves (the received chunk's going home, or ours coming back) have at least this many positions per
@@ -882,9 +886,9 @@ class BlockDiagCPState:
         or in groups: ``band_pieces``), attended by bands (``gathered``, ``exchange.WholeNeededTransport``),
         instead of chunk by chunk (host, once per step and window).
         With ``kv_backward="save"``, which holds every received row from forward to backward anyway. With
-        ``"refetch"`` only where the groups are small enough: no rank receives more than
-        ``REFETCH_GROUP_LOCAL_MULTIPLE`` times its local rows in one group (``_group_rows``), so a layer call
-        holds a few groups at a time and memory stays O(S / cp); elsewhere refetch streams."""
+        ``"refetch"`` only where ``REFETCH_GROUP_LOCAL_MULTIPLE`` is above 0 (it is not by default) and no rank
+        receives more than that times its local rows in one group (``_group_rows``), so a layer call holds a
+        few groups at a time and memory stays O(S / cp); elsewhere refetch streams."""
         if (self.kv_exchange not in ("a2a", "halo") or self.kv_backward not in ("save", "refetch")
                 or self.cp == 1 or window is not None or self.rows != 1):
             return False
@@ -892,7 +896,7 @@ class BlockDiagCPState:
         if key not in self._device_index:
             whole = _whole_pays(self, window)  # from global tables: every rank decides alike
             if whole and self.kv_backward == "refetch":  # the groups each within the refetch's memory bound
-                whole = bool(_group_rows(_received_rows(self.plan_for(window).exchange.counts),
+                whole = REFETCH_GROUP_LOCAL_MULTIPLE > 0 and bool(_group_rows(_received_rows(self.plan_for(window).exchange.counts),
                                          self.band_pieces(window).parts).max()
                              <= REFETCH_GROUP_LOCAL_MULTIPLE * self.local_len)
             if whole and self._gathered(window) is None:
@@ -933,7 +937,7 @@ class BlockDiagCPState:
         if key not in self._device_index:
             plan = self.plan_for(window)
             least = 1
-            if self.kv_backward == "refetch":  # enough groups that each fits the refetch's memory bound
+            if self.kv_backward == "refetch" and REFETCH_GROUP_LOCAL_MULTIPLE > 0:  # groups within its bound
                 received = _received_rows(plan.exchange.counts)
                 budget = REFETCH_GROUP_LOCAL_MULTIPLE * self.local_len
                 least = max(1, int(np.ceil(received.sum(0).max() / max(1.0, budget))))

@@ -239,10 +239,10 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     four messages a pair each way; with one document a piece, as many as the pair that moves the fewest
     rows holds the longest document (32 positions, 8 on each rank) times.
     The rule's two bounds each turn it off, on every rank alike (the transfers pair up only then). With a
-    refetch, one group of every needed row is more than a rank's local rows, so the chunks stream; with one
-    row a piece the groups are as many as keep each within ``REFETCH_GROUP_LOCAL_MULTIPLE`` times the local
-    rows on every rank (four here; more than ``BAND_GROUPS`` with a quarter of them), and backward fetches
-    them again group by group, exact too."""
+    refetch the chunks stream; with ``REFETCH_GROUP_LOCAL_MULTIPLE`` set (off by default) one group of every
+    needed row is more than a rank's local rows and they still do, while with one row a piece the groups are
+    as many as keep each within that multiple of the local rows on every rank (four at one; more than
+    ``BAND_GROUPS`` at a quarter), and backward fetches them again group by group, exact too."""
     whole = pool4.run(whole_a2a, "thd", "save")
     streamed = pool4.run(whole_a2a, "thd", "save", 99)
     grouped = pool4.run(whole_a2a, "thd", "save", None, None, (1, 0))
@@ -257,12 +257,14 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
         assert moved == (moved[2],) * 3 and moved0[0] > moved0[2], (rank, moved, moved0)
         assert moved4 == (4 * moved[2], 4 * moved[2], moved[2]), (rank, moved4)
     assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "save", None, 0.5))
-    refetched = pool4.run(whole_a2a, "thd", "refetch")
-    assert not any(on for on, *_ in refetched) and max(error for *_, error, _, _ in refetched) < 1e-12
-    for group_multiple, groups in ((None, 4), (0.25, 5)):
+    for group_multiple in (None, 1.0):
+        refetched = pool4.run(whole_a2a, "thd", "refetch", None, None, None, group_multiple)
+        assert not any(on for on, *_ in refetched) and max(error for *_, error, _, _ in refetched) < 1e-12
+    assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "refetch", None, None, (1, 0)))  # off by default
+    for group_multiple, groups in ((1.0, 4), (0.25, 5)):
         for on, steps, fwd, bwd, error, moved, _ in pool4.run(whole_a2a, "thd", "refetch", None, None, (1, 0),
                                                               group_multiple):
-            assert on and (steps - 1 == groups if group_multiple is None else steps - 1 >= groups), (on, steps)
+            assert on and (steps - 1 == groups if group_multiple == 1.0 else steps - 1 >= groups), (on, steps)
             assert error < 1e-12, error
             # every group's pieces fetched again in backward, beside their gradients going home
             assert moved[0] * 2 == moved[1] and moved[0] >= groups * moved[2] / 2, moved
