@@ -895,10 +895,6 @@ class BlockDiagCPState:
         key = ("needed_whole", window)
         if key not in self._device_index:
             whole = _whole_pays(self, window)  # from global tables: every rank decides alike
-            if whole and self.kv_backward == "refetch":  # the groups each within the refetch's memory bound
-                whole = REFETCH_GROUP_LOCAL_MULTIPLE > 0 and bool(_group_rows(_received_rows(self.plan_for(window).exchange.counts),
-                                         self.band_pieces(window).parts).max()
-                             <= REFETCH_GROUP_LOCAL_MULTIPLE * self.local_len)
             if whole and self._gathered(window) is None:
                 raise RuntimeError("blockdiag-cp: the gathered plan does not apply on this rank where the group "
                                    "takes the band mode")
@@ -1246,12 +1242,18 @@ def _whole_pays(state, window: Optional[int]) -> bool:
     """``needed_whole``'s rule, the same on every rank (the group's transfers pair up only if every rank
     posts them in the same order: all at once, or chunk by chunk): the ranks receive enough chunks that
     their calls and merges outweigh the overlap streaming them buys, and none receives too many rows to
-    hold at once. Every received chunk has calls (needed-only), so the counts say it."""
+    hold at once. Every received chunk has calls (needed-only), so the counts say it. Under refetch, also
+    where ``REFETCH_GROUP_LOCAL_MULTIPLE`` is set and every rank's groups are each within it."""
     plan = state.plan_for(window)
     received = _received_rows(plan.exchange.counts)
     chunks = -(-received // plan.stream["needed"].chunk_rows)  # the streamed steps' pieces
-    return (float(chunks.sum()) >= WHOLE_MIN_CHUNKS_PER_RANK * state.cp
+    pays = (float(chunks.sum()) >= WHOLE_MIN_CHUNKS_PER_RANK * state.cp
             and int(received.sum(0).max()) <= WHOLE_RECEIVED_LOCAL_MULTIPLE * state.local_len)
+    if pays and state.kv_backward == "refetch":
+        pays = REFETCH_GROUP_LOCAL_MULTIPLE > 0 and bool(
+            _group_rows(received, state.band_pieces(window).parts).max()
+            <= REFETCH_GROUP_LOCAL_MULTIPLE * state.local_len)
+    return pays
 
 
 def _band_pieces(counts: torch.Tensor, runs, doc_runs, least: int = 1) -> Pieces:
