@@ -16,7 +16,7 @@ The rules, per region:
   counted: on a device it is one varlen kernel, however the CPU stand-in computes it.
 - transfers: each ``isend`` / ``irecv`` posted through ``dist.batch_isend_irecv`` is one
   send / receive, each non-empty split of ``dist.all_to_all_single`` one send or one
-  receive, with their bytes; ``collectives`` counts the other collectives (the agreement's
+  receive, with their bytes; ``posts`` counts the calls (a batch of messages each); ``collectives`` counts the other collectives (the agreement's
   all-reduce). Ops inside these calls are not counted.
 - ``syncs``: ops whose output size or value depends on tensor data, which on a device
   wait for the stream: ``SYNC_OPS`` (``nonzero``, ``_local_scalar_dense`` for ``.item()`` /
@@ -128,6 +128,7 @@ class Counts:
     receives: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    posts: int = 0
     collectives: int = 0
     syncs: int = 0
     ops: Counter = field(default_factory=Counter)  # launching ops by name
@@ -296,6 +297,7 @@ class OpCounter(TorchDispatchMode):
 
     def _batch_isend_irecv(self, real):
         def record(counts, ops, *args, **kwargs):
+            counts.posts += 1
             for op in ops:
                 counts.add_transfer(_P2P_NAMES[op.op.__name__] == "send", 1, _nbytes(op.tensor))
 
@@ -321,6 +323,7 @@ class OpCounter(TorchDispatchMode):
             return out
 
         def record(counts, *args, **kwargs):
+            counts.posts += 1
             for sent, nbytes, _ in messages_of(*args, **kwargs):
                 counts.add_transfer(sent, 1, nbytes)
 

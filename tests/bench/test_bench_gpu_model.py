@@ -56,9 +56,10 @@ def record_and_count(exchange: str):
             ev = c.events
             messages = [m for e in ev if isinstance(e, PostEvent) for m in e.messages]
             out.append({
-                "recorded": (c.summary(), c.bytes_sent, c.bytes_received, dict(c.ops)),
-                "counted": (want.summary(), want.bytes_sent, want.bytes_received, dict(want.ops)),
+                "recorded": (c.summary(), c.bytes_sent, c.bytes_received, dict(c.ops), c.posts),
+                "counted": (want.summary(), want.bytes_sent, want.bytes_received, dict(want.ops), want.posts),
                 "logged": {"kernel_calls": sum(isinstance(e, KernelEvent) for e in ev),
+                           "posts": sum(isinstance(e, PostEvent) for e in ev),
                            "launching": sum(isinstance(e, OpEvent) for e in ev), "transfers": len(messages),
                            "bytes_sent": sum(b for s, b, _ in messages if s),
                            "bytes_received": sum(b for s, b, _ in messages if not s)},
@@ -85,10 +86,11 @@ def test_recorded_counts_are_the_op_counters():
             for rank, calls in enumerate(pool.run(record_and_count, exchange, timeout=100)):
                 for i, c in enumerate(calls):
                     assert c["recorded"] == c["counted"], (exchange, rank, i)
-                    summary, sent, received, _ = c["recorded"]
-                    assert c["logged"] == {"kernel_calls": summary["kernel_calls"], "launching": summary["launching"],
-                                           "transfers": summary["transfers"], "bytes_sent": sent,
-                                           "bytes_received": received}, (exchange, rank, i)
+                    summary, sent, received, _, posts = c["recorded"]
+                    assert c["logged"] == {"kernel_calls": summary["kernel_calls"], "posts": posts,
+                                           "launching": summary["launching"], "transfers": summary["transfers"],
+                                           "bytes_sent": sent, "bytes_received": received}, (exchange, rank, i)
+                    assert 0 < posts <= summary["transfers"], (exchange, rank, i, posts)
                     assert c["waits_after_posts"], (exchange, rank, i)
                     assert summary["kernel_calls"] > 0 and summary["transfers"] > 0, (exchange, rank, i, c)
 
