@@ -15,7 +15,8 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
                          needed-only lower bound, a step with nothing either way posts nothing;
                          in the band mode (``WholeNeededTransport``), each pair's rows are cut
                          into a few pieces, piece g of every pair is posted together for band
-                         step g and placed in the bands' order (``gathered``)
+                         step g (one batch where the group is small, else pair by pair) and
+                         placed in the bands' order (``gathered``)
 
     hierarchical         the needed rows, moved once per step through two-level routes
                          (``hierarchy``): what a node needs from another node crosses the
@@ -24,8 +25,8 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
                          while the local keys are attended, then the steps read slices of
                          the delivered buffer (memory O(needed), not O(chunk))
 
-K and V travel fused in one buffer per step, [n, b, Hkv * (Dk + Dv)], built per piece
-(never a fused copy of the whole shard).
+K and V travel fused in one buffer per step, [n, b, Hkv * (Dk + Dv)], built per piece (per
+group for a band step in one batch).
 
 Backward sends each chunk's K/V gradient straight home (to r - i, from r + i;
 hierarchical: back through the routes at the end); the ring sends it only for the pieces
@@ -124,13 +125,28 @@ def post(sends, recv_from: Optional[int], recv_shape, like: torch.Tensor, group,
     Every rank of a round calls ``post`` once, with matching sends and receives, so
     each pair's transfers pair up in order; empty transfers are never posted.
     """
-    staged = like.device.type != "cpu" and stage_collectives_on_cpu()
     recv_shape = tuple(recv_shape)
-    ranks = dist.get_process_group_ranks(group)
-    ops, received = [], None
+    received = None
     if recv_from is not None and recv_shape[0] > 0:
-        received = torch.empty(recv_shape, dtype=like.dtype, device="cpu" if staged else like.device)
-        ops.append(dist.P2POp(dist.irecv, received, ranks[recv_from], group))
+        received = receive_buffer(recv_shape, like)
+    return post_into(sends, [(received, recv_from)], received, like, group, stats, wait_key, byte_key)
+
+
+def receive_buffer(shape, like: torch.Tensor) -> torch.Tensor:
+    """An empty buffer for ``post_into`` to receive into: on the CPU where transfers are staged there."""
+    staged = like.device.type != "cpu" and stage_collectives_on_cpu()
+    return torch.empty(tuple(shape), dtype=like.dtype, device="cpu" if staged else like.device)
+
+
+def post_into(sends, receives, received: Optional[torch.Tensor], like: torch.Tensor, group, stats: Dict,
+              wait_key: str, byte_key: str) -> Transfer:
+    """Post this rank's sends [(tensor, group rank)] and receives [(rows of ``received``, group rank)] as one
+    batch; ``wait`` returns ``received`` (a ``receive_buffer``) on ``like``'s device. Empty ones are not posted;
+    nothing to do posts nothing. Every rank posts its side of each pair in the same order."""
+    staged = like.device.type != "cpu" and stage_collectives_on_cpu()
+    ranks = dist.get_process_group_ranks(group)
+    ops = [dist.P2POp(dist.irecv, into, ranks[peer], group)
+           for into, peer in receives if into is not None and into.shape[0]]
     sent = 0
     for tensor, peer in sends:
         if tensor is None or tensor.shape[0] == 0:
@@ -372,39 +388,106 @@ class NeededTransport(_DirectGradients):
         pass
 
 
-class _Delivered:
-    """Every piece of every source, posted at once; ``wait`` places each where the bands read it."""
+class _Batched:
+    """A band group's messages posted as one batch; ``wait`` puts the arrivals in the bands' order."""
 
-    def __init__(self, transfers, shape, like: torch.Tensor):
-        self._transfers, self._shape, self._like = transfers, shape, like
+    def __init__(self, transfer: Transfer, place):
+        self._transfer, self._place = transfer, place
+
+    def wait(self) -> Optional[torch.Tensor]:
+        arrived = self._transfer.wait()  # [n, b, F] source by source; None: nothing comes (the sends still wait)
+        return None if arrived is None else rows_of(arrived, self._place)
+
+
+class _PieceByPiece:
+    """A band group's messages posted pair by pair; ``wait`` places each piece in the bands' order as it lands."""
+
+    def __init__(self, transfers, rows: int, like: torch.Tensor):
+        self._transfers, self._rows, self._like = transfers, rows, like
 
     def wait(self) -> Optional[torch.Tensor]:
         band = None  # every transfer is waited for, the sends of a rank that receives nothing too
-        if self._shape[0]:
-            band = torch.empty(self._shape, dtype=self._like.dtype, device=self._like.device)
+        if self._rows:
+            band = torch.empty((self._rows,) + tuple(self._like.shape[1:]), dtype=self._like.dtype,
+                               device=self._like.device)
         for rows, transfer in self._transfers:
             received = transfer.wait()
             if received is not None:
-                band.index_copy_(0, rows, received)
+                set_rows(band, rows, received)
         return band
+
+
+def rows_of(x: torch.Tensor, rows) -> torch.Tensor:
+    """Rows ``rows`` of ``x``: every row for None, a view for a slice, one gather for an index tensor."""
+    if rows is None:
+        return x
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def set_rows(x: torch.Tensor, rows, src: torch.Tensor) -> None:
+    """x[rows] = src for rows None, a slice or an index tensor."""
+    if isinstance(rows, torch.Tensor):
+        x.index_copy_(0, rows, src)
+    else:
+        x[slice(None) if rows is None else rows].copy_(src)
+
+
+def rows_range(rows, first: int, n: int):
+    """Rows [first, first + n) of ``rows`` (None: every row in order; a slice; an index tensor)."""
+    if rows is None:
+        return slice(first, first + n)
+    if isinstance(rows, slice):
+        return slice(rows.start + first, rows.start + first + n)
+    return rows[first:first + n]
+
+
+@dataclass(frozen=True)
+class GroupMessages:
+    """One band group's messages, piece g of every pair; offsets are rows of its buffers.
+
+        sent:     [ to rank + 1 | to rank + 2 | ... ]   local rows ``send_rows``
+        arrived:  [ from rank - 1 | from rank - 2 | ... ]   band row ``band_rows[a]`` of arrival a
+
+    Each rows field is None (every row in order), a slice (one run) or an index on the device."""
+
+    send_rows: object  # local K/V rows sent, destination by destination
+    sends: Tuple[Tuple[int, int, int, int], ...]  # (round, destination, first, rows) of the sent rows
+    receives: Tuple[Tuple[int, int, int, int], ...]  # (round, source, first, rows) of the arrivals
+    band_rows: object  # arrival row -> its row in the group's band buffer (the gradient's order back)
+    place: object  # band row -> its arrival row: the bands' order, one gather
+    sent: int  # rows sent (the gradients that come back)
+    received: int  # rows received
+    one_batch: bool  # posted as one batch (one gather, one placement, one gradient add), else pair by pair
 
 
 @dataclass(frozen=True)
 class WholeDelivery:
     """What ``WholeNeededTransport`` moves for the band mode (``BlockDiagCPState.whole_delivery_on``)."""
 
-    groups: Tuple[Tuple[Tuple[int, int], ...], ...]  # per band step, the (round, piece) it posts, in order
+    groups: Tuple[Tuple[Tuple[int, int], ...], ...]  # per band step, the (round, piece) of its messages, in order
     pieces: Pieces  # how a pair's rows are cut: piece g goes with band step g
-    band_rows: Tuple[Optional[torch.Tensor], ...]  # per source rank, each needed row's place in its group's buffer
-    received: Tuple[int, ...]  # per group, the rows this rank receives, every source together
+    messages: Tuple[GroupMessages, ...]  # per band step
+
+    @property
+    def received(self) -> Tuple[int, ...]:
+        """Per group, the rows this rank receives, every source together."""
+        return tuple(m.received for m in self.messages)
 
 
 class WholeNeededTransport(NeededTransport):
     """a2a / halo for the gathered plan (``gathered``: the own step, then one step per group of pieces,
-    by bands). Band step g posts piece g of every source (``WholeDelivery.groups``), all together,
-    and places each source's rows where the bands read them (``band_rows``); its gradient goes home
-    piece by piece the same way. Every rank posts the same pieces in the same order, and every rank
-    of the group takes the band mode or none does (``needed_whole``)."""
+    by bands). Band step g moves piece g of every pair (``GroupMessages``) one of two ways, the same on
+    every rank (``BlockDiagCPState.whole_delivery_on`` says which):
+
+    - one batch (``one_batch``): its sends gathered into one buffer, its arrivals into another, put in
+      the bands' order by one gather; its gradient home the same way (one gather into the arrival order,
+      one batch, one add of what comes back): a few ops a group, whatever the number of sources;
+    - pair by pair: each piece gathered, posted, placed as it lands, its gradient selected, sent and
+      added on its own, so the link starts with the first piece, and the last piece's placement and add
+      are all that follows it.
+
+    Every rank posts the same pairs in the same order, and every rank of the group takes the band mode
+    or none does (``needed_whole``)."""
 
     def __init__(self, k, v, rank: int, cp: int, group, stats: Dict, prefix: str,
                  send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, delivery: WholeDelivery,
@@ -412,36 +495,70 @@ class WholeNeededTransport(NeededTransport):
         super().__init__(k, v, rank, cp, delivery.pieces, group, stats, prefix, send_index, counts, fuse_sends)
         self.delivery = delivery
 
-    def _band_rows(self, step) -> Optional[torch.Tensor]:
-        """Where the rows received at ``step`` (round i, piece j) lie in group j's buffer (None: none)."""
-        i, j = step
-        src = (self.rank - i) % self.cp
-        first, n = self.pieces.span(self.received_from[src], j)
-        return self.delivery.band_rows[src][first:first + n] if n else None
-
-    start_piece = NeededTransport.start  # one piece's transfer (testing.loopback hands it over)
+    # Where a batch goes and lands, and one pair's piece: testing.loopback hands them over instead.
+    post_into = staticmethod(post_into)
+    receive_buffer = staticmethod(receive_buffer)
+    start_piece = NeededTransport.start
 
     def brings_nothing(self, step) -> bool:
         """Whether band step ``step``'s group brings this rank no row from any source."""
-        return not self.delivery.received[step[1]]
+        return not self.delivery.messages[step[1]].received
 
-    def start(self, step) -> _Delivered:
-        group = step[1]
-        transfers = [(self._band_rows(piece), self.start_piece(piece)) for piece in self.delivery.groups[group]]
-        return _Delivered(transfers, (self.delivery.received[group], self.k.shape[1], fused_width(self.k, self.v)),
-                          self.k[:0])
+    def _buffer(self, rows: int) -> Optional[torch.Tensor]:
+        return self.receive_buffer((rows, self.k.shape[1], fused_width(self.k, self.v)), self.k) if rows else None
+
+    @staticmethod
+    def _places(m: GroupMessages) -> Dict[int, object]:
+        """Per round, where its piece's rows lie in the band buffer."""
+        return {i: rows_range(m.band_rows, first, n) for i, _, first, n in m.receives}
+
+    def start(self, step):
+        g = step[1]
+        m = self.delivery.messages[g]
+        if not m.one_batch:
+            places = self._places(m)
+            like = self.k.new_empty((0, self.k.shape[1], fused_width(self.k, self.v)))
+            return _PieceByPiece([(places.get(piece[0]), self.start_piece(piece)) for piece in self.delivery.groups[g]],
+                                 m.received, like)
+        sent = self._send_buffer(slice(None) if m.send_rows is None else m.send_rows) if m.sent else None
+        arrived = self._buffer(m.received)
+        transfer = self.post_into([(sent[first:first + n], dst) for _, dst, first, n in m.sends],
+                                  [(arrived[first:first + n], src) for _, src, first, n in m.receives], arrived,
+                                  self.k[:0], self.group, self.stats, self.prefix + "wait_seconds",
+                                  self.prefix + "bytes")
+        return _Batched(transfer, m.place)
 
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
-        handles = []
-        for piece in self.delivery.groups[step[1]]:
-            rows = self._band_rows(piece)
-            part = None if grad_chunk is None or rows is None else grad_chunk.index_select(0, rows)
-            handles.append(_DirectGradients.send_gradient(self, piece, part, like))
-        return handles
+        """The band gradient [received, b, F] home (zeros where no call attended it), ours back."""
+        g = step[1]
+        m = self.delivery.messages[g]
+        if not m.one_batch:
+            places, handles = self._places(m), []
+            for piece in self.delivery.groups[g]:
+                rows = places.get(piece[0])
+                part = None if grad_chunk is None or rows is None else rows_of(grad_chunk, rows)
+                handles.append(_DirectGradients.send_gradient(self, piece, part, like))
+            return False, handles
+        grad = None
+        if m.received:
+            grad = (like.new_zeros((m.received,) + tuple(like.shape[1:])) if grad_chunk is None
+                    else rows_of(grad_chunk, m.band_rows))
+        back = self._buffer(m.sent)
+        transfer = self.post_into([(grad[first:first + n], src) for _, src, first, n in m.receives],
+                                  [(back[first:first + n], dst) for _, dst, first, n in m.sends], back, like,
+                                  self.group, self.stats, "backward_wait_seconds", "backward_grad_bytes")
+        return True, (transfer, g)
 
-    def settle(self, handles, dkv) -> None:
-        for handle in handles:
-            _DirectGradients.settle(handle, dkv)
+    def settle(self, handle, dkv) -> None:
+        one_batch, handles = handle
+        if not one_batch:
+            for piece in handles:
+                _DirectGradients.settle(piece, dkv)
+            return
+        transfer, g = handles
+        back = transfer.wait()
+        if back is not None:
+            dkv.add(self.delivery.messages[g].send_rows, back, ("group", g))
 
 
 class _Slice:
@@ -611,6 +728,6 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "HierarchicalTransport", "Transfer", "post", "return_gradient", "fused_rows", "fused_width",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "receive_buffer", "rows_of", "rows_range", "set_rows", "return_gradient", "fused_rows", "fused_width",
            "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
            "needed_gradients"]

@@ -35,7 +35,7 @@ from .agreement import (
 )
 from .backend import log_once, resolve_backend
 from .cost import WindowMix, default_cost_model, resolve_cost_model, resolve_windows
-from .exchange import Pieces, RingGradients, WholeDelivery, piece_rows
+from .exchange import GroupMessages, Pieces, RingGradients, WholeDelivery, piece_rows
 from .intervals import np64, ranges_np
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
@@ -88,19 +88,25 @@ BAND_MIN_PIECE_ROWS = 256
 # the heavy-tailed one, whose longest document four pieces cut, 4.31 in one, 4.51 in four).
 BAND_MIN_DOCS_PER_PIECE = 2
 
-# With kv_backward="refetch" and this above 0, the band mode also applies where no rank receives more than
-# this multiple of its local rows in one group: a layer call holds up to three groups (forward posts two
-# ahead; backward holds a group, the next and two gradients), where the streamed refetch holds two chunks of
-# half its rows. The groups are as many as that takes (more than BAND_GROUPS where a rank receives more),
-# and the document bound (BAND_MIN_DOCS_PER_PIECE) admits the band mode only where documents are short
-# against a group.
-# Off (0): each group moves, places, returns and adds its pieces one op per source, so the launching ops
-# grow with groups x sources (gpu_model's replay, 128k / cp 8, thd, short mix, slowest rank, at 1.0: 132 /
-# 345 launching ops forward / backward against 23 / 57 streamed, the CPU host time with the null kernel
-# 7.7 / 12.5 ms against 7.3 / 7.0, while the modeled GPU time at 7.5 us a launch is 1.68 / 3.62 ms against
-# 2.42 / 4.49; bench/gpu_check_h200.jsonl's steady loopback rows fit about 20 us of host per launching op,
-# at which those ops alone outlast the modeled GPU time). One op per group would bring them near streaming's.
-REFETCH_GROUP_LOCAL_MULTIPLE = 0.0
+# With kv_backward="refetch", the band mode also applies where no rank receives more than this multiple of
+# its local rows in one group (0: never): a layer call holds up to three groups (forward posts two ahead;
+# backward holds a group, the next and two gradients), where the streamed refetch holds two chunks of half
+# its rows. The groups are as many as that takes (more than BAND_GROUPS where a rank receives more), and the
+# document bound (BAND_MIN_DOCS_PER_PIECE) admits the band mode only where documents are short against a
+# group. Such groups go in one batch each (ONE_BATCH_GROUP_LOCAL_MULTIPLE), so a group's launching ops do
+# not grow with its sources (gpu_model's replay, 128k / cp 8, thd, short mix, slowest rank: 1.43 / 3.23 ms
+# forward / backward against 2.42 / 4.49 streamed, 48 / 135 launching ops against 23 / 57; pair by pair
+# the same groups model 1.47 / 3.23 with 90 / 219 ops).
+REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
+# A band group goes in one batch (one send gather, one placement, one gradient select and one add of the
+# gradients back, whatever its sources) where every rank's group is at most this multiple of its local rows,
+# else pair by pair (a gather, post, placement, select and add per source). One batch waits for the group's
+# whole send gather before its link starts and for all of it to land before its placement, which pair by pair
+# overlap with the link; a small group has little of either to hide and saves a launch per source for each
+# (gpu_model's replay, 128k / cp 8, thd, save, whose groups are 1.75-7 times the local rows, slowest rank, one
+# batch against pair by pair: short mix 1.48 / 2.85 ms against 1.50 / 2.72, lognormal 2.67 / 6.05 against
+# 2.46 / 5.85, heavy-tailed 4.70 / 10.90 against 4.33 / 10.20).
+ONE_BATCH_GROUP_LOCAL_MULTIPLE = 1.0
 
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last
 # step moves (the received chunk's going home, or ours coming back) have at least this many positions per
@@ -902,29 +908,38 @@ class BlockDiagCPState:
         return self._device_index[key]
 
     def whole_delivery_on(self, device: torch.device, window: Optional[int] = None) -> WholeDelivery:
-        """What ``WholeNeededTransport`` moves in the band mode: per band step, piece g of every pair
-        (``band_pieces``), each source's rows placed where that step's bands read them (their rows of its
-        buffer on the device), once per step."""
+        """What ``WholeNeededTransport`` moves in the band mode: per band step g, piece g of every pair
+        (``band_pieces``) in one batch (``GroupMessages``: the rows sent, and where each arrival lies in
+        that step's band buffer), on the device once per step."""
         key = ("whole_delivery", str(device), window)
         if key not in self._device_index:
             plan, band = self.plan_for(window), self.gathered_plan(window)
             pieces = self.band_pieces(window)
             band_of = band.band_of()  # needed rows (source-major) -> their rows in the groups' buffers
             received = _received_rows(plan.exchange.counts)[:, self.rank]  # per source
-            rows, at = [], 0
-            for n in received.tolist():
-                if not n:
-                    rows.append(None)
-                    continue
-                # piece g of the source lands in group g's buffer: its rows there
-                start = np.zeros(n, dtype=np.int64)
-                for g in range(pieces.parts):
-                    first, m = pieces.span(n, g)
-                    start[first:first + m] = band.starts[g]
-                rows.append(torch.from_numpy(band_of[at:at + n] - start).to(device))
-                at += n
-            self._device_index[key] = WholeDelivery(_band_posts(self.cp, pieces), pieces, tuple(rows),
-                                                    tuple(step.chunk_len for step in band.stream.steps[1:]))
+            at = np.concatenate([[0], np.cumsum(received)])  # each source's first needed row in band_of
+            # one batch a group where every rank's group is small enough (from the global counts: alike on every rank)
+            one_batch = _group_rows(_received_rows(plan.exchange.counts), pieces.parts).max(1) <= (
+                ONE_BATCH_GROUP_LOCAL_MULTIPLE * self.local_len)
+            messages = []
+            for g in range(pieces.parts):
+                sent, sends = _group_sends(plan, pieces, g)
+                arrivals, receives, first = [], [], 0
+                for i in range(1, self.cp):  # the sources in posting order: rank - 1, rank - 2, ...
+                    src = (self.rank - i) % self.cp
+                    lo, n = pieces.span(int(received[src]), g)
+                    if n:
+                        arrivals.append(band_of[at[src] + lo:at[src] + lo + n] - band.starts[g])
+                        receives.append((i, src, first, n))
+                        first += n
+                band_rows = np.concatenate(arrivals) if arrivals else np.zeros(0, dtype=np.int64)
+                place = np.empty_like(band_rows)
+                place[band_rows] = np.arange(band_rows.size)  # a permutation: every band row arrives once
+                messages.append(GroupMessages(
+                    device_rows(torch.from_numpy(sent), self.local_len, device), sends, tuple(receives),
+                    device_rows(torch.from_numpy(band_rows), first, device),
+                    device_rows(torch.from_numpy(place), first, device), int(sent.size), first, bool(one_batch[g])))
+            self._device_index[key] = WholeDelivery(_band_posts(self.cp, pieces), pieces, tuple(messages))
         return self._device_index[key]
 
     def band_pieces(self, window: Optional[int] = None) -> Pieces:
@@ -1180,7 +1195,11 @@ class BlockDiagCPState:
             at = np.full(L * self.rows, -1, dtype=np.int64)  # a row's buffer slot (-1: not merged)
             at[np.flatnonzero(merges.merged_mask)] = np.arange(merges.merged_count)
             slot = None if merges.merged is None else torch.from_numpy(at).to(device)  # None: every row, in order
-            returns = KeyReturns.of(plan, self.stream_pieces(kind, window)[0], merges, at, device) if direct else None
+            batched = ()
+            if kind == "needed" and self.needed_whole(window):
+                batched = tuple(g for g, m in enumerate(self.whole_delivery_on(device, window).messages) if m.one_batch)
+            returns = (KeyReturns.of(plan, self.stream_pieces(kind, window)[0], merges, at, device, batched)
+                       if direct else None)
             self._device_index[key] = (merges, slot, returns)
         return self._device_index[key]
 
@@ -1194,27 +1213,33 @@ class KeyReturns:
         self.steps = steps  # (i, j) -> (added, merged): each None or (Rows of the gradient, Rows there)
 
     @classmethod
-    def of(cls, plan, pieces: Pieces, merges: MergePlan, slot_of: Optional[np.ndarray], device) -> "KeyReturns":
-        """``pieces``: how a pair's rows are cut into its messages (``BlockDiagCPState.stream_pieces``)."""
+    def of(cls, plan, pieces: Pieces, merges: MergePlan, slot_of: Optional[np.ndarray], device,
+           batched: Tuple[int, ...] = ()) -> "KeyReturns":
+        """``pieces``: how a pair's rows are cut into its messages (``BlockDiagCPState.stream_pieces``); and
+        for each band group in ``batched`` (``exchange.GroupMessages.one_batch``: its gradients come back in
+        one batch) an entry ``("group", g)`` over its rows, destination by destination."""
         L, cp, rank = plan.local_len, plan.cp, plan.rank
         counts = plan.exchange.counts[rank].tolist()
 
         def on_device(index, size):
             return device_rows(torch.from_numpy(index), size, device)
 
+        def entry(part):
+            merged = merges.merged_mask[part]
+            added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
+            n = part.size
+            return ((on_device(added, n), on_device(part[added], L)) if added.size else None,
+                    (on_device(buffered, n), on_device(slot_of[part[buffered]], merges.merged_count))
+                    if buffered.size else None)
+
         steps = {}
+        steps = {("group", g): entry(_group_sends(plan, pieces, g)[0]) for g in batched}
         for i in range(1, cp):
             dst = (rank + i) % cp
             rows = plan.exchange.send_index[dst].numpy()
             for j in range(pieces.count(counts[dst])):  # the pieces NeededTransport.sent_rows sends
                 first, n = pieces.span(counts[dst], j)
-                part = rows[first:first + n]
-                merged = merges.merged_mask[part]
-                added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
-                steps[(i, j)] = (
-                    (on_device(added, n), on_device(part[added], L)) if added.size else None,
-                    (on_device(buffered, n), on_device(slot_of[part[buffered]], merges.merged_count))
-                    if buffered.size else None)
+                steps[(i, j)] = entry(rows[first:first + n])
         return cls(steps)
 
 
@@ -1296,6 +1321,22 @@ def _band_posts(cp: int, pieces: Pieces) -> Tuple[Tuple[Tuple[int, int], ...], .
     return tuple(tuple((i, g) for i in range(1, cp)) for g in range(pieces.parts))
 
 
+def _group_sends(plan, pieces: Pieces, g: int) -> Tuple[np.ndarray, Tuple[Tuple[int, int, int], ...]]:
+    """Band group g's sends from this rank: the local rows, destination by destination in posting order
+    (rank + 1, rank + 2, ...), and (destination, first, rows) of each among them."""
+    rank, cp = plan.rank, plan.cp
+    rows, sends, first = [], [], 0
+    for i in range(1, cp):
+        dst = (rank + i) % cp
+        index = plan.exchange.send_index[dst].numpy()
+        lo, n = pieces.span(index.size, g)
+        if n:
+            rows.append(index[lo:lo + n])
+            sends.append((i, dst, first, n))
+            first += n
+    return (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)), tuple(sends)
+
+
 def _received_rows(counts: torch.Tensor) -> np.ndarray:
     """[source, destination] the rows each rank receives from each other rank (the exchange's counts, the
     diagonal, a rank's own rows, zeroed)."""
@@ -1319,7 +1360,7 @@ def device_rows(index: torch.Tensor, rows: int, device) -> Rows:
     if n and host[-1] - host[0] + 1 == n and (n == 1 or bool((host[1:] - host[:-1] == 1).all())):
         first = int(host[0])
         return None if (first, n) == (0, rows) else slice(first, first + n)
-    return _non_identity(index, rows, device)
+    return None if rows == n == 0 else index.to(device)  # not a run, so not every row in order either
 
 
 def _non_identity(index: torch.Tensor, rows: int, device) -> Optional[torch.Tensor]:

@@ -71,22 +71,27 @@ class _NeededHandover(_Handover, NeededTransport):
 
 
 class _WholeHandover(_Handover, WholeNeededTransport):
-    """Every piece handed over as it would land, then placed in the bands' order as the real transport does."""
+    """Each band group handed over as it would land: a batch as one buffer of its pieces source by source,
+    pair by pair each piece; then put in the bands' order as the real transport does."""
 
     def __init__(self, chunks, zeros, *args):
         WholeNeededTransport.__init__(self, *args)
         _Handover.__init__(self, chunks, zeros)
 
-    def start(self, step):
-        return WholeNeededTransport.start(self, step)
-
     def start_piece(self, piece):
         self._step = piece
         return NeededTransport.start(self, piece)
 
-    def send_gradient(self, step, grad_chunk, like):
-        self._step = None
-        return WholeNeededTransport.send_gradient(self, step, grad_chunk, like)
+    def receive_buffer(self, shape, like):
+        if self._step is not None:  # a group's fetch in one batch: its pieces, cut beforehand
+            return self.chunks[("group", self._step[1])]
+        return self.zeros[:shape[0]]  # gradients coming home
+
+    def post_into(self, sends, receives, received, *rest):
+        for tensor, _ in sends:  # what post_into would send: made contiguous, then dropped (no peer)
+            if tensor is not None:
+                tensor.contiguous()
+        return _Ready(received)
 
 
 class _RingHandover(_Handover, RingTransport):
@@ -125,13 +130,22 @@ class Loopback:
                 if pos.numel():
                     k, v = self.k_full.index_select(0, pos), self.v_full.index_select(0, pos)
                     chunks[at] = torch.cat([k, v], dim=-1).reshape(k.shape[0], k.shape[1], -1)
+            if kind == "needed" and self.state.needed_whole(window):  # the band mode: one buffer a group
+                delivery = self.state.whole_delivery_on(self.k_full.device, window)
+                for g, (posts, m) in enumerate(zip(delivery.groups, delivery.messages)):
+                    group = [chunks.pop(at) for at in posts if at in chunks] if m.one_batch else []
+                    if group:
+                        chunks[("group", g)] = torch.cat(group)
             self._chunks[key] = chunks
         return self._chunks[key]
 
     def transport(self, kind: str, k, v, state, plan, stats: Dict, prefix: str):
         """What ``attention_op`` asks its transport for, with the chunks handed over."""
         chunks = self.prepare(kind, plan.window)
-        shape = (state.local_len, k.shape[1], fused_width(k, v))
+        rows = state.local_len
+        if kind == "needed" and state.needed_whole(plan.window):  # a group's gradients may exceed the shard
+            rows = max([rows] + [m.sent for m in state.whole_delivery_on(k.device, plan.window).messages])
+        shape = (rows, k.shape[1], fused_width(k, v))
         zeros = self._zeros.get((shape, k.dtype, k.device))
         if zeros is None:  # once, not per layer call: the loopback's own work stays out of what it times
             zeros = self._zeros[(shape, k.dtype, k.device)] = torch.zeros(shape, dtype=k.dtype, device=k.device)

@@ -176,13 +176,15 @@ def test_route_places_each_row_where_the_plan_reads_it():
 pool4 = pool_fixture(4)
 
 
-def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=None, group_multiple=None):
+def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=None, group_multiple=None,
+              one_batch=None):
     """a2a on 4 ranks over short documents (each a multiple of 2 * cp, as thd packs them), float64, dense:
     whether the group took every needed row at once, the steps the op walks, the kernel calls of a steady
     layer call (forward, backward), the largest error of out / dq / dk / dv against the reference and the
-    transfers (forward, backward, this rank's peers that send or receive). ``min_chunks`` / ``multiple``:
-    the rule's constants for this run; ``min_piece``: the band mode's (rows, documents) a piece;
-    ``group_multiple``: the refetch's bound on a group (``REFETCH_GROUP_LOCAL_MULTIPLE``)."""
+    transfers (forward, backward, this rank's peers that send or receive), the posted batches (forward,
+    backward), the band groups that go in one batch and the launching ops (forward, backward). ``min_chunks`` / ``multiple``: the rule's constants
+    for this run; ``min_piece``: the band mode's (rows, documents) a piece; ``group_multiple``: the refetch's
+    bound on a group (``REFETCH_GROUP_LOCAL_MULTIPLE``); ``one_batch``: ``ONE_BATCH_GROUP_LOCAL_MULTIPLE``."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp import step as step_module
     from megatron_ext.testing import reference_attention
@@ -196,11 +198,12 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
     (ref_out * w).sum().backward()
     saved = (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
              step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE,
-             step_module.REFETCH_GROUP_LOCAL_MULTIPLE)
+             step_module.REFETCH_GROUP_LOCAL_MULTIPLE, step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE)
     step_module.WHOLE_MIN_CHUNKS_PER_RANK = saved[0] if min_chunks is None else min_chunks
     step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved[1] if multiple is None else multiple
     step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved[2:4]
     step_module.REFETCH_GROUP_LOCAL_MULTIPLE = saved[4] if group_multiple is None else group_multiple
+    step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE = saved[5] if one_batch is None else one_batch
     try:
         state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
                                             kv_backward=kv_backward)
@@ -219,12 +222,15 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
         counts = state.plan.exchange.counts.clone()
         counts.fill_diagonal_(0)
         peers = int((counts[state.rank] > 0).sum() + (counts[:, state.rank] > 0).sum())  # sends + receives
+        batched = (sum(m.one_batch for m in state.whole_delivery_on(torch.device("cpu")).messages)
+                   if state.needed_whole() else 0)
         return (state.needed_whole(), len(state.stream_plan("needed").steps), fwd.kernel_calls, bwd.kernel_calls,
-                max(errors), (fwd.summary()["transfers"], bwd.summary()["transfers"], peers), int(counts[counts > 0].min()))
+                max(errors), (fwd.summary()["transfers"], bwd.summary()["transfers"], peers), int(counts[counts > 0].min()),
+                (fwd.posts, bwd.posts), batched, (fwd.launching, bwd.launching))
     finally:
         (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
          step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE,
-         step_module.REFETCH_GROUP_LOCAL_MULTIPLE) = saved
+         step_module.REFETCH_GROUP_LOCAL_MULTIPLE, step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE) = saved
 
 
 @pytest.mark.timeout(180)
@@ -238,36 +244,52 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     pieces and step g attends piece g of every source: here (one row a piece, any document) four steps,
     four messages a pair each way; with one document a piece, as many as the pair that moves the fewest
     rows holds the longest document (32 positions, 8 on each rank) times.
-    The rule's two bounds each turn it off, on every rank alike (the transfers pair up only then). With a
-    refetch the chunks stream; with ``REFETCH_GROUP_LOCAL_MULTIPLE`` set (off by default) one group of every
-    needed row is more than a rank's local rows and they still do, while with one row a piece the groups are
-    as many as keep each within that multiple of the local rows on every rank (four at one; more than
-    ``BAND_GROUPS`` at a quarter), and backward fetches them again group by group, exact too."""
+    A group within ``ONE_BATCH_GROUP_LOCAL_MULTIPLE`` of the local rows on every rank goes in one batch (one
+    post a group each way), a larger one pair by pair (a post a pair), exact either way with the same
+    messages. The rule's two bounds each turn it off, on every rank alike (the transfers pair up only then).
+    With a refetch, one group of every needed row is more than ``REFETCH_GROUP_LOCAL_MULTIPLE`` times a rank's
+    local rows and the chunks stream, while with one row a piece the groups are as many as keep each within
+    that multiple on every rank (four at one; more than ``BAND_GROUPS`` at a quarter; 0 turns it off), each
+    in one batch, and backward fetches them again group by group, exact too."""
     whole = pool4.run(whole_a2a, "thd", "save")
     streamed = pool4.run(whole_a2a, "thd", "save", 99)
     grouped = pool4.run(whole_a2a, "thd", "save", None, None, (1, 0))
     by_documents = pool4.run(whole_a2a, "thd", "save", None, None, (1, 1))
-    for rank, ((on, steps, fwd, bwd, error, moved, fewest), (off, steps0, fwd0, bwd0, error0, moved0, _),
-               (on4, steps4, _, _, error4, moved4, _), (_, steps_docs, *_)) in enumerate(
-            zip(whole, streamed, grouped, by_documents)):
+    pair_by_pair = pool4.run(whole_a2a, "thd", "save", None, None, (1, 0), None, 0.0)
+    for rank, ((on, steps, fwd, bwd, error, moved, fewest, posts, batched, _),
+               (off, steps0, fwd0, bwd0, error0, moved0, *_),
+               (on4, steps4, fwd4, bwd4, error4, moved4, _, posts4, batched4, ops4), (_, steps_docs, *_),
+               (_, steps_pairs, fwd_pairs, bwd_pairs, error_pairs, moved_pairs, _, posts_pairs, batched_pairs,
+                ops_pairs)) in enumerate(
+            zip(whole, streamed, grouped, by_documents, pair_by_pair)):
         assert on and steps == 2 and not off and steps0 > 3 and on4 and steps4 == 5, (rank, steps, steps0, steps4)
         assert 1 < steps_docs - 1 == min(4, fewest // 8) < 4, (rank, steps_docs, fewest)
-        assert max(error, error0, error4) < 1e-12, (rank, error, error0, error4)
+        assert max(error, error0, error4, error_pairs) < 1e-12, (rank, error, error0, error4, error_pairs)
         assert fwd < fwd0 and bwd < bwd0, (rank, fwd, fwd0, bwd, bwd0)
         assert moved == (moved[2],) * 3 and moved0[0] > moved0[2], (rank, moved, moved0)
-        assert moved4 == (4 * moved[2], 4 * moved[2], moved[2]), (rank, moved4)
+        assert moved4 == moved_pairs == (4 * moved[2], 4 * moved[2], moved[2]), (rank, moved4, moved_pairs)
+        # one step of every needed row (about three times the local rows) goes pair by pair, a post a round;
+        # groups of about three quarters of them in one batch each; pair by pair when told to
+        assert batched == 0 and posts == (3, 3), (rank, batched, posts)
+        assert batched4 == 4 and posts4 == (4, 4), (rank, batched4, posts4)
+        assert steps_pairs == 5 and batched_pairs == 0 and posts_pairs == (12, 12), (rank, posts_pairs)
+        # the same calls; a batch gathers, places, selects and adds once a group, not once a source
+        assert (fwd4, bwd4) == (fwd_pairs, bwd_pairs) and ops4[0] < ops_pairs[0] and ops4[1] < ops_pairs[1], (
+            rank, ops4, ops_pairs)
     assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "save", None, 0.5))
     for group_multiple in (None, 1.0):
         refetched = pool4.run(whole_a2a, "thd", "refetch", None, None, None, group_multiple)
-        assert not any(on for on, *_ in refetched) and max(error for *_, error, _, _ in refetched) < 1e-12
-    assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "refetch", None, None, (1, 0)))  # off by default
-    for group_multiple, groups in ((1.0, 4), (0.25, 5)):
-        for on, steps, fwd, bwd, error, moved, _ in pool4.run(whole_a2a, "thd", "refetch", None, None, (1, 0),
-                                                              group_multiple):
-            assert on and (steps - 1 == groups if group_multiple == 1.0 else steps - 1 >= groups), (on, steps)
+        assert not any(on for on, *_ in refetched) and max(r[4] for r in refetched) < 1e-12
+    assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "refetch", None, None, (1, 0), 0.0))  # 0: off
+    for group_multiple, groups in ((None, 4), (0.25, 5)):
+        for on, steps, fwd, bwd, error, moved, _, posts, batched, _ in pool4.run(
+                whole_a2a, "thd", "refetch", None, None, (1, 0), group_multiple):
+            assert on and (steps - 1 == groups if group_multiple is None else steps - 1 >= groups), (on, steps)
             assert error < 1e-12, error
             # every group's pieces fetched again in backward, beside their gradients going home
             assert moved[0] * 2 == moved[1] and moved[0] >= groups * moved[2] / 2, moved
+            # groups within the local rows: one batch each, fetched twice and its gradients once
+            assert batched == steps - 1 and posts == (batched, 2 * batched), (batched, posts)
 
 
 def grouped_order(min_piece):
