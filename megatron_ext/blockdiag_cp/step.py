@@ -96,7 +96,7 @@ BAND_MIN_DOCS_PER_PIECE = 2
 # group. Such groups go in one batch each (ONE_BATCH_GROUP_LOCAL_MULTIPLE), so a group's launching ops do
 # not grow with its sources (gpu_model's replay, 128k / cp 8, thd, short mix, slowest rank: 1.43 / 3.23 ms
 # forward / backward against 2.42 / 4.49 streamed, 48 / 135 launching ops against 23 / 57; pair by pair
-# the same groups model 1.47 / 3.23 with 90 / 219 ops).
+# the same groups model 1.68 / 3.62 with 132 / 345 ops).
 REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
 # A band group goes in one batch (one send gather, one placement, one gradient select and one add of the
 # gradients back, whatever its sources) where every rank's group is at most this multiple of its local rows,
