@@ -909,8 +909,8 @@ class BlockDiagCPState:
 
     def whole_delivery_on(self, device: torch.device, window: Optional[int] = None) -> WholeDelivery:
         """What ``WholeNeededTransport`` moves in the band mode: per band step g, piece g of every pair
-        (``band_pieces``) in one batch (``GroupMessages``: the rows sent, and where each arrival lies in
-        that step's band buffer), on the device once per step."""
+        (``band_pieces``; ``GroupMessages``: the rows sent, where each arrival lies in that step's band
+        buffer, and whether the group goes in one batch), on the device once per step."""
         key = ("whole_delivery", str(device), window)
         if key not in self._device_index:
             plan, band = self.plan_for(window), self.gathered_plan(window)
@@ -1232,7 +1232,6 @@ class KeyReturns:
                     (on_device(buffered, n), on_device(slot_of[part[buffered]], merges.merged_count))
                     if buffered.size else None)
 
-        steps = {}
         steps = {("group", g): entry(_group_sends(plan, pieces, g)[0]) for g in batched}
         for i in range(1, cp):
             dst = (rank + i) % cp
