@@ -51,6 +51,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .merge import gather
+
 # Opt-in: run the K/V transfers on CPU copies of device tensors. For gloo groups whose ranks
 # share one GPU (NCCL refuses two ranks on one device; gloo's send/recv hands the raw device
 # pointer to its TCP transport). Costs a device->host and a host->device copy per transfer.
@@ -396,7 +398,7 @@ class _Batched:
 
     def wait(self) -> Optional[torch.Tensor]:
         arrived = self._transfer.wait()  # [n, b, F] source by source; None: nothing comes (the sends still wait)
-        return None if arrived is None else rows_of(arrived, self._place)
+        return None if arrived is None else gather(arrived, self._place)
 
 
 class _PieceByPiece:
@@ -415,13 +417,6 @@ class _PieceByPiece:
             if received is not None:
                 set_rows(band, rows, received)
         return band
-
-
-def rows_of(x: torch.Tensor, rows) -> torch.Tensor:
-    """Rows ``rows`` of ``x``: every row for None, a view for a slice, one gather for an index tensor."""
-    if rows is None:
-        return x
-    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
 def set_rows(x: torch.Tensor, rows, src: torch.Tensor) -> None:
@@ -536,13 +531,13 @@ class WholeNeededTransport(NeededTransport):
             places, handles = self._places(m), []
             for piece in self.delivery.groups[g]:
                 rows = places.get(piece[0])
-                part = None if grad_chunk is None or rows is None else rows_of(grad_chunk, rows)
+                part = None if grad_chunk is None or rows is None else gather(grad_chunk, rows)
                 handles.append(_DirectGradients.send_gradient(self, piece, part, like))
             return False, handles
         grad = None
         if m.received:
             grad = (like.new_zeros((m.received,) + tuple(like.shape[1:])) if grad_chunk is None
-                    else rows_of(grad_chunk, m.band_rows))
+                    else gather(grad_chunk, m.band_rows))
         back = self._buffer(m.sent)
         transfer = self.post_into([(grad[first:first + n], src) for _, src, first, n in m.receives],
                                   [(back[first:first + n], dst) for _, dst, first, n in m.sends], back, like,
@@ -728,6 +723,6 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "receive_buffer", "rows_of", "rows_range", "set_rows", "return_gradient", "fused_rows", "fused_width",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "receive_buffer", "rows_range", "set_rows", "return_gradient", "fused_rows", "fused_width",
            "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
            "needed_gradients"]

@@ -916,11 +916,11 @@ class BlockDiagCPState:
             plan, band = self.plan_for(window), self.gathered_plan(window)
             pieces = self.band_pieces(window)
             band_of = band.band_of()  # needed rows (source-major) -> their rows in the groups' buffers
-            received = _received_rows(plan.exchange.counts)[:, self.rank]  # per source
+            every_rank = _received_rows(plan.exchange.counts)  # [source, destination]
+            received = every_rank[:, self.rank]  # per source
             at = np.concatenate([[0], np.cumsum(received)])  # each source's first needed row in band_of
             # one batch a group where every rank's group is small enough (from the global counts: alike on every rank)
-            one_batch = _group_rows(_received_rows(plan.exchange.counts), pieces.parts).max(1) <= (
-                ONE_BATCH_GROUP_LOCAL_MULTIPLE * self.local_len)
+            one_batch = _group_rows(every_rank, pieces.parts).max(1) <= ONE_BATCH_GROUP_LOCAL_MULTIPLE * self.local_len
             messages = []
             for g in range(pieces.parts):
                 sent, sends = _group_sends(plan, pieces, g)
@@ -1237,6 +1237,8 @@ class KeyReturns:
             dst = (rank + i) % cp
             rows = plan.exchange.send_index[dst].numpy()
             for j in range(pieces.count(counts[dst])):  # the pieces NeededTransport.sent_rows sends
+                if j in batched:  # a batched band group's gradients come back together: its own entry
+                    continue
                 first, n = pieces.span(counts[dst], j)
                 steps[(i, j)] = entry(rows[first:first + n])
         return cls(steps)
