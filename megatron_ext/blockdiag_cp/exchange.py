@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .merge import gather
+from .merge_kernel import gather_kv_rows_
 
 # Opt-in: run the K/V transfers on CPU copies of device tensors. For gloo groups whose ranks
 # share one GPU (NCCL refuses two ranks on one device; gloo's send/recv hands the raw device
@@ -206,12 +207,22 @@ def fused_rows(k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
     if isinstance(rows, slice):  # views: one pass
         k, v = k[rows], v[rows]
         return torch.cat([k, v], dim=-1).view(k.shape[0], k.shape[1], -1)
-    # scattered rows: each gathered straight into its half of the buffer (one pass, not a gather and a cat)
+    # scattered rows: each gathered straight into its half of the buffer (one pass, not a gather and a cat),
+    # K and V in one op where their (batch, head) dims are one of strides (a view; else a gather each)
     n, dk = rows.numel(), k.shape[-1]
     fused = torch.empty((n,) + tuple(k.shape[1:-1]) + (dk + v.shape[-1],), dtype=k.dtype, device=k.device)
-    torch.index_select(k, 0, rows, out=fused[..., :dk])
-    torch.index_select(v, 0, rows, out=fused[..., dk:])
+    flat = [t.view(t.shape[0], -1, t.shape[-1]) if _merges_heads(t) else None for t in (k, v)]
+    if None in flat or k.dtype != v.dtype:
+        torch.index_select(k, 0, rows, out=fused[..., :dk])
+        torch.index_select(v, 0, rows, out=fused[..., dk:])
+    else:
+        gather_kv_rows_(fused.view(n, -1, fused.shape[-1]), *flat, rows)
     return fused.view(n, k.shape[1], -1)
+
+
+def _merges_heads(t: torch.Tensor) -> bool:
+    """Whether [L, b, H, D]'s b and H are one dim of strides (``view(L, b * H, D)`` needs no copy)."""
+    return t.shape[1] == 1 or t.shape[2] == 1 or t.stride(1) == t.shape[2] * t.stride(2)
 
 
 class _DirectGradients:
@@ -332,21 +343,17 @@ class NeededTransport(_DirectGradients):
         self._fuse_once = fuse_sends and self._fusing_once_is_cheaper()
 
     def _fusing_once_is_cheaper(self) -> bool:
-        """A step's send buffer is K and V of its rows side by side: a gather of K, one of V and a cat
-        (a cat alone on a run of rows), about 4 (2) bytes moved per byte sent. Fusing every local row
-        once costs 2 per local byte, and a step then gathers from it at 2 (a run is a view): cheaper
-        once a layer call sends the local rows more than about once over (a row several ranks need).
+        """A step's send buffer is K and V of its rows side by side (``fused_rows``): a run of rows is a cat
+        of two views, scattered rows one gather into the buffer's halves, one op and 2 bytes moved per byte
+        sent either way. Fusing every local row once moves 2 per local byte, after which a run is a view of
+        it (nothing moved, no op) and scattered rows still a gather (one op, 2): no more bytes only where
+        the runs a layer call sends add up to at least the local rows, and then an op fewer per run
+        sent after the first.
         The caller asks for it in forward only (``fuse_sends``): backward holds the layer's peak (the
         K/V gradients in flight), where a buffer of every local row would raise it."""
-        per_step = fused = 0
-        for dst, n in enumerate(self.sent_to):
-            if dst == self.rank or not n:
-                continue
-            run = self.send_index[dst] is None
-            per_step += (2 if run else 4) * n
-            fused += 0 if run else 2 * n
-        return 2 * self.k.shape[0] + fused < per_step
-
+        runs = sum(n for dst, n in enumerate(self.sent_to)
+                   if dst != self.rank and n and self.send_index[dst] is None)
+        return runs >= self.k.shape[0] > 0
 
     def sent_rows(self, step):
         """Local rows sent at ``step`` (a slice, or an index tensor) and their count."""

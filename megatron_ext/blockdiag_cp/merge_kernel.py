@@ -45,8 +45,16 @@ so that an op counter tells a copy from an add by name; on CUDA the Triton kerne
 ``_rows_into_kernel`` where Triton imports (adds only into float32 / float64: the
 buffers'), else the eager body ``rows_into_eager``.
 
+``gather_kv_rows_(dst, k, v, index)`` does, for each i,
+
+    dst[i, c, :Dk] = k[index[i], c]    dst[i, c, Dk:] = v[index[i], c]    (c: every (batch, head))
+
+in one pass: a send buffer of K and V rows side by side (``exchange.fused_rows``) in one launch, where
+two gathers into its halves would take two. On CUDA the Triton kernel ``_gather_kv_kernel`` where Triton
+imports, else (and on CPU) ``gather_kv_rows_eager``, the two gathers.
+
 The Triton kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (the tests run them
-against the eager bodies that way: ``triton_merge_rows_``, ``triton_rows_into_``).
+against the eager bodies that way: ``triton_merge_rows_``, ``triton_rows_into_``, ``triton_gather_kv_rows_``).
 """
 
 import functools
@@ -60,6 +68,7 @@ _LIB.define("merge_rows_(Tensor(a!) acc_out, Tensor(b!) acc_lse, Tensor out, Ten
             "Tensor? dst_target=None) -> ()")
 _LIB.define("copy_rows_(Tensor(a!) dst, Tensor src, Tensor? source, Tensor? target) -> ()")
 _LIB.define("add_rows_(Tensor(a!) dst, Tensor src, Tensor? source, Tensor? target) -> ()")
+_LIB.define("gather_kv_rows_(Tensor(a!) dst, Tensor k, Tensor v, Tensor index) -> ()")
 
 
 def merge_rows_eager(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -353,5 +362,82 @@ for _op, _accumulate in (("copy_rows_", False), ("add_rows_", True)):
     _LIB.impl(_op, functools.partial(_rows_into_cuda, accumulate=_accumulate), "CUDA")
     _LIB.impl(_op, functools.partial(_rows_into_meta, accumulate=_accumulate), "Meta")
 
-__all__ = ["ATOMIC_DTYPES", "add_rows_", "copy_rows_", "merge_rows_", "merge_rows_eager", "rows_into_eager",
-           "triton_merge_rows_", "triton_rows_into_"]
+
+
+def gather_kv_rows_eager(dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+    """``gather_kv_rows_`` as torch ops: dst [n, C, Dk + Dv], k [L, C, Dk], v [L, C, Dv], index [n] int64 rows
+    of k / v: each gathered straight into its half of dst."""
+    dk = k.shape[-1]
+    torch.index_select(k, 0, index, out=dst[..., :dk])
+    torch.index_select(v, 0, index, out=dst[..., dk:])
+
+
+def gather_kv_rows_(dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+    """``dst``'s rows are K and V of rows ``index``, side by side on the last dim (one op)."""
+    torch.ops.megatron_ext.gather_kv_rows_(dst, k, v, index)
+
+
+def _check_gather_kv(dst, k, v, index) -> None:
+    if (dst.dim() != 3 or k.dim() != 3 or v.dim() != 3 or index.dim() != 1 or index.dtype != torch.long
+            or dst.shape[0] != index.numel() or k.shape[:2] != v.shape[:2] or dst.shape[1] != k.shape[1]
+            or dst.shape[2] != k.shape[2] + v.shape[2] or not (dst.dtype == k.dtype == v.dtype)):
+        raise ValueError(f"gather_kv_rows_: dst {tuple(dst.shape)} {dst.dtype} against k {tuple(k.shape)} {k.dtype}, "
+                         f"v {tuple(v.shape)} {v.dtype} and index {tuple(index.shape)} {index.dtype}: [n, C, Dk + Dv], "
+                         f"[L, C, Dk], [L, C, Dv] of one dtype and n int64 rows")
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_kv_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_kv_kernel(dst, k, v, index, C, DK, DV, sd_n, sd_c, sd_d, sk_n, sk_c, sk_d, sv_n, sv_c, sv_d,
+                          BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
+        d = tl.arange(0, BLOCK_D)  # [BD]
+        r = tl.load(index + i).to(tl.int64)
+        row = dst + i * sd_n + c[:, None] * sd_c
+        mk = (c < C)[:, None] & (d < DK)[None, :]
+        tl.store(row + d[None, :] * sd_d, tl.load(k + r * sk_n + c[:, None] * sk_c + d[None, :] * sk_d, mask=mk),
+                 mask=mk)
+        mv = (c < C)[:, None] & (d < DV)[None, :]
+        tl.store(row + (DK + d[None, :]) * sd_d,
+                 tl.load(v + r * sv_n + c[:, None] * sv_c + d[None, :] * sv_d, mask=mv), mask=mv)
+
+    return _gather_kv_kernel
+
+
+def triton_gather_kv_rows_(dst, k, v, index) -> None:
+    """``gather_kv_rows_`` through the Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1)."""
+    import triton
+
+    _check_gather_kv(dst, k, v, index)
+    n, C = index.numel(), dst.shape[1]
+    if n == 0:
+        return
+    block_c, block_d = _tile(C, max(k.shape[2], v.shape[2]))
+    _gather_kv_kernel()[(n, triton.cdiv(C, block_c))](
+        dst, k, v, index, C, k.shape[2], v.shape[2], *dst.stride(), *k.stride(), *v.stride(),
+        BLOCK_C=block_c, BLOCK_D=block_d)
+
+
+def _gather_kv_cpu(dst, k, v, index) -> None:
+    _check_gather_kv(dst, k, v, index)
+    gather_kv_rows_eager(dst, k, v, index)
+
+
+def _gather_kv_cuda(dst, k, v, index) -> None:
+    if not _triton_imports():
+        _gather_kv_cpu(dst, k, v, index)
+    else:
+        triton_gather_kv_rows_(dst, k, v, index)
+
+
+_LIB.impl("gather_kv_rows_", _gather_kv_cpu, "CPU")
+_LIB.impl("gather_kv_rows_", _gather_kv_cuda, "CUDA")
+_LIB.impl("gather_kv_rows_", _check_gather_kv, "Meta")
+
+__all__ = ["ATOMIC_DTYPES", "add_rows_", "copy_rows_", "gather_kv_rows_", "gather_kv_rows_eager", "merge_rows_",
+           "merge_rows_eager", "rows_into_eager", "triton_gather_kv_rows_", "triton_merge_rows_", "triton_rows_into_"]

@@ -507,8 +507,9 @@ def run_thd_indices(emit):
 
 def run_merge_kernel(dry_run, emit):
     """The fused merge (``merge_rows_``: Triton on CUDA where it imports) against its eager body on the same
-    tensors, on runs and on scattered rows, then the row ops (``copy_rows_``, ``add_rows_``) on scattered
-    rows, each timed (CUDA events) at 16k rows x 32 heads x 128."""
+    tensors, on runs and on scattered rows, then the row ops (``copy_rows_``, ``add_rows_``) and the send
+    gather (``gather_kv_rows_``) on scattered rows, each timed (CUDA events) at 16k rows x 32 heads x 128
+    (the gather: 8 K/V heads)."""
     import torch
 
     from megatron_ext.blockdiag_cp import merge_kernel
@@ -562,6 +563,19 @@ def run_merge_kernel(dry_run, emit):
                 row[f"{label}_ms"] = median_ms(lambda: fn(d), device, reps=20, warmup=1)
         ok &= row["passed"]
         emit(row)
+    # gather_kv_rows_ (Triton on CUDA where it imports): a send buffer of K and V rows [n / 2, 8, 2 x 128]
+    # gathered from [n, 8, 128] each, against the eager body (two gathers into its halves)
+    k, v = (torch.randn(n, 8, D, generator=g).to(device, torch.bfloat16) for _ in range(2))
+    fused, eager = (torch.empty(n // 2, 8, 2 * D, dtype=k.dtype, device=device) for _ in range(2))
+    merge_kernel.gather_kv_rows_(fused, k, v, source)
+    merge_kernel.gather_kv_rows_eager(eager, k, v, source)
+    row = {"check": "merge_kernel", "op": "gather_kv_rows_", "rows": "scattered", "triton": triton,
+           "passed": torch.equal(fused, eager)}
+    if device.type == "cuda":
+        for label, fn in (("fused", merge_kernel.gather_kv_rows_), ("eager", merge_kernel.gather_kv_rows_eager)):
+            row[f"{label}_ms"] = median_ms(lambda: fn(fused, k, v, source), device, reps=20, warmup=1)
+    ok &= row["passed"]
+    emit(row)
     return ok
 
 

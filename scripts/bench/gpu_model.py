@@ -201,6 +201,8 @@ def _op_bytes(event, run: Dims, target: Dims) -> float:
         # written (add_rows_: also read), each in its own dtype
         floats, rows_of = _moved_rows(event, size, of=1)
         return rows_of(floats[1]) + rows_of(floats[0]) * (2 if event.name == "add_rows_" else 1) + small
+    if event.name == "gather_kv_rows_":  # (dst, k, v, index): dst's rows written, as many of k and v read
+        return 2 * size[0] + small
     if event.name == "merge_rows_":
         # (acc_out, acc_lse, out, lse, [dst_out, dst_lse]) and the index tensors given (source, target,
         # dst_target: n rows each): n rows of out / lse read, of acc read and written (with a destination:

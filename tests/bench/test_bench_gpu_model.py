@@ -224,6 +224,22 @@ def test_row_copies_and_adds_are_priced_at_the_rows_they_move():
     assert gm._op_bytes(lse, run, target) == pytest.approx(2 * 10 * 4 * 2 + 160)  # [rows, H, 1]: lse-like, x2
 
 
+def test_a_kv_gather_is_priced_at_the_rows_it_moves():
+    """``gather_kv_rows_`` writes its destination's rows and reads as many of K and V, whatever their sizes."""
+    from megatron_ext.blockdiag_cp.merge_kernel import gather_kv_rows_
+    from megatron_ext.testing.op_counter import OpCounter
+
+    gm = _bench()
+    run, target = gm.Dims("run", 1, 1, 8), gm.Dims("model", 2, 2, 16)  # [.., 1, 16] -> x4
+    counter = OpCounter(log=True)
+    k, v, index = torch.zeros(50, 1, 8, dtype=torch.bfloat16), torch.zeros(50, 1, 8, dtype=torch.bfloat16), torch.arange(10)
+    with counter, counter.region("gather"):
+        gather_kv_rows_(torch.empty(10, 1, 16, dtype=torch.bfloat16), k, v, index)
+    (event,) = counter.counts["gather"].events
+    # 10 rows of K and V: bf16 10 x 16 x 2 B x4 = 1280 written, as many read; the index 80 B
+    assert event.name == "gather_kv_rows_" and gm._op_bytes(event, run, target) == pytest.approx(2 * 1280 + 80)
+
+
 def test_an_out_tensor_is_priced_as_written_not_read():
     """``torch.add(a, b, out=c)`` and ``index_select(..., out=)`` (a dq's pair added into the result, a send's
     half gathered into its buffer): the counter records ``out`` as the op's output only, so the price is

@@ -634,10 +634,12 @@ def test_gpu_check_dry_run(tmp_path):
     assert {e["backend"] for e in by_check["engine_cp1"]} == {"flash", "dense"}
     assert all(e["kernel_fwd_bwd_ms"] > 0 and "engine_overhead_fraction" in e for e in by_check["engine_cp1"])
     assert by_check["matmul_peak"][0]["tflops"] > 0
-    # the fused merge, then the row ops, against their eager bodies (on CPU: the eager path, Triton not used)
+    # the fused merge, the row ops and the send gather against their eager bodies (on CPU: the eager path,
+    # Triton not used)
     assert [(m.get("op", "merge_rows_"), m["rows"], m["triton"]) for m in by_check["merge_kernel"]] == [
         ("merge_rows_", "runs", False), ("merge_rows_", "scattered", False), ("copy_rows_", "scattered", False),
-        ("add_rows_", "scattered", False)]
+        ("add_rows_", "scattered", False), ("gather_kv_rows_", "scattered", False)]
+    assert all(m["passed"] for m in by_check["merge_kernel"])
     assert len(by_check["timing"]) == 1 + 3 + 3
     assert [(m["cp"], m["layout"], m["exchange"]) for m in by_check["memory"]] == [
         (cp, lay, ex) for cp in (2, 4) for lay, ex in (("zigzag", "a2a"), ("contiguous", "allgather"))]

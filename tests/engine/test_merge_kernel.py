@@ -342,3 +342,69 @@ def test_triton_row_kernel_under_the_interpreter_against_the_definition():
     expected = sum(1 for _ in _rows_cases(False)) + sum(
         1 for _, case in _rows_cases(True) if case[0].dtype in (torch.float32, torch.float64))
     assert f"interpreted {expected}" in stdout, stdout
+
+
+# gather_kv_rows_: (local rows, batch x heads, Dk, Dv, dtype): GQA bf16, MLA's wider keys, fp64, a batch of two
+KV_SHAPES = [(12, 2, 8, 8, torch.bfloat16), (9, 3, 12, 8, torch.bfloat16), (10, 4, 16, 16, torch.float64),
+             (11, 6, 5, 7, torch.float32)]
+
+
+def _kv_cases():
+    """K and V read through strides (halves of one [L, C, Dk + Dv] projection, as Megatron's fused QKV gives
+    them), rows gathered out of order with one repeated, and no row."""
+    for seed, (L, C, Dk, Dv, dtype) in enumerate(KV_SHAPES):
+        g = torch.Generator().manual_seed(seed)
+        kv = torch.randn(L, C, Dk + Dv + 2, generator=g, dtype=torch.float64).to(dtype)
+        k, v = kv[..., :Dk], kv[..., Dk + 2:]
+        for n in (5, 0):
+            index = torch.randperm(L, generator=g)[:n]
+            if n:
+                index[-1] = index[0]
+            yield f"{(L, C, Dk, Dv, dtype, n)}", (k, v, index)
+
+
+def _kv_check(name, op, case):
+    k, v, index = case
+    dst = torch.full((index.numel(), k.shape[1], k.shape[2] + v.shape[2]), float("nan"), dtype=k.dtype)
+    op(dst, k, v, index)
+    want = torch.cat([k[index], v[index]], dim=-1)  # the definition: rows gathered, K then V
+    assert torch.equal(dst, want), name
+
+
+def test_gather_kv_rows_is_k_and_v_side_by_side_in_one_op():
+    from megatron_ext.blockdiag_cp.merge_kernel import gather_kv_rows_
+    from megatron_ext.testing.op_counter import OpCounter
+
+    for name, case in _kv_cases():
+        _kv_check(name, gather_kv_rows_, case)
+    k, v, index = next(iter(_kv_cases()))[1]
+    counter = OpCounter()
+    dst = torch.empty(index.numel(), k.shape[1], k.shape[2] + v.shape[2], dtype=k.dtype)
+    with counter, counter.region("gather"):
+        gather_kv_rows_(dst, k, v, index)
+    assert dict(counter.counts["gather"].ops) == {"gather_kv_rows_": 1}
+    with pytest.raises(ValueError, match=r"gather_kv_rows_: dst \(5, 2, 15\)"):
+        gather_kv_rows_(torch.empty(5, 2, 15, dtype=k.dtype), k, v, index)  # Dk + Dv is 16
+    with pytest.raises(ValueError, match="of one dtype"):
+        gather_kv_rows_(dst.float(), k, v, index)
+    for key in ("CPU", "CUDA", "Meta"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("megatron_ext::gather_kv_rows_", key), key
+
+
+_KV_INTERPRETED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import test_merge_kernel as t
+    from megatron_ext.blockdiag_cp import merge_kernel
+    count = 0
+    for name, case in t._kv_cases():
+        t._kv_check(name, merge_kernel.triton_gather_kv_rows_, case)
+        t._kv_check(name, merge_kernel._gather_kv_cuda, case)  # the CUDA registration's body
+        count += 1
+    print("interpreted", count)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_triton_kv_gather_under_the_interpreter_against_the_definition():
+    assert f"interpreted {2 * len(KV_SHAPES)}" in _interpreted(_KV_INTERPRETED)
