@@ -45,7 +45,8 @@ from .agreement import (
 from .backend import call_backend
 from .chunks import chunk_kind
 from .exchange import HierarchicalTransport, NeededTransport, Pieces, RingTransport, WholeNeededTransport
-from .merge import Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather, set_rows as _set_rows
+from .merge import (Accumulator, KeyGradients, Result, add_rows as _add_rows, gather as _gather, rows_of as _rows_of,
+                    set_rows as _set_rows)
 from .resolve import resolve_step_state
 from .state import count_cp_attn_fire
 from .relayout import relaid_attention
@@ -291,10 +292,11 @@ class _StreamedAttention(torch.autograd.Function):
         def shares(s):  # step s's dq shares: ``merges`` lists the steps in the order backward takes them
             return merges.calls[(s - 1) % len(steps) if own_last else s]
 
-        def differentiate(s, chunk_k, chunk_v, n_rows, keys=None, into=None, tiled=False):
+        def differentiate(s, chunk_k, chunk_v, n_rows, keys=None, into=None, tiled=False, places=None):
             """Step s's dq into ``dq``; the own keys' gradients into ``keys`` (``KeyGradients``, step 0),
             else returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient (in ``into``, k's dtype, where the
-            transport hands one over and ``tiled``: the calls read every row of the chunk once)."""
+            transport hands one over and ``tiled``: the calls read every row of the chunk once; its row
+            ``places[i]`` takes the chunk's row i where the transport gives ``places``)."""
             t0 = time.perf_counter()
             step_calls, step_merges, aux = calls[s], shares(s), iter(ctx.aux[offsets[s]:offsets[s + 1]])
             # Calls that read every row of the chunk once write each row's gradient once: no float32 sum.
@@ -327,7 +329,7 @@ class _StreamedAttention(torch.autograd.Function):
                 elif whole:
                     grad = geo.fused_grad(gk, gv)
                 elif tiled:
-                    _set_rows(grad, ki, geo.fused_grad(gk, gv))
+                    _set_rows(grad, ki if into is None else _rows_of(places, ki), geo.fused_grad(gk, gv))
                 else:
                     geo.add_kv_rows(grad, ki, gk, gv)
                 del gq, gk, gv
@@ -375,7 +377,8 @@ class _StreamedAttention(torch.autograd.Function):
                     grad_chunk = differentiate(s, *geo.split(chunk), chunk.shape[0],
                                                into=None if into is None else into.view(
                                                    chunk.shape[0] * geo.R, geo.g * geo.hkv, geo.dk + geo.dv),
-                                               tiled=partitions[s])
+                                               tiled=partitions[s],
+                                               places=transport.gradient_places((step.round, step.piece)))
                     if grad_chunk is None:  # the kernel failed: zeros go home, as every transfer still runs
                         grad_chunk = geo.grad_chunk(chunk.shape[0], k.dtype, q.device)
                     grad_chunk = grad_chunk.view(chunk.shape[0], geo.b, -1).to(k.dtype)

@@ -240,6 +240,11 @@ class _DirectGradients:
         """Each chunk's gradient is a buffer of its own, sent as it is made (see ``HierarchicalTransport``)."""
         return None
 
+    @staticmethod
+    def gradient_places(step) -> None:
+        """Where each row of the chunk lands in ``gradient_buffer``'s buffer (None: in order)."""
+        return None
+
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         rows, incoming = self.sent_rows(step)
         outgoing = self.gradient_rows(step)
@@ -496,6 +501,7 @@ class WholeNeededTransport(NeededTransport):
                  fuse_sends: bool = False):
         super().__init__(k, v, rank, cp, delivery.pieces, group, stats, prefix, send_index, counts, fuse_sends)
         self.delivery = delivery
+        self._arrival = None  # the gradient buffer handed out for the step in hand (``gradient_buffer``)
 
     # Where a batch goes and lands, and one pair's piece: testing.loopback hands them over instead.
     post_into = staticmethod(post_into)
@@ -530,10 +536,29 @@ class WholeNeededTransport(NeededTransport):
                                   self.prefix + "bytes")
         return _Batched(transfer, m.place)
 
+    def gradient_buffer(self, step, chunk: torch.Tensor) -> Optional[torch.Tensor]:
+        """A batched group's gradient, [received, b, F] in k's dtype and unset (for calls that write every
+        row), in the order its batch goes home: each call writes its band rows where they arrived
+        (``gradient_places``), so no gather puts them there after. None pair by pair, where each piece
+        is selected from the bands' order as it goes."""
+        m = self.delivery.messages[step[1]]
+        if not (m.one_batch and m.received):
+            return None
+        self._arrival = torch.empty((m.received,) + tuple(chunk.shape[1:]), dtype=self.k.dtype, device=self.k.device)
+        return self._arrival
+
+    def gradient_places(self, step):
+        """Band row -> its arrival row (``GroupMessages.place``) for ``gradient_buffer``'s buffer."""
+        m = self.delivery.messages[step[1]]
+        return m.place if m.one_batch else None
+
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
-        """The band gradient [received, b, F] home (zeros where no call attended it), ours back."""
+        """The band gradient [received, b, F] home (zeros where no call attended it), ours back. Written in
+        ``gradient_buffer``'s buffer, it is in the arrival order already."""
         g = step[1]
         m = self.delivery.messages[g]
+        arrived = self._arrival
+        self._arrival = None
         if not m.one_batch:
             places, handles = self._places(m), []
             for piece in self.delivery.groups[g]:
@@ -544,6 +569,7 @@ class WholeNeededTransport(NeededTransport):
         grad = None
         if m.received:
             grad = (like.new_zeros((m.received,) + tuple(like.shape[1:])) if grad_chunk is None
+                    else grad_chunk if arrived is not None and grad_chunk.data_ptr() == arrived.data_ptr()
                     else gather(grad_chunk, m.band_rows))
         back = self._buffer(m.sent)
         transfer = self.post_into([(grad[first:first + n], src) for _, src, first, n in m.receives],
@@ -644,6 +670,11 @@ class HierarchicalTransport:
                                      device=self.k.device)
         first, n = self._rows(step)
         return self._grad[first:first + n]
+
+    @staticmethod
+    def gradient_places(step) -> None:
+        """The routes place the rows in the bands' order: ``gradient_buffer``'s rows are the chunk's."""
+        return None
 
     def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
         if grad_chunk is not None:

@@ -651,10 +651,22 @@ def _all(index) -> slice:
     return slice(None) if index is None else index
 
 
+def rows_of(rows: Rows, index: Rows) -> Rows:
+    """``rows[index]`` for two ``Rows`` (slices as ``device_rows`` makes them: a start and a stop): a run of a
+    run is a run, a run of an index tensor a view of it, an index into an index a gather."""
+    if rows is None:
+        return index
+    if index is None:
+        return rows
+    if isinstance(rows, slice):
+        return slice(rows.start + index.start, rows.start + index.stop) if isinstance(index, slice) else index + rows.start
+    return rows[index] if isinstance(index, slice) else rows.index_select(0, index)
+
+
 def gather(x: torch.Tensor, index) -> torch.Tensor:
     """The rows ``index`` (``Rows``) of ``x``: a view for None or a run, a copy for an index."""
     return x.index_select(0, index) if isinstance(index, torch.Tensor) else x[_all(index)]
 
 
 __all__ = ["Accumulator", "CallMerge", "KeyGradients", "MergePlan", "Result", "add_rows", "copied_rows", "gather",
-           "merge_into", "set_rows"]
+           "merge_into", "rows_of", "set_rows"]

@@ -98,9 +98,10 @@ BAND_MIN_DOCS_PER_PIECE = 2
 # forward / backward against 2.42 / 4.49 streamed, 48 / 135 launching ops against 23 / 57; pair by pair
 # the same groups model 1.68 / 3.62 with 132 / 345 ops).
 REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
-# A band group goes in one batch (one send gather, one placement, one gradient select and one add of the
-# gradients back, whatever its sources) where every rank's group is at most this multiple of its local rows,
-# else pair by pair (a gather, post, placement, select and add per source). One batch waits for the group's
+# A band group goes in one batch (one send gather, one placement, its calls writing the gradient in the
+# order it goes home, one add of the gradients back, whatever its sources) where every rank's group is at
+# most this multiple of its local rows, else pair by pair (a gather, post, placement, select and add per
+# source). One batch waits for the group's
 # whole send gather before its link starts and for all of it to land before its placement, which pair by pair
 # overlap with the link; a small group has little of either to hide and saves a launch per source for each
 # (gpu_model's replay, 128k / cp 8, thd, save, whose groups are 1.75-7 times the local rows, slowest rank, one

@@ -3,7 +3,7 @@ call where the local rows go out more than about once over."""
 
 import torch
 
-from megatron_ext.blockdiag_cp.exchange import NeededTransport, Pieces, fused_rows
+from megatron_ext.blockdiag_cp.exchange import NeededTransport, Pieces, WholeNeededTransport, fused_rows
 
 
 def _transport(sent_to, send_index, L=10, fuse_sends=True):
@@ -39,3 +39,43 @@ def test_send_buffers_are_the_same_rows_fused_or_not():
             assert torch.equal(fused._send_buffer(rows), want) and torch.equal(per_step._send_buffer(rows), want)
             assert want.shape == (n, 2, 8), (step, want.shape)
 
+
+class _PostedHome(WholeNeededTransport):
+    """The band transport with its batches kept instead of posted: the pieces ``post_into`` would send."""
+
+    def post_into(self, sends, receives, received, *rest):
+        self.posted = list(sends)
+
+
+def test_a_batched_groups_gradient_goes_home_in_the_order_its_calls_wrote_it():
+    """Rank 0 of 3, one band group in one batch: 3 rows arrive from rank 2, then 2 from rank 1, and the bands
+    read them in another order. ``gradient_buffer``'s buffer, written where ``gradient_places`` puts each band
+    row (as the calls write it), is the gradient in arrival order: it goes home as it is, no op; a gradient
+    in the bands' order is gathered into that order first (one op), the same pieces either way."""
+    from megatron_ext.blockdiag_cp.exchange import GroupMessages, WholeDelivery
+    from megatron_ext.blockdiag_cp.merge import gather, set_rows
+    from megatron_ext.testing.op_counter import OpCounter
+
+    band_rows = torch.tensor([4, 0, 2, 1, 3])  # arrival row -> its band row
+    place = torch.empty_like(band_rows)
+    place[band_rows] = torch.arange(5)  # band row -> its arrival row
+    m = GroupMessages(send_rows=torch.tensor([0, 1, 2]), sends=((1, 1, 0, 2), (2, 2, 2, 1)),
+                      receives=((1, 2, 0, 3), (2, 1, 3, 2)), band_rows=band_rows, place=place, sent=3, received=5,
+                      one_batch=True)
+    counts = torch.tensor([[0, 2, 1], [2, 0, 0], [3, 0, 0]])
+    k, v = torch.randn(10, 1, 2, 3), torch.randn(10, 1, 2, 5)
+    transport = _PostedHome(k, v, 0, 3, None, {}, "", [None, torch.arange(2), torch.tensor([2])], counts,
+                            WholeDelivery(groups=(((1, 0), (2, 0)),), pieces=Pieces(rows=4), messages=(m,)))
+    band = torch.randn(5, 1, 16)  # the group's gradient in the bands' order
+    arrival = gather(band, band_rows)
+    assert transport.gradient_places((1, 0)) is place
+    buffer = transport.gradient_buffer((1, 0), band)
+    set_rows(buffer, place, band)
+    assert torch.equal(buffer, arrival)
+    for grad, ops in ((buffer, 0), (band, 1)):
+        counter = OpCounter()
+        with counter, counter.region("home"):
+            transport.send_gradient((1, 0), grad, k.new_empty((0, 1, 16)))
+        assert counter.counts["home"].launching == ops
+        assert [peer for _, peer in transport.posted] == [2, 1]
+        assert torch.equal(torch.cat([t for t, _ in transport.posted]), arrival)

@@ -245,8 +245,8 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     four messages a pair each way; with one document a piece, as many as the pair that moves the fewest
     rows holds the longest document (32 positions, 8 on each rank) times.
     A group within ``ONE_BATCH_GROUP_LOCAL_MULTIPLE`` of the local rows on every rank goes in one batch (one
-    post a group each way), a larger one pair by pair (a post a pair), exact either way with the same
-    messages. The rule's two bounds each turn it off, on every rank alike (the transfers pair up only then).
+    post a group each way, its calls writing the band gradient in the order it goes home), a larger one
+    pair by pair (a post a pair), exact either way with the same messages. The rule's two bounds each turn it off, on every rank alike (the transfers pair up only then).
     With a refetch, one group of every needed row is more than ``REFETCH_GROUP_LOCAL_MULTIPLE`` times a rank's
     local rows and the chunks stream, while with one row a piece the groups are as many as keep each within
     that multiple on every rank (four at one; more than ``BAND_GROUPS`` at a quarter; 0 turns it off), each
