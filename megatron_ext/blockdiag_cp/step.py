@@ -94,9 +94,9 @@ BAND_MIN_DOCS_PER_PIECE = 2
 # its rows. The groups are as many as that takes (more than BAND_GROUPS where a rank receives more), and the
 # document bound (BAND_MIN_DOCS_PER_PIECE) admits the band mode only where documents are short against a
 # group. Such groups go in one batch each (ONE_BATCH_GROUP_LOCAL_MULTIPLE), so a group's launching ops do
-# not grow with its sources (gpu_model's replay, 128k / cp 8, thd, short mix, slowest rank: 1.43 / 3.23 ms
-# forward / backward against 2.42 / 4.49 streamed, 48 / 135 launching ops against 23 / 57; pair by pair
-# the same groups model 1.68 / 3.62 with 132 / 345 ops).
+# not grow with its sources (gpu_model's replay, 128k / cp 8, thd, short mix, slowest rank: 1.34 / 3.08 ms
+# forward / backward against 2.42 / 4.49 streamed, 47 / 100 launching ops against 23 / 57; the slowest rank
+# of each phase, 1.39 / 3.08 in one batch a group against 1.67 / 3.25 with 131 / 275 ops pair by pair).
 REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
 # A band group goes in one batch (one send gather, one placement, its calls writing the gradient in the
 # order it goes home, one add of the gradients back, whatever its sources) where every rank's group is at
