@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .merge import gather
-from .merge_kernel import gather_kv_rows_
+from .merge_kernel import gather_kv_rows_, gather_kv_rows_eager
 
 # Opt-in: run the K/V transfers on CPU copies of device tensors. For gloo groups whose ranks
 # share one GPU (NCCL refuses two ranks on one device; gloo's send/recv hands the raw device
@@ -208,15 +208,15 @@ def fused_rows(k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
         k, v = k[rows], v[rows]
         return torch.cat([k, v], dim=-1).view(k.shape[0], k.shape[1], -1)
     # scattered rows: each gathered straight into its half of the buffer (one pass, not a gather and a cat),
-    # K and V in one op where their (batch, head) dims are one of strides (a view; else a gather each)
-    n, dk = rows.numel(), k.shape[-1]
-    fused = torch.empty((n,) + tuple(k.shape[1:-1]) + (dk + v.shape[-1],), dtype=k.dtype, device=k.device)
-    flat = [t.view(t.shape[0], -1, t.shape[-1]) if _merges_heads(t) else None for t in (k, v)]
-    if None in flat or k.dtype != v.dtype:
-        torch.index_select(k, 0, rows, out=fused[..., :dk])
-        torch.index_select(v, 0, rows, out=fused[..., dk:])
+    # K and V in one op where their (batch, head) dims are one of strides (a view; else the op's eager body,
+    # a gather each, on the [L, b, H, D] tensors as they are)
+    n = rows.numel()
+    fused = torch.empty((n,) + tuple(k.shape[1:-1]) + (k.shape[-1] + v.shape[-1],), dtype=k.dtype, device=k.device)
+    if _merges_heads(k) and _merges_heads(v):
+        k3, v3 = (t.view(t.shape[0], -1, t.shape[-1]) for t in (k, v))  # [L, b * H, D]
+        gather_kv_rows_(fused.view(n, -1, fused.shape[-1]), k3, v3, rows)
     else:
-        gather_kv_rows_(fused.view(n, -1, fused.shape[-1]), *flat, rows)
+        gather_kv_rows_eager(fused, k, v, rows)
     return fused.view(n, k.shape[1], -1)
 
 

@@ -363,10 +363,10 @@ for _op, _accumulate in (("copy_rows_", False), ("add_rows_", True)):
     _LIB.impl(_op, functools.partial(_rows_into_meta, accumulate=_accumulate), "Meta")
 
 
-
 def gather_kv_rows_eager(dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
     """``gather_kv_rows_`` as torch ops: dst [n, C, Dk + Dv], k [L, C, Dk], v [L, C, Dv], index [n] int64 rows
-    of k / v: each gathered straight into its half of dst."""
+    of k / v (any dims between the rows and the last one, alike in all three): each gathered straight into
+    its half of dst."""
     dk = k.shape[-1]
     torch.index_select(k, 0, index, out=dst[..., :dk])
     torch.index_select(v, 0, index, out=dst[..., dk:])
