@@ -87,6 +87,13 @@ BAND_MIN_PIECE_ROWS = 256
 # the slowest rank's forward: the lognormal mix 2.95 ms in one step, 2.67 in two groups, 2.76 in four;
 # the heavy-tailed one, whose longest document four pieces cut, 4.31 in one, 4.51 in four).
 BAND_MIN_DOCS_PER_PIECE = 2
+# ... except that refetch takes the groups its memory bound needs (REFETCH_GROUP_LOCAL_MULTIPLE) where no more
+# than this share of any pair's rows lies in documents those pieces cut: the other rows still merge once a
+# band, where streamed half-shard chunks merge every row once a chunk (gpu_model's replay, 128k / cp 8, thd,
+# refetch, the slowest rank forward / backward: the lognormal mix, 26-36 % of its positions in cut documents,
+# 3.16 / 7.34 ms streamed, 2.72 / 6.34 in seven groups; one 128k document, every row cut, 40.5 / 100.8 ms
+# streamed, 42.0 / 101.7 in groups).
+BAND_CUT_ROWS_SHARE = 0.5
 
 # With kv_backward="refetch", the band mode also applies where no rank receives more than this multiple of
 # its local rows in one group (0: never): a layer call holds up to three groups (forward posts two ahead;
@@ -1288,7 +1295,9 @@ def _band_pieces(counts: torch.Tensor, runs, doc_runs, least: int = 1) -> Pieces
     the documents), the same on every rank: up to ``BAND_GROUPS`` parts (or ``least``, where more), each at
     least ``BAND_MIN_PIECE_ROWS`` rows of the largest pair and ``BAND_MIN_DOCS_PER_PIECE`` (0: any) times the
     largest document of every pair that moves rows (its positions on the source, of the documents both
-    ranks hold)."""
+    ranks hold). Where that document bound leaves fewer than ``least`` parts (the groups refetch's memory
+    bound needs), ``least`` where at most ``BAND_CUT_ROWS_SHARE`` of every such pair's rows lie in documents
+    its pieces cut."""
     received = _received_rows(counts)
     parts = min(max(BAND_GROUPS, least), int(received.max()) // BAND_MIN_PIECE_ROWS)
     if parts > 1 and BAND_MIN_DOCS_PER_PIECE:
@@ -1304,9 +1313,17 @@ def _band_pieces(counts: torch.Tensor, runs, doc_runs, least: int = 1) -> Pieces
         doc = ranges_np(lo, hi - lo)
         np.add.at(held, (np64(runs.rank)[run], doc),
                   np.minimum(ends[doc], end[run]) - np.maximum(starts[doc], first[run]))
+        need = min(least, parts)  # the groups the memory bound asks for, as the piece rows allow
+        cut_share = 0.0
         for src, dst in zip(*np.nonzero(received)):
-            largest = int((held[src] * (held[dst] > 0)).max())
+            pair_docs = held[src] * (held[dst] > 0)  # [document] the source's positions of the pair's documents
+            largest = int(pair_docs.max())
             parts = min(parts, int(received[src, dst]) // max(1, BAND_MIN_DOCS_PER_PIECE * largest))
+            if need > 1:
+                cut = pair_docs * BAND_MIN_DOCS_PER_PIECE > -(-int(received[src, dst]) // need)
+                cut_share = max(cut_share, float(pair_docs[cut].sum()) / max(1, int(pair_docs.sum())))
+        if parts < need and cut_share <= BAND_CUT_ROWS_SHARE:
+            parts = need
     return Pieces(parts=max(1, parts))
 
 

@@ -177,14 +177,15 @@ pool4 = pool_fixture(4)
 
 
 def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=None, group_multiple=None,
-              one_batch=None):
+              one_batch=None, cut_share=None):
     """a2a on 4 ranks over short documents (each a multiple of 2 * cp, as thd packs them), float64, dense:
     whether the group took every needed row at once, the steps the op walks, the kernel calls of a steady
     layer call (forward, backward), the largest error of out / dq / dk / dv against the reference and the
     transfers (forward, backward, this rank's peers that send or receive), the posted batches (forward,
     backward), the band groups that go in one batch and the launching ops (forward, backward). ``min_chunks`` / ``multiple``: the rule's constants
     for this run; ``min_piece``: the band mode's (rows, documents) a piece; ``group_multiple``: the refetch's
-    bound on a group (``REFETCH_GROUP_LOCAL_MULTIPLE``); ``one_batch``: ``ONE_BATCH_GROUP_LOCAL_MULTIPLE``."""
+    bound on a group (``REFETCH_GROUP_LOCAL_MULTIPLE``); ``one_batch``: ``ONE_BATCH_GROUP_LOCAL_MULTIPLE``;
+    ``cut_share``: ``BAND_CUT_ROWS_SHARE``."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp import step as step_module
     from megatron_ext.testing import reference_attention
@@ -198,12 +199,14 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
     (ref_out * w).sum().backward()
     saved = (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
              step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE,
-             step_module.REFETCH_GROUP_LOCAL_MULTIPLE, step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE)
+             step_module.REFETCH_GROUP_LOCAL_MULTIPLE, step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE,
+             step_module.BAND_CUT_ROWS_SHARE)
     step_module.WHOLE_MIN_CHUNKS_PER_RANK = saved[0] if min_chunks is None else min_chunks
     step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved[1] if multiple is None else multiple
     step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved[2:4]
     step_module.REFETCH_GROUP_LOCAL_MULTIPLE = saved[4] if group_multiple is None else group_multiple
     step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE = saved[5] if one_batch is None else one_batch
+    step_module.BAND_CUT_ROWS_SHARE = saved[6] if cut_share is None else cut_share
     try:
         state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
                                             kv_backward=kv_backward)
@@ -230,7 +233,8 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
     finally:
         (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
          step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE,
-         step_module.REFETCH_GROUP_LOCAL_MULTIPLE, step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE) = saved
+         step_module.REFETCH_GROUP_LOCAL_MULTIPLE, step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE,
+         step_module.BAND_CUT_ROWS_SHARE) = saved
 
 
 @pytest.mark.timeout(180)
@@ -250,7 +254,11 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
     With a refetch, one group of every needed row is more than ``REFETCH_GROUP_LOCAL_MULTIPLE`` times a rank's
     local rows and the chunks stream, while with one row a piece the groups are as many as keep each within
     that multiple on every rank (four at one; more than ``BAND_GROUPS`` at a quarter; 0 turns it off), each
-    in one batch, and backward fetches them again group by group, exact too."""
+    in one batch, and backward fetches them again group by group, exact too. With one document a piece, the
+    document bound leaves two or three groups where refetch needs four: the pairs that move 19 rows cut at 5
+    rows a piece, which cuts the two 24-position documents (6 rows of the pair each) and the 32-position one
+    (8): 20 of the pair's 38 rows, a share of 0.53. So the chunks stream where ``BAND_CUT_ROWS_SHARE`` is
+    0.5 and the band mode takes the four groups the memory bound needs at 0.6, exact too."""
     whole = pool4.run(whole_a2a, "thd", "save")
     streamed = pool4.run(whole_a2a, "thd", "save", 99)
     grouped = pool4.run(whole_a2a, "thd", "save", None, None, (1, 0))
@@ -290,6 +298,11 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
             assert moved[0] * 2 == moved[1] and moved[0] >= groups * moved[2] / 2, moved
             # groups within the local rows: one batch each, fetched twice and its gradients once
             assert batched == steps - 1 and posts == (batched, 2 * batched), (batched, posts)
+    assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "refetch", None, None, (1, 1), None, None, 0.5))
+    for on, steps, fwd, bwd, error, moved, _, posts, batched, _ in pool4.run(
+            whole_a2a, "thd", "refetch", None, None, (1, 1), None, None, 0.6):
+        assert on and steps - 1 == 4 and batched == 4 and posts == (4, 8), (on, steps, batched, posts)
+        assert error < 1e-12, error
 
 
 def grouped_order(min_piece):
