@@ -48,7 +48,7 @@ arithmetic over runs (``intervals``), vectorized over (source, piece) pairs, and
 the calls' index tensors are slices of two shared tensors (``_emit``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -600,6 +600,41 @@ def _joined_own_calls(runs: RankRuns, rank: int, R: int, heads, row, ds, pa, q_o
     return full + (CallPlan(True, diag, diag, lens, lens, None),)
 
 
+# A call whose query rows fall in at most this many runs of the local rows, each break between two of its
+# segments, is cut into a call per run: each then reads q (in backward also dout, out and the lse) and writes
+# its output where they lie, where one call over every run gathers them first and scatters its output
+# (bench gpu_model: the balanced layout at 32k / cp 2 over the heavy-tailed mix, whose remote chunk meets
+# two runs, gathers 0.10 ms of backward's 3.55 so). Past that, one call (with the gathers) keeps calls few.
+RUN_CALLS = 2
+
+
+def calls_by_runs(call: CallPlan) -> Tuple[CallPlan, ...]:
+    """``call`` cut where its query rows break into runs, if into at most ``RUN_CALLS`` and each break falls
+    between segments; else ``call`` alone. Causal and windowed calls stay whole."""
+    if call.causal or call.window is not None:
+        return (call,)
+    q = call.q_index.numpy()
+    breaks = np.flatnonzero(q[1:] != q[:-1] + 1) + 1  # where a new run of rows starts
+    q_lens, k_lens = np.asarray(call.q_lens, dtype=np.int64), np.asarray(call.k_lens, dtype=np.int64)
+    seg_q, seg_k = _exclusive(q_lens), _exclusive(k_lens)  # [segments + 1] each segment's first query, key row
+    cut = np.searchsorted(seg_q[:-1], breaks)  # the segment starting at each break
+    if (breaks.size == 0 or breaks.size >= RUN_CALLS or not (cut < q_lens.size).all()
+            or not (seg_q[cut] == breaks).all()):
+        return (call,)
+    bounds = np.r_[0, cut, q_lens.size].tolist()
+    return tuple(CallPlan(False, call.q_index[seg_q[a]:seg_q[b]], call.k_index[seg_k[a]:seg_k[b]],
+                          tuple(q_lens[a:b].tolist()), tuple(k_lens[a:b].tolist()))
+                 for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def with_calls_by_runs(stream: "StreamPlan") -> "StreamPlan":
+    """``stream`` with each remote step's one call cut by ``calls_by_runs`` (a step with more calls, a window's
+    full and banded ones, keeps them: at most two calls a chunk)."""
+    steps = tuple(step if step.round == 0 or len(step.calls) != 1 else replace(step, calls=calls_by_runs(step.calls[0]))
+                  for step in stream.steps)
+    return replace(stream, steps=steps)
+
+
 def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: int,
                       counts: torch.Tensor, intervals: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                       window: Optional[int] = None, mine_flat=None) -> StreamPlan:
@@ -680,5 +715,5 @@ def chunk_kind(kv_exchange: str) -> str:
     return "ring" if kv_exchange == "allgather" else "needed"
 
 
-__all__ = ["CallPlan", "Step", "StreamPlan", "build_stream_plan", "chunk_kind", "chunk_rows_for",
-           "remote_steps", "CHUNK_KINDS", "CHUNKS_PER_SHARD"]
+__all__ = ["CallPlan", "Step", "StreamPlan", "build_stream_plan", "calls_by_runs", "chunk_kind", "chunk_rows_for",
+           "remote_steps", "with_calls_by_runs", "CHUNK_KINDS", "CHUNKS_PER_SHARD", "RUN_CALLS"]

@@ -20,7 +20,7 @@ attended by *band* instead:
 
 so a document with k local pieces has k bands, and the step has as many calls as the most
 pieces a document has on this rank (two for zigzag and THD), a band whose query rows fall in
-two runs one per run (``RUN_CALLS``). Every received row lies in one band, every query row in
+two runs one per run (``chunks.RUN_CALLS``). Every received row lies in one band, every query row in
 at most one segment of a call.
 
 The buffer the routes fill is reordered to match (``GatheredPlan.order``: the routes place each
@@ -39,7 +39,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .chunks import CallPlan, Step, StreamPlan, _pieces
+from .chunks import CallPlan, Step, StreamPlan, _pieces, calls_by_runs
 from .exchange import Pieces
 from .intervals import DocRuns, RankRuns, np64, ranges_np
 
@@ -73,30 +73,13 @@ class GatheredPlan:
         return replace(route, slot1=placed(route.slot1), slot2=placed(route.slot2), kept1_slot=placed(route.kept1_slot))
 
 
-# A band whose query rows fall in at most this many runs takes a call per run: its rows are then read
-# and written in place, where one call over all of them would gather q (and in backward q, dout and out)
-# and scatter its output. Past that, one call (with the gathers) keeps the calls few.
-RUN_CALLS = 2
-
-
 def _band_calls(q_rows: np.ndarray, q_lens: np.ndarray, k_lens: np.ndarray, k_first: int):
     """One band's calls: its segments (query rows ``q_rows`` cut by ``q_lens``, keys the buffer's rows from
-    ``k_first`` cut by ``k_lens``), split where the query rows break into runs if there are at most
-    ``RUN_CALLS`` runs and each break falls between segments; else one call."""
-    seg_q = np.cumsum(q_lens) - q_lens  # a segment's first row in q_rows
-    seg_k = k_first + np.cumsum(k_lens) - k_lens
-    breaks = np.flatnonzero(q_rows[1:] != q_rows[:-1] + 1) + 1  # where a new run of rows starts
-    cut = np.searchsorted(seg_q, breaks)  # the segment starting at each break
-    between_segments = (cut < seg_q.size).all() and (seg_q[np.minimum(cut, seg_q.size - 1)] == breaks).all()
-    if breaks.size >= RUN_CALLS or not between_segments:
-        cut = np.zeros(0, dtype=np.int64)
-    calls = []
-    for a, b in zip(np.r_[0, cut], np.r_[cut, seg_q.size]):
-        q0, q1 = int(seg_q[a]), int(seg_q[b - 1] + q_lens[b - 1])
-        k0, k1 = int(seg_k[a]), int(seg_k[b - 1] + k_lens[b - 1])
-        calls.append(CallPlan(False, torch.from_numpy(q_rows[q0:q1]), torch.arange(k0, k1),
-                              tuple(q_lens[a:b].tolist()), tuple(k_lens[a:b].tolist())))
-    return calls
+    ``k_first`` cut by ``k_lens``) in one call, cut where the query rows break into runs
+    (``chunks.calls_by_runs``): a call per run, each reading its rows in place, where there are few."""
+    whole = CallPlan(False, torch.from_numpy(q_rows), torch.arange(k_first, k_first + int(k_lens.sum())),
+                     tuple(q_lens.tolist()), tuple(k_lens.tolist()))
+    return list(calls_by_runs(whole))
 
 
 def gathered_stream_plan(needed: StreamPlan, runs: RankRuns, rows: Sequence[DocRuns],

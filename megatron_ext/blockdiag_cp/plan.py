@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind
+from .chunks import CHUNK_KINDS, StreamPlan, build_stream_plan, chunk_kind, with_calls_by_runs
 from .intervals import RankRuns, document_runs, ranges, take
 from .layouts import LAYOUT_STRATEGIES, Layout
 
@@ -147,8 +147,8 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
     halo_ok, halo_reason = _halo_check(runs, counts)
     exchange = ExchangeTables(counts, send_index, recv_positions, halo_ok, halo_reason)
 
-    stream = _Lazy(lambda kind: build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b), window, mine_flat),
-                   CHUNK_KINDS)
+    stream = _Lazy(lambda kind: with_calls_by_runs(
+        build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b), window, mine_flat)), CHUNK_KINDS)
     for kind in kinds:
         stream[kind]
     return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window, tuple(rows)), (dst, a, b), \

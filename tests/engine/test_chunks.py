@@ -172,3 +172,27 @@ def test_every_rank_walks_the_same_steps():
             orders = {tuple((s.round, s.piece) for s in build_plan(ids, lay, r).stream[kind].steps)
                       for r in range(4)}
             assert len(orders) == 1, (kind, layout)
+
+
+def test_a_call_is_cut_at_a_break_of_its_query_rows_between_segments():
+    """``calls_by_runs``: query rows in two runs whose break starts a segment become a call per run, each one
+    run of rows, together the call's rows, keys and segments in order; a break inside a segment, more runs
+    than ``RUN_CALLS``, one run, a causal call and a windowed one stay whole."""
+    from megatron_ext.blockdiag_cp.chunks import RUN_CALLS, CallPlan, calls_by_runs
+
+    def call(q, k, q_lens, k_lens, causal=False, window=None):
+        return CallPlan(causal, torch.tensor(q), torch.tensor(k), q_lens, k_lens, window)
+
+    two = call([0, 1, 2, 3, 10, 11, 12], [7, 8, 9, 3, 4], (4, 3), (3, 2))
+    cut = calls_by_runs(two)
+    assert [(c.q_index.tolist(), c.k_index.tolist(), c.q_lens, c.k_lens) for c in cut] == [
+        ([0, 1, 2, 3], [7, 8, 9], (4,), (3,)), ([10, 11, 12], [3, 4], (3,), (2,))]
+    assert not any(c.causal for c in cut) and all(c.window is None for c in cut)
+    assert sum(c.pairs for c in cut) == two.pairs
+    assert RUN_CALLS == 2
+    for whole in (call([0, 1, 2, 3, 10, 11, 12], [7, 8, 9, 3, 4], (2, 5), (3, 2)),  # the break inside a segment
+                  call([0, 1, 5, 6, 9], [1, 2, 3], (2, 2, 1), (1, 1, 1)),  # three runs
+                  call([4, 5, 6, 7], [0, 1], (1, 3), (1, 1)),  # one run
+                  call([0, 1, 5, 6], [0, 1, 5, 6], (2, 2), (2, 2), causal=True),
+                  call([0, 1, 5, 6], [7, 8, 9, 3], (2, 2), (3, 1), window=4)):
+        assert calls_by_runs(whole) == (whole,), whole

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.blockdiag_cp.gathered import RUN_CALLS, gathered_stream_plan
+from megatron_ext.blockdiag_cp.chunks import RUN_CALLS
+from megatron_ext.blockdiag_cp.gathered import gathered_stream_plan
 from megatron_ext.blockdiag_cp.intervals import document_runs
 from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
 from megatron_ext.blockdiag_cp.plan import build_plan

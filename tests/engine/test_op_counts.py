@@ -605,3 +605,63 @@ def test_a_rank_that_attends_no_received_key_posts_for_its_gradients_first(pool4
         for rank, (order, error) in enumerate(pool4.run(backward_events, exchange, "refetch", "contiguous",
                                                         ((1, 128), (2, 128)))):
             assert error < 1e-12 and order.index("kernel") == 1, (exchange, rank, order)
+
+
+def _cut_by_runs_mix() -> torch.Tensor:
+    """Three documents that the balanced layout at cp 4 deals out so that rank 0's remote chunk meets its
+    query rows in two runs, the break between two segments (rank 2's already takes two calls)."""
+    return runs_to_doc_ids([(1, 23), (2, 157), (3, 172)])
+
+
+def counts_and_error_by_runs(run_calls):
+    """With ``chunks.RUN_CALLS = run_calls``: this rank's remote steps' calls, the (kernel calls, launching
+    ops, row gathers) of a steady layer call (forward, backward; balanced a2a, refetch, dense, float64), and the largest
+    error of out / dq / dk / dv against the reference."""
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import chunks
+    from megatron_ext.testing import reference_attention
+
+    saved, chunks.RUN_CALLS = chunks.RUN_CALLS, run_calls
+    try:
+        ids = _cut_by_runs_mix()
+        g = torch.Generator().manual_seed(5)
+        q, k, v, w = (torch.randn(ids.shape[-1], 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = reference_attention(*ref, ids)
+        (ref_out * w).sum().backward()
+        state = bdcp.BlockDiagCPState.build(ids, layout="balanced", kv_exchange="a2a", attn_backend="dense",
+                                            kv_backward="refetch")
+        with bdcp.blockdiag_cp_step(state):
+            inputs = [state.shard(t).requires_grad_() for t in (q, k, v)]
+            out = bdcp.blockdiag_cp_attention(*inputs)
+            (out * state.shard(w)).sum().backward()
+        error = max(float((got - state.shard(want)).abs().max()) for got, want in
+                    zip([out.detach()] + [t.grad for t in inputs], [ref_out.detach()] + [r.grad for r in ref]))
+        fwd, bwd = layer_calls(state, *(state.shard(t) for t in (q, k, v)), layers=2)[1]
+        steps = [len(step.calls) for step in state.stream_plan("needed").steps[1:]]
+        return (steps, (fwd.kernel_calls, fwd.launching, fwd.ops["index_select"]),
+                (bwd.kernel_calls, bwd.launching, bwd.ops["index_select"]), error)
+    finally:
+        chunks.RUN_CALLS = saved
+
+
+@pytest.mark.timeout(120)
+def test_a_remote_call_over_two_runs_of_rows_reads_them_in_place(pool4):
+    """A remote chunk whose query rows fall in two runs, the break between segments, takes a call per run
+    (``chunks.calls_by_runs``): one kernel call more, and no gather of q (forward) or of q, dout, out and
+    the lse (backward). Forward then merges each call's rows where they lie, one merge a call where one
+    call took a gather and a merge (as many launching ops, fewer bytes); backward adds each call's dq in
+    place, fewer launching ops. The same out and gradients as the reference. ``RUN_CALLS = 1`` keeps every
+    call whole."""
+    cut, whole = pool4.run(counts_and_error_by_runs, 2), pool4.run(counts_and_error_by_runs, 1)
+    for rank, ((steps, fwd, bwd, error), (steps1, fwd1, bwd1, error1)) in enumerate(zip(cut, whole)):
+        assert max(error, error1) < 1e-12, (rank, error, error1)
+        more = sum(steps) - sum(steps1)
+        assert all(n <= 2 for n in steps + steps1), (rank, steps, steps1)  # at most two calls a chunk
+        assert fwd[0] - fwd1[0] == bwd[0] - bwd1[0] == more, (rank, fwd, fwd1, bwd, bwd1)
+        if more:
+            assert fwd[1] == fwd1[1] and bwd[1] < bwd1[1], (rank, fwd, fwd1, bwd, bwd1)
+            assert (fwd1[2] - fwd[2], bwd1[2] - bwd[2]) == (1, 4), (rank, fwd, fwd1, bwd, bwd1)
+        else:
+            assert (fwd, bwd) == (fwd1, bwd1), (rank, fwd, fwd1, bwd, bwd1)
+    assert [sum(s) - sum(s1) for (s, *_), (s1, *_) in zip(cut, whole)] == [1, 0, 0, 0], (cut, whole)
