@@ -90,20 +90,21 @@ BAND_MIN_DOCS_PER_PIECE = 2
 # ... except that refetch takes the groups its memory bound needs (REFETCH_GROUP_LOCAL_MULTIPLE) where no more
 # than this share of any pair's rows lies in documents those pieces cut: the other rows still merge once a
 # band, where streamed half-shard chunks merge every row once a chunk (gpu_model's replay, 128k / cp 8, thd,
-# refetch, the slowest rank forward / backward: the lognormal mix, 26-36 % of its positions in cut documents,
-# 3.16 / 7.34 ms streamed, 2.72 / 6.34 in seven groups; one 128k document, every row cut, 40.5 / 100.8 ms
-# streamed, 42.0 / 101.7 in groups).
+# refetch, the busiest rank forward / backward: the lognormal mix, 0.41 of a pair's rows at most in cut
+# documents, 3.16 / 7.34 ms streamed, 2.72 / 6.34 in seven groups; the heavy-tailed one, 0.42, 4.77 / 11.38
+# and 4.40 / 10.40; one 128k document, every row cut, 40.5 / 100.8 ms streamed, 42.0 / 101.7 in groups).
 BAND_CUT_ROWS_SHARE = 0.5
 
 # With kv_backward="refetch", the band mode also applies where no rank receives more than this multiple of
 # its local rows in one group (0: never): a layer call holds up to three groups (forward posts two ahead;
 # backward holds a group, the next and two gradients), where the streamed refetch holds two chunks of half
 # its rows. The groups are as many as that takes (more than BAND_GROUPS where a rank receives more), and the
-# document bound (BAND_MIN_DOCS_PER_PIECE) admits the band mode only where documents are short against a
-# group. Such groups go in one batch each (ONE_BATCH_GROUP_LOCAL_MULTIPLE), so a group's launching ops do
-# not grow with its sources (gpu_model's replay, 128k / cp 8, thd, short mix, slowest rank: 1.34 / 3.08 ms
-# forward / backward against 2.42 / 4.49 streamed, 47 / 100 launching ops against 23 / 57; the slowest rank
-# of each phase, 1.39 / 3.08 in one batch a group against 1.67 / 3.25 with 131 / 275 ops pair by pair).
+# document bound (BAND_MIN_DOCS_PER_PIECE, up to BAND_CUT_ROWS_SHARE) admits the band mode only where most
+# rows lie in documents short against a group. Such groups go in one batch each
+# (ONE_BATCH_GROUP_LOCAL_MULTIPLE), so a group's launching ops do not grow with its sources (gpu_model's
+# replay, 128k / cp 8, thd, short mix, slowest rank: 1.34 / 3.08 ms forward / backward against 2.42 / 4.49
+# streamed, 47 / 100 launching ops against 23 / 57; the slowest rank of each phase, 1.39 / 3.08 in one batch
+# a group against 1.67 / 3.25 with 131 / 275 ops pair by pair).
 REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
 # A band group goes in one batch (one send gather, one placement, its calls writing the gradient in the
 # order it goes home, one add of the gradients back, whatever its sources) where every rank's group is at
