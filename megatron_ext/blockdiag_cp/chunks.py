@@ -630,7 +630,7 @@ def calls_by_runs(call: CallPlan) -> Tuple[CallPlan, ...]:
 def with_calls_by_runs(stream: "StreamPlan") -> "StreamPlan":
     """``stream`` with each remote step's one call cut by ``calls_by_runs`` (a step with more calls, a window's
     full and banded ones, keeps them: at most two calls a chunk)."""
-    steps = tuple(step if step.round == 0 or len(step.calls) != 1 else replace(step, calls=calls_by_runs(step.calls[0]))
+    steps = tuple(replace(step, calls=calls_by_runs(step.calls[0])) if step.round and len(step.calls) == 1 else step
                   for step in stream.steps)
     return replace(stream, steps=steps)
 
