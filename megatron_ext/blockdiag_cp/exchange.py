@@ -212,6 +212,8 @@ def fused_rows(k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
     # a gather each, on the [L, b, H, D] tensors as they are)
     n = rows.numel()
     fused = torch.empty((n,) + tuple(k.shape[1:-1]) + (k.shape[-1] + v.shape[-1],), dtype=k.dtype, device=k.device)
+    if not n:  # a rank that sends no row (a route's stage 1 can): no op
+        return fused.view(0, k.shape[1], fused_width(k, v))
     if _merges_heads(k) and _merges_heads(v):
         k3, v3 = (t.view(t.shape[0], -1, t.shape[-1]) for t in (k, v))  # [L, b * H, D]
         gather_kv_rows_(fused.view(n, -1, fused.shape[-1]), k3, v3, rows)
@@ -641,10 +643,12 @@ class HierarchicalTransport:
         from .hierarchical_exchange import RouteForward
 
         if self._moving is None and self._buffer is None:
-            # the steps read the received rows only (the local keys are attended from k and v): no copy of
-            # the local rows into the buffer
-            self._moving = RouteForward(fused_rows(self.k, self.v, slice(None)), self.route, self.group, False, {},
-                                        with_local=False)
+            # the steps read the received rows only (the local keys are attended from k and v): stage 1's
+            # rows are gathered straight from k and v, and the buffer's local rows stay unwritten
+            route = self.route
+            send1 = (fused_rows(self.k, self.v, route.send1_index) if route.stage1_moves else
+                     self.k.new_empty((0, self.k.shape[1], fused_width(self.k, self.v))))
+            self._moving = RouteForward(send1, route, self.group, False, {})
         return _Slice(self, step)
 
     def delivered(self) -> torch.Tensor:

@@ -16,12 +16,14 @@ their gradients). Whether a stage moves anything is decided from the global
 routes, so every rank issues the same collectives.
 """
 
+import math
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .hierarchy import HierarchicalRoute
+from .merge_kernel import copy_rows_
 
 
 class _Moving:
@@ -60,30 +62,35 @@ class RouteForward:
     Stage 1 (the only stage that crosses nodes) is in flight while the caller computes
     (the streamed op attends its local keys meanwhile); stage 2, inside the node, needs
     stage 1's rows, so it runs in ``wait``.
+
+    ``send1`` [sum(route.send1_counts), b, F]: what stage 1 sends, the local rows ``route.send1_index``
+    (the caller gathers them where they lie: the streamed op straight from k and v, in one pass).
+    ``local`` [L, b, F]: copied into the buffer's first L rows; None leaves them unwritten.
     """
 
-    def __init__(self, kv: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict,
-                 with_local: bool = True):
-        self.kv, self.route, self.group, self.use_p2p, self.stats = kv, route, group, use_p2p, stats
-        self.with_local = with_local  # False: the buffer's first L rows are left unwritten
-        self._stage1 = (_Moving(kv.index_select(0, route.send1_index), route.send1_counts, route.recv1_counts,
-                                group, use_p2p) if route.stage1_moves else None)
+    def __init__(self, send1: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict,
+                 local: Optional[torch.Tensor] = None):
+        self.route, self.group, self.use_p2p, self.stats, self.local = route, group, use_p2p, stats, local
+        self.tail = tuple(send1.shape[1:])
+        self.like = send1.new_empty((0,) + self.tail)  # not a view: send1 is freed once stage 1 is done
+        self._stage1 = (_Moving(send1, route.send1_counts, route.recv1_counts, group, use_p2p)
+                        if route.stage1_moves else None)
 
     def wait(self) -> torch.Tensor:
-        """[L + needed, b, F]: local rows (unwritten without ``with_local``), then the received rows by source."""
-        kv, route = self.kv, self.route
-        L, tail = kv.shape[0], tuple(kv.shape[1:])
-        recv1 = self._stage1.wait() if self._stage1 is not None else kv.new_empty((0,) + tail)
-        recv2 = kv.new_empty((0,) + tail)
+        """[L + needed, b, F]: local rows (unwritten without ``local``), then the received rows by source."""
+        route, tail, like = self.route, self.tail, self.like
+        recv1 = self._stage1.wait() if self._stage1 is not None else like
+        recv2 = like
         if route.stage2_moves:
             recv2 = _move(recv1.index_select(0, route.send2_index), route.send2_counts, route.recv2_counts,
                           self.group, self.use_p2p)
-        out = kv.new_empty((route.out_rows,) + tail)
-        if self.with_local:
-            out[:L] = kv
-        out.index_copy_(0, route.kept1_slot, recv1.index_select(0, route.kept1))
+        out = like.new_empty((route.out_rows,) + tail)
+        if self.local is not None:
+            out[:route.local_len] = self.local
+        if route.kept1.numel():  # gathered from stage 1's rows and placed in one pass
+            copy_rows_(out, recv1, route.kept1, route.kept1_slot)
         out.index_copy_(0, route.slot2, recv2)
-        row = kv[0].numel() * kv.element_size() if L else 0
+        row = math.prod(tail) * like.element_size()
         sent = sum(route.send1_counts) + sum(route.send2_counts)
         received = sum(route.recv1_counts) + sum(route.recv2_counts)
         self.stats.update(bytes_sent=sent * row, bytes_received=received * row,
@@ -91,13 +98,14 @@ class RouteForward:
                           bytes_inter_node_received=route.inter1_recv * row,
                           bytes_intra_node_sent=(sent - route.inter1_send) * row,
                           bytes_intra_node_received=(received - route.inter1_recv) * row)
-        self.kv = None
+        self.local = None
         return out
 
 
 def route_forward(kv: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict) -> torch.Tensor:
     """[L, b, F] -> [L + needed, b, F] through the two stages (no autograd)."""
-    return RouteForward(kv, route, group, use_p2p, stats).wait()
+    send1 = kv.index_select(0, route.send1_index) if route.stage1_moves else kv[:0]
+    return RouteForward(send1, route, group, use_p2p, stats, local=kv).wait()
 
 
 def returned_rows(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool,
@@ -114,7 +122,8 @@ def returned_rows(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p: 
                      grad_bytes_received=(sum(route.send1_counts) + sum(route.send2_counts)) * row)
     tail = tuple(grad.shape[1:])
     grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)  # rows fetched for the node only stay 0
-    grad1.index_copy_(0, route.kept1, grad.index_select(0, route.kept1_slot))
+    if route.kept1.numel():
+        copy_rows_(grad1, grad, route.kept1_slot, route.kept1)
     if route.stage2_moves:
         back2 = _move(grad.index_select(0, route.slot2), route.recv2_counts, route.send2_counts, group, use_p2p)
         grad1.index_add_(0, route.send2_index, back2)  # the fetcher sums its peers' grads with its own

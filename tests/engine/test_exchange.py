@@ -79,3 +79,19 @@ def test_a_batched_groups_gradient_goes_home_in_the_order_its_calls_wrote_it():
         assert counter.counts["home"].launching == ops
         assert [peer for _, peer in transport.posted] == [2, 1]
         assert torch.equal(torch.cat([t for t, _ in transport.posted]), arrival)
+
+
+def test_fused_rows_of_an_index_is_one_gather_and_of_no_row_no_op():
+    """A hierarchical route's stage 1 gathers its rows straight from k and v (rows repeat where a row goes to
+    several ranks), and a rank whose stage 1 sends nothing builds its empty buffer without an op."""
+    from megatron_ext.testing.op_counter import OpCounter
+
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(6, 1, 2, 3, generator=g), torch.randn(6, 1, 2, 5, generator=g)
+    for rows, ops in ((torch.tensor([4, 1, 1, 5]), 1), (torch.empty(0, dtype=torch.long), 0)):
+        counter = OpCounter()
+        with counter, counter.region("send"):
+            got = fused_rows(k, v, rows)
+        assert counter.counts["send"].launching == ops
+        want = torch.cat([k[rows], v[rows]], dim=-1).flatten(2)  # [n, b, Hkv * (Dk + Dv)], head by head
+        assert got.shape == (rows.numel(), 1, 16) and torch.equal(got, want)
