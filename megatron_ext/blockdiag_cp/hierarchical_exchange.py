@@ -121,9 +121,12 @@ def returned_rows(grad: torch.Tensor, route: HierarchicalRoute, group, use_p2p: 
         stats.update(grad_bytes_sent=(sum(route.recv1_counts) + sum(route.recv2_counts)) * row,
                      grad_bytes_received=(sum(route.send1_counts) + sum(route.send2_counts)) * row)
     tail = tuple(grad.shape[1:])
-    grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)  # rows fetched for the node only stay 0
-    if route.kept1.numel():
-        copy_rows_(grad1, grad, route.kept1_slot, route.kept1)
+    if route.kept1.numel() == route.slot1.numel():  # every stage-1 row is needed here: one gather, no zeros
+        grad1 = grad.index_select(0, route.kept1_slot)
+    else:
+        grad1 = grad.new_zeros((int(route.slot1.numel()),) + tail)  # rows fetched for the node only stay 0
+        if route.kept1.numel():
+            copy_rows_(grad1, grad, route.kept1_slot, route.kept1)
     if route.stage2_moves:
         back2 = _move(grad.index_select(0, route.slot2), route.recv2_counts, route.send2_counts, group, use_p2p)
         grad1.index_add_(0, route.send2_index, back2)  # the fetcher sums its peers' grads with its own
