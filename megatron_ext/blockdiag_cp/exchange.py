@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .merge import gather
+from .merge import gather, rows_of, set_rows
 from .merge_kernel import gather_kv_rows_, gather_kv_rows_eager
 
 # Opt-in: run the K/V transfers on CPU copies of device tensors. For gloo groups whose ranks
@@ -433,23 +433,6 @@ class _PieceByPiece:
         return band
 
 
-def set_rows(x: torch.Tensor, rows, src: torch.Tensor) -> None:
-    """x[rows] = src for rows None, a slice or an index tensor."""
-    if isinstance(rows, torch.Tensor):
-        x.index_copy_(0, rows, src)
-    else:
-        x[slice(None) if rows is None else rows].copy_(src)
-
-
-def rows_range(rows, first: int, n: int):
-    """Rows [first, first + n) of ``rows`` (None: every row in order; a slice; an index tensor)."""
-    if rows is None:
-        return slice(first, first + n)
-    if isinstance(rows, slice):
-        return slice(rows.start + first, rows.start + first + n)
-    return rows[first:first + n]
-
-
 @dataclass(frozen=True)
 class GroupMessages:
     """One band group's messages, piece g of every pair; offsets are rows of its buffers.
@@ -520,7 +503,7 @@ class WholeNeededTransport(NeededTransport):
     @staticmethod
     def _places(m: GroupMessages) -> Dict[int, object]:
         """Per round, where its piece's rows lie in the band buffer."""
-        return {i: rows_range(m.band_rows, first, n) for i, _, first, n in m.receives}
+        return {i: rows_of(m.band_rows, slice(first, first + n)) for i, _, first, n in m.receives}
 
     def start(self, step):
         g = step[1]
@@ -765,6 +748,6 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "receive_buffer", "rows_range", "set_rows", "return_gradient", "fused_rows", "fused_width",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "receive_buffer", "return_gradient", "fused_rows", "fused_width",
            "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
            "needed_gradients"]
