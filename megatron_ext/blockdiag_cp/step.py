@@ -102,9 +102,9 @@ BAND_CUT_ROWS_SHARE = 0.5
 # document bound (BAND_MIN_DOCS_PER_PIECE, up to BAND_CUT_ROWS_SHARE) admits the band mode only where most
 # rows lie in documents short against a group. Such groups go in one batch each
 # (ONE_BATCH_GROUP_LOCAL_MULTIPLE), so a group's launching ops do not grow with its sources (gpu_model's
-# replay, 128k / cp 8, thd, short mix, slowest rank: 1.34 / 3.08 ms forward / backward against 2.42 / 4.49
-# streamed, 47 / 100 launching ops against 23 / 57; the slowest rank of each phase, 1.39 / 3.08 in one batch
-# a group against 1.67 / 3.25 with 131 / 275 ops pair by pair).
+# replay, 128k / cp 8, thd, short mix, the slowest rank of each phase: 1.39 / 3.08 ms forward / backward in
+# one batch a group, against 1.67 / 3.25 pair by pair and 2.38 / 4.55 streamed; the most launching ops of a
+# rank 47 / 100, against 131 / 275 and 22 / 51).
 REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
 # A band group goes in one batch (one send gather, one placement, its calls writing the gradient in the
 # order it goes home, one add of the gradients back, whatever its sources) where every rank's group is at
@@ -112,9 +112,9 @@ REFETCH_GROUP_LOCAL_MULTIPLE = 1.0
 # source). One batch waits for the group's
 # whole send gather before its link starts and for all of it to land before its placement, which pair by pair
 # overlap with the link; a small group has little of either to hide and saves a launch per source for each
-# (gpu_model's replay, 128k / cp 8, thd, save, whose groups are 1.75-7 times the local rows, slowest rank, one
-# batch against pair by pair: short mix 1.48 / 2.85 ms against 1.50 / 2.72, lognormal 2.67 / 6.05 against
-# 2.46 / 5.85, heavy-tailed 4.70 / 10.90 against 4.33 / 10.20).
+# (gpu_model's replay, 128k / cp 8, thd, save, whose groups are 1.75-7 times the local rows, the slowest rank
+# of each phase, one batch against pair by pair: lognormal 2.64 / 5.90 ms against 2.50 / 5.85, heavy-tailed
+# 4.70 / 10.74 against 4.33 / 10.20; the short mix's groups, 1.75 times, 1.44 / 2.68 against 1.49 / 2.73).
 ONE_BATCH_GROUP_LOCAL_MULTIPLE = 1.0
 
 # Backward takes the own keys last (``BlockDiagCPState.backward_own_last``) only where the gradients the last
