@@ -627,11 +627,10 @@ class HierarchicalTransport:
 
         if self._moving is None and self._buffer is None:
             # the steps read the received rows only (the local keys are attended from k and v): stage 1's
-            # rows are gathered straight from k and v, and the buffer's local rows stay unwritten
-            route = self.route
-            send1 = (fused_rows(self.k, self.v, route.send1_index) if route.stage1_moves else
-                     self.k.new_empty((0, self.k.shape[1], fused_width(self.k, self.v))))
-            self._moving = RouteForward(send1, route, self.group, False, {})
+            # rows are gathered straight from k and v (none, and no op, where it moves nothing), and the
+            # buffer's local rows stay unwritten
+            self._moving = RouteForward(fused_rows(self.k, self.v, self.route.send1_index), self.route, self.group,
+                                        False, {})
         return _Slice(self, step)
 
     def delivered(self) -> torch.Tensor:

@@ -71,14 +71,14 @@ class RouteForward:
     def __init__(self, send1: torch.Tensor, route: HierarchicalRoute, group, use_p2p: bool, stats: Dict,
                  local: Optional[torch.Tensor] = None):
         self.route, self.group, self.use_p2p, self.stats, self.local = route, group, use_p2p, stats, local
-        self.tail = tuple(send1.shape[1:])
-        self.like = send1.new_empty((0,) + self.tail)  # not a view: send1 is freed once stage 1 is done
+        self.like = send1.new_empty((0,) + tuple(send1.shape[1:]))  # not a view: send1 is freed after stage 1
         self._stage1 = (_Moving(send1, route.send1_counts, route.recv1_counts, group, use_p2p)
                         if route.stage1_moves else None)
 
     def wait(self) -> torch.Tensor:
         """[L + needed, b, F]: local rows (unwritten without ``local``), then the received rows by source."""
-        route, tail, like = self.route, self.tail, self.like
+        route, like = self.route, self.like
+        tail = tuple(like.shape[1:])
         recv1 = self._stage1.wait() if self._stage1 is not None else like
         recv2 = like
         if route.stage2_moves:
