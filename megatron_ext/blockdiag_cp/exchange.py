@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .hierarchical_exchange import RouteForward, returned_rows
 from .merge import gather, rows_of, set_rows
 from .merge_kernel import gather_kv_rows_, gather_kv_rows_eager
 
@@ -623,8 +624,6 @@ class HierarchicalTransport:
         return first, n
 
     def start(self, step) -> _Slice:
-        from .hierarchical_exchange import RouteForward
-
         if self._moving is None and self._buffer is None:
             # the steps read the received rows only (the local keys are attended from k and v): stage 1's
             # rows are gathered straight from k and v (none, and no op, where it moves nothing), and the
@@ -686,8 +685,6 @@ class HierarchicalTransport:
     def finish(self, dkv) -> None:
         """Every chunk's gradient back through the routes at once; the rows that come home (those this rank
         sent in stage 1) added into ``dkv`` (``merge.KeyGradients``)."""
-        from .hierarchical_exchange import returned_rows
-
         if self._moving is not None:  # save mode never reads the refetch it did not post; nothing is pending
             self.delivered()
         if self._grad is None:  # every rank takes part in the routes' transfers, gradient or not

@@ -37,14 +37,28 @@ denominator: with one, every row is merged (and nothing skips the buffer).
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .merge_kernel import ATOMIC_DTYPES, add_rows_, copy_rows_, merge_rows_
 
-Rows = object  # step.Rows: None (every row), a slice (one ascending run) or an index tensor
+# Rows of a buffer a kernel call reads: None (every row, in order), a ``slice`` (one ascending run: a
+# view, and merges in place), or an index tensor on the device (a gather, and merges through it).
+Rows = Union[None, slice, torch.Tensor]
+
+
+def device_rows(index: torch.Tensor, rows: int, device) -> Rows:
+    """A host index of ``rows`` buffer rows as ``Rows``: None for all of them in order, a slice for one
+    ascending run (no gather copy; a varlen call's queries usually are one: a document's local queries
+    sit together), else the index on the device."""
+    host = index.numpy()  # a host table: read in numpy, no per-element tensor op
+    n = host.size
+    if n and host[-1] - host[0] + 1 == n and (n == 1 or bool((host[1:] - host[:-1] == 1).all())):
+        first = int(host[0])
+        return None if (first, n) == (0, rows) else slice(first, first + n)
+    return None if rows == n == 0 else index.to(device)  # not a run, so not every row in order either
 
 
 @dataclass(frozen=True)
@@ -118,8 +132,6 @@ class MergePlan:
         merges the rest in the buffer (one op more), where that leaves no row to write back (else the plan
         without: ``_partial_pays``). ``padding``: rows the calls write that ``Result.finish`` zeroes
         (``MergePlan.padding``)."""
-        from .step import device_rows
-
         if ends not in ENDS:
             raise ValueError(f"ends={ends!r}; known: {ENDS}")
         if every_row_merged or also_merged is not None:

@@ -32,6 +32,7 @@ import torch
 
 from .exchange import all_to_alls, needed_gradients
 from .layouts import Layout
+from .streamed import streamed_attention
 
 # ---------------------------------------------------------------------------
 # Primitives
@@ -158,8 +159,6 @@ def relaid_attention(q, k, v, softmax_offset, state, backend: str, scale: float,
                      window) -> torch.Tensor:
     """q: [L, b, Hq, Dqk], k: [L, b, Hkv, Dqk], v: [L, b, Hkv, Dv] in the batch's layout -> [L, b, Hq, Dv]
     in the batch's layout, attended in ``state.relaid``'s. Every CP rank calls it with the same shapes."""
-    from .attention_op import streamed_attention  # imports this module
-
     relaid = state.relaid
     there, back = relaid.on(q.device)
     stats = state.comm_stats

@@ -14,7 +14,7 @@ import re
 import threading
 import zlib
 from dataclasses import replace
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from .exchange import GroupMessages, Pieces, RingGradients, WholeDelivery, piece
 from .intervals import np64, ranges_np
 from .layouts import Layout, build_layout, padded_length
 from .layouts.two_dim import two_dim_layouts
-from .merge import MergePlan, copied_rows
+from .merge import MergePlan, Rows, copied_rows, device_rows
 from .plan import StepPlan, build_plan, chunk_kind
 from .state import (
     ATTN_BACKEND_VALUES,
@@ -378,7 +378,7 @@ class BlockDiagCPState:
         self.kv_row_bytes: Optional[int] = None
         self.loopback = None  # testing.loopback.Loopback: this rank's transfers handed over in one process
         self.kernel_failures: list = []
-        self.agreed_signatures: set = set()  # q/k/v signatures every CP rank agreed on (attention_op)
+        self.agreed_signatures: set = set()  # q/k/v signatures every CP rank agreed on (attention_op.agree_on_qkv)
         self._window_plans: Dict[int, StepPlan] = {}
         self._device_index: Dict[tuple, tuple] = {}
         self._host_routes: Dict[Optional[int], object] = {}  # window -> hierarchy.HierarchicalRoute (host)
@@ -1065,8 +1065,6 @@ class BlockDiagCPState:
         """(the state the head shards are attended with: single-rank over the whole pack, or with two
         dimensions the ring level's; [n] the group-rank-major row of each of its local rows; [n] its local
         row of each group-rank-major row; both on the device), once per step."""
-        from .ulysses import ulysses_orders, ulysses_single_rank_state
-
         key = ("ulysses", str(device))
         if key not in self._device_index:
             to_local, to_ranks = ulysses_orders(self)
@@ -1213,6 +1211,36 @@ class BlockDiagCPState:
         return self._device_index[key]
 
 
+def ulysses_single_rank_state(state):
+    """The cp = 1 state the head shards are attended with: the outer state's padded doc ids in global
+    order, its backend, its kernel-failure list (so a failure is agreed at the end of the step)."""
+    ids = state.doc_ids  # [R, P] padded
+    layout = build_layout("contiguous", ids, 1)
+    inner = BlockDiagCPState(
+        group=None, cp=1, rank=0, layout=layout, doc_ids=ids, seq_len=ids.shape[1],
+        plan=build_plan(ids, layout, 0, kinds=("needed",)),
+        attn_backend_requested=state.attn_backend_requested, attn_backend=state.attn_backend,
+        attn_backend_reason=state.attn_backend_reason, kv_exchange_requested="ulysses",
+        kv_exchange="ulysses", kv_exchange_reason="the head shards of a ulysses step", strict=state.strict,
+        available=state.available, backend_explicit=state.backend_explicit)
+    inner.kernel_failures = state.kernel_failures
+    inner.windows = state.windows
+    return inner
+
+
+def ulysses_orders(state) -> Tuple[torch.Tensor, torch.Tensor]:
+    """([n] the group-rank-major row of each of the heads state's local rows, [n] the local row of each
+    group-rank-major row): the Ulysses group's positions, each rank's ascending, concatenated rank by
+    rank, against their ascending union (the whole pack in one dimension, the ring layout's rank in two)."""
+    u = state.ulysses_size
+    first = state.rank // u * u  # the group's first CP rank
+    by_rank = state.layout.positions[first:first + u].reshape(-1)  # [n] global position of group-rank-major row m
+    to_local = torch.argsort(by_rank)
+    to_ranks = torch.empty_like(to_local)
+    to_ranks[to_local] = torch.arange(to_local.numel())
+    return to_local, to_ranks
+
+
 class KeyReturns:
     """Per a2a / halo step (i, j), where the gradient coming back for the rows sent at that step goes:
     ``added`` (its rows, their dK / dV rows: a row of at most two writers, added in place) and ``merged``
@@ -1251,11 +1279,6 @@ class KeyReturns:
                 first, n = pieces.span(counts[dst], j)
                 steps[(i, j)] = entry(rows[first:first + n])
         return cls(steps)
-
-
-# Rows of a buffer a kernel call reads: None (every row, in order), a ``slice`` (one ascending run: a
-# view, and merges in place), or an index tensor on the device (a gather, and merges through it).
-Rows = Union[None, slice, torch.Tensor]
 
 
 class DeviceCall:
@@ -1369,18 +1392,6 @@ def _is_prefix(index: torch.Tensor, n: int) -> bool:
     """Whether a host index is 0, 1, ..., n - 1."""
     host = index.numpy()
     return host.size == n and bool((host == np.arange(n)).all())
-
-
-def device_rows(index: torch.Tensor, rows: int, device) -> Rows:
-    """A host index of ``rows`` buffer rows as ``Rows``: None for all of them in order, a slice for one
-    ascending run (no gather copy; a varlen call's queries usually are one: a document's local queries
-    sit together), else the index on the device."""
-    host = index.numpy()  # a host table: read in numpy, no per-element tensor op
-    n = host.size
-    if n and host[-1] - host[0] + 1 == n and (n == 1 or bool((host[1:] - host[:-1] == 1).all())):
-        first = int(host[0])
-        return None if (first, n) == (0, rows) else slice(first, first + n)
-    return None if rows == n == 0 else index.to(device)  # not a run, so not every row in order either
 
 
 def _non_identity(index: torch.Tensor, rows: int, device) -> Optional[torch.Tensor]:

@@ -46,6 +46,7 @@ import torch
 
 from .agreement import BlockDiagCPError
 from .exchange import all_to_alls, needed_gradients
+from .streamed import streamed_attention
 
 # ---------------------------------------------------------------------------
 # Primitives
@@ -141,8 +142,6 @@ def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, ba
                       dropout_p: float, window: Optional[int]) -> torch.Tensor:
     """q: [L, b, Hq, Dqk], k: [L, b, Hkv, Dqk], v: [L, b, Hkv, Dv] (this rank's positions, the layout's
     order) -> [L, b, Hq, Dv]. Every CP rank calls it with the same shapes (agreed before)."""
-    from .attention_op import streamed_attention  # imports this module: the single-rank op on the head shards
-
     cp, group = state.ulysses_size, state.ulysses_group  # the Ulysses group (the CP group in one dimension)
     two_dim = state.ring_state is not None
     repeats, error = kv_head_repeats(q.shape[2], k.shape[2], cp, "ulysses_size" if two_dim else "cp")
@@ -167,38 +166,4 @@ def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, ba
     return out
 
 
-def ulysses_single_rank_state(state):
-    """The cp = 1 state the head shards are attended with: the outer state's padded doc ids in global
-    order, its backend, its kernel-failure list (so a failure is agreed at the end of the step)."""
-    from .layouts import build_layout
-    from .plan import build_plan
-    from .step import BlockDiagCPState
-
-    ids = state.doc_ids  # [R, P] padded
-    layout = build_layout("contiguous", ids, 1)
-    inner = BlockDiagCPState(
-        group=None, cp=1, rank=0, layout=layout, doc_ids=ids, seq_len=ids.shape[1],
-        plan=build_plan(ids, layout, 0, kinds=("needed",)),
-        attn_backend_requested=state.attn_backend_requested, attn_backend=state.attn_backend,
-        attn_backend_reason=state.attn_backend_reason, kv_exchange_requested="ulysses",
-        kv_exchange="ulysses", kv_exchange_reason="the head shards of a ulysses step", strict=state.strict,
-        available=state.available, backend_explicit=state.backend_explicit)
-    inner.kernel_failures = state.kernel_failures
-    inner.windows = state.windows
-    return inner
-
-
-def ulysses_orders(state) -> Tuple[torch.Tensor, torch.Tensor]:
-    """([n] the group-rank-major row of each of the heads state's local rows, [n] the local row of each
-    group-rank-major row): the Ulysses group's positions, each rank's ascending, concatenated rank by
-    rank, against their ascending union (the whole pack in one dimension, the ring layout's rank in two)."""
-    u = state.ulysses_size
-    first = state.rank // u * u  # the group's first CP rank
-    by_rank = state.layout.positions[first:first + u].reshape(-1)  # [n] global position of group-rank-major row m
-    to_local = torch.argsort(by_rank)
-    to_ranks = torch.empty_like(to_local)
-    to_ranks[to_local] = torch.arange(to_local.numel())
-    return to_local, to_ranks
-
-
-__all__ = ["ulysses_attention", "kv_head_repeats", "ulysses_single_rank_state", "ulysses_orders"]
+__all__ = ["ulysses_attention", "kv_head_repeats"]

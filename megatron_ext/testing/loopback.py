@@ -140,7 +140,7 @@ class Loopback:
         return self._chunks[key]
 
     def transport(self, kind: str, k, v, state, plan, stats: Dict, prefix: str):
-        """What ``attention_op`` asks its transport for, with the chunks handed over."""
+        """What ``streamed`` asks its transport for, with the chunks handed over."""
         chunks = self.prepare(kind, plan.window)
         rows = state.local_len
         if kind == "needed" and state.needed_whole(plan.window):  # a group's gradients may exceed the shard

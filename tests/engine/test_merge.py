@@ -95,7 +95,7 @@ def _through(plan, steps, rows, seed, dtype=torch.bfloat16):
     """Forward out / lse and a gradient through ``plan`` as the op takes its calls (``Result.take_output``,
     ``Result.take``), for random call outputs of ``dtype``."""
     from megatron_ext.blockdiag_cp.merge import Accumulator, Result
-    from megatron_ext.blockdiag_cp.step import device_rows
+    from megatron_ext.blockdiag_cp.merge import device_rows
 
     g = torch.Generator().manual_seed(1000 + seed)
     H, D = 3, 5

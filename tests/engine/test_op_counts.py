@@ -505,7 +505,7 @@ def forward_order(exchange):
 @pytest.mark.timeout(120)
 def test_forward_posts_the_needed_chunks_two_ahead(pool4):
     """a2a / halo forward posts two steps' chunks before the own keys' call and the next one as each lands
-    (``attention_op.FORWARD_FETCHES_AHEAD``): every step's chunk but the last is waited for with the next
+    (``streamed.FORWARD_FETCHES_AHEAD``): every step's chunk but the last is waited for with the next
     one in flight. The ring forwards the piece it received the step before, so it posts one ahead."""
     for exchange, ahead in (("a2a", 2), ("halo", 2), ("allgather", 1)):
         for rank, (order, moving, error) in enumerate(pool4.run(forward_order, exchange)):
