@@ -64,3 +64,60 @@ def test_testing_overrides_restore_the_engine():
         assert kernels.installed("te")[0] is False
     assert kernels.kernel_for("dense") is real_dense
     assert kernels.static_availability("flash", "cpu") == real_flash
+
+
+def _engine_imports():
+    """{module: the engine modules it imports}, read from the sources (function-local imports included):
+    ``blockdiag_cp/x.py`` is ``x``, ``layouts/balanced/y.py`` is ``layouts.balanced.y``, a package its
+    ``__init__``'s name."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(bdcp.__file__).parent
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        names[path] = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    modules = set(names.values())
+    graph = {}
+    for path, name in names.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level == 0:
+                continue
+            base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+            if node.level - 1 > len(package):
+                continue  # above the engine (``from .. import parallel_state``)
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:  # ``from . import kernels`` names a module, ``from .x import y`` a name
+                sub = f"{target}.{alias.name}" if target else alias.name
+                hit = sub if sub in modules else target
+                if hit in modules and hit != name:
+                    found.add(hit)
+        graph[name] = found
+    return graph
+
+
+def test_engine_modules_import_in_layers_without_a_cycle():
+    """No engine module imports, even inside a function, one that imports it back (directly or through
+    others): every module can be read knowing only the ones below it. The package's own ``__init__``
+    (which names everything for its lazy ``__getattr__``) is left out."""
+    graph = {m: {t for t in ts if t != ""} for m, ts in _engine_imports().items() if m != ""}
+    assert {"streamed", "attention_op", "step", "merge", "ulysses", "relayout"} <= graph.keys()
+    assert "streamed" in graph["ulysses"] and "streamed" in graph["relayout"]  # the graph is really read
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m in done:
+            return
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            visit(t)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
