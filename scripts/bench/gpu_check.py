@@ -31,7 +31,7 @@ Checks, each one row (printed as a JSON line as it lands, and in results.jsonl):
   and what forward leaves for backward against the local q/k/v/out.
 - loopback_cp8: one rank of cp = 8 in one process (``megatron_ext.testing.loopback``: rank r's real
   plan, its chunks handed over on the device, torch's fake process group for the agreements) on
-  128k tokens with the timing heads and the gpu_model suite's documents (``LOOPBACK_CASES``: one
+  128k tokens with the timing heads and the gpu_model suite's documents (``gpu_model.LOOPBACK_CASES``: one
   long document and the short mix on zigzag, ranks 0 and 7; the short mix on thd, ranks 0 and 7;
   the heavy-tailed one on balanced, ranks 0 and 3; the thd pack again with relayout "balanced",
   ranks 0 and 7, timing only), a2a: kernel calls, launching ops and syncs per
@@ -647,16 +647,6 @@ def run_engine(dry_run, backends, emit, peak):
     return ok_all
 
 
-# (mix, layout, ranks) of the loopback: the gpu_model suite's documents (``gpu_model.doc_ids``); its
-# loopback twins (``gpu_model.loopback_twin``) model the same ranks. Rank 0 and the gpu_model rows'
-# busiest rank (thd: 7, balanced on the heavy-tailed mix: 3).
-LOOPBACK_CASES = (("single", "zigzag", (0, 7)), ("short", "zigzag", (0, 7)), ("short", "thd", (0, 7)),
-                  ("heavy", "balanced", (0, 3)),
-                  # the same thd pack attended in the balanced layout (timing only: the fake group moves
-                  # no rows, so out is not rank r's; the calls and times are)
-                  ("short", "thd", (0, 7), "balanced"))
-
-
 def run_loopback(dry_run, emit, deadline):
     """One rank of cp = 8 per process, its chunks handed over on the device: calls, wall and host ms."""
     import os
@@ -666,7 +656,7 @@ def run_loopback(dry_run, emit, deadline):
 
     import torch
 
-    from gpu_model import doc_ids as model_doc_ids
+    from gpu_model import LOOPBACK_CASES, doc_ids as model_doc_ids
 
     cfg = sizes(dry_run)
     S = 2048 if dry_run else 131072

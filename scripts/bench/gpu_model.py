@@ -506,6 +506,16 @@ def replay_rank(ids: torch.Tensor, layout: str, exchange: str, window: Optional[
             "build_s": build_s, "attended_pairs": attended_pairs(state, window), "kv_backward": state.kv_backward}
 
 
+# (mix, layout, ranks) of the loopback: this suite's documents (``doc_ids``); their
+# loopback twins (``loopback_twin``) model the same ranks. Rank 0 and the gpu_model rows'
+# busiest rank (thd: 7, balanced on the heavy-tailed mix: 3).
+LOOPBACK_CASES = (("single", "zigzag", (0, 7)), ("short", "zigzag", (0, 7)), ("short", "thd", (0, 7)),
+                  ("heavy", "balanced", (0, 3)),
+                  # the same thd pack attended in the balanced layout (timing only: the fake group moves
+                  # no rows, so out is not rank r's; the calls and times are)
+                  ("short", "thd", (0, 7), "balanced"))
+
+
 def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optional[Dict] = None,
                   hw_measured: Optional[Dict] = None, relayout: str = "none") -> Dict:
     """The gpu_check loopback's rank (``testing.loopback``: rank r's real plan in one process, chunks
@@ -608,7 +618,7 @@ def loopback_rows(hw: H200 = H200(), log=print, S: int = 131072, cp: int = 8, ca
     import multiprocessing
 
     if cases is None:
-        from gpu_check import LOOPBACK_CASES as cases
+        cases = LOOPBACK_CASES
     measured = measured_kernel(gpu_rows, base=hw)
     gpu = h200_loopback_rows(gpu_rows)
     rows = []

@@ -1098,7 +1098,7 @@ GPU_MODEL_LOOPBACK = Suite(
     "gpu_model_loopback", suite("gpu_model_loopback"),
     tables=(
         Table("The model beside an H200: one rank of cp 8, chunks handed over on the device",
-              suite("gpu_model_loopback"),  # written in gpu_check.LOOPBACK_CASES' order
+              suite("gpu_model_loopback"),  # written in gpu_model.LOOPBACK_CASES' order
               note="The gpu_check loopback's cases (`testing.loopback`: rank r's real plan in one process, its "
                    "chunks handed over, so no link; 128k tokens, the gpu_model suite's documents, a2a, "
                    "`kv_backward` auto, Llama-3-8B attention 32 / 8 / 128, bf16), a step's steady second layer "
