@@ -7,7 +7,7 @@ import statistics
 from collections import defaultdict
 from typing import Dict
 
-from summary import Check, Column, Compare, Suite, Table, Target, Text, mark, misses
+from report import Check, Column, Compare, Suite, Table, Target, Text, mark, misses
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 EXCHANGES = ("allgather", "halo", "a2a")

@@ -109,12 +109,14 @@ def test_every_compare_column_sits_beside_a_declared_column(summary, tmp_path):
     # and a spec that names no column is refused with the columns it has
     rows = [{"suite": "x", "S": 1, "v": 2.0}]
     archive = summary.Archive(_write(tmp_path / "a.jsonl", [{"suite": "x", "S": 1, "v": 3.0}]))
-    bad = summary.Table("t", lambda rows: rows, (summary.Column("value", "v"),),
-                        compare=(summary.Compare("valu", "value", "v", ("S",), {"suite": "x"}),))
+    import report  # the spec's classes (on the path the fixture set)
+
+    bad = report.Table("t", lambda rows: rows, (report.Column("value", "v"),),
+                       compare=(report.Compare("valu", "value", "v", ("S",), {"suite": "x"}),))
     with pytest.raises(ValueError, match=r"Compare.before='valu' names no column; its columns are \['value'\]"):
         summary.render_table(bad, rows, [archive])
-    good = summary.Table("t", lambda rows: rows, (summary.Column("value", "v", ".1f"),),
-                         compare=(summary.Compare("value", "value", "v", ("S",), {"suite": "x"}, ".1f"),))
+    good = report.Table("t", lambda rows: rows, (report.Column("value", "v", ".1f"),),
+                        compare=(report.Compare("value", "value", "v", ("S",), {"suite": "x"}, ".1f"),))
     assert _table("\n".join(summary.render_table(good, rows, [archive])), "value a") == [{"value a": "3.0",
                                                                                          "value": "2.0"}]
 
