@@ -76,7 +76,7 @@ def rank_calls(doc_ids: torch.Tensor, layout: str, cp: int, device) -> List[Rank
     """Every rank's kernel calls for ``doc_ids`` ([S] or [R, S]) under ``layout`` at ``cp``."""
     from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
     from megatron_ext.blockdiag_cp.plan import build_plan
-    from megatron_ext.blockdiag_cp.step import DeviceCall
+    from megatron_ext.blockdiag_cp.step_tables import DeviceCall
 
     ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [R, S]
     S = ids.shape[1]

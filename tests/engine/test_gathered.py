@@ -188,7 +188,7 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
     bound on a group (``REFETCH_GROUP_LOCAL_MULTIPLE``); ``one_batch``: ``ONE_BATCH_GROUP_LOCAL_MULTIPLE``;
     ``cut_share``: ``BAND_CUT_ROWS_SHARE``."""
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp import step as step_module
+    from megatron_ext.blockdiag_cp import step_tables as tables_module
     from megatron_ext.testing import reference_attention
     from megatron_ext.testing.op_counter import layer_calls
 
@@ -198,22 +198,22 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out = reference_attention(*ref, ids)
     (ref_out * w).sum().backward()
-    saved = (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
-             step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE,
-             step_module.REFETCH_GROUP_LOCAL_MULTIPLE, step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE,
-             step_module.BAND_CUT_ROWS_SHARE)
-    step_module.WHOLE_MIN_CHUNKS_PER_RANK = saved[0] if min_chunks is None else min_chunks
-    step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved[1] if multiple is None else multiple
-    step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved[2:4]
-    step_module.REFETCH_GROUP_LOCAL_MULTIPLE = saved[4] if group_multiple is None else group_multiple
-    step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE = saved[5] if one_batch is None else one_batch
-    step_module.BAND_CUT_ROWS_SHARE = saved[6] if cut_share is None else cut_share
+    saved = (tables_module.WHOLE_MIN_CHUNKS_PER_RANK, tables_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
+             tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE,
+             tables_module.REFETCH_GROUP_LOCAL_MULTIPLE, tables_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE,
+             tables_module.BAND_CUT_ROWS_SHARE)
+    tables_module.WHOLE_MIN_CHUNKS_PER_RANK = saved[0] if min_chunks is None else min_chunks
+    tables_module.WHOLE_RECEIVED_LOCAL_MULTIPLE = saved[1] if multiple is None else multiple
+    tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved[2:4]
+    tables_module.REFETCH_GROUP_LOCAL_MULTIPLE = saved[4] if group_multiple is None else group_multiple
+    tables_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE = saved[5] if one_batch is None else one_batch
+    tables_module.BAND_CUT_ROWS_SHARE = saved[6] if cut_share is None else cut_share
     try:
         state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
                                             kv_backward=kv_backward)
         if state.needed_whole() and kv_backward == "refetch":  # no group above the refetch's bound
             received = state.whole_delivery_on(torch.device("cpu")).received
-            assert max(received) <= step_module.REFETCH_GROUP_LOCAL_MULTIPLE * state.local_len, received
+            assert max(received) <= tables_module.REFETCH_GROUP_LOCAL_MULTIPLE * state.local_len, received
         errors = []
         with bdcp.blockdiag_cp_step(state):
             for _ in range(2):
@@ -232,10 +232,10 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
                 max(errors), (fwd.summary()["transfers"], bwd.summary()["transfers"], peers), int(counts[counts > 0].min()),
                 (fwd.posts, bwd.posts), batched, (fwd.launching, bwd.launching))
     finally:
-        (step_module.WHOLE_MIN_CHUNKS_PER_RANK, step_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
-         step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE,
-         step_module.REFETCH_GROUP_LOCAL_MULTIPLE, step_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE,
-         step_module.BAND_CUT_ROWS_SHARE) = saved
+        (tables_module.WHOLE_MIN_CHUNKS_PER_RANK, tables_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
+         tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE,
+         tables_module.REFETCH_GROUP_LOCAL_MULTIPLE, tables_module.ONE_BATCH_GROUP_LOCAL_MULTIPLE,
+         tables_module.BAND_CUT_ROWS_SHARE) = saved
 
 
 @pytest.mark.timeout(180)
@@ -311,12 +311,12 @@ def grouped_order(min_piece):
     per phase of one layer call, its posts and kernel calls in order ("post", or "call": a remote one, its
     segments full, or "own": causal)."""
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp import step as step_module
+    from megatron_ext.blockdiag_cp import step_tables as tables_module
     from megatron_ext.testing.op_counter import KernelEvent, OpCounter, PostEvent
 
     ids = runs_to_doc_ids([(i + 1, 8 * (1 + i % 3)) for i in range(8)] + [(99, 32)])
-    saved = step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE
-    step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece
+    saved = tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE
+    tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE = min_piece
     try:
         state = bdcp.BlockDiagCPState.build(ids, layout="thd", kv_exchange="a2a", attn_backend="dense",
                                             kv_backward="save")
@@ -334,7 +334,7 @@ def grouped_order(min_piece):
                     for e in counter.counts[phase].events if isinstance(e, (PostEvent, KernelEvent))]
             for phase in ("forward", "backward")}
     finally:
-        step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = saved
+        tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE = saved
 
 
 @pytest.mark.timeout(120)
@@ -365,11 +365,11 @@ def in_groups_everywhere(fn, *args):
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp import step as step_module
+    from megatron_ext.blockdiag_cp import step_tables as tables_module
 
-    saved = {name: getattr(step_module, name) for name in _EVERYWHERE}
+    saved = {name: getattr(tables_module, name) for name in _EVERYWHERE}
     for name, value in _EVERYWHERE.items():
-        setattr(step_module, name, value)
+        setattr(tables_module, name, value)
     try:
         states = [bdcp.BlockDiagCPState.build(make_doc_ids("short", 96, dist.get_world_size()), layout="zigzag",
                                               kv_exchange="a2a", attn_backend="dense", kv_backward=kv_backward)
@@ -377,7 +377,7 @@ def in_groups_everywhere(fn, *args):
         return fn(*args), min(len(state.stream_plan("needed").steps) for state in states)
     finally:
         for name, value in saved.items():
-            setattr(step_module, name, value)
+            setattr(tables_module, name, value)
 
 
 @pytest.mark.timeout(300)
@@ -407,7 +407,7 @@ def test_group_rows_are_the_pieces_the_transport_cuts():
     """``_group_rows`` (the refetch's bound on a band group) counts, per group and destination, the rows of
     ``exchange.Pieces(parts=...)``'s piece g of every source, as the transport cuts them."""
     from megatron_ext.blockdiag_cp.exchange import Pieces
-    from megatron_ext.blockdiag_cp.step import _group_rows
+    from megatron_ext.blockdiag_cp.step_tables import _group_rows
 
     rng = np.random.default_rng(0)
     for _ in range(100):

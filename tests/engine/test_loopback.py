@@ -20,14 +20,14 @@ def _ids(S: int = 192) -> torch.Tensor:
 @contextlib.contextmanager
 def band_pieces(min_piece):
     """The band mode's (rows, documents) a piece for this block (None: the defaults)."""
-    from megatron_ext.blockdiag_cp import step as step_module
+    from megatron_ext.blockdiag_cp import step_tables as tables_module
 
-    saved = step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE
-    step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved
+    saved = tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE
+    tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE = min_piece or saved
     try:
         yield
     finally:
-        step_module.BAND_MIN_PIECE_ROWS, step_module.BAND_MIN_DOCS_PER_PIECE = saved
+        tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE = saved
 
 
 def loopback_rank(rank, cp, layout, exchange, kv_backward="auto", min_piece=None):

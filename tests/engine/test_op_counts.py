@@ -321,17 +321,17 @@ def test_relayout_attends_short_thd_documents_in_fewer_calls(pool4):
 
 @contextlib.contextmanager
 def own_last_rows_per_launch(rows: Optional[int]):
-    """``step.OWN_LAST_ROWS_PER_LAUNCH`` set to ``rows`` (None: as it is) inside, restored after: the pool's
+    """``step_tables.OWN_LAST_ROWS_PER_LAUNCH`` set to ``rows`` (None: as it is) inside, restored after: the pool's
     worker runs the next test."""
-    from megatron_ext.blockdiag_cp import step as step_module
+    from megatron_ext.blockdiag_cp import step_tables as tables_module
 
-    rule = step_module.OWN_LAST_ROWS_PER_LAUNCH
+    rule = tables_module.OWN_LAST_ROWS_PER_LAUNCH
     if rows is not None:
-        step_module.OWN_LAST_ROWS_PER_LAUNCH = rows
+        tables_module.OWN_LAST_ROWS_PER_LAUNCH = rows
     try:
         yield
     finally:
-        step_module.OWN_LAST_ROWS_PER_LAUNCH = rule
+        tables_module.OWN_LAST_ROWS_PER_LAUNCH = rule
 
 
 def backward_order(kv_backward, layout):
@@ -391,7 +391,7 @@ def own_last_at_32k(ids):
     """Whether this rank's backward takes the own keys last (zigzag, a2a, save), the rule's own terms, and the
     positions that come back at the last step."""
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp.step import OWN_LAST_ROWS_PER_LAUNCH
+    from megatron_ext.blockdiag_cp.step_tables import OWN_LAST_ROWS_PER_LAUNCH
 
     state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange="a2a", attn_backend="dense",
                                         kv_backward="save")
