@@ -304,7 +304,7 @@ class StepTables:
         """
         key = ("send_list", str(device), window)
         if key not in self._device_index:
-            self._device_index[key] = [_non_identity(t, self.local_len, device)
+            self._device_index[key] = [None if _is_prefix(t, self.local_len) else t.to(device)
                                        for t in self.plan_for(window).exchange.send_index]
         return self._device_index[key]
 
@@ -639,9 +639,3 @@ def _is_prefix(index: torch.Tensor, n: int) -> bool:
     """Whether a host index is 0, 1, ..., n - 1."""
     host = index.numpy()
     return host.size == n and bool((host == np.arange(n)).all())
-
-
-def _non_identity(index: torch.Tensor, rows: int, device) -> Optional[torch.Tensor]:
-    if index.numel() == rows and bool((index == torch.arange(rows)).all()):
-        return None
-    return index.to(device)
