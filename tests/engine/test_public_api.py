@@ -86,10 +86,10 @@ def _engine_imports():
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom) or node.level == 0:
                 continue
-            base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
-            if node.level - 1 > len(package):
+            up = node.level - 1  # packages above this module's
+            if up > len(package):
                 continue  # above the engine (``from .. import parallel_state``)
-            target = ".".join(base + ([node.module] if node.module else []))
+            target = ".".join(package[:len(package) - up] + ([node.module] if node.module else []))
             for alias in node.names:  # ``from . import kernels`` names a module, ``from .x import y`` a name
                 sub = f"{target}.{alias.name}" if target else alias.name
                 hit = sub if sub in modules else target
