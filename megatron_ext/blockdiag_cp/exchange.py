@@ -164,6 +164,21 @@ def post_into(sends, receives, received: Optional[torch.Tensor], like: torch.Ten
     return Transfer(requests, received, like.device, stats, wait_key)
 
 
+def post_all_to_all(sent: torch.Tensor, send_counts: List[int], received: torch.Tensor, recv_counts: List[int],
+                    like: torch.Tensor, group, stats: Dict, wait_key: str, byte_key: str) -> Transfer:
+    """``sent``'s rows to every rank (``send_counts`` each, in rank order) and ``recv_counts`` from each
+    into ``received`` (a ``receive_buffer``), as one ``all_to_all_single``: a collective, so every rank of
+    the group posts it at the same point; ``wait`` returns ``received`` on ``like``'s device. One call
+    where ``post_into`` would post a send and a receive per peer (their host work grows with the peers)."""
+    staged = like.device.type != "cpu" and stage_collectives_on_cpu()
+    sent = sent.contiguous()
+    work = dist.all_to_all_single(received, sent.cpu() if staged else sent, recv_counts, send_counts,
+                                  group=group, async_op=True)
+    stats[byte_key + "_sent"] = stats.get(byte_key + "_sent", 0) + _nbytes(sent)
+    stats[byte_key + "_received"] = stats.get(byte_key + "_received", 0) + _nbytes(received)
+    return Transfer([work], received, like.device, stats, wait_key)
+
+
 def all_to_alls(sends: Iterable[torch.Tensor], group, finish: Callable, send_counts: Optional[List[int]] = None,
                 recv_counts: Optional[List[int]] = None) -> Tuple[torch.Tensor, ...]:
     """Each [n, ...] of ``sends`` through one ``all_to_all_single`` (rows per rank ``send_counts`` out and
@@ -436,10 +451,11 @@ class _PieceByPiece:
 
 @dataclass(frozen=True)
 class GroupMessages:
-    """One band group's messages, piece g of every pair; offsets are rows of its buffers.
+    """One band group's messages, piece g of every pair; offsets are rows of its buffers, peers in rank order
+    (this rank r skipped), as an all-to-all sends and lands them.
 
-        sent:     [ to rank + 1 | to rank + 2 | ... ]   local rows ``send_rows``
-        arrived:  [ from rank - 1 | from rank - 2 | ... ]   band row ``band_rows[a]`` of arrival a
+        sent:     [ to 0 | to 1 | ... | to r - 1 | to r + 1 | ... ]   local rows ``send_rows``
+        arrived:  [ from 0 | from 1 | ... | from r + 1 | ... ]         band row ``band_rows[a]`` of arrival a
 
     Each rows field is None (every row in order), a slice (one run) or an index on the device."""
 
@@ -451,6 +467,16 @@ class GroupMessages:
     sent: int  # rows sent (the gradients that come back)
     received: int  # rows received
     one_batch: bool  # posted as one batch (one gather, one placement, one gradient add), else pair by pair
+    all_to_all: bool = False  # the batch is one all_to_all_single (every rank sends and receives in it)
+
+    def counts(self, cp: int, rank: int) -> Tuple[List[int], List[int]]:
+        """Rows sent to and received from each rank, in rank order (``all_to_all_single``'s splits)."""
+        send, recv = [0] * cp, [0] * cp
+        for _, dst, _, n in self.sends:
+            send[dst] = n
+        for _, src, _, n in self.receives:
+            recv[src] = n
+        return send, recv
 
 
 @dataclass(frozen=True)
@@ -491,6 +517,7 @@ class WholeNeededTransport(NeededTransport):
 
     # Where a batch goes and lands, and one pair's piece: testing.loopback hands them over instead.
     post_into = staticmethod(post_into)
+    post_all_to_all = staticmethod(post_all_to_all)
     receive_buffer = staticmethod(receive_buffer)
     start_piece = NeededTransport.start
 
@@ -516,6 +543,11 @@ class WholeNeededTransport(NeededTransport):
                                  m.received, like)
         sent = self._send_buffer(slice(None) if m.send_rows is None else m.send_rows) if m.sent else None
         arrived = self._buffer(m.received)
+        if m.all_to_all:
+            send_counts, recv_counts = m.counts(self.cp, self.rank)
+            return _Batched(self.post_all_to_all(sent, send_counts, arrived, recv_counts, self.k[:0], self.group,
+                                                 self.stats, self.prefix + "wait_seconds", self.prefix + "bytes"),
+                            m.place)
         transfer = self.post_into([(sent[first:first + n], dst) for _, dst, first, n in m.sends],
                                   [(arrived[first:first + n], src) for _, src, first, n in m.receives], arrived,
                                   self.k[:0], self.group, self.stats, self.prefix + "wait_seconds",
@@ -558,6 +590,11 @@ class WholeNeededTransport(NeededTransport):
                     else grad_chunk if arrived is not None and grad_chunk.data_ptr() == arrived.data_ptr()
                     else gather(grad_chunk, m.band_rows))
         back = self._buffer(m.sent)
+        if m.all_to_all:  # every rank received in the group, and sent: both sides have rows
+            send_counts, recv_counts = m.counts(self.cp, self.rank)
+            transfer = self.post_all_to_all(grad, recv_counts, back, send_counts, like, self.group, self.stats,
+                                            "backward_wait_seconds", "backward_grad_bytes")
+            return True, (transfer, g)
         transfer = self.post_into([(grad[first:first + n], src) for _, src, first, n in m.receives],
                                   [(back[first:first + n], dst) for _, dst, first, n in m.sends], back, like,
                                   self.group, self.stats, "backward_wait_seconds", "backward_grad_bytes")
@@ -744,6 +781,6 @@ def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incomi
                 "backward_wait_seconds", "backward_grad_bytes")
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "receive_buffer", "return_gradient", "fused_rows", "fused_width",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "post_all_to_all", "receive_buffer", "return_gradient", "fused_rows", "fused_width",
            "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
            "needed_gradients"]

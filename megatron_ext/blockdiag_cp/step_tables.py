@@ -194,12 +194,11 @@ class StepTables:
             for g in range(pieces.parts):
                 sent, sends = _group_sends(plan, pieces, g)
                 arrivals, receives, first = [], [], 0
-                for i in range(1, self.cp):  # the sources in posting order: rank - 1, rank - 2, ...
-                    src = (self.rank - i) % self.cp
-                    lo, n = pieces.span(int(received[src]), g)
+                for src in range(self.cp):  # the sources in rank order, as an all-to-all lands them
+                    lo, n = pieces.span(int(received[src]), g) if src != self.rank else (0, 0)
                     if n:
                         arrivals.append(band_of[at[src] + lo:at[src] + lo + n] - band.starts[g])
-                        receives.append((i, src, first, n))
+                        receives.append(((self.rank - src) % self.cp, src, first, n))
                         first += n
                 band_rows = np.concatenate(arrivals) if arrivals else np.zeros(0, dtype=np.int64)
                 place = np.empty_like(band_rows)
@@ -207,7 +206,8 @@ class StepTables:
                 messages.append(GroupMessages(
                     device_rows(torch.from_numpy(sent), self.local_len, device), sends, tuple(receives),
                     device_rows(torch.from_numpy(band_rows), first, device),
-                    device_rows(torch.from_numpy(place), first, device), int(sent.size), first, bool(one_batch[g])))
+                    device_rows(torch.from_numpy(place), first, device), int(sent.size), first, bool(one_batch[g]),
+                    bool(one_batch[g]) and _every_rank_sends_and_receives(every_rank, pieces, g)))
             self._device_index[key] = WholeDelivery(_band_posts(self.cp, pieces), pieces, tuple(messages))
         return self._device_index[key]
 
@@ -611,18 +611,27 @@ def _band_posts(cp: int, pieces: Pieces) -> Tuple[Tuple[Tuple[int, int], ...], .
     return tuple(tuple((i, g) for i in range(1, cp)) for g in range(pieces.parts))
 
 
-def _group_sends(plan, pieces: Pieces, g: int) -> Tuple[np.ndarray, Tuple[Tuple[int, int, int], ...]]:
-    """Band group g's sends from this rank: the local rows, destination by destination in posting order
-    (rank + 1, rank + 2, ...), and (destination, first, rows) of each among them."""
+def _every_rank_sends_and_receives(received: np.ndarray, pieces: Pieces, g: int) -> bool:
+    """Whether in band group g every rank sends rows and receives rows (``received[source, destination]``,
+    the global counts, so alike on every rank): a batch an all-to-all can carry on every rank."""
+    cp = received.shape[0]
+    rows = np.array([[pieces.span(int(received[s, d]), g)[1] for d in range(cp)] for s in range(cp)])
+    return bool((rows.sum(1) > 0).all() and (rows.sum(0) > 0).all())
+
+
+def _group_sends(plan, pieces: Pieces, g: int) -> Tuple[np.ndarray, Tuple[Tuple[int, int, int, int], ...]]:
+    """Band group g's sends from this rank: the local rows, destination by destination in rank order (as
+    an all-to-all sends them), and (round, destination, first, rows) of each among them."""
     rank, cp = plan.rank, plan.cp
     rows, sends, first = [], [], 0
-    for i in range(1, cp):
-        dst = (rank + i) % cp
+    for dst in range(cp):
+        if dst == rank:
+            continue
         index = plan.exchange.send_index[dst].numpy()
         lo, n = pieces.span(index.size, g)
         if n:
             rows.append(index[lo:lo + n])
-            sends.append((i, dst, first, n))
+            sends.append(((dst - rank) % cp, dst, first, n))
             first += n
     return (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)), tuple(sends)
 

@@ -71,8 +71,8 @@ class _NeededHandover(_Handover, NeededTransport):
 
 
 class _WholeHandover(_Handover, WholeNeededTransport):
-    """Each band group handed over as it would land: a batch as one buffer of its pieces source by source,
-    pair by pair each piece; then put in the bands' order as the real transport does."""
+    """Each band group handed over as it would land: a batch as one buffer of its pieces source by source in
+    rank order, pair by pair each piece; then put in the bands' order as the real transport does."""
 
     def __init__(self, chunks, zeros, *args):
         WholeNeededTransport.__init__(self, *args)
@@ -91,6 +91,10 @@ class _WholeHandover(_Handover, WholeNeededTransport):
         for tensor, _ in sends:  # what post_into would send: made contiguous, then dropped (no peer)
             if tensor is not None:
                 tensor.contiguous()
+        return _Ready(received)
+
+    def post_all_to_all(self, sent, send_counts, received, *rest):
+        sent.contiguous()  # what the all-to-all would send, then dropped (no peer)
         return _Ready(received)
 
 
@@ -133,7 +137,8 @@ class Loopback:
             if kind == "needed" and self.state.needed_whole(window):  # the band mode: one buffer a group
                 delivery = self.state.whole_delivery_on(self.k_full.device, window)
                 for g, (posts, m) in enumerate(zip(delivery.groups, delivery.messages)):
-                    group = [chunks.pop(at) for at in posts if at in chunks] if m.one_batch else []
+                    by_source = sorted(posts, key=lambda at: (self.state.rank - at[0]) % self.state.cp)  # as it lands
+                    group = [chunks.pop(at) for at in by_source if at in chunks] if m.one_batch else []
                     if group:
                         chunks[("group", g)] = torch.cat(group)
             self._chunks[key] = chunks

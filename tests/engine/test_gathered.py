@@ -417,3 +417,59 @@ def test_group_rows_are_the_pieces_the_transport_cuts():
         want = [[sum(Pieces(parts=parts).span(int(n), g)[1] for n in received[:, dst]) for dst in range(cp)]
                 for g in range(parts)]
         assert np.array_equal(_group_rows(received, parts), np.array(want)), (received, parts)
+
+
+def batch_primitives(layout, kv_backward, one_batch=None):
+    """``whole_a2a`` (band groups of one row a piece, any document, the rule's chunk bound off) with the
+    transfer primitives counted: (whether the band mode is on, per band group whether it goes as one
+    all-to-all, the ``all_to_all_single`` calls, the ``batch_isend_irecv`` calls, the largest error)."""
+    import torch.distributed as dist
+
+    calls = {"all_to_all_single": 0, "batch_isend_irecv": 0}
+    real = {name: getattr(dist, name) for name in calls}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return call
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import step_tables as tables_module
+    for name in calls:
+        setattr(dist, name, counted(name))
+    names = ("WHOLE_MIN_CHUNKS_PER_RANK", "BAND_MIN_PIECE_ROWS", "BAND_MIN_DOCS_PER_PIECE",
+             "ONE_BATCH_GROUP_LOCAL_MULTIPLE")
+    saved = {name: getattr(tables_module, name) for name in names}
+    try:
+        on, *_, error = whole_a2a(layout, kv_backward, 0, None, (1, 0), None, one_batch)[:5]
+        for name, value in zip(names, (0, 1, 0, saved[names[-1]] if one_batch is None else one_batch)):
+            setattr(tables_module, name, value)  # as whole_a2a ran: the groups it posted
+        ids = runs_to_doc_ids([(i + 1, 8 * (1 + i % 3)) for i in range(8)] + [(99, 32)])
+        state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="a2a", attn_backend="dense",
+                                            kv_backward=kv_backward)
+        groups = ([m.all_to_all for m in state.whole_delivery_on(torch.device("cpu")).messages]
+                  if state.needed_whole() else [])
+    finally:
+        for name in calls:
+            setattr(dist, name, real[name])
+        for name in names:
+            setattr(tables_module, name, saved[name])
+    return on, groups, calls["all_to_all_single"], calls["batch_isend_irecv"], error
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_every_rank_sends_and_receives_in_is_one_all_to_all(pool4):
+    """A band group in one batch where every rank sends rows and receives rows (thd: every document over
+    every rank) goes as one ``all_to_all_single`` each way, not a send and a receive per peer: no
+    ``batch_isend_irecv`` at all, exact. Pair by pair (the one-batch bound 0) every group posts peer by
+    peer. Where a rank receives nothing in a group (contiguous: rank 0 attends only its own keys) the
+    batch posts its pairs (an all-to-all is a collective every rank takes; the rule reads the global
+    counts, so every rank decides alike), exact too."""
+    for rank, (on, groups, a2a, p2p, error) in enumerate(pool4.run(batch_primitives, "thd", "save")):
+        assert on and len(groups) == 4 and all(groups), (rank, groups)
+        assert a2a > 0 and a2a % 8 == 0 and p2p == 0 and error < 1e-12, (rank, a2a, p2p, error)
+    for rank, (on, groups, a2a, p2p, error) in enumerate(pool4.run(batch_primitives, "thd", "save", 0.0)):
+        assert on and not any(groups) and a2a == 0 and p2p > 0 and error < 1e-12, (rank, groups, a2a, p2p)
+    for rank, (on, groups, a2a, p2p, error) in enumerate(pool4.run(batch_primitives, "contiguous", "save")):
+        assert on and groups and not any(groups) and a2a == 0 and p2p > 0 and error < 1e-12, (rank, groups, a2a)
