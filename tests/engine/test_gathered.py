@@ -423,26 +423,16 @@ def batch_primitives(layout, kv_backward, one_batch=None):
     """``whole_a2a`` (band groups of one row a piece, any document, the rule's chunk bound off) with the
     transfer primitives counted: (whether the band mode is on, per band group whether it goes as one
     all-to-all, the ``all_to_all_single`` calls, the ``batch_isend_irecv`` calls, the largest error)."""
-    import torch.distributed as dist
-
-    calls = {"all_to_all_single": 0, "batch_isend_irecv": 0}
-    real = {name: getattr(dist, name) for name in calls}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return real[name](*args, **kwargs)
-        return call
-
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp import step_tables as tables_module
-    for name in calls:
-        setattr(dist, name, counted(name))
+    from test_backends import counted_collectives
+
     names = ("WHOLE_MIN_CHUNKS_PER_RANK", "BAND_MIN_PIECE_ROWS", "BAND_MIN_DOCS_PER_PIECE",
              "ONE_BATCH_GROUP_LOCAL_MULTIPLE")
     saved = {name: getattr(tables_module, name) for name in names}
     try:
-        on, *_, error = whole_a2a(layout, kv_backward, 0, None, (1, 0), None, one_batch)[:5]
+        with counted_collectives() as calls:
+            on, *_, error = whole_a2a(layout, kv_backward, 0, None, (1, 0), None, one_batch)[:5]
         for name, value in zip(names, (0, 1, 0, saved[names[-1]] if one_batch is None else one_batch)):
             setattr(tables_module, name, value)  # as whole_a2a ran: the groups it posted
         ids = runs_to_doc_ids([(i + 1, 8 * (1 + i % 3)) for i in range(8)] + [(99, 32)])
@@ -451,8 +441,6 @@ def batch_primitives(layout, kv_backward, one_batch=None):
         groups = ([m.all_to_all for m in state.whole_delivery_on(torch.device("cpu")).messages]
                   if state.needed_whole() else [])
     finally:
-        for name in calls:
-            setattr(dist, name, real[name])
         for name in names:
             setattr(tables_module, name, saved[name])
     return on, groups, calls["all_to_all_single"], calls["batch_isend_irecv"], error
