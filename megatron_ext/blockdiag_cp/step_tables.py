@@ -190,6 +190,7 @@ class StepTables:
             at = np.concatenate([[0], np.cumsum(received)])  # each source's first needed row in band_of
             # one batch a group where every rank's group is small enough (from the global counts: alike on every rank)
             one_batch = _group_rows(every_rank, pieces.parts).max(1) <= ONE_BATCH_GROUP_LOCAL_MULTIPLE * self.local_len
+            all_to_all = one_batch & _every_rank_sends_and_receives(every_rank, pieces.parts)
             messages = []
             for g in range(pieces.parts):
                 sent, sends = _group_sends(plan, pieces, g)
@@ -207,7 +208,7 @@ class StepTables:
                     device_rows(torch.from_numpy(sent), self.local_len, device), sends, tuple(receives),
                     device_rows(torch.from_numpy(band_rows), first, device),
                     device_rows(torch.from_numpy(place), first, device), int(sent.size), first, bool(one_batch[g]),
-                    bool(one_batch[g]) and _every_rank_sends_and_receives(every_rank, pieces, g)))
+                    bool(all_to_all[g])))
             self._device_index[key] = WholeDelivery(_band_posts(self.cp, pieces), pieces, tuple(messages))
         return self._device_index[key]
 
@@ -611,12 +612,14 @@ def _band_posts(cp: int, pieces: Pieces) -> Tuple[Tuple[Tuple[int, int], ...], .
     return tuple(tuple((i, g) for i in range(1, cp)) for g in range(pieces.parts))
 
 
-def _every_rank_sends_and_receives(received: np.ndarray, pieces: Pieces, g: int) -> bool:
-    """Whether in band group g every rank sends rows and receives rows (``received[source, destination]``,
-    the global counts, so alike on every rank): a batch an all-to-all can carry on every rank."""
-    cp = received.shape[0]
-    rows = np.array([[pieces.span(int(received[s, d]), g)[1] for d in range(cp)] for s in range(cp)])
-    return bool((rows.sum(1) > 0).all() and (rows.sum(0) > 0).all())
+def _every_rank_sends_and_receives(received: np.ndarray, parts: int) -> np.ndarray:
+    """[group] whether every rank sends rows and receives rows in that band group when every pair's rows
+    (``received[source, destination]``, the global counts, so alike on every rank) are cut into ``parts``
+    pieces: the batches an all-to-all can carry on every rank."""
+    c = np.maximum(1, -(-received // parts))  # [source, destination] rows a piece, as _group_rows cuts them
+    g = np.arange(parts).reshape(-1, 1, 1)
+    rows = np.clip(received[None] - g * c[None], 0, c[None])  # [group, source, destination]
+    return (rows.sum(2) > 0).all(1) & (rows.sum(1) > 0).all(1)
 
 
 def _group_sends(plan, pieces: Pieces, g: int) -> Tuple[np.ndarray, Tuple[Tuple[int, int, int, int], ...]]:

@@ -461,3 +461,25 @@ def test_a_batch_every_rank_sends_and_receives_in_is_one_all_to_all(pool4):
         assert on and not any(groups) and a2a == 0 and p2p > 0 and error < 1e-12, (rank, groups, a2a, p2p)
     for rank, (on, groups, a2a, p2p, error) in enumerate(pool4.run(batch_primitives, "contiguous", "save")):
         assert on and groups and not any(groups) and a2a == 0 and p2p > 0 and error < 1e-12, (rank, groups, a2a)
+
+
+def test_all_to_all_groups_are_those_every_rank_sends_and_receives_in():
+    """``_every_rank_sends_and_receives`` (which band batches go as one all-to-all) says, per group, whether
+    every rank sends and receives rows of ``exchange.Pieces(parts=...)``'s piece g, as the transport cuts
+    them."""
+    from megatron_ext.blockdiag_cp.exchange import Pieces
+    from megatron_ext.blockdiag_cp.step_tables import _every_rank_sends_and_receives
+
+    rng = np.random.default_rng(1)
+    seen = set()
+    for _ in range(200):
+        cp, parts = int(rng.integers(2, 7)), int(rng.integers(1, 6))
+        received = rng.integers(0, 12, (cp, cp)) * (rng.random((cp, cp)) < 0.8)
+        np.fill_diagonal(received, 0)
+        rows = np.array([[[Pieces(parts=parts).span(int(received[s, d]), g)[1] for d in range(cp)] for s in range(cp)]
+                         for g in range(parts)])
+        want = [bool((rows[g].sum(1) > 0).all() and (rows[g].sum(0) > 0).all()) for g in range(parts)]
+        got = _every_rank_sends_and_receives(received, parts)
+        assert got.tolist() == want, (received, parts)
+        seen.update(want)
+    assert seen == {True, False}
