@@ -93,8 +93,15 @@ def _window_binds(nq: int, nk: int, window: Optional[int]) -> bool:
     return window is not None and nk - 1 - window > 0
 
 
-def _as_4d(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1).unsqueeze(0)  # [n, H, D] -> [1, H, n, D]: a view
+# A segment of at least this many rows goes to torch's CPU flash kernel copied head-major ([1, H, n, D]
+# contiguous): on the strided view of [n, H, D] rows the kernel runs slower, by more than the copies cost at
+# 4k-8k rows (fp32, 8 heads x 64, forward and backward); below, the copies cost about what they save
+CPU_FLASH_HEAD_MAJOR_ROWS = 4096
+
+
+def _as_4d(t: torch.Tensor, head_major: bool = False) -> torch.Tensor:
+    t = t.transpose(0, 1)  # [n, H, D] -> [H, n, D]: a view
+    return (t.contiguous() if head_major else t).unsqueeze(0)
 
 
 def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -203,9 +210,9 @@ def dense_forward(q, k, v, seg: Segments, scale: float, dropout_p: float = 0.0, 
                 out.split(seg.q_lens), lse.split(seg.q_lens))
     for i, (qs, ks, vs, os_, ls) in enumerate(parts):
         if fast and not _window_binds(qs.shape[0], ks.shape[0], seg.window):
+            copy = max(qs.shape[0], ks.shape[0]) >= CPU_FLASH_HEAD_MAJOR_ROWS
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                _as_4d(_pad_last(qs, width)), _as_4d(_pad_last(ks, width)), _as_4d(_pad_last(vs, width)),
-                0.0, seg.causal, scale=scale)
+                *(_as_4d(_pad_last(t, width), copy) for t in (qs, ks, vs)), 0.0, seg.causal, scale=scale)
             os_.copy_(o[0, ..., :v.shape[-1]].transpose(0, 1))
             ls.copy_(l[0].t())
         else:
@@ -226,8 +233,9 @@ def dense_backward(dout, q, k, v, out, lse, seed, seg: Segments, scale: float, d
                 dv.split(seg.k_lens))
     for i, (dos, qs, ks, vs, os_, ls, dqs, dks, dvs) in enumerate(parts):
         if fast and not _window_binds(qs.shape[0], ks.shape[0], seg.window):
+            copy = max(qs.shape[0], ks.shape[0]) >= CPU_FLASH_HEAD_MAJOR_ROWS
             g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                *(_as_4d(_pad_last(t, width)) for t in (dos, qs, ks, vs, os_)),
+                *(_as_4d(_pad_last(t, width), copy) for t in (dos, qs, ks, vs, os_)),
                 ls.t().unsqueeze(0).to(acc if q.dtype == torch.float64 else torch.float32),
                 0.0, seg.causal, scale=scale)
             grads = [x[0].transpose(0, 1) for x in g]
