@@ -467,16 +467,13 @@ class GroupMessages:
     sent: int  # rows sent (the gradients that come back)
     received: int  # rows received
     one_batch: bool  # posted as one batch (one gather, one placement, one gradient add), else pair by pair
-    all_to_all: bool = False  # the batch is one all_to_all_single (every rank sends and receives in it)
+    # (rows to, rows from) each rank in rank order, where the batch is one all_to_all_single (every rank
+    # sends and receives in it); else None
+    splits: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
 
-    def counts(self, cp: int, rank: int) -> Tuple[List[int], List[int]]:
-        """Rows sent to and received from each rank, in rank order (``all_to_all_single``'s splits)."""
-        send, recv = [0] * cp, [0] * cp
-        for _, dst, _, n in self.sends:
-            send[dst] = n
-        for _, src, _, n in self.receives:
-            recv[src] = n
-        return send, recv
+    @property
+    def all_to_all(self) -> bool:
+        return self.splits is not None
 
 
 @dataclass(frozen=True)
@@ -544,8 +541,8 @@ class WholeNeededTransport(NeededTransport):
         sent = self._send_buffer(slice(None) if m.send_rows is None else m.send_rows) if m.sent else None
         arrived = self._buffer(m.received)
         if m.all_to_all:
-            send_counts, recv_counts = m.counts(self.cp, self.rank)
-            return _Batched(self.post_all_to_all(sent, send_counts, arrived, recv_counts, self.k[:0], self.group,
+            to_rank, from_rank = m.splits
+            return _Batched(self.post_all_to_all(sent, list(to_rank), arrived, list(from_rank), self.k[:0], self.group,
                                                  self.stats, self.prefix + "wait_seconds", self.prefix + "bytes"),
                             m.place)
         transfer = self.post_into([(sent[first:first + n], dst) for _, dst, first, n in m.sends],
@@ -591,8 +588,8 @@ class WholeNeededTransport(NeededTransport):
                     else gather(grad_chunk, m.band_rows))
         back = self._buffer(m.sent)
         if m.all_to_all:  # every rank received in the group, and sent: both sides have rows
-            send_counts, recv_counts = m.counts(self.cp, self.rank)
-            transfer = self.post_all_to_all(grad, recv_counts, back, send_counts, like, self.group, self.stats,
+            to_rank, from_rank = m.splits
+            transfer = self.post_all_to_all(grad, list(from_rank), back, list(to_rank), like, self.group, self.stats,
                                             "backward_wait_seconds", "backward_grad_bytes")
             return True, (transfer, g)
         transfer = self.post_into([(grad[first:first + n], src) for _, src, first, n in m.receives],

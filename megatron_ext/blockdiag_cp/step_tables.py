@@ -195,8 +195,8 @@ class StepTables:
             for g in range(pieces.parts):
                 sent, sends = _group_sends(plan, pieces, g)
                 arrivals, receives, first = [], [], 0
-                for src in range(self.cp):  # the sources in rank order, as an all-to-all lands them
-                    lo, n = pieces.span(int(received[src]), g) if src != self.rank else (0, 0)
+                for src in range(self.cp):  # the sources in rank order, as an all-to-all lands them (own: 0 rows)
+                    lo, n = pieces.span(int(received[src]), g)
                     if n:
                         arrivals.append(band_of[at[src] + lo:at[src] + lo + n] - band.starts[g])
                         receives.append(((self.rank - src) % self.cp, src, first, n))
@@ -204,11 +204,19 @@ class StepTables:
                 band_rows = np.concatenate(arrivals) if arrivals else np.zeros(0, dtype=np.int64)
                 place = np.empty_like(band_rows)
                 place[band_rows] = np.arange(band_rows.size)  # a permutation: every band row arrives once
+                splits = None
+                if all_to_all[g]:  # rows to and from each rank, in rank order
+                    to_rank, from_rank = [0] * self.cp, [0] * self.cp
+                    for _, dst, _, n in sends:
+                        to_rank[dst] = n
+                    for _, src, _, n in receives:
+                        from_rank[src] = n
+                    splits = (tuple(to_rank), tuple(from_rank))
                 messages.append(GroupMessages(
                     device_rows(torch.from_numpy(sent), self.local_len, device), sends, tuple(receives),
                     device_rows(torch.from_numpy(band_rows), first, device),
                     device_rows(torch.from_numpy(place), first, device), int(sent.size), first, bool(one_batch[g]),
-                    bool(all_to_all[g])))
+                    splits))
             self._device_index[key] = WholeDelivery(_band_posts(self.cp, pieces), pieces, tuple(messages))
         return self._device_index[key]
 
@@ -616,10 +624,9 @@ def _every_rank_sends_and_receives(received: np.ndarray, parts: int) -> np.ndarr
     """[group] whether every rank sends rows and receives rows in that band group when every pair's rows
     (``received[source, destination]``, the global counts, so alike on every rank) are cut into ``parts``
     pieces: the batches an all-to-all can carry on every rank."""
-    c = np.maximum(1, -(-received // parts))  # [source, destination] rows a piece, as _group_rows cuts them
-    g = np.arange(parts).reshape(-1, 1, 1)
-    rows = np.clip(received[None] - g * c[None], 0, c[None])  # [group, source, destination]
-    return (rows.sum(2) > 0).all(1) & (rows.sum(1) > 0).all(1)
+    receives = _group_rows(received, parts)  # [group, destination]
+    sends = _group_rows(received.T, parts)  # [group, source]: the same pieces, summed the other way
+    return (receives > 0).all(1) & (sends > 0).all(1)
 
 
 def _group_sends(plan, pieces: Pieces, g: int) -> Tuple[np.ndarray, Tuple[Tuple[int, int, int, int], ...]]:

@@ -136,9 +136,9 @@ class Loopback:
                     chunks[at] = torch.cat([k, v], dim=-1).reshape(k.shape[0], k.shape[1], -1)
             if kind == "needed" and self.state.needed_whole(window):  # the band mode: one buffer a group
                 delivery = self.state.whole_delivery_on(self.k_full.device, window)
-                for g, (posts, m) in enumerate(zip(delivery.groups, delivery.messages)):
-                    by_source = sorted(posts, key=lambda at: (self.state.rank - at[0]) % self.state.cp)  # as it lands
-                    group = [chunks.pop(at) for at in by_source if at in chunks] if m.one_batch else []
+                for g, m in enumerate(delivery.messages):
+                    landing = [(i, g) for i, *_ in m.receives]  # the group's pieces in the order they land
+                    group = [chunks.pop(at) for at in landing if at in chunks] if m.one_batch else []
                     if group:
                         chunks[("group", g)] = torch.cat(group)
             self._chunks[key] = chunks
