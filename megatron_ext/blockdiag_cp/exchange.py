@@ -26,7 +26,10 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
                          the delivered buffer (memory O(needed), not O(chunk))
 
 K and V travel fused in one buffer per step, [n, b, Hkv * (Dk + Dv)], built per piece (per
-group for a band step in one batch).
+group for a band step in one batch). One exception, a2a / halo's streamed steps with
+``planar_runs`` (the chunks not kept for backward): a source that sends its whole shard sends
+its K rows and its V rows as they lie, two messages and no copy, which land as one planar
+buffer [2, n, b, Hkv * D] (K then V; Dk = Dv). Both ends know it from the global counts.
 
 Backward sends each chunk's K/V gradient straight home (to r - i, from r + i;
 hierarchical: back through the routes at the end); the ring sends it only for the pieces
@@ -123,17 +126,19 @@ class Transfer:
 
 
 def post(sends, recv_from: Optional[int], recv_shape, like: torch.Tensor, group, stats: Dict,
-         wait_key: str, byte_key: str) -> Transfer:
+         wait_key: str, byte_key: str, planar: bool = False) -> Transfer:
     """Post this rank's sends [(tensor, group rank)] and one receive; nothing to do posts nothing.
+    ``planar``: the receive is a [2, n, ...] buffer that arrives as two messages, [0] then [1].
 
     Every rank of a round calls ``post`` once, with matching sends and receives, so
     each pair's transfers pair up in order; empty transfers are never posted.
     """
     recv_shape = tuple(recv_shape)
     received = None
-    if recv_from is not None and recv_shape[0] > 0:
+    if recv_from is not None and recv_shape[1 if planar else 0] > 0:
         received = receive_buffer(recv_shape, like)
-    return post_into(sends, [(received, recv_from)], received, like, group, stats, wait_key, byte_key)
+    receives = [(received, recv_from)] if received is None or not planar else [(half, recv_from) for half in received]
+    return post_into(sends, receives, received, like, group, stats, wait_key, byte_key)
 
 
 def receive_buffer(shape, like: torch.Tensor) -> torch.Tensor:
@@ -263,15 +268,25 @@ class _DirectGradients:
         """Where each row of the chunk lands in ``gradient_buffer``'s buffer (None: in order)."""
         return None
 
-    def send_gradient(self, step, grad_chunk: Optional[torch.Tensor], like: torch.Tensor):
+    @staticmethod
+    def gradients_planar(step) -> Tuple[bool, bool]:
+        """Whether the gradient of the chunk of ``step`` goes home planar, and ours comes back planar (each
+        as its K/V travelled: ``NeededTransport.travels_planar``)."""
+        return False, False
+
+    def send_gradient(self, step, grad_chunk, like: torch.Tensor):
+        """``grad_chunk``: [n, b, F], or where the chunk came planar its (dK, dV) rows, [n, b, F / 2] each."""
         rows, incoming = self.sent_rows(step)
         outgoing = self.gradient_rows(step)
+        planar_out, planar_in = self.gradients_planar(step)
         if not outgoing:  # every such chunk gradient is zero (the plan's needs): its home posts no receive
             grad_chunk = None
         elif grad_chunk is None:
             grad_chunk = like.new_zeros((outgoing,) + tuple(like.shape[1:]))
+            if planar_out:
+                grad_chunk = grad_chunk.view(outgoing, like.shape[1], 2, -1).unbind(2)
         return (return_gradient(grad_chunk, step[0], incoming, self.rank, self.cp, like, self.group, self.stats,
-                                self.post), rows, step)
+                                self.post, planar_out, planar_in), rows, step)
 
     @staticmethod
     def settle(handle, dkv) -> None:
@@ -355,15 +370,24 @@ class NeededTransport(_DirectGradients):
     kind = "needed"
 
     def __init__(self, k, v, rank: int, cp: int, pieces: Pieces, group, stats: Dict, prefix: str,
-                 send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, fuse_sends: bool = False):
+                 send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, fuse_sends: bool = False,
+                 planar_runs: bool = False):
         self.k, self.v, self.rank, self.cp, self.pieces = k, v, rank, cp, pieces  # how a pair's rows are cut
         self.group, self.stats, self.prefix = group, stats, prefix
         self.send_index = send_index
         # The host table as Python ints: reading a tensor element per step costs a dispatch each
         # (and on a device it would be a sync, were the table ever moved there).
         self.sent_to, self.received_from = counts[rank].tolist(), counts[:, rank].tolist()
+        # K and V as widths alike ([n, b, F / 2] each): a whole shard's pieces may travel planar
+        self.planar_runs = planar_runs and k.shape[2] * k.shape[3] == v.shape[2] * v.shape[3]
         self._fused = None  # [L, b, F] K and V of every local row, when the steps gather from it
-        self._fuse_once = fuse_sends and self._fusing_once_is_cheaper()
+        # with planar runs a run costs nothing to send, so fusing every row first never pays
+        self._fuse_once = fuse_sends and not self.planar_runs and self._fusing_once_is_cheaper()
+
+    def travels_planar(self, count: int) -> bool:
+        """Whether a pair's pieces travel planar (``planar_runs``): its source sends its whole shard (``count``
+        rows of the global counts: send_index is then every local row in order). Both ends ask alike."""
+        return self.planar_runs and count == self.k.shape[0] > 0
 
     def _fusing_once_is_cheaper(self) -> bool:
         """A step's send buffer is K and V of its rows side by side (``fused_rows``): a run of rows is a cat
@@ -391,12 +415,27 @@ class NeededTransport(_DirectGradients):
         i, j = step
         dst, src = (self.rank + i) % self.cp, (self.rank - i) % self.cp
         rows, n_send = self.sent_rows(step)
-        send = self._send_buffer(rows) if n_send else None
+        sends = [(None, dst)]
+        if n_send and self.travels_planar(self.sent_to[dst]):
+            sends = [(half, dst) for half in self._planar_rows(rows)]
+        elif n_send:
+            sends = [(self._send_buffer(rows), dst)]
         n_recv = self.received_rows(step)
         like = self.k[:0]
         shape = (n_recv, self.k.shape[1], fused_width(self.k, self.v))
-        return self.post([(send, dst)], src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
-                    self.prefix + "bytes")
+        planar = self.travels_planar(self.received_from[src])
+        if planar:
+            shape = (2, n_recv, self.k.shape[1], shape[2] // 2)
+        return self.post(sends, src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
+                         self.prefix + "bytes", planar=planar)
+
+    def gradients_planar(self, step) -> Tuple[bool, bool]:
+        i = step[0]
+        return (self.travels_planar(self.received_from[(self.rank - i) % self.cp]),
+                self.travels_planar(self.sent_to[(self.rank + i) % self.cp]))
+
+    def _planar_rows(self, rows) -> Tuple[torch.Tensor, torch.Tensor]:  # [n, b, F / 2] each: views of a run
+        return tuple(gather(t, rows).reshape(-1, t.shape[1], t.shape[2] * t.shape[3]) for t in (self.k, self.v))
 
     def _send_buffer(self, rows) -> torch.Tensor:  # [n, b, F]
         if not self._fuse_once:
@@ -767,15 +806,21 @@ class RingGradients:
         return cls(frozenset(sent), frozenset(returned))
 
 
-def return_gradient(grad_chunk: Optional[torch.Tensor], round_index: int, incoming_rows: int, rank: int,
-                    cp: int, like: torch.Tensor, group, stats: Dict, post=post) -> Transfer:
+def return_gradient(grad_chunk, round_index: int, incoming_rows: int, rank: int, cp: int, like: torch.Tensor,
+                    group, stats: Dict, post=post, planar_out: bool = False, planar_in: bool = False) -> Transfer:
     """Send a chunk's K/V gradient to its source (rank - i); receive ours from rank + i.
 
     ``like``: a [*, b, F] tensor of the gradients' dtype and device; ``post``: where the transfers go.
+    ``planar_out``: ``grad_chunk`` is (dK, dV) rows, sent as two messages; ``planar_in``: ours comes back
+    so, into a [2, n, b, F / 2] buffer.
     """
     src, dst = (rank - round_index) % cp, (rank + round_index) % cp
-    return post([(grad_chunk, src)], dst, (incoming_rows,) + tuple(like.shape[1:]), like, group, stats,
-                "backward_wait_seconds", "backward_grad_bytes")
+    sends = [(half, src) for half in grad_chunk] if planar_out and grad_chunk is not None else [(grad_chunk, src)]
+    shape = (incoming_rows,) + tuple(like.shape[1:])
+    if planar_in:
+        shape = (2,) + shape[:-1] + (shape[-1] // 2,)
+    return post(sends, dst, shape, like, group, stats, "backward_wait_seconds", "backward_grad_bytes",
+                planar=planar_in)
 
 
 __all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "post_all_to_all", "receive_buffer", "return_gradient", "fused_rows", "fused_width",

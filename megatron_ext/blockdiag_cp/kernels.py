@@ -130,6 +130,16 @@ def kv_fused(k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
     return k.as_strided((t, h, 2 * d), (2 * h * d, 2 * d, 1))
 
 
+def kv_planar(k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+    """The [2, t, h, d] buffer whose [0] and [1] k and v are (a planar chunk, split), as a view; else None."""
+    if (k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.device != v.device
+            or not k.is_contiguous() or not v.is_contiguous() or not k.numel()
+            or v.data_ptr() != k.data_ptr() + k.numel() * k.element_size()
+            or v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()):  # one buffer, not neighbours
+        return None
+    return k.as_strided((2,) + tuple(k.shape), (k.numel(),) + k.stride())
+
+
 def _segment_generator(seed: int, segment: int, device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + segment * 7_919) % (1 << 63))

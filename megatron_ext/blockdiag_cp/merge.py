@@ -586,30 +586,47 @@ class KeyGradients:
 
     def add(self, rows: Rows, grad: torch.Tensor, step=None) -> None:
         """Gradients of our rows ``rows`` (local positions) coming back at ``step``: [n, b, F] (F = Hkv *
-        (Dk + Dv)); a position is R rows of doc ids (every row is merged then)."""
+        (Dk + Dv)), or planar [2, n, b, F / 2] (dK rows, then dV's; Dk = Dv); a position is R rows of doc
+        ids (every row is merged then)."""
+        planar = grad.dim() == 4
+        heads = self.buffer.shape[1]
         if self.returns is not None:  # every step a gradient comes back at has its entry
             added, merged = self.returns.steps[step]
-            grad = grad.reshape(grad.shape[0], self.buffer.shape[1], self.buffer.shape[2])
+            if planar:
+                grad = grad.reshape(2, grad.shape[1], heads, self.dk_dim)
+            else:
+                grad = grad.reshape(grad.shape[0], heads, self.buffer.shape[2])
             if added is not None:  # rows of at most two writers: added into dK / dV, in their dtype
                 source, index = added
-                part = gather(grad, source)
-                add_rows(self.dk.allocated(), index, part[..., :self.dk_dim])
-                add_rows(self.dv.allocated(), index, part[..., self.dk_dim:])
+                part = _gather_rows(grad, source, planar)
+                add_rows(self.dk.allocated(), index, part[0] if planar else part[..., :self.dk_dim])
+                add_rows(self.dv.allocated(), index, part[1] if planar else part[..., self.dk_dim:])
             if merged is not None:
                 source, index = merged
-                add_rows(self.buffer, index, grad, source)
+                self._into_buffer(index, grad, source, planar)
             return
         R = self.R
-        grad = grad.reshape(grad.shape[0] * R, self.buffer.shape[1], self.buffer.shape[2])
+        if planar:
+            grad = grad.reshape(2, grad.shape[1] * R, heads, self.dk_dim)
+        else:
+            grad = grad.reshape(grad.shape[0] * R, heads, self.buffer.shape[2])
         if self.slot is None:
             if R > 1 and isinstance(rows, slice):
                 rows = slice(rows.start * R, rows.stop * R)
             elif R > 1 and isinstance(rows, torch.Tensor):
                 rows = (rows.unsqueeze(1) * R + torch.arange(R, device=rows.device)).reshape(-1)
-            add_rows(self.buffer, rows, grad)
+            self._into_buffer(rows, grad, None, planar)
         else:  # every returned row is merged: its place in the buffer, looked up on the device
             index = self.slot.index_select(0, rows) if isinstance(rows, torch.Tensor) else self.slot[_all(rows)]
-            add_rows(self.buffer, index, grad)
+            self._into_buffer(index, grad, None, planar)
+
+    def _into_buffer(self, index: Rows, grad: torch.Tensor, source: Rows, planar: bool) -> None:
+        """buffer[index] += grad[source]: one op fused, one a half planar."""
+        if not planar:
+            add_rows(self.buffer, index, grad, source)
+            return
+        add_rows(self.buffer[..., :self.dk_dim], index, grad[0], source)
+        add_rows(self.buffer[..., self.dk_dim:], index, grad[1], source)
 
     def finish(self):
         """(dk, dv) of every row."""
@@ -673,6 +690,13 @@ def rows_of(rows: Rows, index: Rows) -> Rows:
     if isinstance(rows, slice):
         return slice(rows.start + index.start, rows.start + index.stop) if isinstance(index, slice) else index + rows.start
     return rows[index] if isinstance(index, slice) else rows.index_select(0, index)
+
+
+def _gather_rows(x: torch.Tensor, index, planar: bool) -> torch.Tensor:
+    """``gather`` of rows, along dim 1 of a planar [2, n, ...] tensor (both halves in one op)."""
+    if not planar:
+        return gather(x, index)
+    return x.index_select(1, index) if isinstance(index, torch.Tensor) else x[:, _all(index)]
 
 
 def gather(x: torch.Tensor, index) -> torch.Tensor:

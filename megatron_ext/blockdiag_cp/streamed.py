@@ -40,7 +40,8 @@ class _Geometry:
     """How one call's tensors flatten for the kernels.
 
     Rows with their own doc ids flatten into tokens (``s * R + row``); shared ids
-    fold the batch into heads. A remote chunk is K and V fused, [n, b, Hkv * (Dk + Dv)].
+    fold the batch into heads. A remote chunk is K and V fused, [n, b, Hkv * (Dk + Dv)], or planar,
+    [2, n, b, Hkv * D] (K then V: a whole shard's piece as it travels, ``exchange.NeededTransport``).
     """
 
     def __init__(self, q, k, v, rows: int):
@@ -55,13 +56,29 @@ class _Geometry:
     def kv_flat(self, t):  # own k or v [L, b, Hkv, D] -> [L * R, g * Hkv, D]
         return t.reshape(self.L * self.R, self.g * self.hkv, t.shape[-1])
 
-    def split(self, chunk):  # [n, b, F] -> k [n * R, g * Hkv, Dk], v [n * R, g * Hkv, Dv] (views)
+    def split(self, chunk):  # [n, b, F] or [2, n, b, F / 2] -> k [n * R, g * Hkv, Dk], v [.., Dv] (views)
+        if chunk.dim() == 4:
+            flat = chunk.view(2, chunk.shape[1] * self.R, self.g * self.hkv, self.dk)
+            return flat[0], flat[1]
         flat = chunk.view(chunk.shape[0] * self.R, self.g * self.hkv, self.dk + self.dv)
         return flat[..., :self.dk], flat[..., self.dk:]
 
-    def grad_chunk(self, n, dtype, device, zeros: bool = True):  # [n * R, g * Hkv, Dk + Dv], zeros or unset
-        return (torch.zeros if zeros else torch.empty)(n * self.R, self.g * self.hkv, self.dk + self.dv, dtype=dtype,
-                                                       device=device)
+    @staticmethod
+    def rows(chunk) -> int:  # positions of a fused or planar chunk
+        return chunk.shape[-3]
+
+    def grad_chunk(self, n, dtype, device, zeros: bool = True, planar: bool = False):
+        """[n * R, g * Hkv, Dk + Dv], zeros or unset; ``planar``: [2, n * R, g * Hkv, D] (dK rows, then dV's)."""
+        shape = (2, n * self.R, self.g * self.hkv, self.dk) if planar else (n * self.R, self.g * self.hkv,
+                                                                           self.dk + self.dv)
+        return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype, device=device)
+
+    def on_wire(self, grad, n, dtype):
+        """A chunk's gradient as it goes home: [n, b, F] in ``dtype``; a planar one (a [2, ...] buffer or the
+        kernel's (dK, dV)) as its two halves, [n, b, F / 2] each."""
+        if isinstance(grad, tuple) or grad.dim() == 4:
+            return tuple(half.reshape(n, self.b, -1).to(dtype) for half in grad)
+        return grad.view(n, self.b, -1).to(dtype)
 
     @staticmethod
     def fused_grad(gk, gv):  # [n * R, g * Hkv, Dk] and [.., Dv] -> [n * R, g * Hkv, Dk + Dv], k's dtype
@@ -70,7 +87,13 @@ class _Geometry:
 
     @staticmethod
     def gather_kv(chunk_k, chunk_v, index):  # a call's K and V rows: one gather where they are one chunk's
-        fused = kernels.kv_fused(chunk_k, chunk_v) if isinstance(index, torch.Tensor) else None
+        if not isinstance(index, torch.Tensor):
+            return _gather(chunk_k, index), _gather(chunk_v, index)
+        planar = kernels.kv_planar(chunk_k, chunk_v)
+        if planar is not None:
+            rows = planar.index_select(1, index)  # [2, n, g * Hkv, D]: again K then V, each contiguous
+            return rows[0], rows[1]
+        fused = kernels.kv_fused(chunk_k, chunk_v)
         if fused is None:
             return _gather(chunk_k, index), _gather(chunk_v, index)
         rows = fused.index_select(0, index)  # [n, g * Hkv, 2 * D]: its halves are again one buffer's
@@ -78,7 +101,10 @@ class _Geometry:
 
     def add_kv_rows(self, grad, index, gk, gv):  # grad [n * R, g * Hkv, Dk + Dv][index] += (gk, gv)
         fused = kernels.kv_fused(gk, gv)
-        if fused is not None:
+        if grad.dim() == 4:  # planar
+            _add_rows(grad[0], index, gk)
+            _add_rows(grad[1], index, gv)
+        elif fused is not None:
             _add_rows(grad, index, fused)
         else:
             _add_rows(grad[..., :self.dk], index, gk)
@@ -101,7 +127,8 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
                                     state.send_indices_on(k.device, plan.window), plan.exchange.counts,
                                     state.whole_delivery_on(k.device, plan.window), fuse_sends=fuse_sends)
     return NeededTransport(k, v, state.rank, state.cp, Pieces(rows=chunk_rows), state.group, stats, prefix,
-                           state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends)
+                           state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends,
+                           planar_runs=True)
 
 
 # Forward posts the chunks of a2a / halo this many steps ahead of the one it attends. One ahead, the
@@ -266,11 +293,13 @@ class _StreamedAttention(torch.autograd.Function):
         def shares(s):  # step s's dq shares: ``merges`` lists the steps in the order backward takes them
             return merges.calls[(s - 1) % len(steps) if own_last else s]
 
-        def differentiate(s, chunk_k, chunk_v, n_rows, keys=None, into=None, tiled=False, places=None):
+        def differentiate(s, chunk_k, chunk_v, n_rows, keys=None, into=None, tiled=False, places=None,
+                          planar=False):
             """Step s's dq into ``dq``; the own keys' gradients into ``keys`` (``KeyGradients``, step 0),
             else returns the chunk's [n * R, g * Hkv, Dk + Dv] gradient (in ``into``, k's dtype, where the
             transport hands one over and ``tiled``: the calls read every row of the chunk once; its row
-            ``places[i]`` takes the chunk's row i where the transport gives ``places``)."""
+            ``places[i]`` takes the chunk's row i where the transport gives ``places``); a ``planar``
+            chunk's as [2, n * R, g * Hkv, D], or as the kernel's (dK, dV) where one call reads it whole."""
             t0 = time.perf_counter()
             step_calls, step_merges, aux = calls[s], shares(s), iter(ctx.aux[offsets[s]:offsets[s + 1]])
             # Calls that read every row of the chunk once write each row's gradient once: no float32 sum.
@@ -280,9 +309,10 @@ class _StreamedAttention(torch.autograd.Function):
             grad = None
             if keys is None and not whole:
                 if not tiled:
-                    grad = geo.grad_chunk(n_rows, acc_dtype, q.device)
+                    grad = geo.grad_chunk(n_rows, acc_dtype, q.device, planar=planar)
                 else:  # every row is written: nothing to zero
-                    grad = into if into is not None else geo.grad_chunk(n_rows, k.dtype, q.device, zeros=False)
+                    grad = into if into is not None else geo.grad_chunk(n_rows, k.dtype, q.device, zeros=False,
+                                                                        planar=planar)
             key_shares = keys.plan.calls[0] if keys is not None else step_merges  # the own calls' key rows
             for call, share, key_share in zip(step_calls, step_merges, key_shares):
                 a = next(aux)
@@ -301,7 +331,10 @@ class _StreamedAttention(torch.autograd.Function):
                 if keys is not None:
                     keys.take(ki, key_share, gk, gv)
                 elif whole:
-                    grad = geo.fused_grad(gk, gv)
+                    grad = (gk, gv) if planar else geo.fused_grad(gk, gv)
+                elif tiled and planar:
+                    _set_rows(grad[0], ki, gk)
+                    _set_rows(grad[1], ki, gv)
                 elif tiled:
                     _set_rows(grad, ki if into is None else _rows_of(places, ki), geo.fused_grad(gk, gv))
                 else:
@@ -348,14 +381,16 @@ class _StreamedAttention(torch.autograd.Function):
                 if calls[s]:
                     # only calls that write every row of the chunk may fill the transport's own (unset) rows
                     into = transport.gradient_buffer((step.round, step.piece), chunk) if partitions[s] else None
-                    grad_chunk = differentiate(s, *geo.split(chunk), chunk.shape[0],
+                    n_rows, planar = geo.rows(chunk), chunk.dim() == 4
+                    grad_chunk = differentiate(s, *geo.split(chunk), n_rows,
                                                into=None if into is None else into.view(
-                                                   chunk.shape[0] * geo.R, geo.g * geo.hkv, geo.dk + geo.dv),
+                                                   n_rows * geo.R, geo.g * geo.hkv, geo.dk + geo.dv),
                                                tiled=partitions[s],
-                                               places=transport.gradient_places((step.round, step.piece)))
+                                               places=transport.gradient_places((step.round, step.piece)),
+                                               planar=planar)
                     if grad_chunk is None:  # the kernel failed: zeros go home, as every transfer still runs
-                        grad_chunk = geo.grad_chunk(chunk.shape[0], k.dtype, q.device)
-                    grad_chunk = grad_chunk.view(chunk.shape[0], geo.b, -1).to(k.dtype)
+                        grad_chunk = geo.grad_chunk(n_rows, k.dtype, q.device, planar=planar)
+                    grad_chunk = geo.on_wire(grad_chunk, n_rows, k.dtype)
                 # Two gradient transfers in flight: this step's goes home before the last one's is waited
                 # for, so a step that attends nothing here (it only gets our rows' gradients back) does not
                 # hold the next transfer behind that landing

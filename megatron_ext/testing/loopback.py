@@ -54,19 +54,22 @@ class _Handover:
         self._step = None
         return super().send_gradient(step, grad_chunk, like)
 
-    def post(self, sends, recv_from, recv_shape, *rest):
+    def post(self, sends, recv_from, recv_shape, *rest, planar: bool = False):
         for tensor, _ in sends:  # what post would send: made contiguous, then dropped (no peer)
             if tensor is not None:
                 tensor.contiguous()
         if self._step is not None:
-            return _Ready(self.chunks.get(self._step))
-        rows = recv_shape[0] if recv_from is not None else 0
-        return _Ready(self.zeros[:rows] if rows else None)
+            return _Ready(self.chunks.get(("planar", self._step) if planar else self._step))
+        rows = recv_shape[1 if planar else 0] if recv_from is not None else 0
+        if not rows:
+            return _Ready(None)
+        back = self.zeros[:rows]  # planar: the same zeros as [2, rows, b, F / 2]
+        return _Ready(back.view(2, rows, back.shape[1], -1) if planar else back)
 
 
 class _NeededHandover(_Handover, NeededTransport):
-    def __init__(self, chunks, zeros, *args):
-        NeededTransport.__init__(self, *args)
+    def __init__(self, chunks, zeros, *args, **kwargs):
+        NeededTransport.__init__(self, *args, **kwargs)
         _Handover.__init__(self, chunks, zeros)
 
 
@@ -123,17 +126,22 @@ class Loopback:
         return whole[first:first + n]
 
     def prepare(self, kind: str, window: Optional[int] = None) -> Dict:
-        """Every chunk of the step plan (kind, window), fused [n, b, Hkv * (Dk + Dv)] on the K/V's device."""
+        """Every chunk of the step plan (kind, window), fused [n, b, Hkv * (Dk + Dv)] on the K/V's device;
+        under ("planar", step) also planar [2, n, b, Hkv * D] where its source sends its whole shard."""
         key = (kind, window)
         if key not in self._chunks:
             plan = self.state.plan_for(window)
             chunks = {}
             pieces, posts = self.state.stream_pieces(kind, window)
+            state = self.state
             for at in posts:
                 pos = self._positions(kind, plan, pieces, at).to(self.k_full.device)
                 if pos.numel():
                     k, v = self.k_full.index_select(0, pos), self.v_full.index_select(0, pos)
                     chunks[at] = torch.cat([k, v], dim=-1).reshape(k.shape[0], k.shape[1], -1)
+                    whole = int(plan.exchange.counts[(state.rank - at[0]) % state.cp, state.rank]) == state.local_len
+                    if kind == "needed" and whole and k.shape[-2:] == v.shape[-2:]:
+                        chunks[("planar", at)] = torch.stack([k, v]).reshape(2, k.shape[0], k.shape[1], -1)
             if kind == "needed" and self.state.needed_whole(window):  # the band mode: one buffer a group
                 delivery = self.state.whole_delivery_on(self.k_full.device, window)
                 for g, m in enumerate(delivery.messages):
@@ -164,7 +172,8 @@ class Loopback:
                                   state.whole_delivery_on(k.device, plan.window))
         return _NeededHandover(chunks, zeros, k, v, state.rank, state.cp, Pieces(rows=chunk_rows), state.group, stats,
                                prefix,
-                               state.send_indices_on(k.device, plan.window), plan.exchange.counts)
+                               state.send_indices_on(k.device, plan.window), plan.exchange.counts,
+                               planar_runs=True)
 
 
 def padded(state, x: torch.Tensor) -> torch.Tensor:

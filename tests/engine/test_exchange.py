@@ -95,3 +95,46 @@ def test_fused_rows_of_an_index_is_one_gather_and_of_no_row_no_op():
         assert counter.counts["send"].launching == ops
         want = torch.cat([k[rows], v[rows]], dim=-1).flatten(2)  # [n, b, Hkv * (Dk + Dv)], head by head
         assert got.shape == (rows.numel(), 1, 16) and torch.equal(got, want)
+
+
+class _Recorded(NeededTransport):
+    """Needed transport whose posts are recorded, not sent: (sends, source, receive shape, planar)."""
+
+    def post(self, sends, recv_from, recv_shape, *rest, planar=False):
+        return sends, recv_from, tuple(recv_shape), planar
+
+
+def _planar_transport(dv=4, planar_runs=True):
+    L, cp = 8, 3
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(L, 2, 2, 4, generator=g), torch.randn(L, 2, 2, dv, generator=g)
+    counts = torch.tensor([[0, 8, 3], [5, 0, 0], [8, 0, 0]])  # rank 0: its whole shard to 1; all of 2's comes
+    send_index = [None, None, torch.tensor([1, 4, 6])]
+    return NeededTransport.__new__(_Recorded), (k, v, 0, cp, Pieces(rows=4), None, {}, "", send_index, counts)
+
+
+def test_a_whole_shard_travels_planar_as_its_k_and_v_rows():
+    """A source that sends its whole shard sends each piece's K rows and V rows as they lie (views of k and
+    v: no copy, two messages), and its destination receives them into one [2, n, b, Hkv * D] buffer; both
+    read it off the global counts. Other pairs keep one fused message, and so does every pair where K and
+    V differ in width (MLA) or ``planar_runs`` is off."""
+    t, args = _planar_transport()
+    t.__init__(*args, planar_runs=True)
+    k, v = args[0], args[1]
+    sends, src, shape, planar = t.start((1, 0))  # to 1 (its whole shard), from 2 (2's whole shard)
+    assert src == 2 and planar and shape == (2, 4, 2, 8)
+    (k_rows, dst_k), (v_rows, dst_v) = sends
+    assert dst_k == dst_v == 1 and k_rows.shape == v_rows.shape == (4, 2, 8)
+    assert k_rows.data_ptr() == k.data_ptr() and v_rows.data_ptr() == v.data_ptr()  # views
+    assert torch.equal(k_rows, k[:4].reshape(4, 2, 8)) and torch.equal(v_rows, v[:4].reshape(4, 2, 8))
+    sends, src, shape, planar = t.start((2, 0))  # to 2 (three rows gathered), from 1 (5 of its rows)
+    assert src == 1 and not planar and shape == (4, 2, 16)
+    (fused, dst), = sends
+    assert dst == 2 and torch.equal(fused, fused_rows(k, v, torch.tensor([1, 4, 6])))
+    assert not t._fuse_once  # a run costs nothing: fusing every row first would
+    assert t.gradients_planar((1, 0)) == (True, True) and t.gradients_planar((2, 0)) == (False, False)
+    for dv, on in ((6, True), (4, False)):
+        t, args = _planar_transport(dv)
+        t.__init__(*args, planar_runs=on)
+        sends, _, shape, planar = t.start((1, 0))
+        assert not planar and len(sends) == 1 and shape == (4, 2, 8 + 2 * dv)

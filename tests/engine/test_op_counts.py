@@ -230,14 +230,13 @@ def steady_counts_at(exchange, ids):
 def test_a2a_at_cp4_gathers_each_send_in_one_op(pool4):
     """One document over 4 ranks (zigzag): a rank's rows go to up to three ranks, each send's K and V
     gathered straight into its buffer's halves in one op (``merge_kernel.gather_kv_rows_``), forward and
-    backward. Forward fuses every local row once only where the runs it sends are at least the local rows
-    (``NeededTransport``: rank 0 sends all its rows to every other rank, in pieces, then views of the
-    fused buffer); a gathered send costs one op either way, so the others gather from K and V. Rank 2's
-    forward closes the rows each call is the last writer of and merges the rest, so nothing is written
-    back (``MergePlan.of``'s ``partial``)."""
+    backward. Rank 0 needs every row of the others: their whole shards travel planar, K rows and V rows
+    as they lie (no op, two messages a piece), and their gradients come home as the kernel's dK and dV
+    (no cat, two messages). Rank 2's forward closes the rows each call is the last writer of and merges
+    the rest, so nothing is written back (``MergePlan.of``'s ``partial``)."""
     got = pool4.run(steady_counts_at, "a2a", torch.ones(128, dtype=torch.long))
-    assert got == [((7, 9, 9, 0), (7, 23, 18, 0)), ((6, 11, 9, 0), (6, 25, 18, 0)),
-                   ((5, 7, 9, 0), (5, 24, 18, 0)), ((4, 4, 9, 0), (4, 23, 18, 0))], got
+    assert got == [((7, 9, 15, 0), (7, 17, 30, 0)), ((6, 10, 15, 0), (6, 20, 30, 0)),
+                   ((5, 6, 15, 0), (5, 22, 30, 0)), ((4, 3, 15, 0), (4, 23, 30, 0))], got
 
 
 def _thd_mix() -> torch.Tensor:
@@ -262,13 +261,15 @@ def dense_and_te_counts(window):
 
 @pytest.mark.timeout(120)
 def test_te_hands_a_chunks_gradient_back_in_the_chunks_layout(pool2):
-    """TE (and flash-attn) write a received chunk's dK / dV as the halves of one [t, h, 2, d] buffer, the
-    chunk's own layout: a chunk that one call reads whole sends that buffer home as it is (no cat), and a
-    call on part of a chunk adds its rows once, not once per half. Forward is the same as dense's."""
+    """TE (and flash-attn) write a received fused chunk's dK / dV as the halves of one [t, h, 2, d] buffer,
+    the chunk's own layout: a chunk that one call reads whole sends that buffer home as it is (no cat), and
+    a call on part of a chunk adds its rows once, not once per half. Forward is the same as dense's.
+    Without a window rank 1 sends rank 0 its whole shard: planar, K and V as they lie, and the gradient home
+    as the kernel's two tensors, so there dense and TE count alike."""
     got = {window: pool2.run(dense_and_te_counts, window) for window in (None, 5)}
     assert got == {  # per rank: [dense (fwd, bwd), te (fwd, bwd)]
-        None: [[((3, 5, 3, 0), (3, 15, 6, 0)), ((3, 5, 3, 0), (3, 13, 6, 0))],
-               [((2, 2, 3, 0), (2, 8, 6, 0)), ((2, 2, 3, 0), (2, 7, 6, 0))]],
+        None: [[((3, 5, 5, 0), (3, 13, 10, 0)), ((3, 5, 5, 0), (3, 13, 10, 0))],
+               [((2, 1, 5, 0), (2, 6, 10, 0)), ((2, 1, 5, 0), (2, 5, 10, 0))]],
         5: [[((9, 20, 3, 0), (9, 53, 6, 0)), ((9, 20, 3, 0), (9, 46, 6, 0))],
             [((3, 8, 3, 0), (3, 22, 6, 0)), ((3, 8, 3, 0), (3, 20, 6, 0))]],
     }, got
@@ -289,8 +290,8 @@ def test_layer_call_counts_are_pinned(pool2, pool4, exchange):
 # Per rank, (forward, backward) of a steady call moved to balanced: (kernel calls, launching ops, transfers,
 # syncs); every document whole, so one kernel call and no K/V exchange, 4 all-to-alls of 3 peers each way.
 RELAID_PINNED = [[(1, 8, 24, 0), (1, 8, 24, 0)]] * 4
-THD_PINNED = [[(7, 18, 9, 0), (7, 48, 18, 0)], [(6, 16, 9, 0), (6, 47, 18, 0)],  # the same documents in thd
-              [(5, 10, 9, 0), (5, 32, 18, 0)], [(4, 4, 9, 0), (4, 23, 18, 0)]]
+THD_PINNED = [[(7, 18, 15, 0), (7, 42, 30, 0)], [(6, 15, 15, 0), (6, 43, 30, 0)],  # the same documents in thd
+              [(5, 9, 15, 0), (5, 30, 30, 0)], [(4, 3, 15, 0), (4, 23, 30, 0)]]
 
 
 def relaid_counts(relayout):
