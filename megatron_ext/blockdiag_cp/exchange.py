@@ -26,10 +26,11 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
                          the delivered buffer (memory O(needed), not O(chunk))
 
 K and V travel fused in one buffer per step, [n, b, Hkv * (Dk + Dv)], built per piece (per
-group for a band step in one batch). One exception, a2a / halo's streamed steps with
-``planar_runs`` (the chunks not kept for backward): a source that sends its whole shard sends
-its K rows and its V rows as they lie, two messages and no copy, which land as one planar
-buffer [2, n, b, Hkv * D] (K then V; Dk = Dv). Both ends know it from the global counts.
+group for a band step in one batch). Where a piece is a run of a whole shard (every ring
+piece; a2a / halo's where the source sends its whole shard, which both ends read off the
+global counts) and K and V are as wide, it travels planar instead: its K rows and its V rows
+as they lie, two messages and no copy, landing as one buffer [2, n, b, Hkv * D] (K, then V);
+its gradient goes home the same way.
 
 Backward sends each chunk's K/V gradient straight home (to r - i, from r + i;
 hierarchical: back through the routes at the end); the ring sends it only for the pieces
@@ -332,22 +333,33 @@ class RingTransport(_DirectGradients):
     kind = "ring"
 
     def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
-                 gradients: "RingGradients"):
+                 gradients: "RingGradients", planar: bool = False):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
         self.gradients = gradients
         self._last = None  # the piece received last step: forwarded next step
+        # every piece is a run of a whole shard: planar where K and V are as wide (see NeededTransport)
+        self.planar = planar and k.shape[2] * k.shape[3] == v.shape[2] * v.shape[3]
 
     def rows(self, piece: int) -> int:
         return piece_rows(self.k.shape[0], self.c, piece)
 
     def start(self, step) -> Transfer:
         i, j = step
-        send = fused_rows(self.k, self.v, slice(j * self.c, (j + 1) * self.c)) if i == 1 else self._last
-        n = self.rows(j)
-        return self.post([(send, (self.rank + 1) % self.cp)], (self.rank - 1) % self.cp,
-                    (n,) + send.shape[1:], send, self.group, self.stats, self.prefix + "wait_seconds",
-                    self.prefix + "bytes")
+        n, dst, src = self.rows(j), (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        own = slice(j * self.c, (j + 1) * self.c)
+        if self.planar:
+            halves = [gather(t, own).reshape(-1, t.shape[1], t.shape[2] * t.shape[3]) for t in (self.k, self.v)]
+            sends = [(half, dst) for half in (halves if i == 1 else self._last)]
+            shape = (2, n, self.k.shape[1], fused_width(self.k, self.v) // 2)
+            return self.post(sends, src, shape, self.k[:0], self.group, self.stats, self.prefix + "wait_seconds",
+                             self.prefix + "bytes", planar=True)
+        send = fused_rows(self.k, self.v, own) if i == 1 else self._last
+        return self.post([(send, dst)], src, (n,) + send.shape[1:], send, self.group, self.stats,
+                         self.prefix + "wait_seconds", self.prefix + "bytes")
+
+    def gradients_planar(self, step) -> Tuple[bool, bool]:
+        return self.planar, self.planar
 
     def received(self, chunk: torch.Tensor) -> None:
         self._last = chunk

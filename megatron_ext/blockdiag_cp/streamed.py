@@ -117,7 +117,7 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
     chunk_rows = plan.stream[kind].chunk_rows
     if kind == "ring":
         return RingTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
-                             state.ring_gradients(plan.window))
+                             state.ring_gradients(plan.window), planar=True)
     if state.kv_exchange == "hierarchical":
         return HierarchicalTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                                      plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window, True),

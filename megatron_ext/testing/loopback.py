@@ -102,8 +102,8 @@ class _WholeHandover(_Handover, WholeNeededTransport):
 
 
 class _RingHandover(_Handover, RingTransport):
-    def __init__(self, chunks, zeros, *args):
-        RingTransport.__init__(self, *args)
+    def __init__(self, chunks, zeros, *args, **kwargs):
+        RingTransport.__init__(self, *args, **kwargs)
         _Handover.__init__(self, chunks, zeros)
 
 
@@ -139,8 +139,10 @@ class Loopback:
                 if pos.numel():
                     k, v = self.k_full.index_select(0, pos), self.v_full.index_select(0, pos)
                     chunks[at] = torch.cat([k, v], dim=-1).reshape(k.shape[0], k.shape[1], -1)
-                    whole = int(plan.exchange.counts[(state.rank - at[0]) % state.cp, state.rank]) == state.local_len
-                    if kind == "needed" and whole and k.shape[-2:] == v.shape[-2:]:
+                    # the ring's pieces are of whole shards; a2a / halo's where the source sends its whole one
+                    whole = kind == "ring" or (not state.needed_whole(window) and int(
+                        plan.exchange.counts[(state.rank - at[0]) % state.cp, state.rank]) == state.local_len)
+                    if whole and k.shape[-2:] == v.shape[-2:]:
                         chunks[("planar", at)] = torch.stack([k, v]).reshape(2, k.shape[0], k.shape[1], -1)
             if kind == "needed" and self.state.needed_whole(window):  # the band mode: one buffer a group
                 delivery = self.state.whole_delivery_on(self.k_full.device, window)
@@ -165,7 +167,7 @@ class Loopback:
         chunk_rows = plan.stream[kind].chunk_rows
         if kind == "ring":
             return _RingHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats,
-                                 prefix, state.ring_gradients(plan.window))
+                                 prefix, state.ring_gradients(plan.window), planar=True)
         if state.needed_whole(plan.window):
             return _WholeHandover(chunks, zeros, k, v, state.rank, state.cp, state.group, stats, prefix,
                                   state.send_indices_on(k.device, plan.window), plan.exchange.counts,

@@ -1,9 +1,10 @@
 """``exchange.NeededTransport``'s send buffers: K and V of the rows a step sends, fused once per layer
-call where the local rows go out more than about once over."""
+call where the local rows go out more than about once over; a run of a whole shard (a2a / halo's where
+the source sends every row, every ring piece) planar, as two views."""
 
 import torch
 
-from megatron_ext.blockdiag_cp.exchange import NeededTransport, Pieces, WholeNeededTransport, fused_rows
+from megatron_ext.blockdiag_cp.exchange import NeededTransport, Pieces, RingTransport, WholeNeededTransport, fused_rows
 
 
 def _transport(sent_to, send_index, L=10, fuse_sends=True):
@@ -138,3 +139,28 @@ def test_a_whole_shard_travels_planar_as_its_k_and_v_rows():
         t.__init__(*args, planar_runs=on)
         sends, _, shape, planar = t.start((1, 0))
         assert not planar and len(sends) == 1 and shape == (4, 2, 8 + 2 * dv)
+
+
+class _RecordedRing(RingTransport):
+    def post(self, sends, recv_from, recv_shape, *rest, planar=False):
+        return sends, recv_from, tuple(recv_shape), planar
+
+
+def test_a_ring_piece_travels_planar_and_is_forwarded_as_it_came():
+    """Every ring piece is a run of a whole shard: the own piece goes as views of K and V, a received one
+    is forwarded as its two halves, each lands in a [2, n, b, F / 2] buffer; fused where K and V differ in
+    width."""
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(8, 1, 2, 4, generator=g), torch.randn(8, 1, 2, 4, generator=g)
+    ring = _RecordedRing(k, v, 1, 3, 4, None, {}, "", None, planar=True)
+    sends, src, shape, planar = ring.start((1, 1))
+    assert src == 0 and planar and shape == (2, 4, 1, 8)
+    assert [(t.data_ptr(), dst) for t, dst in sends] == [(k[4].data_ptr(), 2), (v[4].data_ptr(), 2)]
+    came = torch.randn(2, 4, 1, 8, generator=g)
+    ring.received(came)
+    sends, _, _, _ = ring.start((2, 1))
+    assert [(t.data_ptr(), dst) for t, dst in sends] == [(came[0].data_ptr(), 2), (came[1].data_ptr(), 2)]
+    assert ring.gradients_planar((2, 1)) == (True, True)
+    mla = _RecordedRing(k, torch.randn(8, 1, 2, 6, generator=g), 1, 3, 4, None, {}, "", None, planar=True)
+    (send, _), = mla.start((1, 0))[0]
+    assert not mla.planar and send.shape == (4, 1, 20)

@@ -155,6 +155,8 @@ def ring_gradients_against_reference(ids):
     sends = sum(len(_needed_pieces(ids, positions, c, rank, (rank - i) % cp)) for i in range(1, cp))
     receives = sum(len(_needed_pieces(ids, positions, c, (rank + i) % cp, rank)) for i in range(1, cp))
     pieces = -(-state.local_len // c)
+    # a ring piece is a whole shard's: its gradient goes home planar, dK and dV as two messages
+    sends, receives = 2 * sends, 2 * receives
     return {"sent": (backward.sends, sends), "received": (backward.receives, receives),
             "every_piece": (cp - 1) * pieces, "errors": errors}
 
@@ -167,7 +169,7 @@ def test_ring_sends_home_only_the_gradients_the_plan_says_were_produced(pool2, p
         assert r["sent"][0] == r["sent"][1] and r["received"][0] == r["received"][1], (rank, r)
         assert max(r["errors"]) < 1e-12, (rank, r["errors"])
     # Short documents: some pieces hold no key another rank attends, and their gradients stay home.
-    assert sum(r["sent"][0] for r in results) < sum(r["every_piece"] for r in results), results
+    assert sum(r["sent"][0] for r in results) < 2 * sum(r["every_piece"] for r in results), results
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -213,7 +215,7 @@ def _summary(kernel_calls, launching, transfers, syncs):
 # Per exchange, per rank: (forward, backward) of a later layer call, refetch, on ``_mix(128)``
 # (zigzag, GQA 4 / 2 heads of 8, fp32, dense kernel); cp 2, hierarchical at cp 4 = 2 nodes x 2.
 PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host syncs)
-    "allgather": [((2, 3, 4, 0), (2, 11, 6, 0)), ((2, 3, 4, 0), (2, 11, 6, 0))],
+    "allgather": [((2, 1, 8, 0), (2, 10, 12, 0)), ((2, 1, 8, 0), (2, 10, 12, 0))],
     "a2a": [((2, 2, 2, 0), (2, 5, 4, 0)), ((2, 2, 2, 0), (2, 5, 4, 0))],
     "halo": [((2, 2, 2, 0), (2, 5, 4, 0)), ((2, 2, 2, 0), (2, 5, 4, 0))],
     "hierarchical": [((2, 5, 5, 0), (2, 16, 10, 0)), ((3, 6, 7, 0), (3, 19, 14, 0)),
