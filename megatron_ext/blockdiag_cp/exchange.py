@@ -224,6 +224,12 @@ def fused_width(k: torch.Tensor, v: torch.Tensor) -> int:
     return k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]
 
 
+def planar_rows(k: torch.Tensor, v: torch.Tensor, rows) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K and V of local ``rows`` as they travel planar, [n, b, Hkv * D] each: views of a run (a gather each
+    for an index tensor)."""
+    return tuple(gather(t, rows).reshape(-1, t.shape[1], t.shape[2] * t.shape[3]) for t in (k, v))
+
+
 def fused_rows(k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
     """[n, b, Hkv * (Dk + Dv)]: K and V of local ``rows`` (a slice or an index tensor) in one buffer."""
     if isinstance(rows, slice):  # views: one pass
@@ -349,8 +355,7 @@ class RingTransport(_DirectGradients):
         n, dst, src = self.rows(j), (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
         own = slice(j * self.c, (j + 1) * self.c)
         if self.planar:
-            halves = [gather(t, own).reshape(-1, t.shape[1], t.shape[2] * t.shape[3]) for t in (self.k, self.v)]
-            sends = [(half, dst) for half in (halves if i == 1 else self._last)]
+            sends = [(half, dst) for half in (planar_rows(self.k, self.v, own) if i == 1 else self._last)]
             shape = (2, n, self.k.shape[1], fused_width(self.k, self.v) // 2)
             return self.post(sends, src, shape, self.k[:0], self.group, self.stats, self.prefix + "wait_seconds",
                              self.prefix + "bytes", planar=True)
@@ -429,7 +434,7 @@ class NeededTransport(_DirectGradients):
         rows, n_send = self.sent_rows(step)
         sends = [(None, dst)]
         if n_send and self.travels_planar(self.sent_to[dst]):
-            sends = [(half, dst) for half in self._planar_rows(rows)]
+            sends = [(half, dst) for half in planar_rows(self.k, self.v, rows)]
         elif n_send:
             sends = [(self._send_buffer(rows), dst)]
         n_recv = self.received_rows(step)
@@ -446,8 +451,6 @@ class NeededTransport(_DirectGradients):
         return (self.travels_planar(self.received_from[(self.rank - i) % self.cp]),
                 self.travels_planar(self.sent_to[(self.rank + i) % self.cp]))
 
-    def _planar_rows(self, rows) -> Tuple[torch.Tensor, torch.Tensor]:  # [n, b, F / 2] each: views of a run
-        return tuple(gather(t, rows).reshape(-1, t.shape[1], t.shape[2] * t.shape[3]) for t in (self.k, self.v))
 
     def _send_buffer(self, rows) -> torch.Tensor:  # [n, b, F]
         if not self._fuse_once:
@@ -835,6 +838,6 @@ def return_gradient(grad_chunk, round_index: int, incoming_rows: int, rank: int,
                 planar=planar_in)
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "post_all_to_all", "receive_buffer", "return_gradient", "fused_rows", "fused_width",
+__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "post_all_to_all", "receive_buffer", "return_gradient", "fused_rows", "fused_width", "planar_rows",
            "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
            "needed_gradients"]
