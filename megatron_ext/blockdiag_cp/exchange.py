@@ -128,13 +128,15 @@ class Transfer:
 
 def post(sends, recv_from: Optional[int], recv_shape, like: torch.Tensor, group, stats: Dict,
          wait_key: str, byte_key: str, planar: bool = False) -> Transfer:
-    """Post this rank's sends [(tensor, group rank)] and one receive; nothing to do posts nothing.
-    ``planar``: the receive is a [2, n, ...] buffer that arrives as two messages, [0] then [1].
+    """Post this rank's sends [(tensor, group rank)] and one receive of ``recv_shape`` ([n, b, F]); nothing to do
+    posts nothing. ``planar``: it arrives as two messages into one [2, n, b, F / 2] buffer, [0] then [1].
 
     Every rank of a round calls ``post`` once, with matching sends and receives, so
     each pair's transfers pair up in order; empty transfers are never posted.
     """
     recv_shape = tuple(recv_shape)
+    if planar:
+        recv_shape = (2,) + recv_shape[:-1] + (recv_shape[-1] // 2,)
     received = None
     if recv_from is not None and recv_shape[1 if planar else 0] > 0:
         received = receive_buffer(recv_shape, like)
@@ -356,7 +358,7 @@ class RingTransport(_DirectGradients):
         own = slice(j * self.c, (j + 1) * self.c)
         if self.planar:
             sends = [(half, dst) for half in (planar_rows(self.k, self.v, own) if i == 1 else self._last)]
-            shape = (2, n, self.k.shape[1], fused_width(self.k, self.v) // 2)
+            shape = (n, self.k.shape[1], fused_width(self.k, self.v))
             return self.post(sends, src, shape, self.k[:0], self.group, self.stats, self.prefix + "wait_seconds",
                              self.prefix + "bytes", planar=True)
         send = fused_rows(self.k, self.v, own) if i == 1 else self._last
@@ -440,11 +442,8 @@ class NeededTransport(_DirectGradients):
         n_recv = self.received_rows(step)
         like = self.k[:0]
         shape = (n_recv, self.k.shape[1], fused_width(self.k, self.v))
-        planar = self.travels_planar(self.received_from[src])
-        if planar:
-            shape = (2, n_recv, self.k.shape[1], shape[2] // 2)
         return self.post(sends, src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
-                         self.prefix + "bytes", planar=planar)
+                         self.prefix + "bytes", planar=self.travels_planar(self.received_from[src]))
 
     def gradients_planar(self, step) -> Tuple[bool, bool]:
         i = step[0]
@@ -831,11 +830,8 @@ def return_gradient(grad_chunk, round_index: int, incoming_rows: int, rank: int,
     """
     src, dst = (rank - round_index) % cp, (rank + round_index) % cp
     sends = [(half, src) for half in grad_chunk] if planar_out and grad_chunk is not None else [(grad_chunk, src)]
-    shape = (incoming_rows,) + tuple(like.shape[1:])
-    if planar_in:
-        shape = (2,) + shape[:-1] + (shape[-1] // 2,)
-    return post(sends, dst, shape, like, group, stats, "backward_wait_seconds", "backward_grad_bytes",
-                planar=planar_in)
+    return post(sends, dst, (incoming_rows,) + tuple(like.shape[1:]), like, group, stats, "backward_wait_seconds",
+                "backward_grad_bytes", planar=planar_in)
 
 
 __all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "post_all_to_all", "receive_buffer", "return_gradient", "fused_rows", "fused_width", "planar_rows",

@@ -60,7 +60,7 @@ class _Handover:
                 tensor.contiguous()
         if self._step is not None:
             return _Ready(self.chunks.get(("planar", self._step) if planar else self._step))
-        rows = recv_shape[1 if planar else 0] if recv_from is not None else 0
+        rows = recv_shape[0] if recv_from is not None else 0  # [n, b, F], planar or not
         if not rows:
             return _Ready(None)
         back = self.zeros[:rows]  # planar: the same zeros as [2, rows, b, F / 2]

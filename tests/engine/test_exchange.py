@@ -99,7 +99,7 @@ def test_fused_rows_of_an_index_is_one_gather_and_of_no_row_no_op():
 
 
 class _Recorded(NeededTransport):
-    """Needed transport whose posts are recorded, not sent: (sends, source, receive shape, planar)."""
+    """Needed transport whose posts are recorded, not sent: (sends, source, receive shape [n, b, F], planar)."""
 
     def post(self, sends, recv_from, recv_shape, *rest, planar=False):
         return sends, recv_from, tuple(recv_shape), planar
@@ -123,7 +123,7 @@ def test_a_whole_shard_travels_planar_as_its_k_and_v_rows():
     t.__init__(*args, planar_runs=True)
     k, v = args[0], args[1]
     sends, src, shape, planar = t.start((1, 0))  # to 1 (its whole shard), from 2 (2's whole shard)
-    assert src == 2 and planar and shape == (2, 4, 2, 8)
+    assert src == 2 and planar and shape == (4, 2, 16)  # post lands it as [2, 4, 2, 8]
     (k_rows, dst_k), (v_rows, dst_v) = sends
     assert dst_k == dst_v == 1 and k_rows.shape == v_rows.shape == (4, 2, 8)
     assert k_rows.data_ptr() == k.data_ptr() and v_rows.data_ptr() == v.data_ptr()  # views
@@ -154,7 +154,7 @@ def test_a_ring_piece_travels_planar_and_is_forwarded_as_it_came():
     k, v = torch.randn(8, 1, 2, 4, generator=g), torch.randn(8, 1, 2, 4, generator=g)
     ring = _RecordedRing(k, v, 1, 3, 4, None, {}, "", None, planar=True)
     sends, src, shape, planar = ring.start((1, 1))
-    assert src == 0 and planar and shape == (2, 4, 1, 8)
+    assert src == 0 and planar and shape == (4, 1, 16)  # post lands it as [2, 4, 1, 8]
     assert [(t.data_ptr(), dst) for t, dst in sends] == [(k[4].data_ptr(), 2), (v[4].data_ptr(), 2)]
     came = torch.randn(2, 4, 1, 8, generator=g)
     ring.received(came)
