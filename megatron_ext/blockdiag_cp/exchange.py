@@ -47,6 +47,7 @@ back by ``resolve_waits`` when the figures are wanted, never during a step.
 import contextlib
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
@@ -345,15 +346,26 @@ class RingTransport(_DirectGradients):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
         self.gradients = gradients
-        self._last = None  # the piece received last step: forwarded next step
+        self._last = None  # the piece received last: forwarded by the step after it
+        self._posted = deque()  # the steps posted and not yet received, in posting order
+        self._last_step = None  # the step ``_last`` came at
         # every piece is a run of a whole shard: planar where K and V are as wide (see NeededTransport)
         self.planar = planar and k.shape[2] * k.shape[3] == v.shape[2] * v.shape[3]
 
     def rows(self, piece: int) -> int:
         return piece_rows(self.k.shape[0], self.c, piece)
 
+    def can_start(self, step) -> bool:
+        """Whether ``step`` can be posted now: a piece of our own (round 1) any time, a forwarded one once
+        the step before it in the ring (round - 1, same piece) has landed and nothing landed since."""
+        i, j = step
+        return i == 1 or self._last_step == (i - 1, j)
+
     def start(self, step) -> Transfer:
         i, j = step
+        if not self.can_start(step):
+            raise RuntimeError(f"blockdiag-cp: ring step {step} posted before step {(i - 1, j)} landed")
+        self._posted.append(step)
         n, dst, src = self.rows(j), (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
         own = slice(j * self.c, (j + 1) * self.c)
         if self.planar:
@@ -369,7 +381,7 @@ class RingTransport(_DirectGradients):
         return self.planar, self.planar
 
     def received(self, chunk: torch.Tensor) -> None:
-        self._last = chunk
+        self._last, self._last_step = chunk, self._posted.popleft()
 
     def sent_rows(self, step):
         """This rank's own piece that reached rank + i at ``step``: rows, and the rows of gradient
@@ -457,6 +469,11 @@ class NeededTransport(_DirectGradients):
         if self._fused is None:
             self._fused = fused_rows(self.k, self.v, slice(None))
         return self._fused[rows] if isinstance(rows, slice) else self._fused.index_select(0, rows)
+
+    @staticmethod
+    def can_start(step) -> bool:
+        """Every piece of the needed rows comes from its source's own K/V: it can be posted any time."""
+        return True
 
     def received_rows(self, step) -> int:
         i, j = step
@@ -730,6 +747,10 @@ class HierarchicalTransport:
 
     def received(self, chunk) -> None:
         pass
+
+    @staticmethod
+    def can_start(step) -> bool:
+        return True
 
     def gradient_buffer(self, step, chunk: torch.Tensor) -> Optional[torch.Tensor]:
         """Where the whole step writes its chunk's gradient ([n, b, F], k's dtype): its rows of the buffer

@@ -131,18 +131,20 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
                            planar_runs=True)
 
 
-# Forward posts the chunks of a2a / halo this many steps ahead of the one it attends. One ahead, the
-# link idles from the moment a chunk lands until the step before it is attended, though the next
-# transfer could be under way: while the own keys are attended, which take longer than the first
-# chunk's transfer where a rank holds most of its keys. Two ahead, forward holds one chunk more (K/V of
-# half a shard), under backward's peak (its gradients in flight). More ahead would issue more posts
-# before the own keys' call, each delaying its launch. The ring forwards what it received the step
-# before, and the hierarchical exchange moves everything in its first step: one ahead.
+# Forward posts the chunks this many steps ahead of the one it attends. One ahead, the link idles from
+# the moment a chunk lands until the step before it is attended, though the next transfer could be
+# under way: while the own keys are attended, which take longer than the first chunk's transfer where a
+# rank holds most of its keys. Two ahead, forward holds one chunk more (K/V of half a shard), under
+# backward's peak (its gradients in flight). More ahead would issue more posts before the own keys'
+# call, each delaying its launch. The ring posts a step only once what it forwards has landed
+# (``RingTransport.can_start``): at cp 2 both pieces of its own go before the own keys' call, at cp > 2
+# a piece's first hop goes while the last one's final hop moves. The hierarchical exchange moves
+# everything in its first step: one ahead.
 FORWARD_FETCHES_AHEAD = 2
 
 
 def _forward_fetches_ahead(transport) -> int:
-    return FORWARD_FETCHES_AHEAD if isinstance(transport, NeededTransport) else 1
+    return 1 if isinstance(transport, HierarchicalTransport) else FORWARD_FETCHES_AHEAD
 
 
 def _sends_only(transport, step) -> bool:
@@ -219,15 +221,22 @@ class _StreamedAttention(torch.autograd.Function):
         transport = _transport(kind, k, v, state, plan, stats, "", fuse_sends=True) if state.cp > 1 else None
         ahead = _forward_fetches_ahead(transport)
         # the transfers posted and not yet waited for, in step order; ``posted``: the next step to post
-        pending = deque(transport.start((step.round, step.piece)) for step in steps[1:1 + ahead])
-        posted = 1 + len(pending)
+        pending, posted = deque(), 1
+
+        def post_ahead():  # in step order, up to ``ahead`` in flight, while the next one can go
+            nonlocal posted
+            while (posted < len(steps) and len(pending) < ahead
+                   and transport.can_start((steps[posted].round, steps[posted].piece))):
+                pending.append(transport.start((steps[posted].round, steps[posted].piece)))
+                posted += 1
+
+        if transport is not None:
+            post_ahead()
         attend(calls[0], merges.calls[0], geo.kv_flat(k), geo.kv_flat(v))
         for s in range(1, len(steps)):
             chunk = pending.popleft().wait()
             transport.received(chunk)
-            if posted < len(steps):  # one landed, one more posted: ``ahead`` in flight
-                pending.append(transport.start((steps[posted].round, steps[posted].piece)))
-                posted += 1
+            post_ahead()  # one landed: one more (the ring: one it forwards) goes
             if chunk is not None:
                 attend(calls[s], merges.calls[s], *geo.split(chunk))
             keep = save and chunk is not None and bool(calls[s])

@@ -2,6 +2,7 @@
 call where the local rows go out more than about once over; a run of a whole shard (a2a / halo's where
 the source sends every row, every ring piece) planar, as two views."""
 
+import pytest
 import torch
 
 from megatron_ext.blockdiag_cp.exchange import NeededTransport, Pieces, RingTransport, WholeNeededTransport, fused_rows
@@ -164,3 +165,24 @@ def test_a_ring_piece_travels_planar_and_is_forwarded_as_it_came():
     mla = _RecordedRing(k, torch.randn(8, 1, 2, 6, generator=g), 1, 3, 4, None, {}, "", None, planar=True)
     (send, _), = mla.start((1, 0))[0]
     assert not mla.planar and send.shape == (4, 1, 20)
+
+
+def test_a_ring_step_goes_once_the_piece_it_forwards_landed():
+    """``RingTransport.can_start``: its own pieces (round 1) go any time, step (i, j) only once (i - 1, j)
+    landed and nothing landed after it (it forwards the last piece received); posting earlier is refused."""
+    k, v = torch.randn(8, 1, 2, 4), torch.randn(8, 1, 2, 4)
+    ring = _RecordedRing(k, v, 1, 3, 4, None, {}, "", None, planar=True)
+    assert ring.can_start((1, 0)) and ring.can_start((1, 1)) and not ring.can_start((2, 0))
+    with pytest.raises(RuntimeError, match=r"ring step \(2, 0\) posted before step \(1, 0\) landed"):
+        ring.start((2, 0))
+    ring.start((1, 0))
+    ring.start((1, 1))
+    first, second = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8)
+    ring.received(first)  # (1, 0)'s piece
+    assert ring.can_start((2, 0)) and not ring.can_start((2, 1))
+    sends, _, _, _ = ring.start((2, 0))
+    assert [t.data_ptr() for t, _ in sends] == [first[0].data_ptr(), first[1].data_ptr()]
+    ring.received(second)  # (1, 1)'s
+    assert ring.can_start((2, 1)) and not ring.can_start((2, 0))
+    sends, _, _, _ = ring.start((2, 1))
+    assert [t.data_ptr() for t, _ in sends] == [second[0].data_ptr(), second[1].data_ptr()]

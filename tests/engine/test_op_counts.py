@@ -502,23 +502,53 @@ def forward_order(exchange):
     step_of = dict(zip([e.post for e in events if isinstance(e, PostEvent)], moving))
     order = [("post", step_of[e.post]) if isinstance(e, PostEvent) else ("wait", step_of[e.post])
              if isinstance(e, WaitEvent) else "kernel" for e in events]
-    return order, moving, float((out - state.shard(want)).abs().max())
+    steps = [(step.round, step.piece) for step in stream.steps]
+    return order, moving, steps, float((out - state.shard(want)).abs().max())
+
+
+def _posted_when_waited(steps, ahead: int, ring: bool):
+    """Step s -> the steps posted by the time s is waited for, and the steps posted before the own keys'
+    call: steps go in order, at most ``ahead`` in flight; a ring step (i, j) with i > 1 forwards what
+    (i - 1, j) brought, so it goes only once that one landed and nothing landed after it."""
+    posted, landed, last, before, at_wait = 1, 1, None, None, {}
+
+    def fill():
+        nonlocal posted
+        while posted < len(steps) and posted - landed < ahead and (
+                not ring or steps[posted][0] == 1 or last == (steps[posted][0] - 1, steps[posted][1])):
+            posted += 1
+
+    fill()
+    before = list(range(1, posted))
+    for s in range(1, len(steps)):
+        at_wait[s] = list(range(1, posted))
+        landed, last = s + 1, steps[s]
+        fill()
+    return before, at_wait
 
 
 @pytest.mark.timeout(120)
-def test_forward_posts_the_needed_chunks_two_ahead(pool4):
-    """a2a / halo forward posts two steps' chunks before the own keys' call and the next one as each lands
-    (``streamed.FORWARD_FETCHES_AHEAD``): every step's chunk but the last is waited for with the next
-    one in flight. The ring forwards the piece it received the step before, so it posts one ahead."""
-    for exchange, ahead in (("a2a", 2), ("halo", 2), ("allgather", 1)):
-        for rank, (order, moving, error) in enumerate(pool4.run(forward_order, exchange)):
+def test_forward_posts_two_steps_ahead(pool4):
+    """Forward posts two steps' chunks before the own keys' call and the next one as each lands
+    (``streamed.FORWARD_FETCHES_AHEAD``): a2a / halo every step's chunk but the last is waited for with the
+    next one in flight. The ring forwards the piece it received the step before, so a forwarding step
+    goes once that piece landed (``RingTransport.can_start``): at cp 4 one ahead within a piece, two where
+    the next piece's first hop can go while the last hop of this one moves."""
+    for exchange in ("a2a", "halo", "allgather"):
+        for rank, (order, moving, steps, error) in enumerate(pool4.run(forward_order, exchange)):
             assert error < 1e-12 and len(moving) >= 3, (exchange, rank, order)
+            before, at_wait = _posted_when_waited(steps, 2, exchange == "allgather")
             first_kernel = order.index("kernel")
-            assert order[:first_kernel] == [("post", s) for s in moving if s <= ahead], (exchange, rank, order)
-            for s in moving:  # when step s is waited for, steps up to s + ahead - 1 are posted, no later one
+            assert order[:first_kernel] == [("post", s) for s in before if s in moving], (exchange, rank, order)
+            for s in moving:
                 waited = order.index(("wait", s))
                 posted = [t for t in moving if ("post", t) in order[:waited]]
-                assert posted == [t for t in moving if t < s + ahead], (exchange, rank, s, order)
+                assert posted == [t for t in at_wait[s] if t in moving], (exchange, rank, s, order)
+            if exchange == "allgather":  # (cp - 1, 0) and (1, 1) in flight together
+                last_hop, next_piece = steps.index((3, 0)), steps.index((1, 1))
+                assert order.index(("post", next_piece)) < order.index(("wait", last_hop)), (rank, order)
+            else:
+                assert before == [1, 2]
 
 
 def backward_events(exchange, kv_backward="save", layout="zigzag", runs=((1, 256),), rows_per_launch=None):
