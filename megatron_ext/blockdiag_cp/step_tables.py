@@ -161,7 +161,7 @@ class StepTables:
         or in groups: ``band_pieces``), attended by bands (``gathered``, ``exchange.WholeNeededTransport``),
         instead of chunk by chunk (host, once per step and window).
         With ``kv_backward="save"``, which holds every received row from forward to backward anyway. With
-        ``"refetch"`` only where ``REFETCH_GROUP_LOCAL_MULTIPLE`` is above 0 (it is not by default) and no rank
+        ``"refetch"`` only where ``REFETCH_GROUP_LOCAL_MULTIPLE`` is above 0 (1 by default; 0 turns it off) and no rank
         receives more than that times its local rows in one group (``_group_rows``), so a layer call holds a
         few groups at a time and memory stays O(S / cp); elsewhere refetch streams."""
         if (self.kv_exchange not in ("a2a", "halo") or self.kv_backward not in ("save", "refetch")
