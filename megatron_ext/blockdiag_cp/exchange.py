@@ -342,10 +342,11 @@ class RingTransport(_DirectGradients):
     kind = "ring"
 
     def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
-                 gradients: "RingGradients", planar: bool = False):
+                 gradients: "RingGradients", planar: bool = False, reach: Optional["RingReach"] = None):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
         self.gradients = gradients
+        self.reach = reach  # which hops are posted (None: every hop)
         self._last = None  # the piece received last: forwarded by the step after it
         self._posted = deque()  # the steps posted and not yet received, in posting order
         self._last_step = None  # the step ``_last`` came at
@@ -368,14 +369,19 @@ class RingTransport(_DirectGradients):
         self._posted.append(step)
         n, dst, src = self.rows(j), (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
         own = slice(j * self.c, (j + 1) * self.c)
+        sending = self.reach is None or self.reach.sends(self.rank, step)
+        recv_from = src if self.reach is None or self.reach.receives(self.rank, step) else None
+        if sending and i > 1 and self._last is None:
+            raise RuntimeError(f"blockdiag-cp: ring step {step} forwards a piece that never came")
         if self.planar:
-            sends = [(half, dst) for half in (planar_rows(self.k, self.v, own) if i == 1 else self._last)]
+            sends = [(half, dst) for half in (planar_rows(self.k, self.v, own) if i == 1 else self._last)] \
+                if sending else []
             shape = (n, self.k.shape[1], fused_width(self.k, self.v))
-            return self.post(sends, src, shape, self.k[:0], self.group, self.stats, self.prefix + "wait_seconds",
-                             self.prefix + "bytes", planar=True)
-        send = fused_rows(self.k, self.v, own) if i == 1 else self._last
-        return self.post([(send, dst)], src, (n,) + send.shape[1:], send, self.group, self.stats,
-                         self.prefix + "wait_seconds", self.prefix + "bytes")
+            return self.post(sends, recv_from, shape, self.k[:0], self.group, self.stats,
+                             self.prefix + "wait_seconds", self.prefix + "bytes", planar=True)
+        send = (fused_rows(self.k, self.v, own) if i == 1 else self._last) if sending else None
+        return self.post([(send, dst)], recv_from, (n,) + tuple(self.k.shape[1:2]) + (fused_width(self.k, self.v),),
+                         self.k[:0], self.group, self.stats, self.prefix + "wait_seconds", self.prefix + "bytes")
 
     def gradients_planar(self, step) -> Tuple[bool, bool]:
         return self.planar, self.planar
@@ -807,6 +813,60 @@ class HierarchicalTransport:
 
 
 @dataclass(frozen=True)
+class RingReach:
+    """How far around the ring each piece of K/V goes: alike on every rank, from the global tables.
+
+    Piece j of source s (its local rows [j c, (j + 1) c)) reaches rank s + h at step (h, j).
+    ``far[s][j]``: the last hop at which a rank attends one of its rows (0: none does). The hops
+    past it would carry keys nobody downstream attends, so they are not posted:
+
+        cp = 4, piece j of rank 0:
+          attended on rank 1 only                    0 -> 1                (hops 2, 3 not posted)
+          attended on rank 3 (zigzag's second piece)  0 -> 1 -> 2 -> 3   (every hop)
+
+    At step (i, j) rank r receives piece j of r - i (from r - 1) where i <= far[r - i][j], and sends
+    rank r + 1 piece j of r + 1 - i where i <= far[r + 1 - i][j]: the two ends of a hop ask the same
+    entry. A forwarded piece was received the step before (far >= i > i - 1), so what goes on always
+    came.
+    """
+
+    far: Tuple[Tuple[int, ...], ...]  # [cp][pieces]
+
+    @classmethod
+    def of(cls, runs, intervals, chunk_rows: int) -> "RingReach":
+        """From every rank's needed ranges ``intervals`` (dst, a, b: positions [a, b) rank dst attends, the
+        plan's global table) and the layout's runs: each source's local rows in each range, by piece."""
+        dst, a, b = (np.asarray(x) for x in intervals)
+        cp, L = runs.cp, runs.local_len
+        far = np.zeros((cp, -(-L // chunk_rows)), dtype=np.int64)
+        if dst.size:
+            first_row = (np.arange(cp) * L)[:, None]
+            lo, hi = runs.flat_before_np(a) - first_row, runs.flat_before_np(b) - first_row  # [cp, n] src's rows
+            hop = (dst[None, :] - np.arange(cp)[:, None]) % cp  # [cp, n] 0: the source's own range
+            met = (hi > lo) & (hop > 0)
+            first, last = lo // chunk_rows, (hi - 1) // chunk_rows
+            for j in range(far.shape[1]):
+                far[:, j] = np.where(met & (first <= j) & (last >= j), hop, 0).max(1)
+        return cls(tuple(tuple(row) for row in far.tolist()))
+
+    def receives(self, rank: int, step) -> bool:
+        i, j = step
+        return i <= self.far[(rank - i) % len(self.far)][j]
+
+    def sends(self, rank: int, step) -> bool:
+        i, j = step
+        return i <= self.far[(rank + 1 - i) % len(self.far)][j]
+
+    def positions(self, rank: int, local_len: int, chunk_rows: int) -> Tuple[int, int]:
+        """(sent, received) K/V positions of ``rank`` per layer call, over every step."""
+        cp, pieces = len(self.far), len(self.far[0])
+        steps = [(i, j) for j in range(pieces) for i in range(1, cp)]
+        rows = [piece_rows(local_len, chunk_rows, j) for j in range(pieces)]
+        return (sum(rows[j] for i, j in steps if self.sends(rank, (i, j))),
+                sum(rows[j] for i, j in steps if self.receives(rank, (i, j))))
+
+
+@dataclass(frozen=True)
 class RingGradients:
     """The ring's (round, piece) steps that move a K/V gradient, for one rank.
 
@@ -855,6 +915,6 @@ def return_gradient(grad_chunk, round_index: int, incoming_rows: int, rank: int,
                 "backward_grad_bytes", planar=planar_in)
 
 
-__all__ = ["RingTransport", "RingGradients", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "post_all_to_all", "receive_buffer", "return_gradient", "fused_rows", "fused_width", "planar_rows",
+__all__ = ["RingTransport", "RingGradients", "RingReach", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "post_all_to_all", "receive_buffer", "return_gradient", "fused_rows", "fused_width", "planar_rows",
            "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
            "needed_gradients"]

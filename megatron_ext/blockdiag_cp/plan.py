@@ -50,12 +50,11 @@ class StepPlan:
     stream: Mapping  # chunk kind ("ring" | "needed") -> StreamPlan (the streamed op's steps), lazily
     window: Optional[int] = None  # the sliding window this plan is for (None: whole documents)
     doc_runs: Sequence = ()  # per row of doc ids, its ``intervals.document_runs`` (what the plan was built on)
+    intervals: Tuple = ()  # (dst, a, b): every rank's needed position ranges [a, b), global (``ring_reach``)
 
-    def positions_moved(self, kind: str) -> Tuple[int, int]:
-        """(sent, received) K/V positions of this rank per attention call, for a chunk kind."""
-        if kind == "ring":
-            moved = (self.cp - 1) * self.local_len
-            return moved, moved
+    def positions_moved(self) -> Tuple[int, int]:
+        """(sent, received) K/V positions of this rank per attention call over a needed-only exchange (the
+        ring's hops: ``exchange.RingReach.positions``)."""
         counts = self.exchange.counts
         return int(counts[self.rank].sum()), int(counts[:, self.rank].sum())
 
@@ -151,7 +150,8 @@ def plan_with_tables(doc_ids: torch.Tensor, layout: Layout, rank: int, kinds: Se
         build_stream_plan(kind, runs, rows, rank, counts, (dst, a, b), window, mine_flat)), CHUNK_KINDS)
     for kind in kinds:
         stream[kind]
-    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window, tuple(rows)), (dst, a, b), \
+    return StepPlan(rank, cp, R, L, needed_remote, work_per_rank, exchange, stream, window, tuple(rows),
+                    (dst, a, b)), (dst, a, b), \
         overlap
 
 

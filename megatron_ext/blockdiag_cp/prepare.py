@@ -275,6 +275,8 @@ def plan_summary(doc_ids, cp: int, layout: Optional[str] = None,
         # cost.Traffic of the needed-only (or hierarchical) exchange, for the layers the counts describe
         "traffic": priced["traffic"] if mix.shares[0][0] == window else layout_cost(
             prep.doc_ids, lay, cost, "needed", overlap=False, windows=window)["traffic"],
+        # the full ring, as the cost model prices allgather (the op posts only the hops some rank
+        # further round attends: exchange.RingReach, the state's report)
         "allgather_positions_per_rank": allgather.tolist(),
         "halo_ok": plan.exchange.halo_ok,
         "cost_model": cost.name,

@@ -703,8 +703,11 @@ class BlockDiagCPState(StepTables):
             sent_pos = recv_pos = 0
         elif self.kv_exchange == "ulysses":  # the group's q/k/v rows, all but its own block
             sent_pos = recv_pos = (self.ulysses_size - 1) * self.local_len
+        elif chunk_kind(self.kv_exchange) == "ring":  # the hops the ring posts
+            sent_pos, recv_pos = self.ring_reach(window).positions(self.rank, self.local_len,
+                                                                   plan.stream["ring"].chunk_rows)
         else:
-            sent_pos, recv_pos = plan.positions_moved(chunk_kind(self.kv_exchange))
+            sent_pos, recv_pos = plan.positions_moved()
         work = plan.work_per_rank.to(torch.float64)
         mean = float(work.mean())
         lower = int(plan.needed_remote[self.rank])

@@ -20,7 +20,7 @@ import torch
 
 from .. import parallel_state as ps
 from . import kernels
-from .exchange import GroupMessages, Pieces, RingGradients, WholeDelivery, piece_rows
+from .exchange import GroupMessages, Pieces, RingGradients, RingReach, WholeDelivery, piece_rows
 from .intervals import np64, ranges_np
 from .layouts import build_layout
 from .merge import MergePlan, Rows, copied_rows, device_rows
@@ -334,6 +334,14 @@ class StepTables:
         if key not in self._device_index:
             plan = self.plan_for(window)
             self._device_index[key] = RingGradients.of(plan, self.layout.runs, plan.stream["ring"].chunk_rows)
+        return self._device_index[key]
+
+    def ring_reach(self, window: Optional[int] = None) -> RingReach:
+        """How far around the ring each piece of K/V goes (``exchange.RingReach``), once per step and window."""
+        key = ("ring_reach", window)
+        if key not in self._device_index:
+            plan = self.plan_for(window)
+            self._device_index[key] = RingReach.of(self.layout.runs, plan.intervals, plan.stream["ring"].chunk_rows)
         return self._device_index[key]
 
     def stream_on(self, kind: str, device: torch.device, window: Optional[int] = None) -> List[List["DeviceCall"]]:

@@ -117,7 +117,7 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
     chunk_rows = plan.stream[kind].chunk_rows
     if kind == "ring":
         return RingTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
-                             state.ring_gradients(plan.window), planar=True)
+                             state.ring_gradients(plan.window), planar=True, reach=state.ring_reach(plan.window))
     if state.kv_exchange == "hierarchical":
         return HierarchicalTransport(k, v, state.rank, state.cp, chunk_rows, state.group, stats, prefix,
                                      plan.exchange.counts, state.hierarchical_route_on(k.device, plan.window, True),
@@ -239,6 +239,9 @@ class _StreamedAttention(torch.autograd.Function):
             post_ahead()  # one landed: one more (the ring: one it forwards) goes
             if chunk is not None:
                 attend(calls[s], merges.calls[s], *geo.split(chunk))
+            elif calls[s]:  # the tables that decide what moves disagree with this rank's calls
+                raise RuntimeError(f"blockdiag-cp: rank {state.rank} has calls on the keys of step "
+                                   f"{(steps[s].round, steps[s].piece)}, which no transfer brought")
             keep = save and chunk is not None and bool(calls[s])
             saved_at.append(len(saved) if keep else -1)
             if keep:

@@ -58,8 +58,9 @@ class _Handover:
         for tensor, _ in sends:  # what post would send: made contiguous, then dropped (no peer)
             if tensor is not None:
                 tensor.contiguous()
-        if self._step is not None:
-            return _Ready(self.chunks.get(("planar", self._step) if planar else self._step))
+        if self._step is not None:  # nothing comes where the step receives nothing (the ring's unposted hops)
+            return _Ready(None if recv_from is None else self.chunks.get(("planar", self._step) if planar
+                                                                        else self._step))
         rows = recv_shape[0] if recv_from is not None else 0  # [n, b, F], planar or not
         if not rows:
             return _Ready(None)
@@ -167,7 +168,8 @@ class Loopback:
         chunk_rows = plan.stream[kind].chunk_rows
         if kind == "ring":
             return _RingHandover(chunks, zeros, k, v, state.rank, state.cp, chunk_rows, state.group, stats,
-                                 prefix, state.ring_gradients(plan.window), planar=True)
+                                 prefix, state.ring_gradients(plan.window), planar=True,
+                                 reach=state.ring_reach(plan.window))
         if state.needed_whole(plan.window):
             return _WholeHandover(chunks, zeros, k, v, state.rank, state.cp, state.group, stats, prefix,
                                   state.send_indices_on(k.device, plan.window), plan.exchange.counts,

@@ -5,7 +5,9 @@ The independent count: a query at global position p of document [a, ...) needs t
 of positions a..p; a rank needs the union over its queries (padding queries need
 nothing); what it needs and does not own is what halo / a2a must deliver (its lower
 bound); every position a rank owns is sent once to each rank that needs it. All-gather
-moves (cp - 1) * local_len rows each way. One K/V row is b * Hkv * 2D * element size.
+is a ring of each rank's K/V in two pieces (its local rows cut in halves, rounded up): a piece
+goes round to the farthest rank that needs one of its rows, so every rank up to there
+receives it and every rank before there sends it on. One K/V row is b * Hkv * 2D * element size.
 scripts/bench/comm_balance.py reads the same counters for bench/results.jsonl.
 """
 
@@ -60,6 +62,22 @@ def measure(case: str):
     return out
 
 
+def _ring_rows(needed, reps, cp: int, local_len: int, rank: int):
+    """(rows sent, rows received) by ``rank`` around the ring: piece j of source s reaches s + 1 .. s + h,
+    h the farthest hop whose rank needs one of its positions."""
+    half = -(-local_len // 2)
+    pieces = [(j * half, min(local_len, (j + 1) * half)) for j in range(-(-local_len // half))]
+    sent = received = 0
+    for s in range(cp):
+        for lo, hi in pieces:
+            rows = set(reps[s]["positions"][lo:hi])
+            far = max([h for h in range(1, cp) if needed[(s + h) % cp] & rows], default=0)
+            reached = [(s + h) % cp for h in range(1, far + 1)]  # each receives it from the rank before
+            received += (hi - lo) * (rank in reached)
+            sent += (hi - lo) * (rank in [(s + h - 1) % cp for h in range(1, far + 1)])
+    return sent, received
+
+
 def _needed_remote(doc_ids, padded_len, owned):
     """Global positions the queries at ``owned`` need and ``owned`` lacks: from the ids alone."""
     ids = doc_ids.tolist() + [0] * (padded_len - doc_ids.numel())
@@ -95,7 +113,8 @@ def test_counters_equal_independent_count(pool, case):
             lower = len(needed[rank]) * ROW_BYTES
             assert r["lower_bound_bytes"] == lower, (key, rank, r, lower)
             if exchange == "allgather":
-                expect_sent = expect_recv = (cp - 1) * local_len * ROW_BYTES
+                expect_sent, expect_recv = _ring_rows(needed, reps, cp, local_len, rank)
+                expect_sent, expect_recv = expect_sent * ROW_BYTES, expect_recv * ROW_BYTES
             else:  # halo (or its a2a fallback) and a2a move exactly what is needed
                 expect_recv = lower
                 expect_sent = sum(len(needed[dst] & owned[rank]) for dst in range(cp)) * ROW_BYTES

@@ -103,7 +103,7 @@ def test_no_host_sync_after_a_steps_first_layer_call(pool2, pool4, exchange, kv_
         assert syncs == {}, (rank, syncs)
 
 
-# -- the ring returns only the gradients someone produced ------------------------------------------
+# -- the ring moves only the K/V someone attends, and returns only the gradients someone produced --
 
 
 def _short_documents(S: int = 1024, n: int = 64) -> torch.Tensor:
@@ -128,9 +128,9 @@ def _needed_pieces(ids, positions, chunk_rows, dst, src):
     return pieces
 
 
-def ring_gradients_against_reference(ids):
-    """Backward transfers of the ring (save mode: gradients only) against an independent count, and the
-    gradients against the fp64 reference."""
+def ring_transfers_against_reference(ids):
+    """Forward and backward transfers of the ring (save mode: backward moves gradients only) against an
+    independent count from the ids, and the output and gradients against the fp64 reference."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.blockdiag_cp.chunks import chunk_rows_for
     from megatron_ext.testing import reference_attention
@@ -140,36 +140,82 @@ def ring_gradients_against_reference(ids):
     g = torch.Generator().manual_seed(5)
     q, k, v, w = (torch.randn(S, 1, h, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1, 2))
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    (reference_attention(*ref_in, ids) * w).sum().backward()
+    want = reference_attention(*ref_in, ids)
+    (want * w).sum().backward()
     state = bdcp.BlockDiagCPState.build(ids, layout="zigzag", kv_exchange="allgather", attn_backend="dense",
                                         kv_backward="save")
     local = [state.shard(t).detach().requires_grad_() for t in (q, k, v)]
     counter = OpCounter()
     with bdcp.blockdiag_cp_step(state), counter:
-        out = bdcp.blockdiag_cp_attention(*local)
+        with counter.region("forward") as forward:
+            out = bdcp.blockdiag_cp_attention(*local)
         with counter.region("backward") as backward:
             torch.autograd.backward(out, state.shard(w))
-    errors = [float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
+    errors = [float((out - state.shard(want)).abs().max())]
+    errors += [float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
     positions = [state.layout.rank_positions(r).tolist() for r in range(cp)]
     c = chunk_rows_for(state.local_len)
-    sends = sum(len(_needed_pieces(ids, positions, c, rank, (rank - i) % cp)) for i in range(1, cp))
-    receives = sum(len(_needed_pieces(ids, positions, c, (rank + i) % cp, rank)) for i in range(1, cp))
     pieces = -(-state.local_len // c)
-    # a ring piece is a whole shard's: its gradient goes home planar, dK and dV as two messages
-    sends, receives = 2 * sends, 2 * receives
+    # a ring piece is a whole shard's: it travels planar, K and V (dK and dV going home) as two messages
+    sends = 2 * sum(len(_needed_pieces(ids, positions, c, rank, (rank - i) % cp)) for i in range(1, cp))
+    receives = 2 * sum(len(_needed_pieces(ids, positions, c, (rank + i) % cp, rank)) for i in range(1, cp))
+    # piece j of s goes around the ring as far as the last rank that attends one of its keys
+    needed = [[_needed_pieces(ids, positions, c, (s + h) % cp, s) for h in range(cp)] for s in range(cp)]
+    far = [[max([h for h in range(1, cp) if j in needed[s][h]], default=0) for j in range(pieces)]
+           for s in range(cp)]
+    steps = [(i, j) for j in range(pieces) for i in range(1, cp)]
+    kv_sends = 2 * sum(i <= far[(rank + 1 - i) % cp][j] for i, j in steps)
+    kv_receives = 2 * sum(i <= far[(rank - i) % cp][j] for i, j in steps)
+    rep = state.report()  # its positions are the hops posted: what the forward measured moving
     return {"sent": (backward.sends, sends), "received": (backward.receives, receives),
+            "kv_sent": (forward.sends, kv_sends), "kv_received": (forward.receives, kv_receives),
+            "bytes_sent": (rep["bytes_sent"], rep["positions_sent"] * rep["kv_row_bytes"]),
+            "bytes_received": (rep["bytes_received"], rep["positions_received"] * rep["kv_row_bytes"]),
             "every_piece": (cp - 1) * pieces, "errors": errors}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_sends_home_only_the_gradients_the_plan_says_were_produced(pool2, pool4, cp):
-    results = (pool2 if cp == 2 else pool4).run(ring_gradients_against_reference, _short_documents())
+def test_ring_moves_only_what_the_plan_says_is_attended(pool2, pool4, cp):
+    """Forward: a piece of K/V goes around the ring only as far as the last rank that attends one of its
+    keys (``exchange.RingReach``). Backward: only gradients some rank produced go home."""
+    results = (pool2 if cp == 2 else pool4).run(ring_transfers_against_reference, _short_documents())
     for rank, r in enumerate(results):
-        assert r["sent"][0] == r["sent"][1] and r["received"][0] == r["received"][1], (rank, r)
+        for key in ("sent", "received", "kv_sent", "kv_received", "bytes_sent", "bytes_received"):
+            assert r[key][0] == r[key][1], (rank, key, r)
         assert max(r["errors"]) < 1e-12, (rank, r["errors"])
-    # Short documents: some pieces hold no key another rank attends, and their gradients stay home.
+    # Short documents: some pieces hold no key another rank attends, and their gradients stay home; the
+    # hops past a piece's last reader are not posted.
     assert sum(r["sent"][0] for r in results) < 2 * sum(r["every_piece"] for r in results), results
+    assert sum(r["kv_sent"][0] for r in results) < 2 * sum(r["every_piece"] for r in results), results
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_ring_reach_is_the_last_hop_that_attends_each_piece(case, window):
+    """``RingReach.of`` (every rank's needed ranges, through the layout's runs) against what each rank's own
+    plan says it attends (``RingGradients.sent``, from its needed exchange tables): piece j of s goes to
+    hop h = the farthest rank s + h that attends it."""
+    from megatron_ext.blockdiag_cp.exchange import RingGradients, RingReach
+    from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
+    from megatron_ext.blockdiag_cp.plan import build_plan
+
+    for cp in (2, 3, 4):
+        for layout in ("contiguous", "zigzag", "balanced"):
+            ids = make_doc_ids(case, 96, cp)
+            ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+            ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
+            lay = build_layout(layout, ids, cp)
+            plans = [build_plan(ids, lay, rank, kinds=("ring",), window=window) for rank in range(cp)]
+            c = plans[0].stream["ring"].chunk_rows
+            want = [[0] * -(-lay.local_len // c) for _ in range(cp)]
+            for rank, plan in enumerate(plans):
+                for i, j in RingGradients.of(plan, lay.runs, c).sent:
+                    src = (rank - i) % cp
+                    want[src][j] = max(want[src][j], i)
+            for rank, plan in enumerate(plans):  # the global table, alike from every rank's plan
+                assert [list(row) for row in RingReach.of(lay.runs, plan.intervals, c).far] == want, (
+                    cp, layout, rank)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -215,7 +261,7 @@ def _summary(kernel_calls, launching, transfers, syncs):
 # Per exchange, per rank: (forward, backward) of a later layer call, refetch, on ``_mix(128)``
 # (zigzag, GQA 4 / 2 heads of 8, fp32, dense kernel); cp 2, hierarchical at cp 4 = 2 nodes x 2.
 PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host syncs)
-    "allgather": [((2, 1, 8, 0), (2, 10, 12, 0)), ((2, 1, 8, 0), (2, 10, 12, 0))],
+    "allgather": [((2, 1, 4, 0), (2, 10, 8, 0)), ((2, 1, 4, 0), (2, 10, 8, 0))],
     "a2a": [((2, 2, 2, 0), (2, 5, 4, 0)), ((2, 2, 2, 0), (2, 5, 4, 0))],
     "halo": [((2, 2, 2, 0), (2, 5, 4, 0)), ((2, 2, 2, 0), (2, 5, 4, 0))],
     "hierarchical": [((2, 5, 5, 0), (2, 16, 10, 0)), ((3, 6, 7, 0), (3, 19, 14, 0)),

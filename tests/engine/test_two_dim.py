@@ -77,10 +77,10 @@ def test_matches_reference_every_layout_and_ring_exchange(pool, case, exchange):
             assert report["positions_sent"] == (U - 1) * L
             # The ring level moves K/V rows of the head shards: Hkv * repeats / U heads.
             ring_row = b * hkv * repeats // U * (dk + dv) * 8
+            # allgather: at most the other group's shard, its pieces as far as some rank attends them
+            assert report["ring_bytes_received"] == report["ring_positions_received"] * ring_row, report
             if report["ring_kv_exchange"] == "allgather":
-                assert report["ring_bytes_received"] == ring_row * U * L, report  # the other group's shard
-            else:
-                assert report["ring_bytes_received"] == report["ring_positions_received"] * ring_row, report
+                assert report["ring_positions_received"] <= U * L, report
 
 
 @pytest.mark.timeout(600)
