@@ -197,6 +197,20 @@ def test_ring_reach_is_the_last_hop_that_attends_each_piece(case, window):
     plan says it attends (``RingGradients.sent``, from its needed exchange tables): piece j of s goes to
     hop h = the farthest rank s + h that attends it."""
     from megatron_ext.blockdiag_cp.exchange import RingGradients, RingReach
+
+    for cp, layout, lay, plans in _ring_plans(case, window):
+        c = plans[0].stream["ring"].chunk_rows
+        want = [[0] * -(-lay.local_len // c) for _ in range(cp)]
+        for rank, plan in enumerate(plans):
+            for i, j in RingGradients.of(plan, lay.runs, c).sent:
+                src = (rank - i) % cp
+                want[src][j] = max(want[src][j], i)
+        for rank, plan in enumerate(plans):  # the global table, alike from every rank's plan
+            assert [list(row) for row in RingReach.of(lay.runs, plan.intervals, c).far] == want, (cp, layout, rank)
+
+
+def _ring_plans(case, window):
+    """(cp, layout name, layout, every rank's ring plan) for cp 2-4 and three layouts of ``case`` (96 tokens)."""
     from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
     from megatron_ext.blockdiag_cp.plan import build_plan
 
@@ -206,16 +220,7 @@ def test_ring_reach_is_the_last_hop_that_attends_each_piece(case, window):
             ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
             ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
             lay = build_layout(layout, ids, cp)
-            plans = [build_plan(ids, lay, rank, kinds=("ring",), window=window) for rank in range(cp)]
-            c = plans[0].stream["ring"].chunk_rows
-            want = [[0] * -(-lay.local_len // c) for _ in range(cp)]
-            for rank, plan in enumerate(plans):
-                for i, j in RingGradients.of(plan, lay.runs, c).sent:
-                    src = (rank - i) % cp
-                    want[src][j] = max(want[src][j], i)
-            for rank, plan in enumerate(plans):  # the global table, alike from every rank's plan
-                assert [list(row) for row in RingReach.of(lay.runs, plan.intervals, c).far] == want, (
-                    cp, layout, rank)
+            yield cp, layout, lay, [build_plan(ids, lay, rank, kinds=("ring",), window=window) for rank in range(cp)]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -223,24 +228,16 @@ def test_ring_reach_is_the_last_hop_that_attends_each_piece(case, window):
 def test_ring_gradient_steps_cover_every_call_and_pair_up(case, window):
     """A ring step with calls sends its gradient, and each sent gradient is one its home expects."""
     from megatron_ext.blockdiag_cp.exchange import RingGradients
-    from megatron_ext.blockdiag_cp.layouts import build_layout, padded_length
-    from megatron_ext.blockdiag_cp.plan import build_plan
 
-    for cp in (2, 3, 4):
-        for layout in ("contiguous", "zigzag", "balanced"):
-            ids = make_doc_ids(case, 96, cp)
-            ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
-            ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], layout, cp) - ids.shape[1]))
-            lay = build_layout(layout, ids, cp)
-            plans = [build_plan(ids, lay, rank, kinds=("ring",), window=window) for rank in range(cp)]
-            grads = [RingGradients.of(p, lay.runs, p.stream["ring"].chunk_rows) for p in plans]
-            for rank, (plan, got) in enumerate(zip(plans, grads)):
-                attended = {(s.round, s.piece) for s in plan.stream["ring"].steps[1:] if s.calls}
-                assert attended <= got.sent, (cp, layout, rank)
-                for i, j in got.sent:
-                    assert (i, j) in grads[(rank - i) % cp].returned, (cp, layout, rank, i, j)
-                for i, j in got.returned:
-                    assert (i, j) in grads[(rank + i) % cp].sent, (cp, layout, rank, i, j)
+    for cp, layout, lay, plans in _ring_plans(case, window):
+        grads = [RingGradients.of(p, lay.runs, p.stream["ring"].chunk_rows) for p in plans]
+        for rank, (plan, got) in enumerate(zip(plans, grads)):
+            attended = {(s.round, s.piece) for s in plan.stream["ring"].steps[1:] if s.calls}
+            assert attended <= got.sent, (cp, layout, rank)
+            for i, j in got.sent:
+                assert (i, j) in grads[(rank - i) % cp].returned, (cp, layout, rank, i, j)
+            for i, j in got.returned:
+                assert (i, j) in grads[(rank + i) % cp].sent, (cp, layout, rank, i, j)
 
 
 # -- pinned counts: a regression in calls, ops, transfers or syncs fails ---------------------------
