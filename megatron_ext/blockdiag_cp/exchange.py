@@ -373,15 +373,15 @@ class RingTransport(_DirectGradients):
         recv_from = src if self.reach is None or self.reach.receives(self.rank, step) else None
         if sending and i > 1 and self._last is None:
             raise RuntimeError(f"blockdiag-cp: ring step {step} forwards a piece that never came")
-        if self.planar:
-            sends = [(half, dst) for half in (planar_rows(self.k, self.v, own) if i == 1 else self._last)] \
-                if sending else []
-            shape = (n, self.k.shape[1], fused_width(self.k, self.v))
-            return self.post(sends, recv_from, shape, self.k[:0], self.group, self.stats,
-                             self.prefix + "wait_seconds", self.prefix + "bytes", planar=True)
-        send = (fused_rows(self.k, self.v, own) if i == 1 else self._last) if sending else None
-        return self.post([(send, dst)], recv_from, (n,) + tuple(self.k.shape[1:2]) + (fused_width(self.k, self.v),),
-                         self.k[:0], self.group, self.stats, self.prefix + "wait_seconds", self.prefix + "bytes")
+        if not sending:
+            sends = []
+        elif self.planar:
+            sends = [(half, dst) for half in (planar_rows(self.k, self.v, own) if i == 1 else self._last)]
+        else:
+            sends = [(fused_rows(self.k, self.v, own) if i == 1 else self._last, dst)]
+        shape = (n, self.k.shape[1], fused_width(self.k, self.v))  # [n, b, F]: post lands it planar or fused
+        return self.post(sends, recv_from, shape, self.k[:0], self.group, self.stats, self.prefix + "wait_seconds",
+                         self.prefix + "bytes", planar=self.planar)
 
     def gradients_planar(self, step) -> Tuple[bool, bool]:
         return self.planar, self.planar
