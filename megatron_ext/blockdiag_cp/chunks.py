@@ -35,8 +35,9 @@ Chunk buffers (``slot`` = row within a source's whole delivery; a step holds
 slots [first, first + chunk_len)):
 - ring (all-gather): the source's whole local K/V in its local order, slot =
   local index on the source; piece j of every source travels the ring before
-  piece j + 1 (steps ordered piece-major), so a rank forwards only the piece it
-  just received;
+  piece j + 1 (steps ordered piece-major, each piece's hops in order, some pieces
+  the other way round: ``RingReach``), so a rank forwards only the piece it just
+  received;
 - needed (a2a / halo): exactly the source's positions inside this rank's needed
   intervals, ascending, slot = rank among them (what ``ExchangeTables`` sends);
   steps ordered round-major. Every rank walks the same steps (a round has as many
@@ -139,6 +140,7 @@ class StreamPlan:
     local_len: int
     chunk_rows: int  # the most positions one remote step moves
     steps: Tuple[Step, ...]  # own K/V first, then the remote steps in transfer order
+    reach: Optional["RingReach"] = None  # the ring's directions and reach (kind "ring" only)
 
     @property
     def key_rows(self) -> int:
@@ -149,6 +151,98 @@ class StreamPlan:
     def max_chunk_rows(self) -> int:
         """The largest remote chunk (positions): what one step holds besides the local K/V."""
         return max((step.chunk_len for step in self.steps[1:]), default=0)
+
+
+@dataclass(frozen=True)
+class RingReach:
+    """Which way each piece of K/V goes around the ring, and how far: alike on every rank, from the
+    global tables.
+
+    Piece j of source s (its local rows [j c, (j + 1) c)) goes downstream, to s + 1 then s + 2 ...
+    or, where ``reverse[j]``, to s - 1 then s - 2 ..., whichever posts fewer hops over every
+    source (a tie: downstream). ``far[s][j]``: the last hop at which a rank attends one of its
+    rows, counted that way (0: none does). The hops past it would carry keys nobody further
+    attends, so they are not posted:
+
+        cp = 4, zigzag, short documents: rank r holds chunks r and 7 - r of 8
+          piece 0 (chunk r), attended by r + 1:       0 -> 1               (hops 2, 3 not posted)
+          piece 1 (chunk 7 - r), attended by r - 1:   0 -> 3               (reverse; hops 2, 3 not posted)
+
+    A step keeps its plan label (i, j): piece j of source r - i. Downstream that is hop i; reverse,
+    hop cp - i, so a reverse piece's steps run i = cp - 1 down to 1. At hop h rank r receives from
+    its upstream neighbour where h <= far[r - i][j], and sends its downstream neighbour the piece that
+    neighbour receives at hop h where that one's entry allows: the two ends of a hop ask the same
+    entry. A forwarded piece was received the hop before (far >= h > h - 1), so what goes on always
+    came.
+    """
+
+    far: Tuple[Tuple[int, ...], ...]  # [cp][pieces], hops in the piece's direction
+    reverse: Tuple[bool, ...] = ()  # [pieces]: the piece goes to r - 1 (empty: every piece downstream)
+
+    @classmethod
+    def of(cls, runs: RankRuns, intervals, chunk_rows: int) -> "RingReach":
+        """From every rank's needed ranges ``intervals`` (dst, a, b: positions [a, b) rank dst attends, the
+        plan's global table) and the layout's runs: each source's local rows in each range, by piece."""
+        dst, a, b = (np.asarray(x) for x in intervals)
+        cp, L = runs.cp, runs.local_len
+        pieces = -(-L // chunk_rows)
+        far = np.zeros((2, cp, pieces), dtype=np.int64)  # [downstream / reverse, source, piece]
+        if dst.size:
+            first_row = (np.arange(cp) * L)[:, None]
+            lo, hi = runs.flat_before_np(a) - first_row, runs.flat_before_np(b) - first_row  # [cp, n] src's rows
+            down = (dst[None, :] - np.arange(cp)[:, None]) % cp  # [cp, n] 0: the source's own range
+            met = (hi > lo) & (down > 0)
+            first, last = lo // chunk_rows, (hi - 1) // chunk_rows
+            for j in range(pieces):
+                attends = met & (first <= j) & (last >= j)
+                far[0, :, j] = np.where(attends, down, 0).max(1)
+                far[1, :, j] = np.where(attends, (cp - down) % cp, 0).max(1)
+        reverse = far[1].sum(0) < far[0].sum(0)  # [pieces]
+        chosen = np.where(reverse[None, :], far[1], far[0])
+        return cls(tuple(tuple(row) for row in chosen.tolist()), tuple(bool(x) for x in reverse.tolist()))
+
+    def is_reverse(self, piece: int) -> bool:
+        return bool(self.reverse) and self.reverse[piece]
+
+    def hop(self, step) -> int:
+        """How many hops the piece of ``step`` took to get here."""
+        i, j = step
+        return len(self.far) - i if self.is_reverse(j) else i
+
+    def steps(self, piece: int) -> List[Tuple[int, int]]:
+        """The steps of ``piece``, hop 1 first."""
+        cp = len(self.far)
+        return [(cp - h if self.is_reverse(piece) else h, piece) for h in range(1, cp)]
+
+    def step_before(self, step) -> Tuple[int, int]:
+        """The step whose piece ``step`` forwards (one hop fewer)."""
+        i, j = step
+        return (i + 1, j) if self.is_reverse(j) else (i - 1, j)
+
+    def downstream(self, rank: int, piece: int) -> int:
+        return (rank + (-1 if self.is_reverse(piece) else 1)) % len(self.far)
+
+    def upstream(self, rank: int, piece: int) -> int:
+        return (rank - (-1 if self.is_reverse(piece) else 1)) % len(self.far)
+
+    def receives(self, rank: int, step) -> bool:
+        i, j = step
+        return self.hop(step) <= self.far[(rank - i) % len(self.far)][j]
+
+    def sends(self, rank: int, step) -> bool:
+        """Whether ``rank`` sends at ``step`` (the hop its downstream neighbour receives at that hop)."""
+        i, j = step
+        cp, h = len(self.far), self.hop(step)
+        source = (rank + h - 1) % cp if self.is_reverse(j) else (rank + 1 - h) % cp
+        return h <= self.far[source][j]
+
+    def positions(self, rank: int, local_len: int, chunk_rows: int) -> Tuple[int, int]:
+        """(sent, received) K/V positions of ``rank`` per layer call, over every step."""
+        cp, pieces = len(self.far), len(self.far[0])
+        steps = [(i, j) for j in range(pieces) for i in range(1, cp)]
+        rows = [max(0, min(chunk_rows, local_len - j * chunk_rows)) for j in range(pieces)]
+        return (sum(rows[j] for i, j in steps if self.sends(rank, (i, j))),
+                sum(rows[j] for i, j in steps if self.receives(rank, (i, j))))
 
 
 def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int) -> List[np.ndarray]:
@@ -683,24 +777,29 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
             own = calls.get((rank, 0), ()) + (causal,)
     steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
     received = counts[:, rank].tolist()
-    for i, j in remote_steps(kind, counts, L, c):
+    reach = RingReach.of(runs, intervals, c) if kind == "ring" else None
+    for i, j in remote_steps(kind, counts, L, c, reach):
         src = (rank - i) % cp
         delivered = L if kind == "ring" else received[src]
         n = max(0, min(c, delivered - j * c))
         steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
-    return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))
+    return StreamPlan(kind, rank, cp, R, L, c, tuple(steps), reach)
 
 
-def remote_steps(kind: str, counts: torch.Tensor, local_len: int, chunk_rows: int) -> List[Tuple[int, int]]:
+def remote_steps(kind: str, counts: torch.Tensor, local_len: int, chunk_rows: int,
+                 reach: Optional[RingReach] = None) -> List[Tuple[int, int]]:
     """(round, piece) of every remote step, in transfer order; the same on every rank.
 
-    ring: piece-major (each piece goes around the ring before the next starts);
+    ring: piece-major (each piece goes around the ring before the next starts), each piece's hops
+    in order (``reach``: which pieces go the other way; None: every piece downstream);
     needed: round-major, a round having as many pieces as its largest transfer.
     """
     cp = counts.shape[0]
     if kind == "ring":
         pieces = -(-local_len // chunk_rows)
-        return [(i, j) for j in range(pieces) for i in range(1, cp)]
+        if reach is None:
+            return [(i, j) for j in range(pieces) for i in range(1, cp)]
+        return [step for j in range(pieces) for step in reach.steps(j)]
     if cp == 1:
         return []
     # Round i moves counts[s, (s + i) % cp] from every s: one gather of the [cp, cp - 1] table, not cp - 1
@@ -715,5 +814,5 @@ def chunk_kind(kv_exchange: str) -> str:
     return "ring" if kv_exchange == "allgather" else "needed"
 
 
-__all__ = ["CallPlan", "Step", "StreamPlan", "build_stream_plan", "calls_by_runs", "chunk_kind", "chunk_rows_for",
+__all__ = ["CallPlan", "RingReach", "Step", "StreamPlan", "build_stream_plan", "calls_by_runs", "chunk_kind", "chunk_rows_for",
            "remote_steps", "with_calls_by_runs", "CHUNK_KINDS", "CHUNKS_PER_SHARD", "RUN_CALLS"]

@@ -5,7 +5,10 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
 
     ring (allgather)     r sends r + 1 the piece it received at step (i - 1, j) (its own
                          piece j at i = 1) and receives from r - 1: every rank's whole local
-                         K/V travels around the ring, neighbour links only (TE's p2p CP)
+                         K/V travels around the ring, neighbour links only (TE's p2p CP),
+                         each piece only as far as a rank attends it; a piece whose readers
+                         lie upstream (zigzag's second) goes the other way, r to r - 1
+                         (``RingReach``)
 
         step (1, j):  0 -> 1 -> 2 -> 3 -> 0      piece j of r - 1
         step (2, j):  the same links, forwarding  piece j of r - 2 ...
@@ -58,6 +61,7 @@ import torch.distributed as dist
 
 from .hierarchical_exchange import RouteForward, returned_rows
 from .merge import gather, rows_of, set_rows
+from .chunks import RingReach
 from .merge_kernel import gather_kv_rows_, gather_kv_rows_eager
 
 # Opt-in: run the K/V transfers on CPU copies of device tensors. For gloo groups whose ranks
@@ -337,16 +341,18 @@ class Pieces:
 
 
 class RingTransport(_DirectGradients):
-    """allgather as a ring: step (i, j) forwards piece j of the chunk received at (i - 1, j) to rank + 1."""
+    """allgather as a ring: step (i, j) forwards piece j of the chunk received the hop before to the
+    next rank (rank + 1, or rank - 1 for a piece that goes the other way: ``RingReach``)."""
 
     kind = "ring"
 
     def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
-                 gradients: "RingGradients", planar: bool = False, reach: Optional["RingReach"] = None):
+                 gradients: "RingGradients", planar: bool = False, reach: Optional[RingReach] = None):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
         self.gradients = gradients
-        self.reach = reach  # which hops are posted (None: every hop)
+        # which way each piece goes and which hops are posted (None: every hop, downstream)
+        self.reach = reach if reach is not None else RingReach(((cp - 1,) * -(-k.shape[0] // chunk_rows),) * cp)
         self._last = None  # the piece received last: forwarded by the step after it
         self._posted = deque()  # the steps posted and not yet received, in posting order
         self._last_step = None  # the step ``_last`` came at
@@ -357,28 +363,29 @@ class RingTransport(_DirectGradients):
         return piece_rows(self.k.shape[0], self.c, piece)
 
     def can_start(self, step) -> bool:
-        """Whether ``step`` can be posted now: a piece of our own (round 1) any time, a forwarded one once
-        the step before it in the ring (round - 1, same piece) has landed and nothing landed since."""
-        i, j = step
-        return i == 1 or self._last_step == (i - 1, j)
+        """Whether ``step`` can be posted now: a piece of our own (hop 1) any time, a forwarded one once
+        the step before it in the ring (one hop fewer, same piece) has landed and nothing landed since."""
+        return self.reach.hop(step) == 1 or self._last_step == self.reach.step_before(step)
 
     def start(self, step) -> Transfer:
-        i, j = step
+        j = step[1]
         if not self.can_start(step):
-            raise RuntimeError(f"blockdiag-cp: ring step {step} posted before step {(i - 1, j)} landed")
+            raise RuntimeError(f"blockdiag-cp: ring step {step} posted before step "
+                               f"{self.reach.step_before(step)} landed")
         self._posted.append(step)
-        n, dst, src = self.rows(j), (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        first = self.reach.hop(step) == 1
+        n, dst, src = self.rows(j), self.reach.downstream(self.rank, j), self.reach.upstream(self.rank, j)
         own = slice(j * self.c, (j + 1) * self.c)
-        sending = self.reach is None or self.reach.sends(self.rank, step)
-        recv_from = src if self.reach is None or self.reach.receives(self.rank, step) else None
-        if sending and i > 1 and self._last is None:
+        sending = self.reach.sends(self.rank, step)
+        recv_from = src if self.reach.receives(self.rank, step) else None
+        if sending and not first and self._last is None:
             raise RuntimeError(f"blockdiag-cp: ring step {step} forwards a piece that never came")
         if not sending:
             sends = []
         elif self.planar:
-            sends = [(half, dst) for half in (planar_rows(self.k, self.v, own) if i == 1 else self._last)]
+            sends = [(half, dst) for half in (planar_rows(self.k, self.v, own) if first else self._last)]
         else:
-            sends = [(fused_rows(self.k, self.v, own) if i == 1 else self._last, dst)]
+            sends = [(fused_rows(self.k, self.v, own) if first else self._last, dst)]
         shape = (n, self.k.shape[1], fused_width(self.k, self.v))  # [n, b, F]: post lands it planar or fused
         return self.post(sends, recv_from, shape, self.k[:0], self.group, self.stats, self.prefix + "wait_seconds",
                          self.prefix + "bytes", planar=self.planar)
@@ -810,60 +817,6 @@ class HierarchicalTransport:
             dkv.add(self.route.send1_index, back)
         for key in ("grad_bytes_sent", "grad_bytes_received"):
             self.stats["backward_" + key] = self.stats.get("backward_" + key, 0) + moved[key]
-
-
-@dataclass(frozen=True)
-class RingReach:
-    """How far around the ring each piece of K/V goes: alike on every rank, from the global tables.
-
-    Piece j of source s (its local rows [j c, (j + 1) c)) reaches rank s + h at step (h, j).
-    ``far[s][j]``: the last hop at which a rank attends one of its rows (0: none does). The hops
-    past it would carry keys nobody downstream attends, so they are not posted:
-
-        cp = 4, piece j of rank 0:
-          attended on rank 1 only                    0 -> 1                (hops 2, 3 not posted)
-          attended on rank 3 (zigzag's second piece)  0 -> 1 -> 2 -> 3   (every hop)
-
-    At step (i, j) rank r receives piece j of r - i (from r - 1) where i <= far[r - i][j], and sends
-    rank r + 1 piece j of r + 1 - i where i <= far[r + 1 - i][j]: the two ends of a hop ask the same
-    entry. A forwarded piece was received the step before (far >= i > i - 1), so what goes on always
-    came.
-    """
-
-    far: Tuple[Tuple[int, ...], ...]  # [cp][pieces]
-
-    @classmethod
-    def of(cls, runs, intervals, chunk_rows: int) -> "RingReach":
-        """From every rank's needed ranges ``intervals`` (dst, a, b: positions [a, b) rank dst attends, the
-        plan's global table) and the layout's runs: each source's local rows in each range, by piece."""
-        dst, a, b = (np.asarray(x) for x in intervals)
-        cp, L = runs.cp, runs.local_len
-        far = np.zeros((cp, -(-L // chunk_rows)), dtype=np.int64)
-        if dst.size:
-            first_row = (np.arange(cp) * L)[:, None]
-            lo, hi = runs.flat_before_np(a) - first_row, runs.flat_before_np(b) - first_row  # [cp, n] src's rows
-            hop = (dst[None, :] - np.arange(cp)[:, None]) % cp  # [cp, n] 0: the source's own range
-            met = (hi > lo) & (hop > 0)
-            first, last = lo // chunk_rows, (hi - 1) // chunk_rows
-            for j in range(far.shape[1]):
-                far[:, j] = np.where(met & (first <= j) & (last >= j), hop, 0).max(1)
-        return cls(tuple(tuple(row) for row in far.tolist()))
-
-    def receives(self, rank: int, step) -> bool:
-        i, j = step
-        return i <= self.far[(rank - i) % len(self.far)][j]
-
-    def sends(self, rank: int, step) -> bool:
-        i, j = step
-        return i <= self.far[(rank + 1 - i) % len(self.far)][j]
-
-    def positions(self, rank: int, local_len: int, chunk_rows: int) -> Tuple[int, int]:
-        """(sent, received) K/V positions of ``rank`` per layer call, over every step."""
-        cp, pieces = len(self.far), len(self.far[0])
-        steps = [(i, j) for j in range(pieces) for i in range(1, cp)]
-        rows = [piece_rows(local_len, chunk_rows, j) for j in range(pieces)]
-        return (sum(rows[j] for i, j in steps if self.sends(rank, (i, j))),
-                sum(rows[j] for i, j in steps if self.receives(rank, (i, j))))
 
 
 @dataclass(frozen=True)

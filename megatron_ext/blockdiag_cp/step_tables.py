@@ -337,12 +337,9 @@ class StepTables:
         return self._device_index[key]
 
     def ring_reach(self, window: Optional[int] = None) -> RingReach:
-        """How far around the ring each piece of K/V goes (``exchange.RingReach``), once per step and window."""
-        key = ("ring_reach", window)
-        if key not in self._device_index:
-            plan = self.plan_for(window)
-            self._device_index[key] = RingReach.of(self.layout.runs, plan.intervals, plan.stream["ring"].chunk_rows)
-        return self._device_index[key]
+        """Which way and how far around the ring each piece of K/V goes (``chunks.RingReach``): the ring
+        plan's, built with its steps (whose order it sets)."""
+        return self.plan_for(window).stream["ring"].reach
 
     def stream_on(self, kind: str, device: torch.device, window: Optional[int] = None) -> List[List["DeviceCall"]]:
         """Per step, the kernel calls of the streamed plan with their indices on the device."""

@@ -63,18 +63,20 @@ def measure(case: str):
 
 
 def _ring_rows(needed, reps, cp: int, local_len: int, rank: int):
-    """(rows sent, rows received) by ``rank`` around the ring: piece j of source s reaches s + 1 .. s + h,
-    h the farthest hop whose rank needs one of its positions."""
+    """(rows sent, rows received) by ``rank`` around the ring: piece j of source s reaches s + 1 .. s + h
+    (or s - 1 .. s - h, where that way posts fewer hops over every source), h the farthest hop whose rank
+    needs one of its positions."""
     half = -(-local_len // 2)
     pieces = [(j * half, min(local_len, (j + 1) * half)) for j in range(-(-local_len // half))]
     sent = received = 0
-    for s in range(cp):
-        for lo, hi in pieces:
-            rows = set(reps[s]["positions"][lo:hi])
-            far = max([h for h in range(1, cp) if needed[(s + h) % cp] & rows], default=0)
-            reached = [(s + h) % cp for h in range(1, far + 1)]  # each receives it from the rank before
+    for lo, hi in pieces:
+        far = {d: [max([h for h in range(1, cp) if needed[(s + d * h) % cp] & set(reps[s]["positions"][lo:hi])],
+                       default=0) for s in range(cp)] for d in (1, -1)}
+        d = -1 if sum(far[-1]) < sum(far[1]) else 1
+        for s in range(cp):
+            reached = [(s + d * h) % cp for h in range(1, far[d][s] + 1)]  # each receives it from the rank before
             received += (hi - lo) * (rank in reached)
-            sent += (hi - lo) * (rank in [(s + h - 1) % cp for h in range(1, far + 1)])
+            sent += (hi - lo) * (rank in [(s + d * (h - 1)) % cp for h in range(1, far[d][s] + 1)])
     return sent, received
 
 

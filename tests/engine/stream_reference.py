@@ -1,6 +1,6 @@
 """The streamed planner as it was before the vectorized call builder (issue 19 item 4), verbatim but for
 one fix both builders carry (09308a2: a call holds a query row at most once); the transfer order
-(``chunks.remote_steps``, unchanged by the new builder) is imported, not copied.
+(``chunks.remote_steps``, with the ring's directions ``chunks.RingReach``) is imported, not copied.
 
 One change both builders carry since: without a window, a document's pieces that touch in local
 storage take their own keys as one causal block (``chunks._joined_own_calls``).
@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.blockdiag_cp.chunks import CHUNK_KINDS, CallPlan, Step, StreamPlan, chunk_rows_for, remote_steps
+from megatron_ext.blockdiag_cp.chunks import (CHUNK_KINDS, CallPlan, RingReach, Step, StreamPlan, chunk_rows_for,
+                                              remote_steps)
 from megatron_ext.blockdiag_cp.intervals import DocRuns, RankRuns, clip, map_ranges, ranges
 
 
@@ -239,9 +240,10 @@ def reference_build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRun
             causal = CallPlan(True, diag, diag, lens, lens)
     own = calls.get((rank, 0), ()) + ((causal,) if causal is not None else ())
     steps: List[Step] = [Step(0, 0, rank, 0, L, own)]
-    for i, j in remote_steps(kind, counts, L, c):
+    reach = RingReach.of(runs, intervals, c) if kind == "ring" else None
+    for i, j in remote_steps(kind, counts, L, c, reach):
         src = (rank - i) % cp
         delivered = L if kind == "ring" else int(counts[src, rank])
         n = max(0, min(c, delivered - j * c))
         steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
-    return StreamPlan(kind, rank, cp, R, L, c, tuple(steps))
+    return StreamPlan(kind, rank, cp, R, L, c, tuple(steps), reach)

@@ -159,13 +159,15 @@ def ring_transfers_against_reference(ids):
     # a ring piece is a whole shard's: it travels planar, K and V (dK and dV going home) as two messages
     sends = 2 * sum(len(_needed_pieces(ids, positions, c, rank, (rank - i) % cp)) for i in range(1, cp))
     receives = 2 * sum(len(_needed_pieces(ids, positions, c, (rank + i) % cp, rank)) for i in range(1, cp))
-    # piece j of s goes around the ring as far as the last rank that attends one of its keys
+    # piece j of s goes around the ring as far as the last rank that attends one of its keys, downstream
+    # (s + 1, s + 2, ...) or the other way, whichever posts fewer hops over every source
     needed = [[_needed_pieces(ids, positions, c, (s + h) % cp, s) for h in range(cp)] for s in range(cp)]
-    far = [[max([h for h in range(1, cp) if j in needed[s][h]], default=0) for j in range(pieces)]
-           for s in range(cp)]
-    steps = [(i, j) for j in range(pieces) for i in range(1, cp)]
-    kv_sends = 2 * sum(i <= far[(rank + 1 - i) % cp][j] for i, j in steps)
-    kv_receives = 2 * sum(i <= far[(rank - i) % cp][j] for i, j in steps)
+    far = {d: [[max([h for h in range(1, cp) if j in needed[s][(h * d) % cp]], default=0) for j in range(pieces)]
+               for s in range(cp)] for d in (1, -1)}
+    ways = [-1 if sum(f[j] for f in far[-1]) < sum(f[j] for f in far[1]) else 1 for j in range(pieces)]
+    hops = [(h, j) for j in range(pieces) for h in range(1, cp)]
+    kv_sends = 2 * sum(h <= far[ways[j]][(rank + ways[j] * (1 - h)) % cp][j] for h, j in hops)
+    kv_receives = 2 * sum(h <= far[ways[j]][(rank - ways[j] * h) % cp][j] for h, j in hops)
     rep = state.report()  # its positions are the hops posted: what the forward measured moving
     return {"sent": (backward.sends, sends), "received": (backward.receives, receives),
             "kv_sent": (forward.sends, kv_sends), "kv_received": (forward.receives, kv_receives),
@@ -195,18 +197,24 @@ def test_ring_moves_only_what_the_plan_says_is_attended(pool2, pool4, cp):
 def test_ring_reach_is_the_last_hop_that_attends_each_piece(case, window):
     """``RingReach.of`` (every rank's needed ranges, through the layout's runs) against what each rank's own
     plan says it attends (``RingGradients.sent``, from its needed exchange tables): piece j of s goes to
-    hop h = the farthest rank s + h that attends it."""
+    hop h = the farthest rank s + h (or s - h, where that way posts fewer hops) that attends it."""
     from megatron_ext.blockdiag_cp.exchange import RingGradients, RingReach
 
     for cp, layout, lay, plans in _ring_plans(case, window):
         c = plans[0].stream["ring"].chunk_rows
-        want = [[0] * -(-lay.local_len // c) for _ in range(cp)]
+        pieces = -(-lay.local_len // c)
+        down, back = ([[0] * pieces for _ in range(cp)] for _ in range(2))  # hops from s to rank, each way
         for rank, plan in enumerate(plans):
             for i, j in RingGradients.of(plan, lay.runs, c).sent:
                 src = (rank - i) % cp
-                want[src][j] = max(want[src][j], i)
+                down[src][j], back[src][j] = max(down[src][j], i), max(back[src][j], cp - i)
+        reverse = [sum(f[j] for f in back) < sum(f[j] for f in down) for j in range(pieces)]
+        want = [[(back if reverse[j] else down)[s][j] for j in range(pieces)] for s in range(cp)]
         for rank, plan in enumerate(plans):  # the global table, alike from every rank's plan
-            assert [list(row) for row in RingReach.of(lay.runs, plan.intervals, c).far] == want, (cp, layout, rank)
+            reach = RingReach.of(lay.runs, plan.intervals, c)
+            assert [list(row) for row in reach.far] == want, (cp, layout, rank)
+            assert list(reach.reverse) == reverse, (cp, layout, rank)
+            assert plan.stream["ring"].reach == reach, (cp, layout, rank)
 
 
 def _ring_plans(case, window):
@@ -538,8 +546,11 @@ def forward_order(exchange):
                 out = bdcp.blockdiag_cp_attention(*(state.shard(t) for t in (q, k, v)))
     stream = state.stream_plan(chunk_kind(exchange))
     counts, r, cp = state.plan.exchange.counts, state.rank, state.cp
+    reach = stream.reach  # the ring's hops (test_ring_reach_is_the_last_hop_that_attends_each_piece checks it)
     moving = [s for s, step in enumerate(stream.steps) if s and (
-        exchange == "allgather" or piece_rows(int(counts[r, (r + step.round) % cp]), stream.chunk_rows, step.piece)
+        (reach.sends(r, (step.round, step.piece)) or reach.receives(r, (step.round, step.piece)))
+        if exchange == "allgather" else
+        piece_rows(int(counts[r, (r + step.round) % cp]), stream.chunk_rows, step.piece)
         or piece_rows(int(counts[(r - step.round) % cp, r]), stream.chunk_rows, step.piece))]
     events = [e for e in counter.counts[("forward", 1)].events if isinstance(e, (KernelEvent, PostEvent, WaitEvent))]
     step_of = dict(zip([e.post for e in events if isinstance(e, PostEvent)], moving))
@@ -551,14 +562,15 @@ def forward_order(exchange):
 
 def _posted_when_waited(steps, ahead: int, ring: bool):
     """Step s -> the steps posted by the time s is waited for, and the steps posted before the own keys'
-    call: steps go in order, at most ``ahead`` in flight; a ring step (i, j) with i > 1 forwards what
-    (i - 1, j) brought, so it goes only once that one landed and nothing landed after it."""
+    call: steps go in order, at most ``ahead`` in flight; the ring walks each piece's hops in order, so a
+    ring step after its piece's first forwards what the step before it brought, and goes only once that one
+    landed and nothing landed after it."""
     posted, landed, last, before, at_wait = 1, 1, None, None, {}
 
     def fill():
         nonlocal posted
         while posted < len(steps) and posted - landed < ahead and (
-                not ring or steps[posted][0] == 1 or last == (steps[posted][0] - 1, steps[posted][1])):
+                not ring or posted == 1 or steps[posted - 1][1] != steps[posted][1] or last == steps[posted - 1]):
             posted += 1
 
     fill()
@@ -587,8 +599,9 @@ def test_forward_posts_two_steps_ahead(pool4):
                 waited = order.index(("wait", s))
                 posted = [t for t in moving if ("post", t) in order[:waited]]
                 assert posted == [t for t in at_wait[s] if t in moving], (exchange, rank, s, order)
-            if exchange == "allgather":  # (cp - 1, 0) and (1, 1) in flight together
-                last_hop, next_piece = steps.index((3, 0)), steps.index((1, 1))
+            if exchange == "allgather":  # piece 0's last hop and piece 1's first in flight together
+                next_piece = [j for _, j in steps].index(1)
+                last_hop = next_piece - 1
                 assert order.index(("post", next_piece)) < order.index(("wait", last_hop)), (rank, order)
             else:
                 assert before == [1, 2]
