@@ -159,8 +159,8 @@ class RingReach:
     global tables.
 
     Piece j of source s (its local rows [j c, (j + 1) c)) goes downstream, to s + 1 then s + 2 ...
-    or, where ``reverse[j]``, to s - 1 then s - 2 ..., whichever posts fewer hops over every
-    source (a tie: downstream). ``far[s][j]``: the last hop at which a rank attends one of its
+    or, where ``reverse[j]``, to s - 1 then s - 2 ...: the same way for every source, the ways that
+    leave the busiest rank the fewest rows to move (``_ways``). ``far[s][j]``: the last hop at which a rank attends one of its
     rows, counted that way (0: none does). The hops past it would carry keys nobody further
     attends, so they are not posted:
 
@@ -197,9 +197,33 @@ class RingReach:
                 attends = met & (first <= j) & (last >= j)
                 far[0, :, j] = np.where(attends, down, 0).max(1)
                 far[1, :, j] = np.where(attends, (cp - down) % cp, 0).max(1)
-        reverse = far[1].sum(0) < far[0].sum(0)  # [pieces]
-        chosen = np.where(reverse[None, :], far[1], far[0])
-        return cls(tuple(tuple(row) for row in chosen.tolist()), tuple(bool(x) for x in reverse.tolist()))
+        reverse = cls._ways(far, L, chunk_rows)
+        chosen = np.where(np.array(reverse)[None, :], far[1], far[0])
+        return cls(tuple(tuple(row) for row in chosen.tolist()), reverse)
+
+    @staticmethod
+    def _ways(far: np.ndarray, local_len: int, chunk_rows: int) -> Tuple[bool, ...]:
+        """Which pieces go the other way: of every choice (a shard has at most ``CHUNKS_PER_SHARD`` pieces),
+        the one whose busiest rank sends or receives the fewest rows, then the fewest rows in all, then
+        the most pieces downstream. ``far``: [2 (downstream, reverse), cp, pieces]."""
+        _, cp, pieces = far.shape
+        rows = np.array([max(0, min(chunk_rows, local_len - j * chunk_rows)) for j in range(pieces)])
+        h = np.arange(1, cp)[None, :]  # [1, cp - 1]
+        r = np.arange(cp)[:, None]  # [cp, 1]
+        moved = {}  # (way, piece) -> ([cp] rows received, [cp] rows sent)
+        for way, d in ((0, 1), (1, -1)):
+            for j in range(pieces):
+                received = (far[way, (r - d * h) % cp, j] >= h).sum(1)  # hop h brings piece j of r - d h
+                sent = (far[way, (r + d - d * h) % cp, j] >= h).sum(1)  # what r + d receives at hop h
+                moved[way, j] = received * rows[j], sent * rows[j]
+        best = None
+        for choice in np.ndindex(*(2,) * pieces):
+            received = sum(moved[way, j][0] for j, way in enumerate(choice))
+            sent = sum(moved[way, j][1] for j, way in enumerate(choice))
+            score = (int(np.maximum(received, sent).max()), int(received.sum()), sum(choice))
+            if best is None or score < best[0]:
+                best = (score, choice)
+        return tuple(bool(way) for way in best[1])
 
     def is_reverse(self, piece: int) -> bool:
         return bool(self.reverse) and self.reverse[piece]

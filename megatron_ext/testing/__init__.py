@@ -25,11 +25,11 @@ from .overrides import (
     override_library,
 )
 from .pool import WorkerPool, catch, pool_fixture, pool_per_cp_fixture
-from .reference import doc_mask, reference_attention, runs_to_doc_ids
+from .reference import doc_mask, reference_attention, ring_routes, runs_to_doc_ids
 from .timing import matmul_tflops, median_ms
 
 __all__ = [
     "WorkerPool", "captured_engine_logs", "catch", "doc_mask", "matmul_tflops", "median_ms",
     "override_availability", "override_kernel", "override_libraries", "override_library", "pool_fixture",
-    "pool_per_cp_fixture", "reference_attention", "runs_to_doc_ids",
+    "pool_per_cp_fixture", "reference_attention", "ring_routes", "runs_to_doc_ids",
 ]

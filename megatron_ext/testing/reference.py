@@ -6,6 +6,8 @@ engine (megatron_ext.blockdiag_cp). The tests compare against it on CPU, the GPU
 check in fp32 on the GPU.
 """
 
+import itertools
+
 import torch
 
 
@@ -53,3 +55,37 @@ def reference_attention(q, k, v, doc_ids, scale=None, window=None, sink=None):
 def runs_to_doc_ids(runs):
     """[(doc_id, length), ...] -> LongTensor [S]."""
     return torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in runs])
+
+
+def ring_routes(attended, rows):
+    """How an all-gather ring that sends each piece only as far as its last reader routes the K/V, by plain
+    loops (no engine code): ``attended[s][j]``, the ranks other than s that attend a key of piece j of
+    source s; ``rows[j]``, that piece's rows. Piece j goes the same way for every source, to s + 1, s + 2 ...
+    or to s - 1, s - 2 ..., as far as the farthest of its readers that way; of the choices, the one whose
+    busiest rank sends or receives the fewest rows, then the fewest rows in all, then the fewest pieces
+    reversed. -> {"reverse": per piece, "far": [s][j] in hops that way, "hops": per rank (sent, received),
+    "rows": per rank (sent, received)}."""
+    cp, pieces = len(attended), len(rows)
+
+    def far(way, s, j):
+        return max([h for h in range(1, cp) if (s + way * h) % cp in attended[s][j]], default=0)
+
+    best = None
+    for choice in itertools.product((False, True), repeat=pieces):
+        sent, received = [0] * cp, [0] * cp
+        hops = [[0, 0] for _ in range(cp)]
+        for j, reverse in enumerate(choice):
+            way = -1 if reverse else 1
+            for s in range(cp):
+                for h in range(1, far(way, s, j) + 1):  # hop h: from s + way (h - 1) to s + way h
+                    frm, to = (s + way * (h - 1)) % cp, (s + way * h) % cp
+                    sent[frm] += rows[j]
+                    received[to] += rows[j]
+                    hops[frm][0] += 1
+                    hops[to][1] += 1
+        score = (max(max(a, b) for a, b in zip(sent, received)), sum(received), sum(choice))
+        if best is None or score < best[0]:
+            far_table = [[far(-1 if choice[j] else 1, s, j) for j in range(pieces)] for s in range(cp)]
+            best = (score, {"reverse": list(choice), "far": far_table, "hops": [tuple(x) for x in hops],
+                            "rows": list(zip(sent, received))})
+    return best[1]

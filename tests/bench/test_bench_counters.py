@@ -14,7 +14,7 @@ scripts/bench/comm_balance.py reads the same counters for bench/results.jsonl.
 import pytest
 import torch
 
-from megatron_ext.testing import pool_per_cp_fixture
+from megatron_ext.testing import pool_per_cp_fixture, ring_routes
 
 B, HKV, HQ, D = 2, 2, 4, 4
 ROW_BYTES = B * HKV * 2 * D * 4  # K and V, fp32
@@ -63,21 +63,13 @@ def measure(case: str):
 
 
 def _ring_rows(needed, reps, cp: int, local_len: int, rank: int):
-    """(rows sent, rows received) by ``rank`` around the ring: piece j of source s reaches s + 1 .. s + h
-    (or s - 1 .. s - h, where that way posts fewer hops over every source), h the farthest hop whose rank
-    needs one of its positions."""
+    """(rows sent, rows received) by ``rank`` around the ring: piece j of source s goes as far as the
+    farthest rank that needs one of its positions, the way ``testing.ring_routes`` picks."""
     half = -(-local_len // 2)
     pieces = [(j * half, min(local_len, (j + 1) * half)) for j in range(-(-local_len // half))]
-    sent = received = 0
-    for lo, hi in pieces:
-        far = {d: [max([h for h in range(1, cp) if needed[(s + d * h) % cp] & set(reps[s]["positions"][lo:hi])],
-                       default=0) for s in range(cp)] for d in (1, -1)}
-        d = -1 if sum(far[-1]) < sum(far[1]) else 1
-        for s in range(cp):
-            reached = [(s + d * h) % cp for h in range(1, far[d][s] + 1)]  # each receives it from the rank before
-            received += (hi - lo) * (rank in reached)
-            sent += (hi - lo) * (rank in [(s + d * (h - 1)) % cp for h in range(1, far[d][s] + 1)])
-    return sent, received
+    attended = [[{dst for dst in range(cp) if dst != s and needed[dst] & set(reps[s]["positions"][lo:hi])}
+                 for lo, hi in pieces] for s in range(cp)]
+    return ring_routes(attended, [hi - lo for lo, hi in pieces])["rows"][rank]
 
 
 def _needed_remote(doc_ids, padded_len, owned):

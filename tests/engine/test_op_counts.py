@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 import torch
 
-from megatron_ext.testing import pool_fixture, runs_to_doc_ids
+from megatron_ext.testing import pool_fixture, ring_routes, runs_to_doc_ids
 from megatron_ext.testing.cases import CASES, make_doc_ids
 from megatron_ext.testing.op_counter import OpCounter, layer_calls
 
@@ -159,15 +159,12 @@ def ring_transfers_against_reference(ids):
     # a ring piece is a whole shard's: it travels planar, K and V (dK and dV going home) as two messages
     sends = 2 * sum(len(_needed_pieces(ids, positions, c, rank, (rank - i) % cp)) for i in range(1, cp))
     receives = 2 * sum(len(_needed_pieces(ids, positions, c, (rank + i) % cp, rank)) for i in range(1, cp))
-    # piece j of s goes around the ring as far as the last rank that attends one of its keys, downstream
-    # (s + 1, s + 2, ...) or the other way, whichever posts fewer hops over every source
-    needed = [[_needed_pieces(ids, positions, c, (s + h) % cp, s) for h in range(cp)] for s in range(cp)]
-    far = {d: [[max([h for h in range(1, cp) if j in needed[s][(h * d) % cp]], default=0) for j in range(pieces)]
-               for s in range(cp)] for d in (1, -1)}
-    ways = [-1 if sum(f[j] for f in far[-1]) < sum(f[j] for f in far[1]) else 1 for j in range(pieces)]
-    hops = [(h, j) for j in range(pieces) for h in range(1, cp)]
-    kv_sends = 2 * sum(h <= far[ways[j]][(rank + ways[j] * (1 - h)) % cp][j] for h, j in hops)
-    kv_receives = 2 * sum(h <= far[ways[j]][(rank - ways[j] * h) % cp][j] for h, j in hops)
+    # piece j of s goes around the ring as far as the last rank that attends one of its keys, the way that
+    # leaves the busiest rank the fewest rows to move
+    attended = [[{dst for dst in range(cp) if dst != s and j in _needed_pieces(ids, positions, c, dst, s)}
+                 for j in range(pieces)] for s in range(cp)]
+    hops = ring_routes(attended, [min(c, state.local_len - j * c) for j in range(pieces)])["hops"][rank]
+    kv_sends, kv_receives = 2 * hops[0], 2 * hops[1]
     rep = state.report()  # its positions are the hops posted: what the forward measured moving
     return {"sent": (backward.sends, sends), "received": (backward.receives, receives),
             "kv_sent": (forward.sends, kv_sends), "kv_received": (forward.receives, kv_receives),
@@ -203,17 +200,15 @@ def test_ring_reach_is_the_last_hop_that_attends_each_piece(case, window):
     for cp, layout, lay, plans in _ring_plans(case, window):
         c = plans[0].stream["ring"].chunk_rows
         pieces = -(-lay.local_len // c)
-        down, back = ([[0] * pieces for _ in range(cp)] for _ in range(2))  # hops from s to rank, each way
+        attended = [[set() for _ in range(pieces)] for _ in range(cp)]
         for rank, plan in enumerate(plans):
             for i, j in RingGradients.of(plan, lay.runs, c).sent:
-                src = (rank - i) % cp
-                down[src][j], back[src][j] = max(down[src][j], i), max(back[src][j], cp - i)
-        reverse = [sum(f[j] for f in back) < sum(f[j] for f in down) for j in range(pieces)]
-        want = [[(back if reverse[j] else down)[s][j] for j in range(pieces)] for s in range(cp)]
+                attended[(rank - i) % cp][j].add(rank)
+        want = ring_routes(attended, [min(c, lay.local_len - j * c) for j in range(pieces)])
         for rank, plan in enumerate(plans):  # the global table, alike from every rank's plan
             reach = RingReach.of(lay.runs, plan.intervals, c)
-            assert [list(row) for row in reach.far] == want, (cp, layout, rank)
-            assert list(reach.reverse) == reverse, (cp, layout, rank)
+            assert [list(row) for row in reach.far] == want["far"], (cp, layout, rank)
+            assert list(reach.reverse) == want["reverse"], (cp, layout, rank)
             assert plan.stream["ring"].reach == reach, (cp, layout, rank)
 
 
