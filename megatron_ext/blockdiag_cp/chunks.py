@@ -160,9 +160,9 @@ class RingReach:
 
     Piece j of source s (its local rows [j c, (j + 1) c)) goes downstream, to s + 1 then s + 2 ...
     or, where ``reverse[j]``, to s - 1 then s - 2 ...: the same way for every source, the ways that
-    leave the busiest rank the fewest rows to move (``_ways``). ``far[s][j]``: the last hop at which a rank attends one of its
-    rows, counted that way (0: none does). The hops past it would carry keys nobody further
-    attends, so they are not posted:
+    leave the busiest rank the fewest rows to move (``_ways``). ``far[s][j]``: the last hop at which
+    a rank attends one of its rows, counted that way (0: none does). The hops past it would carry
+    keys nobody further attends, so they are not posted:
 
         cp = 4, zigzag, short documents: rank r holds chunks r and 7 - r of 8
           piece 0 (chunk r), attended by r + 1:       0 -> 1               (hops 2, 3 not posted)

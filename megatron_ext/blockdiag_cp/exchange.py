@@ -59,9 +59,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .chunks import RingReach
 from .hierarchical_exchange import RouteForward, returned_rows
 from .merge import gather, rows_of, set_rows
-from .chunks import RingReach
 from .merge_kernel import gather_kv_rows_, gather_kv_rows_eager
 
 # Opt-in: run the K/V transfers on CPU copies of device tensors. For gloo groups whose ranks
