@@ -33,10 +33,11 @@ keys are gathered once per chunk, not once per piece.
 
 Chunk buffers (``slot`` = row within a source's whole delivery; a step holds
 slots [first, first + chunk_len)):
-- ring (all-gather): the source's whole local K/V in its local order, slot =
-  local index on the source; piece j of every source travels the ring before
-  piece j + 1 (steps ordered piece-major, each piece's hops in order, some pieces
-  the other way round: ``RingReach``), so a rank forwards only the piece it just
+- ring (all-gather): the source's local K/V in its local order, slot = local
+  index on the source; a step holds the rows of piece j some rank attends
+  (``RingReach.span``). Piece j of every source travels the ring before piece
+  j + 1 (steps ordered piece-major, each piece's hops in order, some pieces the
+  other way round: ``RingReach``), so a rank forwards only the piece it just
   received;
 - needed (a2a / halo): exactly the source's positions inside this rank's needed
   intervals, ascending, slot = rank among them (what ``ExchangeTables`` sends);
@@ -168,6 +169,10 @@ class RingReach:
           piece 0 (chunk r), attended by r + 1:       0 -> 1               (hops 2, 3 not posted)
           piece 1 (chunk 7 - r), attended by r - 1:   0 -> 3               (reverse; hops 2, 3 not posted)
 
+    A piece travels only its rows some rank attends: ``span[s][j]``, the local rows [lo, hi) of source
+    s from the first row any rank attends to the last (a short document's straddling keys: the tail
+    of the piece; a long document's: all of it).
+
     A step keeps its plan label (i, j): piece j of source r - i. Downstream that is hop i; reverse,
     hop cp - i, so a reverse piece's steps run i = cp - 1 down to 1. At hop h rank r receives from
     its upstream neighbour where h <= far[r - i][j], and sends its downstream neighbour the piece that
@@ -177,7 +182,8 @@ class RingReach:
     """
 
     far: Tuple[Tuple[int, ...], ...]  # [cp][pieces], hops in the piece's direction
-    reverse: Tuple[bool, ...] = ()  # [pieces]: the piece goes to r - 1 (empty: every piece downstream)
+    reverse: Tuple[bool, ...]  # [pieces]: the piece goes to r - 1
+    span: Tuple[Tuple[Tuple[int, int], ...], ...]  # [cp][pieces] local rows [lo, hi) that travel
 
     @classmethod
     def of(cls, runs: RankRuns, intervals, chunk_rows: int) -> "RingReach":
@@ -187,6 +193,8 @@ class RingReach:
         cp, L = runs.cp, runs.local_len
         pieces = -(-L // chunk_rows)
         far = np.zeros((2, cp, pieces), dtype=np.int64)  # [downstream / reverse, source, piece]
+        start = np.arange(pieces) * chunk_rows
+        span = np.stack([np.broadcast_to(start, (cp, pieces))] * 2, -1).copy()  # [cp, pieces, 2]: none read
         if dst.size:
             first_row = (np.arange(cp) * L)[:, None]
             lo, hi = runs.flat_before_np(a) - first_row, runs.flat_before_np(b) - first_row  # [cp, n] src's rows
@@ -197,25 +205,33 @@ class RingReach:
                 attends = met & (first <= j) & (last >= j)
                 far[0, :, j] = np.where(attends, down, 0).max(1)
                 far[1, :, j] = np.where(attends, (cp - down) % cp, 0).max(1)
-        reverse = cls._ways(far, L, chunk_rows)
+                read = attends.any(1)
+                end = min(L, start[j] + chunk_rows)
+                span[read, j, 0] = np.where(attends, np.maximum(lo, start[j]), end).min(1)[read]
+                span[read, j, 1] = np.where(attends, np.minimum(hi, end), 0).max(1)[read]
+        rows = span[..., 1] - span[..., 0]  # [cp, pieces]
+        reverse = cls._ways(far, rows)
         chosen = np.where(np.array(reverse)[None, :], far[1], far[0])
-        return cls(tuple(tuple(row) for row in chosen.tolist()), reverse)
+        return cls(tuple(tuple(row) for row in chosen.tolist()), reverse,
+                   tuple(tuple(tuple(x) for x in row) for row in span.tolist()))
 
     @staticmethod
-    def _ways(far: np.ndarray, local_len: int, chunk_rows: int) -> Tuple[bool, ...]:
+    def _ways(far: np.ndarray, rows: np.ndarray) -> Tuple[bool, ...]:
         """Which pieces go the other way: of every choice (a shard has at most ``CHUNKS_PER_SHARD`` pieces),
         the one whose busiest rank sends or receives the fewest rows, then the fewest rows in all, then
-        the most pieces downstream. ``far``: [2 (downstream, reverse), cp, pieces]."""
+        the most pieces downstream. ``far``: [2 (downstream, reverse), cp, pieces]; ``rows``: [cp, pieces],
+        the rows each piece travels."""
         _, cp, pieces = far.shape
-        rows = np.array([max(0, min(chunk_rows, local_len - j * chunk_rows)) for j in range(pieces)])
         h = np.arange(1, cp)[None, :]  # [1, cp - 1]
         r = np.arange(cp)[:, None]  # [cp, 1]
         moved = {}  # (way, piece) -> ([cp] rows received, [cp] rows sent)
         for way, d in ((0, 1), (1, -1)):
             for j in range(pieces):
-                received = (far[way, (r - d * h) % cp, j] >= h).sum(1)  # hop h brings piece j of r - d h
-                sent = (far[way, (r + d - d * h) % cp, j] >= h).sum(1)  # what r + d receives at hop h
-                moved[way, j] = received * rows[j], sent * rows[j]
+                src = (r - d * h) % cp  # hop h brings r piece j of r - d h
+                received = np.where(far[way, src, j] >= h, rows[src, j], 0).sum(1)
+                src = (r + d - d * h) % cp  # what r + d receives at hop h
+                sent = np.where(far[way, src, j] >= h, rows[src, j], 0).sum(1)
+                moved[way, j] = received, sent
         best = None
         for choice in np.ndindex(*(2,) * pieces):
             received = sum(moved[way, j][0] for j, way in enumerate(choice))
@@ -225,8 +241,20 @@ class RingReach:
                 best = (score, choice)
         return tuple(bool(way) for way in best[1])
 
+    @classmethod
+    def every_hop(cls, cp: int, local_len: int, chunk_rows: int) -> "RingReach":
+        """The full ring: every piece whole, downstream, to every rank."""
+        pieces = -(-local_len // chunk_rows)
+        span = tuple((j * chunk_rows, min(local_len, (j + 1) * chunk_rows)) for j in range(pieces))
+        return cls(((cp - 1,) * pieces,) * cp, (False,) * pieces, (span,) * cp)
+
+    def rows(self, source: int, piece: int) -> slice:
+        """The local rows of ``source``'s piece that travel."""
+        lo, hi = self.span[source][piece]
+        return slice(lo, hi)
+
     def is_reverse(self, piece: int) -> bool:
-        return bool(self.reverse) and self.reverse[piece]
+        return self.reverse[piece]
 
     def hop(self, step) -> int:
         """How many hops the piece of ``step`` took to get here."""
@@ -255,18 +283,21 @@ class RingReach:
 
     def sends(self, rank: int, step) -> bool:
         """Whether ``rank`` sends at ``step`` (the hop its downstream neighbour receives at that hop)."""
-        i, j = step
-        cp, h = len(self.far), self.hop(step)
-        source = (rank + h - 1) % cp if self.is_reverse(j) else (rank + 1 - h) % cp
-        return h <= self.far[source][j]
+        return self.hop(step) <= self.far[self.sent_source(rank, step)][step[1]]
 
-    def positions(self, rank: int, local_len: int, chunk_rows: int) -> Tuple[int, int]:
+    def sent_source(self, rank: int, step) -> int:
+        """The source of the piece ``rank`` sends at ``step`` (what its downstream neighbour receives)."""
+        i, j = step
+        h = self.hop(step)
+        return (rank + h - 1) % len(self.far) if self.is_reverse(j) else (rank + 1 - h) % len(self.far)
+
+    def positions(self, rank: int) -> Tuple[int, int]:
         """(sent, received) K/V positions of ``rank`` per layer call, over every step."""
         cp, pieces = len(self.far), len(self.far[0])
         steps = [(i, j) for j in range(pieces) for i in range(1, cp)]
-        rows = [max(0, min(chunk_rows, local_len - j * chunk_rows)) for j in range(pieces)]
-        return (sum(rows[j] for i, j in steps if self.sends(rank, (i, j))),
-                sum(rows[j] for i, j in steps if self.receives(rank, (i, j))))
+        size = [[hi - lo for lo, hi in row] for row in self.span]
+        return (sum(size[self.sent_source(rank, (i, j))][j] for i, j in steps if self.sends(rank, (i, j))),
+                sum(size[(rank - i) % cp][j] for i, j in steps if self.receives(rank, (i, j))))
 
 
 def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int) -> List[np.ndarray]:
@@ -804,10 +835,22 @@ def build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRuns], rank: 
     reach = RingReach.of(runs, intervals, c) if kind == "ring" else None
     for i, j in remote_steps(kind, counts, L, c, reach):
         src = (rank - i) % cp
-        delivered = L if kind == "ring" else received[src]
-        n = max(0, min(c, delivered - j * c))
-        steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
+        steps.append(remote_step(i, j, src, received[src], c, R, calls.get((src, j), ()), reach))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps), reach)
+
+
+def remote_step(i: int, j: int, src: int, delivered: int, chunk_rows: int, R: int, calls: Tuple[CallPlan, ...],
+                reach: Optional[RingReach] = None) -> Step:
+    """Step (i, j): piece j of what ``src`` delivers this rank. needed: ``delivered`` rows cut ``chunk_rows`` at
+    a time. ring (``reach``): the piece's rows that travel (``RingReach.span``), the calls' keys counted from
+    its first."""
+    if reach is None:
+        return Step(i, j, src, j * chunk_rows, max(0, min(chunk_rows, delivered - j * chunk_rows)), calls)
+    lo, hi = reach.span[src][j]
+    shift = (lo - j * chunk_rows) * R  # the calls' keys: slot * R + row, slots from the piece's start
+    if shift:
+        calls = tuple(replace(call, k_index=call.k_index - shift) for call in calls)
+    return Step(i, j, src, lo, hi - lo, calls)
 
 
 def remote_steps(kind: str, counts: torch.Tensor, local_len: int, chunk_rows: int,
@@ -839,4 +882,4 @@ def chunk_kind(kv_exchange: str) -> str:
 
 
 __all__ = ["CallPlan", "RingReach", "Step", "StreamPlan", "build_stream_plan", "calls_by_runs", "chunk_kind", "chunk_rows_for",
-           "remote_steps", "with_calls_by_runs", "CHUNK_KINDS", "CHUNKS_PER_SHARD", "RUN_CALLS"]
+           "remote_step", "remote_steps", "with_calls_by_runs", "CHUNK_KINDS", "CHUNKS_PER_SHARD", "RUN_CALLS"]

@@ -4,11 +4,11 @@ A step moves one chunk of K/V to every rank at once (``chunks``): at step (i, j)
 rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deliver it:
 
     ring (allgather)     r sends r + 1 the piece it received at step (i - 1, j) (its own
-                         piece j at i = 1) and receives from r - 1: every rank's whole local
-                         K/V travels around the ring, neighbour links only (TE's p2p CP),
-                         each piece only as far as a rank attends it; a piece whose readers
-                         lie upstream (zigzag's second) goes the other way, r to r - 1
-                         (``RingReach``)
+                         piece j at i = 1) and receives from r - 1: every rank's local K/V
+                         travels around the ring, neighbour links only (TE's p2p CP), each
+                         piece only as far as a rank attends it and only its rows from the
+                         first one attended to the last; a piece whose readers lie upstream
+                         (zigzag's second) goes the other way, r to r - 1 (``RingReach``)
 
         step (1, j):  0 -> 1 -> 2 -> 3 -> 0      piece j of r - 1
         step (2, j):  the same links, forwarding  piece j of r - 2 ...
@@ -351,16 +351,18 @@ class RingTransport(_DirectGradients):
         self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
         self.group, self.stats, self.prefix = group, stats, prefix
         self.gradients = gradients
-        # which way each piece goes and which hops are posted (None: every hop, downstream)
-        self.reach = reach if reach is not None else RingReach(((cp - 1,) * -(-k.shape[0] // chunk_rows),) * cp)
+        # which way each piece goes, which of its rows and which hops are posted (None: every hop, downstream)
+        self.reach = reach if reach is not None else RingReach.every_hop(cp, k.shape[0], chunk_rows)
         self._last = None  # the piece received last: forwarded by the step after it
         self._posted = deque()  # the steps posted and not yet received, in posting order
         self._last_step = None  # the step ``_last`` came at
         # every piece is a run of a whole shard: planar where K and V are as wide (see NeededTransport)
         self.planar = planar and k.shape[2] * k.shape[3] == v.shape[2] * v.shape[3]
 
-    def rows(self, piece: int) -> int:
-        return piece_rows(self.k.shape[0], self.c, piece)
+    def rows(self, step) -> int:
+        """Rows of the piece that comes at ``step`` (of source rank - i)."""
+        rows = self.reach.rows((self.rank - step[0]) % self.cp, step[1])
+        return rows.stop - rows.start
 
     def can_start(self, step) -> bool:
         """Whether ``step`` can be posted now: a piece of our own (hop 1) any time, a forwarded one once
@@ -374,8 +376,8 @@ class RingTransport(_DirectGradients):
                                f"{self.reach.step_before(step)} landed")
         self._posted.append(step)
         first = self.reach.hop(step) == 1
-        n, dst, src = self.rows(j), self.reach.downstream(self.rank, j), self.reach.upstream(self.rank, j)
-        own = slice(j * self.c, (j + 1) * self.c)
+        n, dst, src = self.rows(step), self.reach.downstream(self.rank, j), self.reach.upstream(self.rank, j)
+        own = self.reach.rows(self.rank, j)
         sending = self.reach.sends(self.rank, step)
         recv_from = src if self.reach.receives(self.rank, step) else None
         if sending and not first and self._last is None:
@@ -399,13 +401,12 @@ class RingTransport(_DirectGradients):
     def sent_rows(self, step):
         """This rank's own piece that reached rank + i at ``step``: rows, and the rows of gradient
         coming back for it (0: rank + i needs none of them)."""
-        i, j = step
-        n = self.rows(j)
-        return slice(j * self.c, j * self.c + n), n if step in self.gradients.returned else 0
+        rows = self.reach.rows(self.rank, step[1])
+        return rows, rows.stop - rows.start if step in self.gradients.returned else 0
 
     def gradient_rows(self, step) -> int:
         """Rows of the gradient this rank sends home for the chunk of ``step`` (0: it needs none of it)."""
-        return self.rows(step[1]) if step in self.gradients.sent else 0
+        return self.rows(step) if step in self.gradients.sent else 0
 
 
 class NeededTransport(_DirectGradients):

@@ -704,8 +704,7 @@ class BlockDiagCPState(StepTables):
         elif self.kv_exchange == "ulysses":  # the group's q/k/v rows, all but its own block
             sent_pos = recv_pos = (self.ulysses_size - 1) * self.local_len
         elif chunk_kind(self.kv_exchange) == "ring":  # the hops the ring posts
-            sent_pos, recv_pos = self.ring_reach(window).positions(self.rank, self.local_len,
-                                                                   plan.stream["ring"].chunk_rows)
+            sent_pos, recv_pos = self.ring_reach(window).positions(self.rank)
         else:
             sent_pos, recv_pos = plan.positions_moved()
         work = plan.work_per_rank.to(torch.float64)

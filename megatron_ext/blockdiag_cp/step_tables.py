@@ -444,9 +444,9 @@ class StepTables:
             every = self.rows > 1
             direct = kind == "needed" and self.kv_exchange != "hierarchical" and not every
             if kind == "ring":
-                c = plan.stream["ring"].chunk_rows
+                reach = self.ring_reach(window)
                 pieces = sorted({j for _, j in self.ring_gradients(window).returned})
-                back = [np.arange(j * c, min(L, (j + 1) * c)) for j in pieces]
+                back = [np.arange(reach.span[self.rank][j][0], reach.span[self.rank][j][1]) for j in pieces]
             elif self.kv_exchange == "hierarchical":  # the rows sent in stage 1 (to a peer or a node's fetcher)
                 back = [self.hierarchical_route_on(torch.device("cpu"), window).send1_index.numpy()]
             else:

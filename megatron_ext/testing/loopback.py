@@ -121,8 +121,9 @@ class Loopback:
         i, j = step
         state = self.state
         src = (state.rank - i) % state.cp
-        whole = (state.layout.rank_positions(src) if kind == "ring"
-                 else plan.exchange.recv_positions[src])  # the needed rows arrive ascending
+        if kind == "ring":  # the rows of the piece that travel
+            return state.layout.rank_positions(src)[state.ring_reach(plan.window).rows(src, j)]
+        whole = plan.exchange.recv_positions[src]  # the needed rows arrive ascending
         first, n = pieces.span(whole.numel(), j)
         return whole[first:first + n]
 

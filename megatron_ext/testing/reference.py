@@ -60,12 +60,12 @@ def runs_to_doc_ids(runs):
 def ring_routes(attended, rows):
     """How an all-gather ring that sends each piece only as far as its last reader routes the K/V, by plain
     loops (no engine code): ``attended[s][j]``, the ranks other than s that attend a key of piece j of
-    source s; ``rows[j]``, that piece's rows. Piece j goes the same way for every source, to s + 1, s + 2 ...
+    source s; ``rows[s][j]``, the rows of it that travel. Piece j goes the same way for every source, to s + 1, s + 2 ...
     or to s - 1, s - 2 ..., as far as the farthest of its readers that way; of the choices, the one whose
     busiest rank sends or receives the fewest rows, then the fewest rows in all, then the fewest pieces
     reversed. -> {"reverse": per piece, "far": [s][j] in hops that way, "hops": per rank (sent, received),
     "rows": per rank (sent, received)}."""
-    cp, pieces = len(attended), len(rows)
+    cp, pieces = len(attended), len(rows[0])
 
     def far(way, s, j):
         return max([h for h in range(1, cp) if (s + way * h) % cp in attended[s][j]], default=0)
@@ -79,8 +79,8 @@ def ring_routes(attended, rows):
             for s in range(cp):
                 for h in range(1, far(way, s, j) + 1):  # hop h: from s + way (h - 1) to s + way h
                     frm, to = (s + way * (h - 1)) % cp, (s + way * h) % cp
-                    sent[frm] += rows[j]
-                    received[to] += rows[j]
+                    sent[frm] += rows[s][j]
+                    received[to] += rows[s][j]
                     hops[frm][0] += 1
                     hops[to][1] += 1
         score = (max(max(a, b) for a, b in zip(sent, received)), sum(received), sum(choice))

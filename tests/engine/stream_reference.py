@@ -1,6 +1,7 @@
 """The streamed planner as it was before the vectorized call builder (issue 19 item 4), verbatim but for
 one fix both builders carry (09308a2: a call holds a query row at most once); the transfer order
-(``chunks.remote_steps``, with the ring's directions ``chunks.RingReach``) is imported, not copied.
+(``chunks.remote_steps`` and ``remote_step``, with the ring's ways and spans ``chunks.RingReach``) is imported,
+not copied.
 
 One change both builders carry since: without a window, a document's pieces that touch in local
 storage take their own keys as one causal block (``chunks._joined_own_calls``).
@@ -17,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_ext.blockdiag_cp.chunks import (CHUNK_KINDS, CallPlan, RingReach, Step, StreamPlan, chunk_rows_for,
-                                              remote_steps)
+                                              remote_step, remote_steps)
 from megatron_ext.blockdiag_cp.intervals import DocRuns, RankRuns, clip, map_ranges, ranges
 
 
@@ -243,7 +244,5 @@ def reference_build_stream_plan(kind: str, runs: RankRuns, rows: Sequence[DocRun
     reach = RingReach.of(runs, intervals, c) if kind == "ring" else None
     for i, j in remote_steps(kind, counts, L, c, reach):
         src = (rank - i) % cp
-        delivered = L if kind == "ring" else int(counts[src, rank])
-        n = max(0, min(c, delivered - j * c))
-        steps.append(Step(i, j, src, j * c, n, calls.get((src, j), ())))
+        steps.append(remote_step(i, j, src, int(counts[src, rank]), c, R, calls.get((src, j), ()), reach))
     return StreamPlan(kind, rank, cp, R, L, c, tuple(steps), reach)

@@ -112,20 +112,39 @@ def _short_documents(S: int = 1024, n: int = 64) -> torch.Tensor:
     return runs_to_doc_ids(runs + [(n + 1, S - sum(length for _, length in runs))])
 
 
-def _needed_pieces(ids, positions, chunk_rows, dst, src):
-    """Pieces (local rows // chunk_rows) of ``src`` holding a key some query of ``dst`` attends, from the
-    ids alone: a query at p sees its document's positions up to p."""
+def _needed_rows(ids, positions, dst, src):
+    """Local rows of ``src`` holding a key some query of ``dst`` attends, from the ids alone: a query at p
+    sees its document's positions up to p."""
     ids = ids.tolist() + [0] * (len(positions[0]) * len(positions) - ids.numel())
     start, first = 0, []
     for p, d in enumerate(ids):
         start = p if p == 0 or d != ids[p - 1] else start
         first.append(start)
     row_of = {p: row for row, p in enumerate(positions[src])}
-    pieces = set()
+    rows = set()
     for p in positions[dst]:
         if ids[p]:
-            pieces.update(row_of[key] // chunk_rows for key in range(first[p], p) if key in row_of)
-    return pieces
+            rows.update(row_of[key] for key in range(first[p], p) if key in row_of)
+    return rows
+
+
+def _ring_spans(read, pieces: int, chunk_rows: int):
+    """(attended[s][j]: the ranks reading piece j of s, span[s][j]: its rows [first read, last read + 1) or
+    (j c, j c) where none is read) from ``read[s][dst]``, the local rows of s that dst reads."""
+    cp = len(read)
+    attended = [[{dst for dst in range(cp) if any(r // chunk_rows == j for r in read[s][dst])} for j in range(pieces)]
+                for s in range(cp)]
+    span = [[(j * chunk_rows, j * chunk_rows) for j in range(pieces)] for _ in range(cp)]
+    for s in range(cp):
+        for j in range(pieces):
+            mine = [r for dst in attended[s][j] for r in read[s][dst] if r // chunk_rows == j]
+            if mine:
+                span[s][j] = (min(mine), max(mine) + 1)
+    return attended, span
+
+
+def _rows(span):
+    return [[hi - lo for lo, hi in row] for row in span]
 
 
 def ring_transfers_against_reference(ids):
@@ -156,20 +175,22 @@ def ring_transfers_against_reference(ids):
     positions = [state.layout.rank_positions(r).tolist() for r in range(cp)]
     c = chunk_rows_for(state.local_len)
     pieces = -(-state.local_len // c)
-    # a ring piece is a whole shard's: it travels planar, K and V (dK and dV going home) as two messages
-    sends = 2 * sum(len(_needed_pieces(ids, positions, c, rank, (rank - i) % cp)) for i in range(1, cp))
-    receives = 2 * sum(len(_needed_pieces(ids, positions, c, (rank + i) % cp, rank)) for i in range(1, cp))
+    read = [[_needed_rows(ids, positions, dst, s) if dst != s else set() for dst in range(cp)] for s in range(cp)]
+    # a ring piece is a run of a shard's rows: it travels planar, K and V (dK and dV going home) as two messages
+    sends = 2 * sum(len({r // c for r in read[(rank - i) % cp][rank]}) for i in range(1, cp))
+    receives = 2 * sum(len({r // c for r in read[rank][(rank + i) % cp]}) for i in range(1, cp))
     # piece j of s goes around the ring as far as the last rank that attends one of its keys, the way that
-    # leaves the busiest rank the fewest rows to move
-    attended = [[{dst for dst in range(cp) if dst != s and j in _needed_pieces(ids, positions, c, dst, s)}
-                 for j in range(pieces)] for s in range(cp)]
-    hops = ring_routes(attended, [min(c, state.local_len - j * c) for j in range(pieces)])["hops"][rank]
-    kv_sends, kv_receives = 2 * hops[0], 2 * hops[1]
+    # leaves the busiest rank the fewest rows to move, its rows from the first one read to the last
+    attended, span = _ring_spans(read, pieces, c)
+    route = ring_routes(attended, _rows(span))
+    kv_sends, kv_receives = 2 * route["hops"][rank][0], 2 * route["hops"][rank][1]
     rep = state.report()  # its positions are the hops posted: what the forward measured moving
     return {"sent": (backward.sends, sends), "received": (backward.receives, receives),
             "kv_sent": (forward.sends, kv_sends), "kv_received": (forward.receives, kv_receives),
             "bytes_sent": (rep["bytes_sent"], rep["positions_sent"] * rep["kv_row_bytes"]),
             "bytes_received": (rep["bytes_received"], rep["positions_received"] * rep["kv_row_bytes"]),
+            "kv_bytes": ((rep["bytes_sent"], rep["bytes_received"]),
+                         tuple(n * rep["kv_row_bytes"] for n in route["rows"][rank])),
             "every_piece": (cp - 1) * pieces, "errors": errors}
 
 
@@ -180,7 +201,7 @@ def test_ring_moves_only_what_the_plan_says_is_attended(pool2, pool4, cp):
     keys (``exchange.RingReach``). Backward: only gradients some rank produced go home."""
     results = (pool2 if cp == 2 else pool4).run(ring_transfers_against_reference, _short_documents())
     for rank, r in enumerate(results):
-        for key in ("sent", "received", "kv_sent", "kv_received", "bytes_sent", "bytes_received"):
+        for key in ("sent", "received", "kv_sent", "kv_received", "bytes_sent", "bytes_received", "kv_bytes"):
             assert r[key][0] == r[key][1], (rank, key, r)
         assert max(r["errors"]) < 1e-12, (rank, r["errors"])
     # Short documents: some pieces hold no key another rank attends, and their gradients stay home; the
@@ -193,22 +214,27 @@ def test_ring_moves_only_what_the_plan_says_is_attended(pool2, pool4, cp):
 @pytest.mark.parametrize("window", [None, 5])
 def test_ring_reach_is_the_last_hop_that_attends_each_piece(case, window):
     """``RingReach.of`` (every rank's needed ranges, through the layout's runs) against what each rank's own
-    plan says it attends (``RingGradients.sent``, from its needed exchange tables): piece j of s goes to
-    hop h = the farthest rank s + h (or s - h, where that way posts fewer hops) that attends it."""
+    plan says it attends (its needed exchange's positions, through the layout's positions): piece j of s
+    goes to hop h = the farthest rank s + h (or s - h, the way ``testing.ring_routes`` picks) that attends
+    it, and only its rows from the first one read to the last travel."""
     from megatron_ext.blockdiag_cp.exchange import RingGradients, RingReach
 
     for cp, layout, lay, plans in _ring_plans(case, window):
         c = plans[0].stream["ring"].chunk_rows
         pieces = -(-lay.local_len // c)
-        attended = [[set() for _ in range(pieces)] for _ in range(cp)]
-        for rank, plan in enumerate(plans):
+        row_of = [{p: row for row, p in enumerate(lay.rank_positions(s).tolist())} for s in range(cp)]
+        read = [[{row_of[s][p] for p in plans[dst].exchange.recv_positions[s].tolist()} if dst != s else set()
+                 for dst in range(cp)] for s in range(cp)]
+        attended, span = _ring_spans(read, pieces, c)
+        for rank, plan in enumerate(plans):  # what each rank's own needed tables say it reads
             for i, j in RingGradients.of(plan, lay.runs, c).sent:
-                attended[(rank - i) % cp][j].add(rank)
-        want = ring_routes(attended, [min(c, lay.local_len - j * c) for j in range(pieces)])
+                assert rank in attended[(rank - i) % cp][j], (cp, layout, rank, i, j)
+        want = ring_routes(attended, _rows(span))
         for rank, plan in enumerate(plans):  # the global table, alike from every rank's plan
             reach = RingReach.of(lay.runs, plan.intervals, c)
             assert [list(row) for row in reach.far] == want["far"], (cp, layout, rank)
             assert list(reach.reverse) == want["reverse"], (cp, layout, rank)
+            assert [list(row) for row in reach.span] == span, (cp, layout, rank)
             assert plan.stream["ring"].reach == reach, (cp, layout, rank)
 
 
@@ -261,7 +287,7 @@ def _summary(kernel_calls, launching, transfers, syncs):
 # Per exchange, per rank: (forward, backward) of a later layer call, refetch, on ``_mix(128)``
 # (zigzag, GQA 4 / 2 heads of 8, fp32, dense kernel); cp 2, hierarchical at cp 4 = 2 nodes x 2.
 PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host syncs)
-    "allgather": [((2, 1, 4, 0), (2, 10, 8, 0)), ((2, 1, 4, 0), (2, 10, 8, 0))],
+    "allgather": [((2, 1, 4, 0), (2, 7, 8, 0)), ((2, 1, 4, 0), (2, 7, 8, 0))],
     "a2a": [((2, 2, 2, 0), (2, 5, 4, 0)), ((2, 2, 2, 0), (2, 5, 4, 0))],
     "halo": [((2, 2, 2, 0), (2, 5, 4, 0)), ((2, 2, 2, 0), (2, 5, 4, 0))],
     "hierarchical": [((2, 5, 5, 0), (2, 16, 10, 0)), ((3, 6, 7, 0), (3, 19, 14, 0)),
