@@ -250,8 +250,12 @@ class RingReach:
 
     def rows(self, source: int, piece: int) -> slice:
         """The local rows of ``source``'s piece that travel."""
+        return slice(*self.span[source][piece])
+
+    def size(self, source: int, piece: int) -> int:
+        """How many rows of ``source``'s piece travel."""
         lo, hi = self.span[source][piece]
-        return slice(lo, hi)
+        return hi - lo
 
     def is_reverse(self, piece: int) -> bool:
         return self.reverse[piece]
@@ -287,17 +291,15 @@ class RingReach:
 
     def sent_source(self, rank: int, step) -> int:
         """The source of the piece ``rank`` sends at ``step`` (what its downstream neighbour receives)."""
-        i, j = step
         h = self.hop(step)
-        return (rank + h - 1) % len(self.far) if self.is_reverse(j) else (rank + 1 - h) % len(self.far)
+        return (rank + h - 1) % len(self.far) if self.is_reverse(step[1]) else (rank + 1 - h) % len(self.far)
 
     def positions(self, rank: int) -> Tuple[int, int]:
         """(sent, received) K/V positions of ``rank`` per layer call, over every step."""
         cp, pieces = len(self.far), len(self.far[0])
         steps = [(i, j) for j in range(pieces) for i in range(1, cp)]
-        size = [[hi - lo for lo, hi in row] for row in self.span]
-        return (sum(size[self.sent_source(rank, (i, j))][j] for i, j in steps if self.sends(rank, (i, j))),
-                sum(size[(rank - i) % cp][j] for i, j in steps if self.receives(rank, (i, j))))
+        return (sum(self.size(self.sent_source(rank, step), step[1]) for step in steps if self.sends(rank, step)),
+                sum(self.size((rank - step[0]) % cp, step[1]) for step in steps if self.receives(rank, step)))
 
 
 def _pieces(runs: RankRuns, rows: Sequence[DocRuns], rank: int) -> List[np.ndarray]:

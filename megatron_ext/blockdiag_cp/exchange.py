@@ -348,7 +348,7 @@ class RingTransport(_DirectGradients):
 
     def __init__(self, k, v, rank: int, cp: int, chunk_rows: int, group, stats: Dict, prefix: str,
                  gradients: "RingGradients", planar: bool = False, reach: Optional[RingReach] = None):
-        self.k, self.v, self.rank, self.cp, self.c = k, v, rank, cp, chunk_rows
+        self.k, self.v, self.rank, self.cp = k, v, rank, cp
         self.group, self.stats, self.prefix = group, stats, prefix
         self.gradients = gradients
         # which way each piece goes, which of its rows and which hops are posted (None: every hop, downstream)
@@ -361,8 +361,7 @@ class RingTransport(_DirectGradients):
 
     def rows(self, step) -> int:
         """Rows of the piece that comes at ``step`` (of source rank - i)."""
-        rows = self.reach.rows((self.rank - step[0]) % self.cp, step[1])
-        return rows.stop - rows.start
+        return self.reach.size((self.rank - step[0]) % self.cp, step[1])
 
     def can_start(self, step) -> bool:
         """Whether ``step`` can be posted now: a piece of our own (hop 1) any time, a forwarded one once
@@ -401,8 +400,8 @@ class RingTransport(_DirectGradients):
     def sent_rows(self, step):
         """This rank's own piece that reached rank + i at ``step``: rows, and the rows of gradient
         coming back for it (0: rank + i needs none of them)."""
-        rows = self.reach.rows(self.rank, step[1])
-        return rows, rows.stop - rows.start if step in self.gradients.returned else 0
+        j = step[1]
+        return self.reach.rows(self.rank, j), self.reach.size(self.rank, j) if step in self.gradients.returned else 0
 
     def gradient_rows(self, step) -> int:
         """Rows of the gradient this rank sends home for the chunk of ``step`` (0: it needs none of it)."""

@@ -446,7 +446,7 @@ class StepTables:
             if kind == "ring":
                 reach = self.ring_reach(window)
                 pieces = sorted({j for _, j in self.ring_gradients(window).returned})
-                back = [np.arange(reach.span[self.rank][j][0], reach.span[self.rank][j][1]) for j in pieces]
+                back = [np.arange(*reach.span[self.rank][j]) for j in pieces]
             elif self.kv_exchange == "hierarchical":  # the rows sent in stage 1 (to a peer or a node's fetcher)
                 back = [self.hierarchical_route_on(torch.device("cpu"), window).send1_index.numpy()]
             else:

@@ -57,15 +57,24 @@ def runs_to_doc_ids(runs):
     return torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in runs])
 
 
-def ring_routes(attended, rows):
+def ring_routes(read, local_len: int, chunk_rows: int):
     """How an all-gather ring that sends each piece only as far as its last reader routes the K/V, by plain
-    loops (no engine code): ``attended[s][j]``, the ranks other than s that attend a key of piece j of
-    source s; ``rows[s][j]``, the rows of it that travel. Piece j goes the same way for every source, to s + 1, s + 2 ...
-    or to s - 1, s - 2 ..., as far as the farthest of its readers that way; of the choices, the one whose
-    busiest rank sends or receives the fewest rows, then the fewest rows in all, then the fewest pieces
-    reversed. -> {"reverse": per piece, "far": [s][j] in hops that way, "hops": per rank (sent, received),
-    "rows": per rank (sent, received)}."""
-    cp, pieces = len(attended), len(rows[0])
+    loops (no engine code). ``read[s][dst]``: the local rows of source s that rank dst attends. A shard is cut
+    into pieces of ``chunk_rows``; piece j of s carries its rows from the first some rank reads to the last
+    (its span) and goes the same way for every source, to s + 1, s + 2 ... or to s - 1, s - 2 ..., as far as
+    the farthest of its readers that way; of the choices, the one whose busiest rank sends or receives the
+    fewest rows, then the fewest rows in all, then the fewest pieces reversed. -> {"reverse": per piece,
+    "far": [s][j] in hops that way, "span": [s][j] (first row, last + 1) or (j c, j c) where none is read,
+    "hops": per rank (sent, received), "rows": per rank (sent, received)}."""
+    cp, pieces = len(read), -(-local_len // chunk_rows)
+    attended = [[{dst for dst in range(cp) if dst != s and any(r // chunk_rows == j for r in read[s][dst])}
+                 for j in range(pieces)] for s in range(cp)]
+    span = [[(j * chunk_rows, j * chunk_rows) for j in range(pieces)] for _ in range(cp)]
+    for s in range(cp):
+        for j in range(pieces):
+            mine = [r for dst in attended[s][j] for r in read[s][dst] if r // chunk_rows == j]
+            if mine:
+                span[s][j] = (min(mine), max(mine) + 1)
 
     def far(way, s, j):
         return max([h for h in range(1, cp) if (s + way * h) % cp in attended[s][j]], default=0)
@@ -77,15 +86,16 @@ def ring_routes(attended, rows):
         for j, reverse in enumerate(choice):
             way = -1 if reverse else 1
             for s in range(cp):
+                rows = span[s][j][1] - span[s][j][0]
                 for h in range(1, far(way, s, j) + 1):  # hop h: from s + way (h - 1) to s + way h
                     frm, to = (s + way * (h - 1)) % cp, (s + way * h) % cp
-                    sent[frm] += rows[s][j]
-                    received[to] += rows[s][j]
+                    sent[frm] += rows
+                    received[to] += rows
                     hops[frm][0] += 1
                     hops[to][1] += 1
         score = (max(max(a, b) for a, b in zip(sent, received)), sum(received), sum(choice))
         if best is None or score < best[0]:
             far_table = [[far(-1 if choice[j] else 1, s, j) for j in range(pieces)] for s in range(cp)]
-            best = (score, {"reverse": list(choice), "far": far_table, "hops": [tuple(x) for x in hops],
-                            "rows": list(zip(sent, received))})
+            best = (score, {"reverse": list(choice), "far": far_table, "span": span,
+                            "hops": [tuple(x) for x in hops], "rows": list(zip(sent, received))})
     return best[1]

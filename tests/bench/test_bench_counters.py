@@ -63,20 +63,11 @@ def measure(case: str):
 
 
 def _ring_rows(needed, reps, cp: int, local_len: int, rank: int):
-    """(rows sent, rows received) by ``rank`` around the ring: piece j of source s goes as far as the
-    farthest rank that needs one of its positions, the way ``testing.ring_routes`` picks, its rows from
-    the first one some rank needs to the last."""
-    half = -(-local_len // 2)
-    pieces = [(j * half, min(local_len, (j + 1) * half)) for j in range(-(-local_len // half))]
-    attended = [[{dst for dst in range(cp) if dst != s and needed[dst] & set(reps[s]["positions"][lo:hi])}
-                 for lo, hi in pieces] for s in range(cp)]
-    rows = [[0] * len(pieces) for _ in range(cp)]  # from the first row some rank reads to the last
-    for s in range(cp):
-        for j, (lo, hi) in enumerate(pieces):
-            read = [row for row in range(lo, hi) if any(reps[s]["positions"][row] in needed[dst]
-                                                        for dst in attended[s][j])]
-            rows[s][j] = read[-1] + 1 - read[0] if read else 0
-    return ring_routes(attended, rows)["rows"][rank]
+    """(rows sent, rows received) by ``rank`` around the ring, routed by ``testing.ring_routes`` from which
+    rows of each source every rank needs (half-shard pieces)."""
+    read = [[{row for row, p in enumerate(reps[s]["positions"]) if p in needed[dst]} if dst != s else set()
+             for dst in range(cp)] for s in range(cp)]
+    return ring_routes(read, local_len, -(-local_len // 2))["rows"][rank]
 
 
 def _needed_remote(doc_ids, padded_len, owned):

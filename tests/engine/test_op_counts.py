@@ -128,25 +128,6 @@ def _needed_rows(ids, positions, dst, src):
     return rows
 
 
-def _ring_spans(read, pieces: int, chunk_rows: int):
-    """(attended[s][j]: the ranks reading piece j of s, span[s][j]: its rows [first read, last read + 1) or
-    (j c, j c) where none is read) from ``read[s][dst]``, the local rows of s that dst reads."""
-    cp = len(read)
-    attended = [[{dst for dst in range(cp) if any(r // chunk_rows == j for r in read[s][dst])} for j in range(pieces)]
-                for s in range(cp)]
-    span = [[(j * chunk_rows, j * chunk_rows) for j in range(pieces)] for _ in range(cp)]
-    for s in range(cp):
-        for j in range(pieces):
-            mine = [r for dst in attended[s][j] for r in read[s][dst] if r // chunk_rows == j]
-            if mine:
-                span[s][j] = (min(mine), max(mine) + 1)
-    return attended, span
-
-
-def _rows(span):
-    return [[hi - lo for lo, hi in row] for row in span]
-
-
 def ring_transfers_against_reference(ids):
     """Forward and backward transfers of the ring (save mode: backward moves gradients only) against an
     independent count from the ids, and the output and gradients against the fp64 reference."""
@@ -181,8 +162,7 @@ def ring_transfers_against_reference(ids):
     receives = 2 * sum(len({r // c for r in read[rank][(rank + i) % cp]}) for i in range(1, cp))
     # piece j of s goes around the ring as far as the last rank that attends one of its keys, the way that
     # leaves the busiest rank the fewest rows to move, its rows from the first one read to the last
-    attended, span = _ring_spans(read, pieces, c)
-    route = ring_routes(attended, _rows(span))
+    route = ring_routes(read, state.local_len, c)
     kv_sends, kv_receives = 2 * route["hops"][rank][0], 2 * route["hops"][rank][1]
     rep = state.report()  # its positions are the hops posted: what the forward measured moving
     return {"sent": (backward.sends, sends), "received": (backward.receives, receives),
@@ -221,20 +201,18 @@ def test_ring_reach_is_the_last_hop_that_attends_each_piece(case, window):
 
     for cp, layout, lay, plans in _ring_plans(case, window):
         c = plans[0].stream["ring"].chunk_rows
-        pieces = -(-lay.local_len // c)
         row_of = [{p: row for row, p in enumerate(lay.rank_positions(s).tolist())} for s in range(cp)]
         read = [[{row_of[s][p] for p in plans[dst].exchange.recv_positions[s].tolist()} if dst != s else set()
                  for dst in range(cp)] for s in range(cp)]
-        attended, span = _ring_spans(read, pieces, c)
+        want = ring_routes(read, lay.local_len, c)
         for rank, plan in enumerate(plans):  # what each rank's own needed tables say it reads
             for i, j in RingGradients.of(plan, lay.runs, c).sent:
-                assert rank in attended[(rank - i) % cp][j], (cp, layout, rank, i, j)
-        want = ring_routes(attended, _rows(span))
+                assert any(r // c == j for r in read[(rank - i) % cp][rank]), (cp, layout, rank, i, j)
         for rank, plan in enumerate(plans):  # the global table, alike from every rank's plan
             reach = RingReach.of(lay.runs, plan.intervals, c)
             assert [list(row) for row in reach.far] == want["far"], (cp, layout, rank)
             assert list(reach.reverse) == want["reverse"], (cp, layout, rank)
-            assert [list(row) for row in reach.span] == span, (cp, layout, rank)
+            assert [list(row) for row in reach.span] == want["span"], (cp, layout, rank)
             assert plan.stream["ring"].reach == reach, (cp, layout, rank)
 
 
