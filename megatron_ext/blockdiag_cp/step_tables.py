@@ -427,7 +427,7 @@ class StepTables:
             self._device_index[key] = fine
         return self._device_index[key]
 
-    def key_merges_on(self, kind: str, device: torch.device, window: Optional[int] = None):
+    def key_merges_on(self, kind: str, device: torch.device, window: Optional[int] = None, narrow: bool = False):
         """(``MergePlan`` over the local key rows, their buffer slots on the device or None, the returned
         gradients' ``KeyReturns`` or None), once per step, kind and window: the own step's calls write the
         rows.
@@ -435,8 +435,14 @@ class StepTables:
         a2a / halo (one row of doc ids): a row whose own calls and returned gradients are at most two
         writers takes them in dK / dV themselves (the second added in place, one rounding), only rows of
         three or more in the float32 buffer; ``KeyReturns`` tells each returned gradient's rows where they
-        go. The ring, hierarchical and several rows of doc ids: every returned row is merged."""
-        key = ("key_merges", kind, str(device), window)
+        go. The ring, hierarchical and several rows of doc ids: every returned row is merged.
+
+        Where half the rows or more are merged, every row is, if that holds less: else the own call's
+        kernel dK / dV become the result at backward's first call and stay to its end beside the buffer.
+        A float32 buffer of N rows holds less than a result of N rows and a buffer of M >= N / 2 where
+        the result is float32 too, and, where it is 16-bit (``narrow``), once M > N / 2 (at M = N / 2
+        they hold the same, and the result is lent). A row of one writer passes float32 exactly."""
+        key = ("key_merges", kind, str(device), window, narrow)
         if key not in self._device_index:
             plan = self.plan_for(window)
             L = self.local_len
@@ -460,6 +466,10 @@ class StepTables:
             merges = MergePlan.of([own], L * self.rows, device, every_row_merged=every,
                                   also_merged=torch.from_numpy(np.unique(back)),
                                   padding=self._padding_rows(kind, window))
+            twice, rows = 2 * merges.merged_count, L * self.rows
+            if not every and (twice > rows if narrow else twice >= rows):  # the memory rule above
+                merges = MergePlan.of([own], L * self.rows, device, every_row_merged=True,
+                                      padding=self._padding_rows(kind, window))
             at = np.full(L * self.rows, -1, dtype=np.int64)  # a row's buffer slot (-1: not merged)
             at[np.flatnonzero(merges.merged_mask)] = np.arange(merges.merged_count)
             slot = None if merges.merged is None else torch.from_numpy(at).to(device)  # None: every row, in order

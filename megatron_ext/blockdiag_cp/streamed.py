@@ -362,7 +362,8 @@ class _StreamedAttention(torch.autograd.Function):
         if len(steps) > 1:  # the first remote chunk moves while the local keys are differentiated
             transport = _transport(ctx.kind, k, v, state, plan, stats, "backward_")
             pending = transport.start((steps[1].round, steps[1].piece)) if refetch else None
-        key_plan, key_slot, key_returns = state.key_merges_on(ctx.kind, q.device, ctx.window)
+        key_plan, key_slot, key_returns = state.key_merges_on(ctx.kind, q.device, ctx.window,
+                                                              narrow=k.dtype.itemsize < acc_dtype.itemsize)
         dkv = KeyGradients(key_plan, geo.g * geo.hkv, geo.dk, geo.dv, k.dtype, acc_dtype, q.device, key_slot, geo.R,
                            key_returns)
         if not own_last:

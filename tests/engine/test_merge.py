@@ -358,3 +358,62 @@ def test_bf16_op_keeps_float32_only_for_merged_rows(pool2, exchange):
             assert r["sent"] > 0 and r["key_merged"] == 0, (rank, r)
             assert not [n for n in r["backward_fp32_rows"] if n > 1], (rank, r)
         assert max(r["errors"]) < 2e-2, (rank, r)  # bfloat16's tolerance
+
+
+
+def held_key_gradients(case, dtype):
+    """This rank's float32 key-gradient buffer rows, its local rows, and how many of its backward kernel
+    calls' dK tensors are still alive as the op hands dK back (a lent one is dK itself), after a cp 2
+    allgather layer call in ``dtype`` (the real dense kernel, each dK in q's dtype watched by a weak
+    reference)."""
+    import weakref
+
+    import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.testing import override_kernel
+
+    S = 256
+    if case == "one document":
+        ids, layout = torch.ones(S, dtype=torch.long), "zigzag"
+    else:  # rank 1 reads rank 0's last 8 rows only
+        ids, layout = runs_to_doc_ids([(1, S // 2 - 8), (2, 16), (3, S // 2 - 8)]), "contiguous"
+    dense = kernels.kernel_for("dense")
+    alive = []
+
+    def backward(*args, **kwargs):
+        gq, gk, gv = dense.backward(*args, **kwargs)
+        gk = gk.to(args[1].dtype).contiguous()  # as a CUDA kernel hands it: what the result may take as it is
+        mark = [True]
+        weakref.finalize(gk, mark.clear)
+        alive.append(mark)
+        return gq, gk, gv
+
+    state = bdcp.BlockDiagCPState.build(ids, layout=layout, kv_exchange="allgather", attn_backend="dense")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (state.shard(torch.randn(S, 1, 2, 16, generator=g)).to(dtype).requires_grad_() for _ in range(3))
+    held = []
+    k.register_hook(lambda grad: held.append(sum(bool(m) for m in alive)))  # as dK leaves the op
+    with override_kernel("dense", kernels.Kernel(dense.forward, backward)), bdcp.blockdiag_cp_step(state):
+        bdcp.blockdiag_cp_attention(q, k, v).float().sum().backward()
+    plan = state.key_merges_on("ring", torch.device("cpu"), narrow=dtype != torch.float32)[0]
+    return {"merged": plan.merged_count, "rows": state.local_len, "held": held[0], "calls": len(alive)}
+
+
+@pytest.mark.timeout(120)
+def test_key_gradients_are_not_held_beside_a_buffer_as_large(pool2):
+    """A key row other ranks read comes back into the float32 buffer (the ring). Where that holds half a
+    rank's rows or more, the own call's dK / dV go there too if that holds less than keeping them as the
+    result from the first call to the end beside the buffer. One document, zigzag: rank 1 sends both
+    chunks, so every row is in the buffer; rank 0 sends its first (half): in float32 every row goes there,
+    in bfloat16 (a result of half the bytes: the same either way) its own call's dK is the result. Where
+    a rank sends a few rows (rank 0's last 8, contiguous), its own call's dK is the result."""
+    for dtype in (torch.float32, torch.bfloat16):
+        one = pool2.run(held_key_gradients, "one document", dtype)
+        assert one[1]["merged"] == one[1]["rows"] and one[1]["held"] == 0 and one[1]["calls"] >= 2, (dtype, one)
+        if dtype == torch.float32:
+            assert one[0]["merged"] == one[0]["rows"] and one[0]["held"] == 0, one
+        else:
+            assert 2 * one[0]["merged"] == one[0]["rows"] and one[0]["held"] == 1, one
+    few = pool2.run(held_key_gradients, "few rows", torch.bfloat16)
+    assert few[0]["merged"] == 8 and few[0]["held"] == 1, few
+    assert few[1]["merged"] == 0 and few[1]["held"] == 1, few  # nothing sent: every row the own call's
