@@ -574,10 +574,19 @@ class KeyGradients:
         self.plan, self.dk_dim, self.R = plan, dk, rows
         self.dk = Result(plan, heads, dk, dtype, acc_dtype, device, with_lse=False)
         self.dv = Result(plan, heads, dv, dtype, acc_dtype, device, with_lse=False)
-        self.buffer = (torch.zeros if plan.needs_zeros else torch.empty)(plan.merged_count, heads, dk + dv,
-                                                                         dtype=acc_dtype, device=device)
+        self._buffer_shape, self._acc_dtype, self._device = (plan.merged_count, heads, dk + dv), acc_dtype, device
+        self._buffer: Optional[torch.Tensor] = None
         self.slot = slot  # [positions] a row's place in the buffer (-1: not merged); None: every row, in order
         self.returns = returns  # step.KeyReturns: per step, returned rows added in place or merged; None: merged
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The float32 buffer, made at its first use: after the first call's kernel let go of its
+        workspace, not beside it."""
+        if self._buffer is None:
+            self._buffer = (torch.zeros if self.plan.needs_zeros else torch.empty)(
+                self._buffer_shape, dtype=self._acc_dtype, device=self._device)
+        return self._buffer
 
     def take(self, index: Rows, share: CallMerge, gk: torch.Tensor, gv: torch.Tensor) -> None:
         """One local call's key gradients over its key rows ``index``."""

@@ -365,11 +365,11 @@ def held_key_gradients(case, dtype):
     """This rank's float32 key-gradient buffer rows, its local rows, and how many of its backward kernel
     calls' dK tensors are still alive as the op hands dK back (a lent one is dK itself), after a cp 2
     allgather layer call in ``dtype`` (the real dense kernel, each dK in q's dtype watched by a weak
-    reference)."""
+    reference); and whether a ``KeyGradients`` buffer existed as the first backward kernel call began."""
     import weakref
 
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp import kernels
+    from megatron_ext.blockdiag_cp import kernels, merge
     from megatron_ext.testing import override_kernel
 
     S = 256
@@ -378,9 +378,11 @@ def held_key_gradients(case, dtype):
     else:  # rank 1 reads rank 0's last 8 rows only
         ids, layout = runs_to_doc_ids([(1, S // 2 - 8), (2, 16), (3, S // 2 - 8)]), "contiguous"
     dense = kernels.kernel_for("dense")
-    alive = []
+    alive, made, buffered = [], [], []
 
     def backward(*args, **kwargs):
+        if not alive:  # the first backward call: is any key-gradient buffer there yet?
+            buffered.append(any(grads._buffer is not None for grads in made))
         gq, gk, gv = dense.backward(*args, **kwargs)
         gk = gk.to(args[1].dtype).contiguous()  # as a CUDA kernel hands it: what the result may take as it is
         mark = [True]
@@ -393,10 +395,21 @@ def held_key_gradients(case, dtype):
     q, k, v = (state.shard(torch.randn(S, 1, 2, 16, generator=g)).to(dtype).requires_grad_() for _ in range(3))
     held = []
     k.register_hook(lambda grad: held.append(sum(bool(m) for m in alive)))  # as dK leaves the op
-    with override_kernel("dense", kernels.Kernel(dense.forward, backward)), bdcp.blockdiag_cp_step(state):
-        bdcp.blockdiag_cp_attention(q, k, v).float().sum().backward()
+    make = merge.KeyGradients.__init__
+
+    def watched(grads, *args, **kwargs):
+        make(grads, *args, **kwargs)
+        made.append(grads)
+
+    merge.KeyGradients.__init__ = watched
+    try:
+        with override_kernel("dense", kernels.Kernel(dense.forward, backward)), bdcp.blockdiag_cp_step(state):
+            bdcp.blockdiag_cp_attention(q, k, v).float().sum().backward()
+    finally:
+        merge.KeyGradients.__init__ = make  # the pool's worker runs the next test
     plan = state.key_merges_on("ring", torch.device("cpu"), narrow=dtype != torch.float32)[0]
-    return {"merged": plan.merged_count, "rows": state.local_len, "held": held[0], "calls": len(alive)}
+    return {"merged": plan.merged_count, "rows": state.local_len, "held": held[0], "calls": len(alive),
+            "buffer at the first call": buffered[0], "buffers": len(made)}
 
 
 @pytest.mark.timeout(120)
@@ -406,9 +419,11 @@ def test_key_gradients_are_not_held_beside_a_buffer_as_large(pool2):
     result from the first call to the end beside the buffer. One document, zigzag: rank 1 sends both
     chunks, so every row is in the buffer; rank 0 sends its first (half): in float32 every row goes there,
     in bfloat16 (a result of half the bytes: the same either way) its own call's dK is the result. Where
-    a rank sends a few rows (rank 0's last 8, contiguous), its own call's dK is the result."""
+    a rank sends a few rows (rank 0's last 8, contiguous), its own call's dK is the result. The buffer is
+    made after the first call's kernel (its workspace gone), not beside it."""
     for dtype in (torch.float32, torch.bfloat16):
         one = pool2.run(held_key_gradients, "one document", dtype)
+        assert all(r["buffers"] == 1 and not r["buffer at the first call"] for r in one), one
         assert one[1]["merged"] == one[1]["rows"] and one[1]["held"] == 0 and one[1]["calls"] >= 2, (dtype, one)
         if dtype == torch.float32:
             assert one[0]["merged"] == one[0]["rows"] and one[0]["held"] == 0, one
