@@ -598,13 +598,13 @@ class KeyGradients:
         (Dk + Dv)), or planar [2, n, b, F / 2] (dK rows, then dV's; Dk = Dv); a position is R rows of doc
         ids (every row is merged then)."""
         planar = grad.dim() == 4
-        heads = self.buffer.shape[1]
+        _, heads, width = self._buffer_shape  # not the buffer's own shape: that would make it here
         if self.returns is not None:  # every step a gradient comes back at has its entry
             added, merged = self.returns.steps[step]
             if planar:
                 grad = grad.reshape(2, grad.shape[1], heads, self.dk_dim)
             else:
-                grad = grad.reshape(grad.shape[0], heads, self.buffer.shape[2])
+                grad = grad.reshape(grad.shape[0], heads, width)
             if added is not None:  # rows of at most two writers: added into dK / dV, in their dtype
                 source, index = added
                 part = _gather_rows(grad, source, planar)
@@ -618,7 +618,7 @@ class KeyGradients:
         if planar:
             grad = grad.reshape(2, grad.shape[1] * R, heads, self.dk_dim)
         else:
-            grad = grad.reshape(grad.shape[0] * R, heads, self.buffer.shape[2])
+            grad = grad.reshape(grad.shape[0] * R, heads, width)
         if self.slot is None:
             if R > 1 and isinstance(rows, slice):
                 rows = slice(rows.start * R, rows.stop * R)

@@ -360,7 +360,6 @@ def test_bf16_op_keeps_float32_only_for_merged_rows(pool2, exchange):
         assert max(r["errors"]) < 2e-2, (rank, r)  # bfloat16's tolerance
 
 
-
 def held_key_gradients(case, dtype):
     """This rank's float32 key-gradient buffer rows, its local rows, and how many of its backward kernel
     calls' dK tensors are still alive as the op hands dK back (a lent one is dK itself), after a cp 2
