@@ -42,7 +42,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .merge_kernel import ATOMIC_DTYPES, add_rows_, copy_rows_, merge_rows_
+from .merge_kernel import ATOMIC_DTYPES, add_rows_, copy_rows_, merge_rows_, sum_rows_
 
 # Rows of a buffer a kernel call reads: None (every row, in order), a ``slice`` (one ascending run: a
 # view, and merges in place), or an index tensor on the device (a gather, and merges through it).
@@ -59,6 +59,39 @@ def device_rows(index: torch.Tensor, rows: int, device) -> Rows:
         first = int(host[0])
         return None if (first, n) == (0, rows) else slice(first, first + n)
     return None if rows == n == 0 else index.to(device)  # not a run, so not every row in order either
+
+
+@dataclass(frozen=True)
+class RowSums:
+    """Rows of an arrival added into buffer rows that several of them add to (a band group's gradients,
+    which every rank that read a key row sends back together), grouped by buffer row (``sum_rows_``):
+
+        arrival row       0  1  2  3  4  5
+        its buffer row    7  2  7  9  2  7
+
+        source            1  4  0  2  5  3     grouped by buffer row, ascending within each
+        offsets           0     2        5  6
+        target            2     7        9
+    """
+
+    source: torch.Tensor  # [n] arrival rows, grouped by the buffer row they add to
+    offsets: torch.Tensor  # [m + 1] where each group starts in ``source``
+    target: torch.Tensor  # [m] each group's buffer row, once each
+
+    @classmethod
+    def of(cls, rows: np.ndarray, slots: np.ndarray, device) -> Optional["RowSums"]:
+        """Host ``rows`` of an arrival and the buffer ``slots`` they add to: the grouping, or None where no
+        slot repeats (one ``add_rows_`` then moves the same bytes)."""
+        order = np.lexsort((rows, slots))  # by slot, then row: the order add_rows_ over the rows ascending adds in
+        target, first = np.unique(slots[order], return_index=True)
+        if target.size == slots.size:
+            return None
+        offsets = np.append(first, slots.size)
+
+        def on(a):
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+        return cls(on(rows[order]), on(offsets), on(target))
 
 
 @dataclass(frozen=True)
@@ -629,13 +662,16 @@ class KeyGradients:
             index = self.slot.index_select(0, rows) if isinstance(rows, torch.Tensor) else self.slot[_all(rows)]
             self._into_buffer(index, grad, None, planar)
 
-    def _into_buffer(self, index: Rows, grad: torch.Tensor, source: Rows, planar: bool) -> None:
-        """buffer[index] += grad[source]: one op fused, one a half planar."""
-        if not planar:
-            add_rows(self.buffer, index, grad, source)
-            return
-        add_rows(self.buffer[..., :self.dk_dim], index, grad[0], source)
-        add_rows(self.buffer[..., self.dk_dim:], index, grad[1], source)
+    def _into_buffer(self, index: Union[Rows, RowSums], grad: torch.Tensor, source: Rows, planar: bool) -> None:
+        """buffer[index] += grad[source]: one op fused, one a half planar; ``RowSums``: each buffer row
+        several rows of ``grad`` add to, summed first (``sum_rows_``)."""
+        halves = ((self.buffer, grad),) if not planar else (
+            (self.buffer[..., :self.dk_dim], grad[0]), (self.buffer[..., self.dk_dim:], grad[1]))
+        for dst, src in halves:
+            if isinstance(index, RowSums):
+                sum_rows_(dst, src, index.source, index.offsets, index.target)
+            else:
+                add_rows(dst, index, src, source)
 
     def finish(self):
         """(dk, dv) of every row."""
@@ -713,5 +749,5 @@ def gather(x: torch.Tensor, index) -> torch.Tensor:
     return x.index_select(0, index) if isinstance(index, torch.Tensor) else x[_all(index)]
 
 
-__all__ = ["Accumulator", "CallMerge", "KeyGradients", "MergePlan", "Result", "add_rows", "copied_rows", "gather",
-           "merge_into", "rows_of", "set_rows"]
+__all__ = ["Accumulator", "CallMerge", "KeyGradients", "MergePlan", "Result", "RowSums", "add_rows", "copied_rows",
+           "gather", "merge_into", "rows_of", "set_rows"]

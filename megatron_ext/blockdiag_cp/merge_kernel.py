@@ -1,6 +1,6 @@
 """Fused row ops of the merges: a log-sum-exp merge of a kernel call's rows into the float32 merge
 buffer or the result (``merge_rows_``), and rows gathered, cast and scattered or added in one pass
-(``copy_rows_``, ``add_rows_``).
+(``copy_rows_``, ``add_rows_``, and ``sum_rows_`` for rows that several arrivals add to).
 
 ``merge_rows_(acc_out, acc_lse, out, lse, source, target)`` does, for each i,
 
@@ -45,6 +45,20 @@ so that an op counter tells a copy from an add by name; on CUDA the Triton kerne
 ``_rows_into_kernel`` where Triton imports (adds only into float32 / float64: the
 buffers'), else the eager body ``rows_into_eager``.
 
+``sum_rows_(dst, src, source, offsets, target)`` does, for each j,
+
+    dst[target[j]] += src[source[offsets[j]]] + ... + src[source[offsets[j + 1] - 1]]    (in dst's dtype)
+
+with ``target`` naming each row once: the gradients several ranks send back for one key row,
+arriving together (a band group's one batch), each row summed in registers and its float32
+row read and written once. ``add_rows_`` over the same rows reads and writes that row once
+per arrival (atomically); at the 6.5 arrivals a row of `thd` at 128k / cp 8 gets per group,
+that is about three times the bytes. The eager body adds a row's arrivals in ``source``'s
+order (``merge.RowSums`` lists each row's ascending: ``add_rows_``'s bits over the arrival).
+On CUDA the Triton kernel ``_sum_rows_kernel`` where Triton imports (into float32 / float64,
+the buffers'), one program per (target row, block of heads), else the eager body
+``sum_rows_eager``.
+
 ``gather_kv_rows_(dst, k, v, index)`` does, for each i,
 
     dst[i, c, :Dk] = k[index[i], c]    dst[i, c, Dk:] = v[index[i], c]    (c: every (batch, head))
@@ -69,6 +83,7 @@ _LIB.define("merge_rows_(Tensor(a!) acc_out, Tensor(b!) acc_lse, Tensor out, Ten
 _LIB.define("copy_rows_(Tensor(a!) dst, Tensor src, Tensor? source, Tensor? target) -> ()")
 _LIB.define("add_rows_(Tensor(a!) dst, Tensor src, Tensor? source, Tensor? target) -> ()")
 _LIB.define("gather_kv_rows_(Tensor(a!) dst, Tensor k, Tensor v, Tensor index) -> ()")
+_LIB.define("sum_rows_(Tensor(a!) dst, Tensor src, Tensor source, Tensor offsets, Tensor target) -> ()")
 
 
 def merge_rows_eager(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -363,6 +378,94 @@ for _op, _accumulate in (("copy_rows_", False), ("add_rows_", True)):
     _LIB.impl(_op, functools.partial(_rows_into_meta, accumulate=_accumulate), "Meta")
 
 
+def sum_rows_eager(dst: torch.Tensor, src: torch.Tensor, source: torch.Tensor, offsets: torch.Tensor,
+                   target: torch.Tensor) -> None:
+    """``sum_rows_`` as torch ops: dst [N, H, D] (a float buffer), src [n', H, D] (any float dtype), source [n]
+    int64 rows of src grouped by the dst row they add to, offsets [m + 1] int64 where each group starts
+    (offsets[0] = 0, offsets[m] = n; each group ascending, as ``merge.RowSums`` lists them), target [m] int64
+    each group's dst row: the rows cast to dst's dtype and added there in that order (``add_rows_``'s
+    arithmetic over the rows ascending)."""
+    index = torch.repeat_interleave(target, offsets[1:] - offsets[:-1])  # [n] each source row's dst row
+    if source.numel() == src.shape[0]:
+        # every row of src adds: where it lies, no gather (in row order: source's, where each group ascends)
+        index = torch.empty_like(index).index_copy_(0, source, index)
+        source = None
+    rows_into_eager(dst, src, source, index, accumulate=True)
+
+
+def sum_rows_(dst: torch.Tensor, src: torch.Tensor, source: torch.Tensor, offsets: torch.Tensor,
+              target: torch.Tensor) -> None:
+    """``dst``'s rows ``target[j]`` += the sum of ``src``'s rows ``source[offsets[j]:offsets[j + 1]]``, in dst's
+    dtype (one op; each target row read and written once)."""
+    torch.ops.megatron_ext.sum_rows_(dst, src, source, offsets, target)
+
+
+def _check_sum_rows(dst, src, source, offsets, target) -> None:
+    if (dst.dim() != 3 or src.shape[1:] != dst.shape[1:] or source.dim() != 1 or offsets.dim() != 1
+            or target.dim() != 1 or offsets.numel() != target.numel() + 1
+            or any(t.dtype != torch.long for t in (source, offsets, target))):
+        raise ValueError(f"sum_rows_: dst {tuple(dst.shape)}, src {tuple(src.shape)}, source {tuple(source.shape)}, "
+                         f"offsets {tuple(offsets.shape)} and target {tuple(target.shape)}: [N, H, D] and [n', H, D] "
+                         f"of the same H and D, and int64 [n], [m + 1] and [m]")
+
+
+@functools.lru_cache(maxsize=None)
+def _sum_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _sum_rows_kernel(dst, src, source, offsets, target, H, D, sd_n, sd_h, sd_d, ss_n, ss_h, ss_d,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        j = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+        d = tl.arange(0, BLOCK_D)  # [BD]
+        m = (h < H)[:, None] & (d < D)[None, :]
+        acc_t = dst.dtype.element_ty  # the buffer's dtype (float32; float64 in fp64 runs)
+        total = tl.zeros([BLOCK_H, BLOCK_D], dtype=acc_t)
+        for i in range(tl.load(offsets + j), tl.load(offsets + j + 1)):
+            r = tl.load(source + i).to(tl.int64)
+            total += tl.load(src + r * ss_n + h[:, None] * ss_h + d[None, :] * ss_d, mask=m, other=0.0).to(acc_t)
+        t = tl.load(target + j).to(tl.int64)
+        at = dst + t * sd_n + h[:, None] * sd_h + d[None, :] * sd_d
+        tl.store(at, tl.load(at, mask=m, other=0.0) + total, mask=m)  # every target row is its own program's
+
+    return _sum_rows_kernel
+
+
+def triton_sum_rows_(dst, src, source, offsets, target) -> None:
+    """``sum_rows_`` through the Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1); into
+    ``ATOMIC_DTYPES`` only, as ``add_rows_``'s."""
+    import triton
+
+    _check_sum_rows(dst, src, source, offsets, target)
+    if dst.dtype not in ATOMIC_DTYPES:
+        raise ValueError(f"sum_rows_: the Triton kernel adds into {ATOMIC_DTYPES}, not {dst.dtype}")
+    m, H, D = target.numel(), dst.shape[1], dst.shape[2]
+    if m == 0:
+        return
+    block_h, block_d = _tile(H, D)
+    _sum_kernel()[(m, triton.cdiv(H, block_h))](
+        dst, src, source, offsets, target, H, D, *dst.stride(), *src.stride(), BLOCK_H=block_h, BLOCK_D=block_d)
+
+
+def _sum_rows_cpu(dst, src, source, offsets, target) -> None:
+    _check_sum_rows(dst, src, source, offsets, target)
+    sum_rows_eager(dst, src, source, offsets, target)
+
+
+def _sum_rows_cuda(dst, src, source, offsets, target) -> None:
+    if not _triton_imports() or dst.dtype not in ATOMIC_DTYPES:
+        _sum_rows_cpu(dst, src, source, offsets, target)
+    else:
+        triton_sum_rows_(dst, src, source, offsets, target)
+
+
+_LIB.impl("sum_rows_", _sum_rows_cpu, "CPU")
+_LIB.impl("sum_rows_", _sum_rows_cuda, "CUDA")
+_LIB.impl("sum_rows_", _check_sum_rows, "Meta")
+
+
 def gather_kv_rows_eager(dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
     """``gather_kv_rows_`` as torch ops: dst [n, C, Dk + Dv], k [L, C, Dk], v [L, C, Dv], index [n] int64 rows
     of k / v (any dims between the rows and the last one, alike in all three): each gathered straight into
@@ -440,4 +543,5 @@ _LIB.impl("gather_kv_rows_", _gather_kv_cuda, "CUDA")
 _LIB.impl("gather_kv_rows_", _check_gather_kv, "Meta")
 
 __all__ = ["ATOMIC_DTYPES", "add_rows_", "copy_rows_", "gather_kv_rows_", "gather_kv_rows_eager", "merge_rows_",
-           "merge_rows_eager", "rows_into_eager", "triton_gather_kv_rows_", "triton_merge_rows_", "triton_rows_into_"]
+           "merge_rows_eager", "rows_into_eager", "sum_rows_", "sum_rows_eager", "triton_gather_kv_rows_",
+           "triton_merge_rows_", "triton_rows_into_", "triton_sum_rows_"]

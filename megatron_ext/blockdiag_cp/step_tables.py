@@ -23,7 +23,7 @@ from . import kernels
 from .exchange import GroupMessages, Pieces, RingGradients, RingReach, WholeDelivery, piece_rows
 from .intervals import np64, ranges_np
 from .layouts import build_layout
-from .merge import MergePlan, Rows, copied_rows, device_rows
+from .merge import MergePlan, Rows, RowSums, copied_rows, device_rows
 from .plan import StepPlan, build_plan
 
 # kv_backward="auto" keeps forward's received K/V for backward when the busiest rank's received
@@ -515,7 +515,8 @@ def ulysses_orders(state) -> Tuple[torch.Tensor, torch.Tensor]:
 class KeyReturns:
     """Per a2a / halo step (i, j), where the gradient coming back for the rows sent at that step goes:
     ``added`` (its rows, their dK / dV rows: a row of at most two writers, added in place) and ``merged``
-    (its rows, their float32 buffer slots), each ``Rows`` or None when empty."""
+    (its rows, their float32 buffer slots), each ``Rows`` or None when empty; a band group's ``merged``,
+    whose rows several ranks send back, is (None, ``merge.RowSums``) where a slot repeats."""
 
     def __init__(self, steps: Dict[Tuple[int, int], tuple]):
         self.steps = steps  # (i, j) -> (added, merged): each None or (Rows of the gradient, Rows there)
@@ -536,9 +537,11 @@ class KeyReturns:
             merged = merges.merged_mask[part]
             added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
             n = part.size
+            slots = slot_of[part[buffered]]
+            sums = RowSums.of(buffered, slots, device)  # a group's rows come from several ranks: slots repeat
             return ((on_device(added, n), on_device(part[added], L)) if added.size else None,
-                    (on_device(buffered, n), on_device(slot_of[part[buffered]], merges.merged_count))
-                    if buffered.size else None)
+                    ((None, sums) if sums is not None else
+                     (on_device(buffered, n), on_device(slots, merges.merged_count))) if buffered.size else None)
 
         steps = {("group", g): entry(_group_sends(plan, pieces, g)[0]) for g in batched}
         for i in range(1, cp):

@@ -508,8 +508,9 @@ def run_thd_indices(emit):
 def run_merge_kernel(dry_run, emit):
     """The fused merge (``merge_rows_``: Triton on CUDA where it imports) against its eager body on the same
     tensors, on runs and on scattered rows, then the row ops (``copy_rows_``, ``add_rows_``) and the send
-    gather (``gather_kv_rows_``) on scattered rows, each timed (CUDA events) at 16k rows x 32 heads x 128
-    (the gather: 8 K/V heads)."""
+    gather (``gather_kv_rows_``) on scattered rows, and the row sums (``sum_rows_``) against ``add_rows_`` on
+    rows that arrive six times each, each timed (CUDA events) at 16k rows x 32 heads x 128 (the gather: 8
+    K/V heads)."""
     import torch
 
     from megatron_ext.blockdiag_cp import merge_kernel
@@ -563,6 +564,28 @@ def run_merge_kernel(dry_run, emit):
                 row[f"{label}_ms"] = median_ms(lambda: fn(d), device, reps=20, warmup=1)
         ok &= row["passed"]
         emit(row)
+    # sum_rows_ (Triton on CUDA where it imports): a band group's returned bf16 gradients, every buffer row
+    # arriving from 6 ranks, summed into the float32 buffer, against add_rows_ over the same arrivals
+    from megatron_ext.blockdiag_cp.merge import RowSums
+
+    rows = n // 16
+    slots = torch.arange(rows).repeat(6)[torch.randperm(6 * rows, generator=g)]  # [6 * rows]: each row 6 times
+    sums = RowSums.of(torch.arange(6 * rows).numpy(), slots.numpy(), device)
+    arrivals, slots = grads[: 6 * rows], slots.to(device)
+    fused, atomic = acc_out.clone(), acc_out.clone()
+    merge_kernel.sum_rows_(fused, arrivals, sums.source, sums.offsets, sums.target)
+    merge_kernel.add_rows_(atomic, arrivals, None, slots)
+    err = float((fused - atomic).abs().max())
+    row = {"check": "merge_kernel", "op": "sum_rows_", "rows": "repeated", "triton": triton, "max_abs_diff": err,
+           "passed": err < 1e-4}
+    if device.type == "cuda":
+        for label, fn in (("fused", lambda d: merge_kernel.sum_rows_(d, arrivals, sums.source, sums.offsets,
+                                                                      sums.target)),
+                          ("atomic", lambda d: merge_kernel.add_rows_(d, arrivals, None, slots))):
+            d = acc_out.clone()
+            row[f"{label}_ms"] = median_ms(lambda: fn(d), device, reps=20, warmup=1)
+    ok &= row["passed"]
+    emit(row)
     # gather_kv_rows_ (Triton on CUDA where it imports): a send buffer of K and V rows [n / 2, 8, 2 x 128]
     # gathered from [n, 8, 128] each, against the eager body (two gathers into its halves)
     k, v = (torch.randn(n, 8, D, generator=g).to(device, torch.bfloat16) for _ in range(2))

@@ -180,7 +180,8 @@ _WRITE_ONLY = frozenset({"zero_", "fill_", "zeros", "zeros_like", "full", "full_
 def _op_bytes(event, run: Dims, target: Dims) -> float:
     """HBM bytes an op reads and writes: a gather reads the rows it writes (not its whole source), a
     scatter reads its source and writes (index_add: also reads) that many destination rows, a fill
-    writes its output, a copy reads its source and writes its destination; the rest read every input and
+    writes its output, a copy reads its source and writes its destination, a row sum its sources and its
+    target rows once; the rest read every input and
     write every output (an in-place op's output is its input: read and written)."""
     size = [tensor_bytes(s, run, target) for s in event.inputs]
     out = [tensor_bytes(s, run, target) for s in event.outputs]
@@ -201,6 +202,11 @@ def _op_bytes(event, run: Dims, target: Dims) -> float:
         # written (add_rows_: also read), each in its own dtype
         floats, rows_of = _moved_rows(event, size, of=1)
         return rows_of(floats[1]) + rows_of(floats[0]) * (2 if event.name == "add_rows_" else 1) + small
+    if event.name == "sum_rows_":
+        # (dst, src, source, offsets, target): the n source rows read, each of the m target rows of dst read
+        # and written once
+        (dst, src), n, m = event.inputs[:2], event.inputs[2][0][0], event.inputs[4][0][0]
+        return size[1] * n / max(1, src[0][0]) + 2 * size[0] * m / max(1, dst[0][0]) + small
     if event.name == "gather_kv_rows_":  # (dst, k, v, index): dst's rows written, as many of k and v read
         return 2 * size[0] + small
     if event.name == "merge_rows_":

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,6 +223,32 @@ def test_row_copies_and_adds_are_priced_at_the_rows_they_move():
     assert gm._op_bytes(add, run, target) == pytest.approx(640 + 2 * 1280 + 160)
     assert gm._op_bytes(copy, run, target) == pytest.approx(1280 + 640 + 80)
     assert gm._op_bytes(lse, run, target) == pytest.approx(2 * 10 * 4 * 2 + 160)  # [rows, H, 1]: lse-like, x2
+
+
+def test_row_sums_are_priced_at_their_arrivals_and_each_target_row_once():
+    """``sum_rows_`` reads each arriving row and reads and writes each buffer row it adds to once, whatever
+    the tensors' sizes: against ``add_rows_`` over the same arrivals, which reads and writes a buffer row once
+    an arrival."""
+    from megatron_ext.blockdiag_cp.merge import RowSums
+    from megatron_ext.blockdiag_cp.merge_kernel import add_rows_, sum_rows_
+    from megatron_ext.testing.op_counter import OpCounter
+
+    gm = _bench()
+    run, target = gm.Dims("run", 1, 1, 8), gm.Dims("model", 2, 2, 16)  # [.., 1, 8] -> x4
+    counter = OpCounter(log=True)
+    buffer, grad = torch.zeros(50, 1, 8), torch.zeros(30, 1, 8, dtype=torch.bfloat16)
+    rows, slots = np.arange(12), np.arange(4).repeat(3)  # 12 arrivals, 4 buffer rows three times each
+    sums = RowSums.of(rows, slots, "cpu")
+    with counter, counter.region("sum"):
+        sum_rows_(buffer, grad, sums.source, sums.offsets, sums.target)
+    with counter, counter.region("add"):
+        add_rows_(buffer, grad, torch.from_numpy(rows), torch.from_numpy(slots))
+    (summed,), (added,) = counter.counts["sum"].events, counter.counts["add"].events
+    assert summed.name == "sum_rows_"
+    # arrivals: bf16 12 x 8 x 2 B x4 = 768 read; 4 float32 rows (4 x 8 x 4 B x4 = 512) read and written;
+    # source 96 B, offsets 40, target 32
+    assert gm._op_bytes(summed, run, target) == pytest.approx(768 + 2 * 512 + 96 + 40 + 32)
+    assert gm._op_bytes(added, run, target) == pytest.approx(768 + 2 * 3 * 512 + 2 * 96)
 
 
 def test_a_kv_gather_is_priced_at_the_rows_it_moves():

@@ -638,7 +638,7 @@ def test_gpu_check_dry_run(tmp_path):
     # Triton not used)
     assert [(m.get("op", "merge_rows_"), m["rows"], m["triton"]) for m in by_check["merge_kernel"]] == [
         ("merge_rows_", "runs", False), ("merge_rows_", "scattered", False), ("copy_rows_", "scattered", False),
-        ("add_rows_", "scattered", False), ("gather_kv_rows_", "scattered", False)]
+        ("add_rows_", "scattered", False), ("sum_rows_", "repeated", False), ("gather_kv_rows_", "scattered", False)]
     assert all(m["passed"] for m in by_check["merge_kernel"])
     assert len(by_check["timing"]) == 1 + 3 + 3
     assert [(m["cp"], m["layout"], m["exchange"]) for m in by_check["memory"]] == [

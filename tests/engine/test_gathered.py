@@ -183,7 +183,8 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
     whether the group took every needed row at once, the steps the op walks, the kernel calls of a steady
     layer call (forward, backward), the largest error of out / dq / dk / dv against the reference and the
     transfers (forward, backward, this rank's peers that send or receive), the posted batches (forward,
-    backward), the band groups that go in one batch and the launching ops (forward, backward). ``min_chunks`` / ``multiple``: the rule's constants
+    backward), the band groups that go in one batch and the launching ops (forward, backward, and of backward's the
+    ``sum_rows_``). ``min_chunks`` / ``multiple``: the rule's constants
     for this run; ``min_piece``: the band mode's (rows, documents) a piece; ``group_multiple``: the refetch's
     bound on a group (``REFETCH_GROUP_LOCAL_MULTIPLE``); ``one_batch``: ``ONE_BATCH_GROUP_LOCAL_MULTIPLE``;
     ``cut_share``: ``BAND_CUT_ROWS_SHARE``."""
@@ -230,7 +231,7 @@ def whole_a2a(layout, kv_backward, min_chunks=None, multiple=None, min_piece=Non
                    if state.needed_whole() else 0)
         return (state.needed_whole(), len(state.stream_plan("needed").steps), fwd.kernel_calls, bwd.kernel_calls,
                 max(errors), (fwd.summary()["transfers"], bwd.summary()["transfers"], peers), int(counts[counts > 0].min()),
-                (fwd.posts, bwd.posts), batched, (fwd.launching, bwd.launching))
+                (fwd.posts, bwd.posts), batched, (fwd.launching, bwd.launching, bwd.ops.get("sum_rows_", 0)))
     finally:
         (tables_module.WHOLE_MIN_CHUNKS_PER_RANK, tables_module.WHOLE_RECEIVED_LOCAL_MULTIPLE,
          tables_module.BAND_MIN_PIECE_ROWS, tables_module.BAND_MIN_DOCS_PER_PIECE,
@@ -282,6 +283,9 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
         assert batched == 0 and posts == (3, 3), (rank, batched, posts)
         assert batched4 == 4 and posts4 == (4, 4), (rank, batched4, posts4)
         assert steps_pairs == 5 and batched_pairs == 0 and posts_pairs == (12, 12), (rank, posts_pairs)
+        # a batch's gradients, which several ranks send back for one key row, sum into each buffer row
+        # once (one ``sum_rows_`` a group); pair by pair each source's rows add on their own
+        assert ops4[2] == batched4 and ops_pairs[2] == 0, (rank, ops4, ops_pairs)
         # the same calls; a batch gathers, places, selects and adds once a group, not once a source
         assert (fwd4, bwd4) == (fwd_pairs, bwd_pairs) and ops4[0] < ops_pairs[0] and ops4[1] < ops_pairs[1], (
             rank, ops4, ops_pairs)
@@ -291,10 +295,13 @@ def test_a2a_takes_every_needed_row_at_once_where_the_ranks_receive_many_chunks(
         assert not any(on for on, *_ in refetched) and max(r[4] for r in refetched) < 1e-12
     assert not any(on for on, *_ in pool4.run(whole_a2a, "thd", "refetch", None, None, (1, 0), 0.0))  # 0: off
     for group_multiple, groups in ((None, 4), (0.25, 5)):
-        for on, steps, fwd, bwd, error, moved, _, posts, batched, _ in pool4.run(
+        for on, steps, fwd, bwd, error, moved, _, posts, batched, ops in pool4.run(
                 whole_a2a, "thd", "refetch", None, None, (1, 0), group_multiple):
             assert on and (steps - 1 == groups if group_multiple is None else steps - 1 >= groups), (on, steps)
-            assert error < 1e-12, error
+            # a group's gradients sum in one op where some row comes back from several ranks (every one of
+            # the four; of the smaller ones, any where none does takes one add_rows_)
+            assert error < 1e-12 and (ops[2] == batched if group_multiple is None else 0 < ops[2] <= batched), (
+                error, ops, batched)
             # every group's pieces fetched again in backward, beside their gradients going home
             assert moved[0] * 2 == moved[1] and moved[0] >= groups * moved[2] / 2, moved
             # groups within the local rows: one batch each, fetched twice and its gradients once

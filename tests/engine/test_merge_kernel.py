@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -342,6 +343,94 @@ def test_triton_row_kernel_under_the_interpreter_against_the_definition():
     expected = sum(1 for _ in _rows_cases(False)) + sum(
         1 for _, case in _rows_cases(True) if case[0].dtype in (torch.float32, torch.float64))
     assert f"interpreted {expected}" in stdout, stdout
+
+
+def _sum_cases():
+    """``sum_rows_`` over a strided half of a fused [N, H, 2D] buffer (dK's of the fused dK / dV one), from a
+    source with a padded head dim: every source row arriving (the eager body adds them where they lie) or
+    some, several arrivals a buffer row, one row arriving alone, and none at all; the rows grouped as
+    ``merge.RowSums.of`` groups them."""
+    from megatron_ext.blockdiag_cp.merge import RowSums
+
+    for seed, (N, H, D, src_dtype, dst_dtype) in enumerate(ROW_SHAPES[:4]):
+        g = torch.Generator().manual_seed(seed)
+        dst = torch.randn(N, H, 2 * D, generator=g, dtype=torch.float64).to(dst_dtype)[..., :D]
+        src = torch.randn(11, H, D + 3, generator=g, dtype=torch.float64).to(src_dtype)[..., :D]
+        for n in (11, 9, 0):
+            rows = torch.randperm(11, generator=g)[:n]  # the arrival rows that add into the buffer
+            slots = torch.randint(0, 3, (n,), generator=g) * 2  # three buffer rows, each named several times
+            if n:
+                slots[0] = N - 1  # and one named once
+            sums = RowSums.of(rows.numpy(), slots.numpy(), "cpu") if n else RowSums(*(
+                torch.zeros(k, dtype=torch.long) for k in (0, 1, 0)))
+            yield f"{(N, H, D, src_dtype, dst_dtype, n)}", (dst, src, rows, slots, sums)
+
+
+def _sum_check(name, op, case, tol_ulps=0):
+    """Against the definition (each arrival cast to dst's dtype, the sum in float64) within ``tol_ulps`` of dst's
+    dtype a term; without, ``add_rows_``'s bits for the same arrivals (added one by one, rows ascending)."""
+    dst, src, rows, slots, sums = case
+    got = dst.clone()
+    op(got, src, sums.source, sums.offsets, sums.target)
+    if tol_ulps:  # summed first, then added: another order of the same sum
+        want = _rows_reference(dst, src, rows, slots, accumulate=True)
+        tol = tol_ulps * torch.finfo(dst.dtype).eps
+        torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol, msg=name)
+        return
+    want, ascending = dst.clone(), torch.argsort(rows)
+    if rows.numel():
+        add_rows_(want, src, rows[ascending], slots[ascending])
+    assert torch.equal(got, want), name
+
+
+def test_row_sums_add_each_buffer_rows_arrivals_in_one_op():
+    """``sum_rows_`` (eager on CPU) gives ``add_rows_``'s bits for the same arrivals: ``RowSums.of`` lists a
+    row's arrivals ascending; one launch; refused shapes; a grouping only where a row repeats."""
+    from megatron_ext.blockdiag_cp.merge import RowSums
+    from megatron_ext.blockdiag_cp.merge_kernel import sum_rows_, sum_rows_eager
+    from megatron_ext.testing.op_counter import OpCounter
+
+    for name, case in _sum_cases():
+        for op in (sum_rows_, sum_rows_eager):
+            _sum_check(name, op, case)
+            _sum_check(name, op, case, tol_ulps=4)
+    dst, src, rows, slots, sums = next(iter(_sum_cases()))[1]
+    counter = OpCounter()
+    with counter, counter.region("sum"):
+        sum_rows_(dst.clone(), src, sums.source, sums.offsets, sums.target)
+    assert dict(counter.counts["sum"].ops) == {"clone": 1, "sum_rows_": 1}
+    assert RowSums.of(np.array([3, 1]), np.array([4, 0]), "cpu") is None  # no repeat: one add_rows_ moves as much
+    drawn = RowSums.of(np.arange(6), np.array([7, 2, 7, 9, 2, 7]), "cpu")  # the class docstring's drawing
+    assert (drawn.source.tolist(), drawn.offsets.tolist(), drawn.target.tolist()) == (
+        [1, 4, 0, 2, 5, 3], [0, 2, 5, 6], [2, 7, 9])
+    with pytest.raises(ValueError, match=r"sum_rows_: dst \(4, 2, 3\), src \(3, 3, 3\)"):
+        sum_rows_(torch.zeros(4, 2, 3), torch.zeros(3, 3, 3), sums.source, sums.offsets, sums.target)
+    with pytest.raises(ValueError, match=r"offsets \(3,\) and target \(3,\)"):
+        sum_rows_(torch.zeros(4, 2, 3), torch.zeros(3, 2, 3), torch.arange(3), torch.arange(3), torch.arange(3))
+    for key in ("CPU", "CUDA", "Meta"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("megatron_ext::sum_rows_", key), key
+
+
+_SUM_INTERPRETED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import test_merge_kernel as t
+    from megatron_ext.blockdiag_cp import merge_kernel
+    count = 0
+    for name, case in t._sum_cases():
+        if case[0].dtype not in merge_kernel.ATOMIC_DTYPES:
+            continue  # the CUDA registration takes the eager body there
+        t._sum_check(name, merge_kernel.triton_sum_rows_, case, tol_ulps=4)
+        t._sum_check(name, merge_kernel._sum_rows_cuda, case, tol_ulps=4)  # the CUDA registration's body
+        count += 1
+    print("interpreted", count)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_triton_row_sums_under_the_interpreter_against_the_definition():
+    expected = sum(1 for _, case in _sum_cases() if case[0].dtype in (torch.float32, torch.float64))
+    assert f"interpreted {expected}" in _interpreted(_SUM_INTERPRETED)
 
 
 # gather_kv_rows_: (local rows, batch x heads, Dk, Dv, dtype): GQA bf16, MLA's wider keys, fp64, a batch of two
