@@ -814,7 +814,7 @@ class HierarchicalTransport:
         with exposed_wait(self.stats, "backward_wait_seconds", self.k.device):
             back = returned_rows(self._grad, self.route, self.group, False, moved)
         if back is not None:
-            dkv.add(self.route.send1_index, back)
+            dkv.add(self.route.send1_index, back, "route")
         for key in ("grad_bytes_sent", "grad_bytes_received"):
             self.stats["backward_" + key] = self.stats.get("backward_" + key, 0) + moved[key]
 

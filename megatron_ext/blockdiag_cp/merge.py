@@ -597,8 +597,9 @@ class KeyGradients:
     A key row that one local kernel call attends alone takes that call's gradient, in the input
     dtype, and one two writers give (two local calls, or one and a gradient coming back: ``add``)
     their sum, added in place; the rows of three or more writers, or every row that went to other
-    ranks where ``returns`` is None (the ring, hierarchical, several rows of doc ids), add up in a
-    float32 buffer [merged rows, H, Dk + Dv], written back by ``finish``. ``plan``: a ``MergePlan`` over
+    ranks (the ring, hierarchical, several rows of doc ids), add up in a float32 buffer [merged rows, H,
+    Dk + Dv], written back by ``finish``; ``returns`` (``step_tables.KeyReturns``, None for the ring and
+    several rows of doc ids) says where each returned gradient's rows go. ``plan``: a ``MergePlan`` over
     the key rows (the own calls), the returned rows among its merged ones.
     """
 

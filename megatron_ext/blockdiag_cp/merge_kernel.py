@@ -50,11 +50,12 @@ buffers'), else the eager body ``rows_into_eager``.
     dst[target[j]] += src[source[offsets[j]]] + ... + src[source[offsets[j + 1] - 1]]    (in dst's dtype)
 
 with ``target`` naming each row once: the gradients several ranks send back for one key row,
-arriving together (a band group's one batch), each row summed in registers and its float32
-row read and written once. ``add_rows_`` over the same rows reads and writes that row once
-per arrival (atomically); at the 6.5 arrivals a row of `thd` at 128k / cp 8 gets per group,
-that is about three times the bytes. The eager body adds a row's arrivals in ``source``'s
-order (``merge.RowSums`` lists each row's ascending: ``add_rows_``'s bits over the arrival).
+arriving together (a band group's one batch, the hierarchical routes' return), each row summed
+in registers and its float32 row read and written once. ``add_rows_`` over the same rows reads
+and writes that row once per arrival (atomically); at the 6.5 arrivals a row of `thd` at 128k /
+cp 8 gets per band group, that is about three times the bytes. The eager body adds a row's
+arrivals in ``source``'s order (``merge.RowSums`` lists each row's ascending: ``add_rows_``'s
+bits over the arrival).
 On CUDA the Triton kernel ``_sum_rows_kernel`` where Triton imports (into float32 / float64,
 the buffers'), one program per (target row, block of heads), else the eager body
 ``sum_rows_eager``.

@@ -435,7 +435,8 @@ class StepTables:
         a2a / halo (one row of doc ids): a row whose own calls and returned gradients are at most two
         writers takes them in dK / dV themselves (the second added in place, one rounding), only rows of
         three or more in the float32 buffer; ``KeyReturns`` tells each returned gradient's rows where they
-        go. The ring, hierarchical and several rows of doc ids: every returned row is merged.
+        go. The ring, hierarchical and several rows of doc ids: every returned row is merged (hierarchical:
+        its routes' one return, step "route", summed into each row once, ``merge.RowSums``).
 
         Where half the rows or more are merged, every row is, if that holds less: else the own call's
         kernel dK / dV become the result at backward's first call and stay to its end beside the buffer.
@@ -476,8 +477,12 @@ class StepTables:
             batched = ()
             if kind == "needed" and self.needed_whole(window):
                 batched = tuple(g for g, m in enumerate(self.whole_delivery_on(device, window).messages) if m.one_batch)
-            returns = (KeyReturns.of(plan, self.stream_pieces(kind, window)[0], merges, at, device, batched)
-                       if direct else None)
+            returns = None
+            if direct:
+                returns = KeyReturns.of(plan, self.stream_pieces(kind, window)[0], merges, at, device, batched)
+            elif kind == "needed" and self.kv_exchange == "hierarchical" and not every:
+                sent = self.hierarchical_route_on(torch.device("cpu"), window).send1_index.numpy()
+                returns = KeyReturns({"route": _returned(sent, merges, at, L, device)})
             self._device_index[key] = (merges, slot, returns)
         return self._device_index[key]
 
@@ -515,14 +520,15 @@ def ulysses_orders(state) -> Tuple[torch.Tensor, torch.Tensor]:
 class KeyReturns:
     """Per a2a / halo step (i, j), where the gradient coming back for the rows sent at that step goes:
     ``added`` (its rows, their dK / dV rows: a row of at most two writers, added in place) and ``merged``
-    (its rows, their float32 buffer slots), each ``Rows`` or None when empty; a band group's ``merged``,
-    whose rows several ranks send back, is (None, ``merge.RowSums``) where a slot repeats."""
+    (its rows, their float32 buffer slots), each ``Rows`` or None when empty; a band group's ``merged``
+    ("group", g), or the hierarchical routes' one return ("route"), whose rows several ranks send back,
+    is (None, ``merge.RowSums``) where a slot repeats."""
 
-    def __init__(self, steps: Dict[Tuple[int, int], tuple]):
-        self.steps = steps  # (i, j) -> (added, merged): each None or (Rows of the gradient, Rows there)
+    def __init__(self, steps: Dict[object, tuple]):
+        self.steps = steps  # step -> (added, merged): each None or (Rows of the gradient, Rows there)
 
     @classmethod
-    def of(cls, plan, pieces: Pieces, merges: MergePlan, slot_of: Optional[np.ndarray], device,
+    def of(cls, plan, pieces: Pieces, merges: MergePlan, slot_of: np.ndarray, device,
            batched: Tuple[int, ...] = ()) -> "KeyReturns":
         """``pieces``: how a pair's rows are cut into its messages (``BlockDiagCPState.stream_pieces``); and
         for each band group in ``batched`` (``exchange.GroupMessages.one_batch``: its gradients come back in
@@ -530,18 +536,8 @@ class KeyReturns:
         L, cp, rank = plan.local_len, plan.cp, plan.rank
         counts = plan.exchange.counts[rank].tolist()
 
-        def on_device(index, size):
-            return device_rows(torch.from_numpy(index), size, device)
-
         def entry(part):
-            merged = merges.merged_mask[part]
-            added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
-            n = part.size
-            slots = slot_of[part[buffered]]
-            sums = RowSums.of(buffered, slots, device)  # a group's rows come from several ranks: slots repeat
-            return ((on_device(added, n), on_device(part[added], L)) if added.size else None,
-                    ((None, sums) if sums is not None else
-                     (on_device(buffered, n), on_device(slots, merges.merged_count))) if buffered.size else None)
+            return _returned(part, merges, slot_of, L, device)
 
         steps = {("group", g): entry(_group_sends(plan, pieces, g)[0]) for g in batched}
         for i in range(1, cp):
@@ -553,6 +549,23 @@ class KeyReturns:
                 first, n = pieces.span(counts[dst], j)
                 steps[(i, j)] = entry(rows[first:first + n])
         return cls(steps)
+
+
+def _returned(part: np.ndarray, merges: MergePlan, slot_of: np.ndarray, L: int, device):
+    """``KeyReturns``' entry for a gradient coming back for our rows ``part`` (host local rows, in the order
+    it comes; ``slot_of``: a row's buffer slot): (added, merged), each None when empty; merged is (None,
+    ``RowSums``) where a slot repeats (rows several ranks send back at once)."""
+    def on_device(index, size):
+        return device_rows(torch.from_numpy(index), size, device)
+
+    merged = merges.merged_mask[part]
+    added, buffered = np.flatnonzero(~merged), np.flatnonzero(merged)
+    n = part.size
+    slots = slot_of[part[buffered]]
+    sums = RowSums.of(buffered, slots, device)
+    return ((on_device(added, n), on_device(part[added], L)) if added.size else None,
+            ((None, sums) if sums is not None else
+             (on_device(buffered, n), on_device(slots, merges.merged_count))) if buffered.size else None)
 
 
 class DeviceCall:

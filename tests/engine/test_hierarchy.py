@@ -216,6 +216,7 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window, prepared=Fa
     from megatron_ext import parallel_state as ps
     from megatron_ext.testing import reference_attention
     from megatron_ext.testing.cases import make_doc_ids
+    from megatron_ext.testing.op_counter import OpCounter
 
     cp = torch.distributed.get_world_size()
     ids = make_doc_ids(case, 96, cp)
@@ -238,7 +239,9 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window, prepared=Fa
             o = bdcp.blockdiag_cp_attention(*local, window_size=window_size)
             # A second layer on the same state: each call's figures are its own, not a running sum.
             o2 = bdcp.blockdiag_cp_attention(*(t.detach() for t in local), window_size=window_size)
-            (o * state.shard(w)).sum().backward()
+            counter = OpCounter()
+            with counter, counter.region("backward"):
+                (o * state.shard(w)).sum().backward()
         ref = reference_attention(q, k, v, ids, window=window)
         errs = [float((o - state.shard(ref)).abs().max()), float((o2 - o).abs().max())] + [
             float((t.grad - state.shard(r.grad)).abs().max()) for t, r in zip(local, ref_in)]
@@ -250,7 +253,10 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window, prepared=Fa
         out[exchange] = {"errs": errs, "key_merged": key_plan.merged_mask.nonzero()[0].tolist(),
                          "local_len": state.local_len,
                          "sent": torch.cat(sent).unique().tolist() if sent else [],
-                         "returned": None if returned is None else returned.unique().tolist(), "exchange": report["kv_exchange"], "kv_backward": report["kv_backward"],
+                         "returned": None if returned is None else returned.unique().tolist(),
+                         "returned_twice": returned is not None and returned.unique().numel() < returned.numel(),
+                         "row_ops": {op: counter.counts["backward"].ops.get(op, 0) for op in ("sum_rows_", "add_rows_")},
+                         "exchange": report["kv_exchange"], "kv_backward": report["kv_backward"],
                          "report": {k: v for k, v in report.items() if "positions" in k or "bytes" in k},
                          "stats": {k: v for k, v in stats.items() if "bytes" in k},
                          "route_planned": route_planned, "route_is_prepared": state._host_routes.get(None) is (
@@ -264,7 +270,7 @@ def op_with_hierarchical_exchange(case, layout, kv_backward, window, prepared=Fa
     ("pad_middle", "balanced", "refetch", None),  # on "short" balanced needs no keys: nothing would move
     ("single", "zigzag", "refetch", 9), ("pad_middle", "contiguous", "save", 30)])
 def test_op_with_the_hierarchical_exchange_on_2_nodes_of_2(pool4, case, layout, kv_backward, window):
-    merged_rows = []
+    merged_rows, sums = [], []
     for r in pool4.run(op_with_hierarchical_exchange, case, layout, kv_backward, window):
         hier, flat = r["hierarchical"], r["a2a"]
         assert hier["exchange"] == "hierarchical" and hier["kv_backward"] == kv_backward, hier
@@ -289,9 +295,15 @@ def test_op_with_the_hierarchical_exchange_on_2_nodes_of_2(pool4, case, layout, 
         # node's fetcher); the own keys' float32 buffer holds those (and rows three local calls attend).
         assert hier["returned"] == hier["sent"], hier
         assert set(hier["sent"]) <= set(hier["key_merged"]), hier
+        # A row stage 1 sent to several ranks comes home several times in the routes' one return: each
+        # buffer row's arrivals summed in one op (``sum_rows_``), exact as above
+        assert hier["row_ops"]["sum_rows_"] == int(hier["returned_twice"]), hier
+        sums.append(hier["row_ops"]["sum_rows_"])
         merged_rows.append(len(hier["key_merged"]) / hier["local_len"])
     if case == "pad_middle" and layout == "balanced":  # short documents: some ranks send no keys at all
         assert min(merged_rows) == 0.0, merged_rows
+    if (case, layout) == ("single", "zigzag") and window is None:  # every rank's rows go to both other ranks
+        assert sums == [1] * 4, sums
 
 
 @pytest.mark.timeout(300)
