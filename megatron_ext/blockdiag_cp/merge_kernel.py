@@ -382,14 +382,15 @@ for _op, _accumulate in (("copy_rows_", False), ("add_rows_", True)):
 def sum_rows_eager(dst: torch.Tensor, src: torch.Tensor, source: torch.Tensor, offsets: torch.Tensor,
                    target: torch.Tensor) -> None:
     """``sum_rows_`` as torch ops: dst [N, H, D] (a float buffer), src [n', H, D] (any float dtype), source [n]
-    int64 rows of src grouped by the dst row they add to, offsets [m + 1] int64 where each group starts
-    (offsets[0] = 0, offsets[m] = n; each group ascending, as ``merge.RowSums`` lists them), target [m] int64
-    each group's dst row: the rows cast to dst's dtype and added there in that order (``add_rows_``'s
-    arithmetic over the rows ascending)."""
+    int64 rows of src grouped by the dst row they add to (each row of src at most once), offsets [m + 1]
+    int64 where each group starts (offsets[0] = 0, offsets[m] = n; each group ascending, as ``merge.RowSums``
+    lists them), target [m] int64 each group's dst row: the rows cast to dst's dtype and added there in that
+    order (``add_rows_``'s arithmetic over the rows ascending)."""
     index = torch.repeat_interleave(target, offsets[1:] - offsets[:-1])  # [n] each source row's dst row
     if source.numel() == src.shape[0]:
-        # every row of src adds: where it lies, no gather (in row order: source's, where each group ascends)
-        index = torch.empty_like(index).index_copy_(0, source, index)
+        # every row of src adds: where it lies, no gather (in row order: source's, where each group ascends);
+        # a source that is not a permutation leaves a -1, which index_add_ refuses
+        index = torch.full_like(index, -1).index_copy_(0, source, index)
         source = None
     rows_into_eager(dst, src, source, index, accumulate=True)
 
@@ -397,7 +398,7 @@ def sum_rows_eager(dst: torch.Tensor, src: torch.Tensor, source: torch.Tensor, o
 def sum_rows_(dst: torch.Tensor, src: torch.Tensor, source: torch.Tensor, offsets: torch.Tensor,
               target: torch.Tensor) -> None:
     """``dst``'s rows ``target[j]`` += the sum of ``src``'s rows ``source[offsets[j]:offsets[j + 1]]``, in dst's
-    dtype (one op; each target row read and written once)."""
+    dtype (one op; each target row read and written once; ``source`` names a row of src at most once)."""
     torch.ops.megatron_ext.sum_rows_(dst, src, source, offsets, target)
 
 

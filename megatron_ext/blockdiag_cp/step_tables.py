@@ -450,12 +450,14 @@ class StepTables:
             own = [call.k_index for call in self.run_steps(kind, window)[0].calls]
             every = self.rows > 1
             direct = kind == "needed" and self.kv_exchange != "hierarchical" and not every
+            sent = None  # hierarchical: the rows sent in stage 1 (to a peer or a node's fetcher), as they come back
             if kind == "ring":
                 reach = self.ring_reach(window)
                 pieces = sorted({j for _, j in self.ring_gradients(window).returned})
                 back = [np.arange(*reach.span[self.rank][j]) for j in pieces]
-            elif self.kv_exchange == "hierarchical":  # the rows sent in stage 1 (to a peer or a node's fetcher)
-                back = [self.hierarchical_route_on(torch.device("cpu"), window).send1_index.numpy()]
+            elif self.kv_exchange == "hierarchical":
+                sent = self.hierarchical_route_on(torch.device("cpu"), window).send1_index.numpy()
+                back = [sent]
             else:
                 back = [t.numpy() for t in plan.exchange.send_index if t.numel()]
             back = np.concatenate(back) if back else np.zeros(0, dtype=np.int64)  # host tables: numpy
@@ -480,8 +482,7 @@ class StepTables:
             returns = None
             if direct:
                 returns = KeyReturns.of(plan, self.stream_pieces(kind, window)[0], merges, at, device, batched)
-            elif kind == "needed" and self.kv_exchange == "hierarchical" and not every:
-                sent = self.hierarchical_route_on(torch.device("cpu"), window).send1_index.numpy()
+            elif sent is not None and kind == "needed" and not every:
                 returns = KeyReturns({"route": _returned(sent, merges, at, L, device)})
             self._device_index[key] = (merges, slot, returns)
         return self._device_index[key]

@@ -405,6 +405,9 @@ def test_row_sums_add_each_buffer_rows_arrivals_in_one_op():
         [1, 4, 0, 2, 5, 3], [0, 2, 5, 6], [2, 7, 9])
     with pytest.raises(ValueError, match=r"sum_rows_: dst \(4, 2, 3\), src \(3, 3, 3\)"):
         sum_rows_(torch.zeros(4, 2, 3), torch.zeros(3, 3, 3), sums.source, sums.offsets, sums.target)
+    with pytest.raises(RuntimeError, match="out of bounds"):  # a source that names one row twice and one never
+        sum_rows_(torch.zeros(4, 2, 3), torch.zeros(3, 2, 3), torch.tensor([0, 0, 1]), torch.tensor([0, 2, 3]),
+                  torch.tensor([1, 2]))
     with pytest.raises(ValueError, match=r"offsets \(3,\) and target \(3,\)"):
         sum_rows_(torch.zeros(4, 2, 3), torch.zeros(3, 2, 3), torch.arange(3), torch.arange(3), torch.arange(3))
     for key in ("CPU", "CUDA", "Meta"):
