@@ -188,14 +188,15 @@ def padded(state, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((state.padded_len - x.shape[0],) + tuple(x.shape[1:]))])
 
 
-def fake_group(rank: int, cp: int) -> None:
-    """This process as rank ``rank`` of ``cp`` in torch's fake process group (no peers, no transfers)."""
+def fake_group(rank: int, cp: int, meta: bool = False) -> None:
+    """This process as rank ``rank`` of ``cp`` in torch's fake process group (no peers, no transfers);
+    ``meta``: for tensors on the meta device too (CPU ones then go through it as well)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("loopback: torch.distributed is already initialized in this process; run a rank's "
                            "loopback in a process of its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    dist.init_process_group("cpu:fake,meta:fake" if meta else "fake", store=FakeStore(), rank=rank, world_size=cp)
 
 
 def loopback_state(ids: torch.Tensor, rank: int, cp: int, q, k, v, **build):

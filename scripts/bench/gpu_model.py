@@ -402,8 +402,8 @@ def _null_kernel():
     from megatron_ext.blockdiag_cp import kernels
 
     def forward(q, k, v, seg, scale, dropout_p, seed):
-        return (torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype),
-                torch.zeros(q.shape[:-1], dtype=kernels.lse_dtype(q.dtype)), None)
+        return (torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device),
+                torch.zeros(q.shape[:-1], dtype=kernels.lse_dtype(q.dtype), device=q.device), None)
 
     def backward(dout, q, k, v, out, lse, aux, seg, scale, dropout_p):
         if kernels.kv_halves(k, v):  # as te (thd_th2d) and flash-attn: dk / dv as one buffer's halves
@@ -572,33 +572,49 @@ def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[i
     tensors and knobs, ``env`` as its pool's), the least disturbed of ``reps`` steps (``host_s_fwd``,
     ``host_s_bwd``), with the steady call's counts (``kernel_calls_*``, ``launching_*``, ``transfers_*``).
     The shared run's figure (cp processes on the cores at once) carries what they do to each other's
-    caches and scheduling, which a GPU node, a host core per rank, does not. In a process of its own."""
+    caches and scheduling, which a GPU node, a host core per rank, does not. In a process of its own.
+
+    Then the same steps on q, k, v on the meta device (``host_dispatch_s_*``): the op's Python, torch's
+    dispatch and each op's shape function, without the CPU executing the ops, as a GPU's host issues them
+    and the device runs them; ``dispatch_counts`` the counts that run made (the CPU run's, where the meta
+    run stands for it)."""
     import megatron_ext.blockdiag_cp as bdcp
     from megatron_ext.testing.loopback import fake_group
     from megatron_ext.testing.op_counter import layer_calls
     from megatron_ext.testing.overrides import override_kernel
 
     kwargs = {} if window is None else {"window_size": (window, 0)}
+    counted = ("kernel_calls", "launching", "transfers")
     torch.set_num_threads(1)  # as each pool rank runs: one core of its own
     per_rank = []
     # LOCAL_WORLD_SIZE as the pool sets it: one node unless the case says otherwise
     with unittest.mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": str(cp), **(env or {})}):
         for rank in range(cp):
-            fake_group(rank, cp)
+            fake_group(rank, cp, meta=True)
+            mine = {}
             try:
                 state, (q, k, v) = replay_inputs(ids, layout, exchange, window, model, relayout, kv_backward)
-                steady = []
                 with override_kernel("dense", _null_kernel()):
-                    fwd, bwd = layer_calls(state, q, k, v, layers=2, **kwargs)[1]
-                    for _ in range(reps):
-                        with bdcp.blockdiag_cp_step(state):  # the first call builds the step's device tables
-                            times = timed_layers(q, k, v, 2, **kwargs)
-                        steady.append((times[("forward", 1)][0], times[("backward", 1)][0]))
+                    for device, prefix in (("cpu", "host_s"), ("meta", "host_dispatch_s")):
+                        on = [t.to(device) for t in (q, k, v)]
+                        # as the replay's: the 2nd call of 3, whose backward runs after the step's first
+                        fwd, bwd = layer_calls(state, *on, layers=LAYERS, **kwargs)[1]
+                        steady = []
+                        for _ in range(reps):
+                            with bdcp.blockdiag_cp_step(state):  # the first call builds the step's device tables
+                                times = timed_layers(*on, LAYERS, **kwargs)
+                            steady.append((times[("forward", 1)][0], times[("backward", 1)][0]))
+                        counts = {f"{key}_{short}": c.summary()[key] for short, c in (("fwd", fwd), ("bwd", bwd))
+                                  for key in counted}
+                        mine.update({f"{prefix}_fwd": min(f for f, _ in steady),
+                                     f"{prefix}_bwd": min(b for _, b in steady)})
+                        if device == "cpu":
+                            mine.update(counts)
+                        else:
+                            mine["dispatch_counts"] = counts
             finally:
                 torch.distributed.destroy_process_group()
-            per_rank.append({"host_s_fwd": min(f for f, _ in steady), "host_s_bwd": min(b for _, b in steady),
-                             **{f"{key}_{short}": c.summary()[key] for short, c in (("fwd", fwd), ("bwd", bwd))
-                                for key in ("kernel_calls", "launching", "transfers")}})
+            per_rank.append(mine)
     return per_rank
 
 
@@ -823,10 +839,21 @@ def with_alone_host(row: Dict, per_rank: Sequence[Dict]) -> None:
     """``host_s_*``: the slowest rank alone on the CPU (``alone_host``); the shared run's figure kept as
     ``host_shared_s_*``. ``hierarchical`` keeps the shared figure (``host_measured: "shared"``): torch's
     fake process group refuses an all-to-all whose input is empty while its output is not, which the
-    two-level exchange posts."""
+    two-level exchange posts. ``host_dispatch_s_*``: the slowest rank on meta tensors, where every rank's
+    meta run made its CPU run's counts (``dispatch_counts``); else ``dispatch_counts_differ`` names the
+    ranks, and the row has no dispatch figure."""
+    counted = ("kernel_calls", "launching", "transfers")
+    differ = [rank for rank, r in enumerate(per_rank) if "dispatch_counts" in r
+              and r["dispatch_counts"] != {f"{key}_{short}": r[f"{key}_{short}"] for key in counted
+                                           for short in ("fwd", "bwd")}]
+    dispatched = not differ and all("dispatch_counts" in r for r in per_rank)
     for short in ("fwd", "bwd"):
         row[f"host_shared_s_{short}"] = row[f"host_s_{short}"]
         row[f"host_s_{short}"] = max(r[f"host_s_{short}"] for r in per_rank)
+        if dispatched:
+            row[f"host_dispatch_s_{short}"] = max(r[f"host_dispatch_s_{short}"] for r in per_rank)
+    if differ:
+        row["dispatch_counts_differ"] = differ
     row["host_measured"] = "alone"
 
 

@@ -340,6 +340,10 @@ def plot_gpu_model(rows: List[Dict], out_dir: str) -> str:
                 ax.bar(x, r["ratio"], width, color=GPU_MODEL_COLORS[ex], label=ex)  # legend: one per label
                 ax.plot(x, (r["host_s_fwd"] + r["host_s_bwd"]) / roof, "k.", ms=4,
                         label="host (CPU, null kernel) / roofline" if (i, j) == (0, 0) else None)
+                if r.get("host_dispatch_s_fwd") is not None:  # as a GPU's host issues it
+                    issue = r["host_dispatch_s_fwd"] + r["host_dispatch_s_bwd"] + r["launch_s_fwd"] + r["launch_s_bwd"]
+                    ax.plot(x, issue / roof, "x", color="0.35", ms=4, mew=1,
+                            label="host (meta + 7.5 µs an op) / roofline")
                 if r.get("own_roofline_fwd_s") is not None:  # the layout's imbalance left out
                     own = (r["modeled_s_fwd"] + r["modeled_s_bwd"]) / (r["own_roofline_fwd_s"] + r["own_roofline_bwd_s"])
                     ax.plot(x, own, "_", color="k", ms=7, mew=1.2, label="modeled / the busiest rank's own roofline")

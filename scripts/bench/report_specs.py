@@ -1000,6 +1000,17 @@ def _gm_host_under_gpu(rows):
             for phase in ("fwd", "bwd")]
 
 
+def _gm_dispatch_under_gpu(rows):
+    # What a GPU's host spends issuing the call: the meta run's thread time (the op's Python, torch's
+    # dispatch and shape functions, no CPU arithmetic) plus the model's launch term (7.5 µs a launching op,
+    # kernel call and posted batch), which counts each op's dispatch a second time. Every row with the
+    # figure (hierarchical has none), the ulysses rows included: on meta their 32 heads cost nothing.
+    return [Check(f"{_gm_label(r)}/{phase}", value <= 1.0, value)
+            for r in _gpu_model_rows(rows) if r["ideal_fwd_s"] >= 1e-3 and r.get("host_dispatch_s_fwd") is not None
+            for phase in ("fwd", "bwd")
+            for value in [(r[f"host_dispatch_s_{phase}"] + r[f"launch_s_{phase}"]) / r[f"modeled_s_{phase}"]]]
+
+
 def _gm_no_later_syncs(rows):
     return [Check(_gm_label(r), r["syncs_max_fwd"] + r["syncs_max_bwd"] == 0) for r in _gpu_model_rows(rows)]
 
@@ -1053,6 +1064,11 @@ GPU_MODEL = Suite(
                "(the slowest rank, each rank alone on the CPU; hierarchical: every rank at once on the shared "
                "cores; the ulysses rows apart: their CPU runs the model's 32 heads)",
                _gm_host_under_gpu, _gm_worst, unit="case phases"),
+        Target("gpu_model: host time as a GPU's host spends it <= modeled GPU time where the ideal is >= 1 ms: "
+               "the steady call on meta tensors (the op's Python and torch's dispatch, no CPU arithmetic; the "
+               "slowest rank, each rank alone) plus the model's 7.5 µs a launching op, kernel call and posted "
+               "batch (hierarchical has no meta figure; the ulysses rows are in)",
+               _gm_dispatch_under_gpu, _gm_worst, unit="case phases"),
     ),
     tables=(
         Table("Recorded op sequence on a modeled H200 (gpu_model: every GPU time modeled)", _gm_records,
@@ -1063,7 +1079,9 @@ GPU_MODEL = Suite(
                    "450e12 FLOP/s varlen forward, 2.5x for backward, 3.3e12 B/s HBM, NVLink 400e9 / IB 50e9 "
                    "B/s). `host ms`: thread CPU time the CPU measured for the call with the null kernel (the "
                    "slowest rank, each rank alone as rank r of torch's fake process group, the less disturbed "
-                   "of its steady calls; hierarchical: every rank at once on the shared cores). "
+                   "of its steady calls; hierarchical: every rank at once on the shared cores); `host ms "
+                   "(meta)`: the same steady call on meta tensors (the op's Python and torch's dispatch, without "
+                   "the CPU running the ops; none for hierarchical). "
                    "`ideal`: the documents' attention FLOPs / cp at the kernel rate; `roofline`: max(ideal, "
                    "busiest rank's needed K/V bytes at link rate); `ratio`: modeled / roofline, forward + "
                    "backward; `rank work`: the most attention FLOPs the layout hands one rank, at the kernel "
@@ -1081,6 +1099,8 @@ GPU_MODEL = Suite(
                        Column("transfers", _gm_pair("transfers_fwd", "transfers_bwd"), str),
                        Column("modeled ms", _gm_pair("modeled_s_fwd", "modeled_s_bwd", ".2f", 1e3), str),
                        Column("host ms (CPU)", _gm_pair("host_s_fwd", "host_s_bwd", ".1f", 1e3), str),
+                       Column("host ms (meta)", _gm_pair("host_dispatch_s_fwd", "host_dispatch_s_bwd", ".1f", 1e3),
+                              str),
                        Column("ideal ms", _gm_pair("ideal_fwd_s", "ideal_bwd_s", ".2f", 1e3), str),
                        Column("roofline ms", _gm_pair("roofline_fwd_s", "roofline_bwd_s", ".2f", 1e3), str),
                        Column("ratio", "ratio", fmt(".2f")),
@@ -1174,6 +1194,8 @@ GPU_MODEL_KV = Suite(
                        Column("modeled ms", _gm_pair("modeled_s_fwd", "modeled_s_bwd", ".2f", 1e3), str),
                        Column("refetch bwd ms", "refetch_bwd_s", fmt(".2f", scale=1e3)),
                        Column("host ms (CPU)", _gm_pair("host_s_fwd", "host_s_bwd", ".1f", 1e3), str),
+                       Column("host ms (meta)", _gm_pair("host_dispatch_s_fwd", "host_dispatch_s_bwd", ".1f", 1e3),
+                              str),
                        Column("roofline ms", _gm_pair("roofline_fwd_s", "roofline_bwd_s", ".2f", 1e3), str),
                        Column("ratio", "ratio", fmt(".2f")),
                        Column("own ratio", _gm_own_ratio, str))),

@@ -326,11 +326,25 @@ def test_alone_host_runs_each_ranks_own_ops_alone():
                     for rank, (mine, theirs) in enumerate(zip(per_rank, shared)):
                         assert {key: mine[key] for key in theirs} == theirs, (exchange, relayout, rank)
                         assert 0 < mine["host_s_fwd"] < 1 and 0 < mine["host_s_bwd"] < 1
+                        # on meta tensors the op issues the same calls, ops and transfers
+                        assert mine["dispatch_counts"] == theirs, (exchange, relayout, rank)
+                        assert 0 < mine["host_dispatch_s_fwd"] < 1 and 0 < mine["host_dispatch_s_bwd"] < 1
                     assert any(r["transfers_fwd"] for r in per_rank), (exchange, relayout)
+    counts = {"kernel_calls_fwd": 2, "launching_fwd": 3, "transfers_fwd": 2,
+              "kernel_calls_bwd": 2, "launching_bwd": 7, "transfers_bwd": 4}
+    ranks = [{"host_s_fwd": 1e-3, "host_s_bwd": 4e-3, "host_dispatch_s_fwd": 3e-4, "host_dispatch_s_bwd": 5e-4,
+              **counts, "dispatch_counts": dict(counts)},
+             {"host_s_fwd": 2e-3, "host_s_bwd": 3e-3, "host_dispatch_s_fwd": 4e-4, "host_dispatch_s_bwd": 2e-4,
+              **counts, "dispatch_counts": dict(counts)}]
     row = {"host_s_fwd": 5e-3, "host_s_bwd": 6e-3}
-    gm.with_alone_host(row, [{"host_s_fwd": 1e-3, "host_s_bwd": 4e-3}, {"host_s_fwd": 2e-3, "host_s_bwd": 3e-3}])
+    gm.with_alone_host(row, ranks)
     assert row == {"host_s_fwd": 2e-3, "host_s_bwd": 4e-3, "host_shared_s_fwd": 5e-3, "host_shared_s_bwd": 6e-3,
-                   "host_measured": "alone"}
+                   "host_dispatch_s_fwd": 4e-4, "host_dispatch_s_bwd": 5e-4, "host_measured": "alone"}
+    # a meta run that issued other ops than its CPU run stands for nothing: no dispatch figure
+    ranks[1]["dispatch_counts"]["launching_bwd"] += 1
+    row = {"host_s_fwd": 5e-3, "host_s_bwd": 6e-3}
+    gm.with_alone_host(row, ranks)
+    assert row["dispatch_counts_differ"] == [1] and "host_dispatch_s_fwd" not in row
 
 
 def test_pairs_and_case_row_arithmetic():
@@ -475,3 +489,28 @@ def test_segment_tiles_counts_whole_tiles_a_segment_touches():
         causal = bool(torch.randint(0, 2, (), generator=g)) and nq == nk
         window = None if torch.rand((), generator=g) < 0.5 else int(torch.randint(0, 300, (), generator=g))
         assert gm.segment_tiles([nq], [nk], causal, window) >= gm.segment_pairs([nq], [nk], causal, window) > 0
+
+
+def test_dispatch_target_adds_the_launch_term_to_the_meta_run():
+    # The host line judged on meta: (meta thread time + the model's launch term) / modeled, per phase,
+    # over the rows whose ideal is >= 1 ms and that have a meta figure (ulysses in, hierarchical out).
+    _bench()
+    import report_specs
+
+    def row(exchange, model_key, dispatch, launch, modeled, ideal=2e-3):
+        r = {"suite": "gpu_model", "point": "32k / cp 2", "mix": "short", "layout": "thd", "exchange": exchange,
+             "window": 0, "model_key": model_key, "ideal_fwd_s": ideal}
+        for phase, d, l, m in zip(("fwd", "bwd"), dispatch, launch, modeled):
+            r.update({f"launch_s_{phase}": l, f"modeled_s_{phase}": m})
+            if d is not None:
+                r[f"host_dispatch_s_{phase}"] = d
+        return r
+
+    rows = [row("a2a", "gqa", (1e-3, 2e-3), (5e-4, 1e-3), (2e-3, 2.5e-3)),
+            row("ulysses", "gqa_heads", (1e-3, 1e-3), (1e-4, 1e-4), (1e-3, 2e-3)),
+            row("hierarchical", "gqa", (None, None), (1e-4, 1e-4), (1e-3, 1e-3)),
+            row("a2a", "mha", (9e-3, 9e-3), (1e-4, 1e-4), (1e-3, 1e-3), ideal=5e-4)]
+    checks = {c.label.rsplit("/", 2)[-2] + "/" + c.label.rsplit("/", 1)[-1]: (c.ok, round(c.value, 6))
+              for c in report_specs._gm_dispatch_under_gpu(rows)}
+    assert checks == {"gqa/fwd": (True, 0.75), "gqa/bwd": (False, 1.2),
+                      "gqa_heads/fwd": (False, 1.1), "gqa_heads/bwd": (True, 0.55)}
