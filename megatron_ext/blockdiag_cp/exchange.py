@@ -29,11 +29,11 @@ rank r receives piece j of the K/V of source (r - i) mod cp. Two transports deli
                          the delivered buffer (memory O(needed), not O(chunk))
 
 K and V travel fused in one buffer per step, [n, b, Hkv * (Dk + Dv)], built per piece (per
-group for a band step in one batch). Where a piece is a run of a whole shard (every ring
-piece; a2a / halo's where the source sends its whole shard, which both ends read off the
-global counts) and K and V are as wide, it travels planar instead: its K rows and its V rows
-as they lie, two messages and no copy, landing as one buffer [2, n, b, Hkv * D] (K, then V);
-its gradient goes home the same way.
+group for a band step in one batch). Where a piece is a run of the source's rows (every ring
+piece; a2a / halo's where the source sends a run, which both ends read off the step's global
+tables: ``plan.PairRuns``) and K and V are as wide, it travels planar instead: its K rows and
+its V rows as they lie, two messages and no copy, landing as one buffer [2, n, b, Hkv * D]
+(K, then V); its gradient goes home the same way.
 
 Backward sends each chunk's K/V gradient straight home (to r - i, from r + i;
 hierarchical: back through the routes at the end); the ring sends it only for the pieces
@@ -285,7 +285,7 @@ class _DirectGradients:
     @staticmethod
     def gradients_planar(step) -> Tuple[bool, bool]:
         """Whether the gradient of the chunk of ``step`` goes home planar, and ours comes back planar (each
-        as its K/V travelled: ``NeededTransport.travels_planar``)."""
+        as its K/V travelled: ``NeededTransport.sends_planar`` / ``receives_planar``)."""
         return False, False
 
     def send_gradient(self, step, grad_chunk, like: torch.Tensor):
@@ -415,23 +415,33 @@ class NeededTransport(_DirectGradients):
 
     def __init__(self, k, v, rank: int, cp: int, pieces: Pieces, group, stats: Dict, prefix: str,
                  send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, fuse_sends: bool = False,
-                 planar_runs: bool = False):
+                 planar_runs: bool = False, runs=None):
         self.k, self.v, self.rank, self.cp, self.pieces = k, v, rank, cp, pieces  # how a pair's rows are cut
         self.group, self.stats, self.prefix = group, stats, prefix
         self.send_index = send_index
         # The host table as Python ints: reading a tensor element per step costs a dispatch each
         # (and on a device it would be a sync, were the table ever moved there).
         self.sent_to, self.received_from = counts[rank].tolist(), counts[:, rank].tolist()
-        # K and V as widths alike ([n, b, F / 2] each): a whole shard's pieces may travel planar
+        # K and V as widths alike ([n, b, F / 2] each): a run's pieces may travel planar
         self.planar_runs = planar_runs and k.shape[2] * k.shape[3] == v.shape[2] * v.shape[3]
+        self.runs = runs  # ``plan.PairRuns`` of the step: which pairs move a run; None: whole shards only
         self._fused = None  # [L, b, F] K and V of every local row, when the steps gather from it
         # with planar runs a run costs nothing to send, so fusing every row first never pays
         self._fuse_once = fuse_sends and not self.planar_runs and self._fusing_once_is_cheaper()
 
-    def travels_planar(self, count: int) -> bool:
-        """Whether a pair's pieces travel planar (``planar_runs``): its source sends its whole shard (``count``
-        rows of the global counts: send_index is then every local row in order). Both ends ask alike."""
-        return self.planar_runs and count == self.k.shape[0] > 0
+    def sends_planar(self, dst: int) -> bool:
+        """Whether our pieces for ``dst`` travel planar (``planar_runs``): we send it a run of our rows (a
+        whole shard: ``sent_to[dst]`` rows of the global counts, every local row in order). ``dst`` asks
+        ``receives_planar`` of us and reads the same answer off its own tables."""
+        if self.runs is not None:
+            return self.planar_runs and self.runs.sent_from[dst] is not None
+        return self.planar_runs and self.sent_to[dst] == self.k.shape[0] > 0
+
+    def receives_planar(self, src: int) -> bool:
+        """Whether ``src``'s pieces for us travel planar: ``src`` sends us a run of its rows."""
+        if self.runs is not None:
+            return self.planar_runs and self.runs.received_run[src]
+        return self.planar_runs and self.received_from[src] == self.k.shape[0] > 0
 
     def _fusing_once_is_cheaper(self) -> bool:
         """A step's send buffer is K and V of its rows side by side (``fused_rows``): a run of rows is a cat
@@ -452,6 +462,9 @@ class NeededTransport(_DirectGradients):
         dst = (self.rank + i) % self.cp
         first, n = self.pieces.span(self.sent_to[dst], j)
         index = self.send_index[dst]  # None: every local row, in order
+        if index is not None and self.sends_planar(dst):  # a run: its rows as a view, sent as they lie
+            start = self.runs.sent_from[dst]
+            return slice(start + first, start + first + n), n
         part = slice(first, first + n)
         return (part if index is None else index[part]), n
 
@@ -460,7 +473,7 @@ class NeededTransport(_DirectGradients):
         dst, src = (self.rank + i) % self.cp, (self.rank - i) % self.cp
         rows, n_send = self.sent_rows(step)
         sends = [(None, dst)]
-        if n_send and self.travels_planar(self.sent_to[dst]):
+        if n_send and self.sends_planar(dst):
             sends = [(half, dst) for half in planar_rows(self.k, self.v, rows)]
         elif n_send:
             sends = [(self._send_buffer(rows), dst)]
@@ -468,12 +481,11 @@ class NeededTransport(_DirectGradients):
         like = self.k[:0]
         shape = (n_recv, self.k.shape[1], fused_width(self.k, self.v))
         return self.post(sends, src, shape, like, self.group, self.stats, self.prefix + "wait_seconds",
-                         self.prefix + "bytes", planar=self.travels_planar(self.received_from[src]))
+                         self.prefix + "bytes", planar=self.receives_planar(src))
 
     def gradients_planar(self, step) -> Tuple[bool, bool]:
         i = step[0]
-        return (self.travels_planar(self.received_from[(self.rank - i) % self.cp]),
-                self.travels_planar(self.sent_to[(self.rank + i) % self.cp]))
+        return self.receives_planar((self.rank - i) % self.cp), self.sends_planar((self.rank + i) % self.cp)
 
 
     def _send_buffer(self, rows) -> torch.Tensor:  # [n, b, F]

@@ -181,9 +181,45 @@ def _halo_check(runs: RankRuns, counts: torch.Tensor) -> Tuple[bool, str]:
                    f"adjacent to its own (a document straddles more than one boundary)")
 
 
+@dataclass(frozen=True)
+class PairRuns:
+    """Which of this rank's needed-only pairs move one run of the source's local rows (host, once per step).
+
+        source's local rows   0 ........................... L
+        sends dst             ======                           a run: K rows and V rows as they lie
+        sends dst'                 ==  ===    =  ==           scattered: a gather into a send buffer
+
+    ``sent_from[dst]``: the first local row of the run this rank sends ``dst`` (None: none, or not a run);
+    ``received_run[src]``: whether ``src``'s rows for this rank are a run of ``src``'s. The receiver reads
+    it off its received positions and ``src``'s runs of the layout, the sender off its send index: the
+    same rows, so both ends of a pair decide alike without asking each other."""
+
+    sent_from: Tuple[Optional[int], ...]
+    received_run: Tuple[bool, ...]
+
+    @classmethod
+    def of(cls, plan: StepPlan, runs: RankRuns) -> "PairRuns":
+        rank, L = plan.rank, plan.local_len
+        sent_from: List[Optional[int]] = []
+        for dst, index in enumerate(plan.exchange.send_index):
+            n = index.numel()
+            first = int(index[0]) if n else 0
+            sent_from.append(first if dst != rank and n and int(index[-1]) - first + 1 == n else None)
+        received_run = []
+        for src, positions in enumerate(plan.exchange.recv_positions):
+            n = positions.numel()
+            if src == rank or not n:
+                received_run.append(False)
+                continue
+            # src's local rows of our first and last positions: a run where they span exactly n rows
+            ends = runs.flat_before_np(np.array([int(positions[0]), int(positions[-1])]), src)
+            received_run.append(bool(ends[1] - ends[0] + 1 == n))
+        return cls(tuple(sent_from), tuple(received_run))
+
+
 def lower_bound_positions(plan: StepPlan) -> int:
     return int(plan.needed_remote[plan.rank])
 
 
-__all__ = ["StepPlan", "ExchangeTables", "build_plan", "chunk_kind", "lower_bound_positions",
+__all__ = ["StepPlan", "ExchangeTables", "PairRuns", "build_plan", "chunk_kind", "lower_bound_positions",
            "CHUNK_KINDS", "StreamPlan"]

@@ -24,7 +24,7 @@ from .exchange import GroupMessages, Pieces, RingGradients, RingReach, WholeDeli
 from .intervals import np64, ranges_np
 from .layouts import build_layout
 from .merge import MergePlan, Rows, RowSums, copied_rows, device_rows
-from .plan import StepPlan, build_plan
+from .plan import PairRuns, StepPlan, build_plan
 
 # kv_backward="auto" keeps forward's received K/V for backward when the busiest rank's received
 # rows are at most this multiple of its local rows (saving then at most doubles the K/V a layer
@@ -315,6 +315,13 @@ class StepTables:
         if key not in self._device_index:
             self._device_index[key] = [None if _is_prefix(t, self.local_len) else t.to(device)
                                        for t in self.plan_for(window).exchange.send_index]
+        return self._device_index[key]
+
+    def pair_runs(self, window: Optional[int] = None) -> PairRuns:
+        """Which needed-only pairs move a run of their source's rows (``plan.PairRuns``), once per step."""
+        key = ("pair_runs", window)
+        if key not in self._device_index:
+            self._device_index[key] = PairRuns.of(self.plan_for(window), self.layout.runs)
         return self._device_index[key]
 
     def ulysses_on(self, device: torch.device):

@@ -129,7 +129,7 @@ class Loopback:
 
     def prepare(self, kind: str, window: Optional[int] = None) -> Dict:
         """Every chunk of the step plan (kind, window), fused [n, b, Hkv * (Dk + Dv)] on the K/V's device;
-        under ("planar", step) also planar [2, n, b, Hkv * D] where its source sends its whole shard."""
+        under ("planar", step) also planar [2, n, b, Hkv * D] where its source sends a run of its rows."""
         key = (kind, window)
         if key not in self._chunks:
             plan = self.state.plan_for(window)
@@ -141,10 +141,10 @@ class Loopback:
                 if pos.numel():
                     k, v = self.k_full.index_select(0, pos), self.v_full.index_select(0, pos)
                     chunks[at] = torch.cat([k, v], dim=-1).reshape(k.shape[0], k.shape[1], -1)
-                    # the ring's pieces are of whole shards; a2a / halo's where the source sends its whole one
-                    whole = kind == "ring" or (not state.needed_whole(window) and int(
-                        plan.exchange.counts[(state.rank - at[0]) % state.cp, state.rank]) == state.local_len)
-                    if whole and k.shape[-2:] == v.shape[-2:]:
+                    # the ring's pieces are of whole shards; a2a / halo's where the source sends a run of its rows
+                    run = kind == "ring" or (not state.needed_whole(window)
+                                             and state.pair_runs(window).received_run[(state.rank - at[0]) % state.cp])
+                    if run and k.shape[-2:] == v.shape[-2:]:
                         chunks[("planar", at)] = torch.stack([k, v]).reshape(2, k.shape[0], k.shape[1], -1)
             if kind == "needed" and self.state.needed_whole(window):  # the band mode: one buffer a group
                 delivery = self.state.whole_delivery_on(self.k_full.device, window)
@@ -178,7 +178,7 @@ class Loopback:
         return _NeededHandover(chunks, zeros, k, v, state.rank, state.cp, Pieces(rows=chunk_rows), state.group, stats,
                                prefix,
                                state.send_indices_on(k.device, plan.window), plan.exchange.counts,
-                               planar_runs=True)
+                               planar_runs=True, runs=state.pair_runs(plan.window))
 
 
 def padded(state, x: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,32 @@ def test_a_whole_shard_travels_planar_as_its_k_and_v_rows():
         assert not planar and len(sends) == 1 and shape == (4, 2, 8 + 2 * dv)
 
 
+def test_a_run_of_a_shard_travels_planar_where_both_ends_read_it_so():
+    """With the step's ``PairRuns``, a pair that moves a run of its source's rows (here rows 2..4 of 8 to
+    rank 2, and rank 1's rows for us) travels planar as a whole shard does: views of that run of k and v,
+    and a planar receive; scattered rows stay one fused, gathered message."""
+    from megatron_ext.blockdiag_cp.plan import PairRuns
+
+    t, (k, v, *rest) = _planar_transport()
+    counts = torch.tensor([[0, 3, 3], [5, 0, 0], [8, 0, 0]])
+    rest[-2:] = [[None, torch.tensor([1, 4, 6]), torch.tensor([2, 3, 4])], counts]
+    t.__init__(k, v, *rest, planar_runs=True, runs=PairRuns((None, None, 2), (False, True, False)))
+    sends, src, shape, planar = t.start((2, 0))  # to 2 (rows 2..4, a run), from 1 (a run of its rows)
+    assert src == 1 and planar and shape == (4, 2, 16)
+    (k_rows, dst_k), (v_rows, dst_v) = sends
+    assert dst_k == dst_v == 2 and k_rows.shape == v_rows.shape == (3, 2, 8)
+    assert k_rows.data_ptr() == k[2].data_ptr() and v_rows.data_ptr() == v[2].data_ptr()  # views of the run
+    assert torch.equal(k_rows, k[2:5].reshape(3, 2, 8)) and torch.equal(v_rows, v[2:5].reshape(3, 2, 8))
+    assert t.sent_rows((2, 0)) == (slice(2, 5), 3)
+    sends, src, shape, planar = t.start((1, 0))  # to 1 (scattered), from 2 (not a run)
+    assert src == 2 and not planar
+    (fused, dst), = sends
+    assert dst == 1 and torch.equal(fused, fused_rows(k, v, torch.tensor([1, 4, 6])))
+    assert t.gradients_planar((2, 0)) == (True, True) and t.gradients_planar((1, 0)) == (False, False)
+    t.__init__(k, v, *rest, planar_runs=False, runs=PairRuns((None, None, 2), (False, True, False)))
+    assert not t.start((2, 0))[3] and len(t.start((2, 0))[0]) == 1  # planar_runs off: fused
+
+
 class _RecordedRing(RingTransport):
     def post(self, sends, recv_from, recv_shape, *rest, planar=False):
         return sends, recv_from, tuple(recv_shape), planar

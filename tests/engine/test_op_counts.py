@@ -266,8 +266,8 @@ def _summary(kernel_calls, launching, transfers, syncs):
 # (zigzag, GQA 4 / 2 heads of 8, fp32, dense kernel); cp 2, hierarchical at cp 4 = 2 nodes x 2.
 PINNED = {  # (kernel calls, launching ops, transfers (sends + receives), host syncs)
     "allgather": [((2, 1, 4, 0), (2, 7, 8, 0)), ((2, 1, 4, 0), (2, 7, 8, 0))],
-    "a2a": [((2, 2, 2, 0), (2, 5, 4, 0)), ((2, 2, 2, 0), (2, 5, 4, 0))],
-    "halo": [((2, 2, 2, 0), (2, 5, 4, 0)), ((2, 2, 2, 0), (2, 5, 4, 0))],
+    "a2a": [((2, 1, 4, 0), (2, 3, 8, 0)), ((2, 1, 4, 0), (2, 3, 8, 0))],  # runs planar: two messages, no op
+    "halo": [((2, 1, 4, 0), (2, 3, 8, 0)), ((2, 1, 4, 0), (2, 3, 8, 0))],
     "hierarchical": [((2, 5, 5, 0), (2, 15, 10, 0)), ((3, 6, 7, 0), (3, 18, 14, 0)),
                      ((3, 6, 6, 0), (3, 18, 12, 0)), ((2, 5, 4, 0), (2, 16, 8, 0))],
 }
@@ -279,16 +279,16 @@ def steady_counts_at(exchange, ids):
 
 
 @pytest.mark.timeout(120)
-def test_a2a_at_cp4_gathers_each_send_in_one_op(pool4):
-    """One document over 4 ranks (zigzag): a rank's rows go to up to three ranks, each send's K and V
-    gathered straight into its buffer's halves in one op (``merge_kernel.gather_kv_rows_``), forward and
-    backward. Rank 0 needs every row of the others: their whole shards travel planar, K rows and V rows
-    as they lie (no op, two messages a piece), and their gradients come home as the kernel's dK and dV
-    (no cat, two messages). Rank 2's forward closes the rows each call is the last writer of and merges
-    the rest, so nothing is written back (``MergePlan.of``'s ``partial``)."""
+def test_a2a_at_cp4_sends_runs_planar(pool4):
+    """One document over 4 ranks (zigzag): a rank's rows go to up to three ranks, and each pair's rows are a
+    run of the source's (its first chunk, or its whole shard): K rows and V rows travel as they lie (no op,
+    two messages a piece), and their gradients come home as the kernel's dK and dV (no cat, two messages),
+    forward and backward (``plan.PairRuns``; scattered rows, thd's, are gathered in one op: the thd pins).
+    Rank 2's forward closes the rows each call is the last writer of and merges the rest, so nothing is
+    written back (``MergePlan.of``'s ``partial``)."""
     got = pool4.run(steady_counts_at, "a2a", torch.ones(128, dtype=torch.long))
-    assert got == [((7, 9, 15, 0), (7, 17, 30, 0)), ((6, 10, 15, 0), (6, 20, 30, 0)),
-                   ((5, 6, 15, 0), (5, 22, 30, 0)), ((4, 3, 15, 0), (4, 23, 30, 0))], got
+    assert got == [((7, 6, 18, 0), (7, 17, 36, 0)), ((6, 8, 18, 0), (6, 19, 36, 0)),
+                   ((5, 5, 18, 0), (5, 20, 36, 0)), ((4, 3, 18, 0), (4, 20, 36, 0))], got
 
 
 def _thd_mix() -> torch.Tensor:

@@ -318,3 +318,38 @@ def test_balanced_over_ib_with_a_heavy_document_plans_like_the_old_planner(seed)
         got = {name: bdcp.plan_summary(ids[0], cp, name, cm)["modeled_seconds"]
                for name in ("balanced", "contiguous", "zigzag")}
         assert got["balanced"] <= min(got["contiguous"], got["zigzag"]) * (1 + 1e-9), got
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced", "thd"])
+def test_both_ends_of_a_pair_agree_on_whether_it_moves_a_run(layout):
+    # NeededTransport sends a run planar and its destination posts a planar receive: each decides from its
+    # own plan tables (PairRuns), so for every pair the sender's answer must be the receiver's, and a run
+    # must be exactly the rows the send index lists. Several doc-id rows (R = 2), a window, one document.
+    from megatron_ext.blockdiag_cp.plan import PairRuns
+
+    g = torch.Generator().manual_seed(5)
+    cp = 4
+    cases = [(_random_ids(1, 700, g, max_doc=160), None), (_random_ids(2, 640, g, max_doc=90), None),
+             (_random_ids(1, 700, g, max_doc=160), 50), (torch.ones(1, 512, dtype=torch.long), None)]
+    if layout == "thd":
+        cases = [(_thd_ids(torch.randint(1, 90, (9,), generator=g).tolist(), cp), None),
+                 (_thd_ids([300, 20, 44], cp), 40), (_thd_ids([512], cp), None)]
+    seen_run = seen_scattered = 0
+    for ids, window in cases:
+        P = padded_length(ids.shape[-1], layout, cp)
+        ids = torch.nn.functional.pad(ids, (0, P - ids.shape[-1]))
+        lay = build_layout(layout, ids, cp)
+        plans = [build_plan(ids, lay, r, kinds=(), window=window) for r in range(cp)]
+        runs = [PairRuns.of(p, lay.runs) for p in plans]
+        for src in range(cp):
+            for dst in range(cp):
+                index = plans[src].exchange.send_index[dst]
+                start = runs[src].sent_from[dst]
+                assert (start is not None) == runs[dst].received_run[src], (ids.shape, window, src, dst)
+                if start is not None:
+                    assert torch.equal(index, torch.arange(start, start + index.numel()))
+                    seen_run += 1
+                elif src != dst and index.numel():
+                    assert not torch.equal(index, torch.arange(int(index[0]), int(index[0]) + index.numel()))
+                    seen_scattered += 1
+    assert seen_run and (seen_scattered or layout != "thd"), (seen_run, seen_scattered)  # thd: scattered too

@@ -184,6 +184,16 @@ def w_installed():
     return kernels.installed(_backend(_WORKER["kind"]))
 
 
+def _thd_padded(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
+    """doc_ids with every document padded at its end to a multiple of 2 * cp, as THD packs them (any layout
+    takes them; thd needs them so)."""
+    parts = []
+    for doc in torch.unique_consecutive(doc_ids):
+        n = int((doc_ids == doc).sum())
+        parts += [torch.full((n,), int(doc)), torch.zeros(-n % (2 * cp), dtype=torch.long)]
+    return torch.cat(parts)
+
+
 def w_engine(cp, case, window, heads, strict=False):
     """One step per layout x exchange through the engine; per key: errors, backend, reason (or the error)."""
     import torch.distributed as dist
@@ -194,7 +204,7 @@ def w_engine(cp, case, window, heads, strict=False):
     kind = _WORKER["kind"]
     group = _WORKER["solo"] if cp == 1 else dist.group.WORLD
     hq, hkv, dk, dv = heads
-    doc_ids = make_doc_ids(case, 64, cp)
+    doc_ids = _thd_padded(make_doc_ids(case, 64, cp), cp)
     S = doc_ids.shape[-1]
     g = torch.Generator().manual_seed(11)
     dtype = _dtype(kind)
@@ -203,7 +213,8 @@ def w_engine(cp, case, window, heads, strict=False):
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*ref_in, doc_ids, window=window)
     (ref * w).sum().backward()
-    combos = [("contiguous", "allgather")] if cp == 1 else [("zigzag", "a2a"), ("balanced", "allgather")]
+    # zigzag's a2a and the ring move runs of a shard (planar); thd's a2a scattered rows (one fused buffer)
+    combos = [("contiguous", "allgather")] if cp == 1 else [("zigzag", "a2a"), ("thd", "a2a"), ("balanced", "allgather")]
     results = {}
     rl.CALLS.clear()
     rl.GRAD_LAYOUTS.clear()
