@@ -430,9 +430,9 @@ class NeededTransport(_DirectGradients):
         self._fuse_once = fuse_sends and not self.planar_runs and self._fusing_once_is_cheaper()
 
     def sends_planar(self, dst: int) -> bool:
-        """Whether our pieces for ``dst`` travel planar (``planar_runs``): we send it a run of our rows (a
-        whole shard: ``sent_to[dst]`` rows of the global counts, every local row in order). ``dst`` asks
-        ``receives_planar`` of us and reads the same answer off its own tables."""
+        """Whether our pieces for ``dst`` travel planar (``planar_runs``): we send it a run of our rows
+        (``runs``; without them only a whole shard counts, ``sent_to[dst]`` rows of the global counts). ``dst``
+        asks ``receives_planar`` of us and reads the same answer off its own tables."""
         if self.runs is not None:
             return self.planar_runs and self.runs.sent_from[dst] is not None
         return self.planar_runs and self.sent_to[dst] == self.k.shape[0] > 0
