@@ -1,6 +1,6 @@
 """``exchange.NeededTransport``'s send buffers: K and V of the rows a step sends, fused once per layer
-call where the local rows go out more than about once over; a run of a whole shard (a2a / halo's where
-the source sends every row, every ring piece) planar, as two views."""
+call where the local rows go out more than about once over; a run of the source's rows (a2a / halo's
+whole shards, or any run the step's ``PairRuns`` names; every ring piece) planar, as two views."""
 
 import pytest
 import torch
