@@ -415,33 +415,28 @@ class NeededTransport(_DirectGradients):
 
     def __init__(self, k, v, rank: int, cp: int, pieces: Pieces, group, stats: Dict, prefix: str,
                  send_index: List[Optional[torch.Tensor]], counts: torch.Tensor, fuse_sends: bool = False,
-                 planar_runs: bool = False, runs=None):
+                 runs=None):
         self.k, self.v, self.rank, self.cp, self.pieces = k, v, rank, cp, pieces  # how a pair's rows are cut
         self.group, self.stats, self.prefix = group, stats, prefix
         self.send_index = send_index
         # The host table as Python ints: reading a tensor element per step costs a dispatch each
         # (and on a device it would be a sync, were the table ever moved there).
         self.sent_to, self.received_from = counts[rank].tolist(), counts[:, rank].tolist()
-        # K and V as widths alike ([n, b, F / 2] each): a run's pieces may travel planar
-        self.planar_runs = planar_runs and k.shape[2] * k.shape[3] == v.shape[2] * v.shape[3]
-        self.runs = runs  # ``plan.PairRuns`` of the step: which pairs move a run; None: whole shards only
+        # ``plan.PairRuns`` of the step: the pairs that move a run of their source's rows travel planar where
+        # K and V are as wide ([n, b, F / 2] each); None (or MLA's widths): every pair one fused buffer
+        self.runs = runs if runs is not None and k.shape[2] * k.shape[3] == v.shape[2] * v.shape[3] else None
         self._fused = None  # [L, b, F] K and V of every local row, when the steps gather from it
         # with planar runs a run costs nothing to send, so fusing every row first never pays
-        self._fuse_once = fuse_sends and not self.planar_runs and self._fusing_once_is_cheaper()
+        self._fuse_once = fuse_sends and self.runs is None and self._fusing_once_is_cheaper()
 
     def sends_planar(self, dst: int) -> bool:
-        """Whether our pieces for ``dst`` travel planar (``planar_runs``): we send it a run of our rows
-        (``runs``; without them only a whole shard counts, ``sent_to[dst]`` rows of the global counts). ``dst``
-        asks ``receives_planar`` of us and reads the same answer off its own tables."""
-        if self.runs is not None:
-            return self.planar_runs and self.runs.sent_from[dst] is not None
-        return self.planar_runs and self.sent_to[dst] == self.k.shape[0] > 0
+        """Whether our pieces for ``dst`` travel planar: we send it a run of our rows (``runs``). ``dst`` asks
+        ``receives_planar`` of us and reads the same answer off its own tables."""
+        return self.runs is not None and self.runs.sent_from[dst] is not None
 
     def receives_planar(self, src: int) -> bool:
         """Whether ``src``'s pieces for us travel planar: ``src`` sends us a run of its rows."""
-        if self.runs is not None:
-            return self.planar_runs and self.runs.received_run[src]
-        return self.planar_runs and self.received_from[src] == self.k.shape[0] > 0
+        return self.runs is not None and self.runs.received_run[src]
 
     def _fusing_once_is_cheaper(self) -> bool:
         """A step's send buffer is K and V of its rows side by side (``fused_rows``): a run of rows is a cat

@@ -128,7 +128,7 @@ def _transport(kind: str, k, v, state, plan, stats, prefix: str, fuse_sends: boo
                                     state.whole_delivery_on(k.device, plan.window), fuse_sends=fuse_sends)
     return NeededTransport(k, v, state.rank, state.cp, Pieces(rows=chunk_rows), state.group, stats, prefix,
                            state.send_indices_on(k.device, plan.window), plan.exchange.counts, fuse_sends=fuse_sends,
-                           planar_runs=True, runs=state.pair_runs(plan.window))
+                           runs=state.pair_runs(plan.window))
 
 
 # Forward posts the chunks this many steps ahead of the one it attends. One ahead, the link idles from

@@ -178,7 +178,7 @@ class Loopback:
         return _NeededHandover(chunks, zeros, k, v, state.rank, state.cp, Pieces(rows=chunk_rows), state.group, stats,
                                prefix,
                                state.send_indices_on(k.device, plan.window), plan.exchange.counts,
-                               planar_runs=True, runs=state.pair_runs(plan.window))
+                               runs=state.pair_runs(plan.window))
 
 
 def padded(state, x: torch.Tensor) -> torch.Tensor:

@@ -562,6 +562,10 @@ def loopback_twin(mix: str, layout: str, rank: int, S: int, cp: int, hw: Optiona
     return row
 
 
+# the steady call's counts ``alone_host`` reports per rank (and its meta run must repeat)
+ALONE_COUNTS = ("kernel_calls", "launching", "transfers")
+
+
 def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[int], model: str, cp: int,
                relayout: str = "none", env: Optional[Dict[str, str]] = None, reps: int = 5,
                kv_backward: str = "refetch") -> List[Dict]:
@@ -584,7 +588,6 @@ def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[i
     from megatron_ext.testing.overrides import override_kernel
 
     kwargs = {} if window is None else {"window_size": (window, 0)}
-    counted = ("kernel_calls", "launching", "transfers")
     torch.set_num_threads(1)  # as each pool rank runs: one core of its own
     per_rank = []
     # LOCAL_WORLD_SIZE as the pool sets it: one node unless the case says otherwise
@@ -605,7 +608,7 @@ def alone_host(ids: torch.Tensor, layout: str, exchange: str, window: Optional[i
                                 times = timed_layers(*on, LAYERS, **kwargs)
                             steady.append((times[("forward", 1)][0], times[("backward", 1)][0]))
                         counts = {f"{key}_{short}": c.summary()[key] for short, c in (("fwd", fwd), ("bwd", bwd))
-                                  for key in counted}
+                                  for key in ALONE_COUNTS}
                         mine.update({f"{prefix}_fwd": min(f for f, _ in steady),
                                      f"{prefix}_bwd": min(b for _, b in steady)})
                         if device == "cpu":
@@ -842,9 +845,8 @@ def with_alone_host(row: Dict, per_rank: Sequence[Dict]) -> None:
     two-level exchange posts. ``host_dispatch_s_*``: the slowest rank on meta tensors, where every rank's
     meta run made its CPU run's counts (``dispatch_counts``); else ``dispatch_counts_differ`` names the
     ranks, and the row has no dispatch figure."""
-    counted = ("kernel_calls", "launching", "transfers")
     differ = [rank for rank, r in enumerate(per_rank) if "dispatch_counts" in r
-              and r["dispatch_counts"] != {f"{key}_{short}": r[f"{key}_{short}"] for key in counted
+              and r["dispatch_counts"] != {f"{key}_{short}": r[f"{key}_{short}"] for key in ALONE_COUNTS
                                            for short in ("fwd", "bwd")}]
     dispatched = not differ and all("dispatch_counts" in r for r in per_rank)
     for short in ("fwd", "bwd"):

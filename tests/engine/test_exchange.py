@@ -106,7 +106,7 @@ class _Recorded(NeededTransport):
         return sends, recv_from, tuple(recv_shape), planar
 
 
-def _planar_transport(dv=4, planar_runs=True):
+def _planar_transport(dv=4):
     L, cp = 8, 3
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(L, 2, 2, 4, generator=g), torch.randn(L, 2, 2, dv, generator=g)
@@ -115,13 +115,21 @@ def _planar_transport(dv=4, planar_runs=True):
     return NeededTransport.__new__(_Recorded), (k, v, 0, cp, Pieces(rows=4), None, {}, "", send_index, counts)
 
 
+def _whole_shards():
+    """The ``PairRuns`` of ``_planar_transport``'s rank 0: it sends 1 its whole shard (a run from row 0) and
+    receives 2's whole shard; the rows for 2, and 1's for it, are no run."""
+    from megatron_ext.blockdiag_cp.plan import PairRuns
+
+    return PairRuns((None, 0, None), (False, False, True))
+
+
 def test_a_whole_shard_travels_planar_as_its_k_and_v_rows():
     """A source that sends its whole shard sends each piece's K rows and V rows as they lie (views of k and
     v: no copy, two messages), and its destination receives them into one [2, n, b, Hkv * D] buffer; both
-    read it off the global counts. Other pairs keep one fused message, and so does every pair where K and
-    V differ in width (MLA) or ``planar_runs`` is off."""
+    read it off the step's ``PairRuns``. Other pairs keep one fused message, and so does every pair where K
+    and V differ in width (MLA) or no ``PairRuns`` is given."""
     t, args = _planar_transport()
-    t.__init__(*args, planar_runs=True)
+    t.__init__(*args, runs=_whole_shards())
     k, v = args[0], args[1]
     sends, src, shape, planar = t.start((1, 0))  # to 1 (its whole shard), from 2 (2's whole shard)
     assert src == 2 and planar and shape == (4, 2, 16)  # post lands it as [2, 4, 2, 8]
@@ -137,7 +145,7 @@ def test_a_whole_shard_travels_planar_as_its_k_and_v_rows():
     assert t.gradients_planar((1, 0)) == (True, True) and t.gradients_planar((2, 0)) == (False, False)
     for dv, on in ((6, True), (4, False)):
         t, args = _planar_transport(dv)
-        t.__init__(*args, planar_runs=on)
+        t.__init__(*args, runs=_whole_shards() if on else None)
         sends, _, shape, planar = t.start((1, 0))
         assert not planar and len(sends) == 1 and shape == (4, 2, 8 + 2 * dv)
 
@@ -151,7 +159,7 @@ def test_a_run_of_a_shard_travels_planar_where_both_ends_read_it_so():
     t, (k, v, *rest) = _planar_transport()
     counts = torch.tensor([[0, 3, 3], [5, 0, 0], [8, 0, 0]])
     rest[-2:] = [[None, torch.tensor([1, 4, 6]), torch.tensor([2, 3, 4])], counts]
-    t.__init__(k, v, *rest, planar_runs=True, runs=PairRuns((None, None, 2), (False, True, False)))
+    t.__init__(k, v, *rest, runs=PairRuns((None, None, 2), (False, True, False)))
     sends, src, shape, planar = t.start((2, 0))  # to 2 (rows 2..4, a run), from 1 (a run of its rows)
     assert src == 1 and planar and shape == (4, 2, 16)
     (k_rows, dst_k), (v_rows, dst_v) = sends
@@ -164,8 +172,8 @@ def test_a_run_of_a_shard_travels_planar_where_both_ends_read_it_so():
     (fused, dst), = sends
     assert dst == 1 and torch.equal(fused, fused_rows(k, v, torch.tensor([1, 4, 6])))
     assert t.gradients_planar((2, 0)) == (True, True) and t.gradients_planar((1, 0)) == (False, False)
-    t.__init__(k, v, *rest, planar_runs=False, runs=PairRuns((None, None, 2), (False, True, False)))
-    assert not t.start((2, 0))[3] and len(t.start((2, 0))[0]) == 1  # planar_runs off: fused
+    t.__init__(k, v, *rest, runs=None)
+    assert not t.start((2, 0))[3] and len(t.start((2, 0))[0]) == 1  # no PairRuns: fused
 
 
 class _RecordedRing(RingTransport):

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from megatron_ext.testing import WorkerPool, reference_attention
-from megatron_ext.testing.cases import make_doc_ids
+from megatron_ext.testing.cases import make_doc_ids, thd_doc_ids
 from real_libraries import FLASH_VERSIONS, TE_VERSIONS, missing_reason
 
 TOL = 1e-5  # the libraries hand the lse over in fp32 (and TE runs fp32: _dtype)
@@ -185,13 +185,11 @@ def w_installed():
 
 
 def _thd_padded(doc_ids: torch.Tensor, cp: int) -> torch.Tensor:
-    """doc_ids with every document padded at its end to a multiple of 2 * cp, as THD packs them (any layout
-    takes them; thd needs them so)."""
-    parts = []
-    for doc in torch.unique_consecutive(doc_ids):
-        n = int((doc_ids == doc).sum())
-        parts += [torch.full((n,), int(doc)), torch.zeros(-n % (2 * cp), dtype=torch.long)]
-    return torch.cat(parts)
+    """doc_ids (documents 1..n, no padding) with every document padded at its end to a multiple of 2 * cp,
+    as THD packs them (any layout takes them; thd needs them so)."""
+    lengths = torch.unique_consecutive(doc_ids, return_counts=True)[1]
+    extents = -(-lengths // (2 * cp)) * (2 * cp)
+    return thd_doc_ids(*(torch.nn.functional.pad(n.cumsum(0), (1, 0)) for n in (lengths, extents)))
 
 
 def w_engine(cp, case, window, heads, strict=False):
