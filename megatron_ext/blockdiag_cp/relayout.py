@@ -4,9 +4,10 @@
         rank 0: A0 A1 A6 A7 B0 B3 C0 C3          rank 1: A2 A3 A4 A5 B1 B2 C1 C2
     balanced (short documents whole where the costs allow):
         rank 0: A0 .. A7                         rank 1: B0 .. B3 C0 .. C3
-    q, k, v: one all-to-all-v each (all three in flight at once), the batch's rows -> the balanced
-    rows; the streamed op on the balanced state (its own K/V exchange of what it still needs: here
-    nothing); the output: one all-to-all-v back.
+    q, k, v: one all-to-all-v each, the batch's rows -> the balanced rows; the streamed op on the
+    balanced state (its own K/V exchange of what it still needs: here nothing); the output: one
+    all-to-all-v back. A group of heads at a time (``head_groups``): the next group's rows travel
+    while one is attended, its output goes home while the next one is.
 
 Why: TE's THD partition cuts every document into 2 * cp chunks, so at high cp each short
 document's rows are on every rank. Every rank then needs (cp - 1) / cp of every document's keys,
@@ -19,20 +20,21 @@ document's rows come back to the same cut and move for nothing.
 Every rank computes the same two layouts from the replicated doc ids, so the split sizes of
 every all-to-all are known on every rank without a count exchange. Both layouts list a rank's
 rows in ascending global position, so rows from one source arrive in the target's order: one
-gather before the all-to-all, one after.
+gather before the all-to-all, one after (home: a scatter into the group's heads).
 
-Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the row all-to-all primitive,
-one autograd Function (forward one way, backward the other), ``relaid_attention``.
+Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the row moves (``RowMove``, and
+``RowMoves``: one all-to-all-v per group and tensor), the autograd Function that pipelines the head
+groups (``head_groups``), ``relaid_attention``.
 """
 
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 
-from .exchange import all_to_alls, needed_gradients
+from .head_groups import MAX_HEAD_GROUPS_EXCHANGING, Posted, head_group_attention, head_groups
 from .layouts import Layout
-from .streamed import streamed_attention
 
 # ---------------------------------------------------------------------------
 # Primitives
@@ -90,11 +92,38 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def _move_rows(xs: Tuple[torch.Tensor, ...], move: RowMove, group) -> Tuple[torch.Tensor, ...]:
-    """Each [L, ...] of ``xs``, rows in the source layout's local order -> [L, ...] in the target's: a
-    gather, the all-to-alls in flight together (``exchange.all_to_alls``), a gather."""
-    return all_to_alls((x.index_select(0, move.send_order) for x in xs), group,
-                       lambda i, received: received.index_select(0, move.placed), move.send_counts, move.recv_counts)
+class RowMoves:
+    """The ``head_groups`` route of a re-laid call: one group of heads at a time, the rows from the batch's
+    layout to the target's (``there``) and home (``back``), one ``all_to_all_single`` each: a gather before,
+    a gather (or, home, a scatter into the caller's heads) after."""
+
+    def __init__(self, there: RowMove, back: RowMove, group, rank: int, stats: Dict):
+        self.there, self.back_move, self.group, self.rank, self.stats = there, back, group, rank, stats
+
+    def to(self, x: torch.Tensor, groups: int, g: int, backward: bool = False) -> Posted:
+        """x [L, b, H, D] in the batch's layout -> (posted) group g's heads [L, b, H / groups, D] in the target's."""
+        h = x.shape[2] // groups
+        sent = x[:, :, g * h:(g + 1) * h].index_select(0, self.there.send_order)
+        return self._post(sent, self.there, backward, lambda received: received.index_select(0, self.there.placed))
+
+    def back(self, y: torch.Tensor, into: torch.Tensor, groups: int, g: int, backward: bool = False) -> Posted:
+        """y [L, b, h, D] group g's heads in the target's layout -> (posted) into ``into``'s heads of group g,
+        [L, b, groups * h, D] in the batch's layout."""
+        h = y.shape[2]
+        sent = y.index_select(0, self.back_move.send_order)
+
+        def place(received):  # home row there.send_order[i] takes received row i (back.placed's inverse)
+            into[:, :, g * h:(g + 1) * h].index_copy_(0, self.there.send_order, received)
+
+        return self._post(sent, self.back_move, backward, place)
+
+    def _post(self, sent: torch.Tensor, move: RowMove, backward: bool, finish) -> Posted:
+        prefix = "backward_" if backward else ""
+        _count(self.stats, prefix + "relayout_bytes", sent, move, self.rank)
+        received = torch.empty_like(sent)  # every rank holds L rows in either layout
+        work = dist.all_to_all_single(received, sent, move.recv_counts, move.send_counts, group=self.group,
+                                      async_op=True)
+        return Posted(work, sent, received, finish, self.stats, prefix + "relayout_wait_seconds")
 
 
 def _count(stats: Dict, key: str, x: torch.Tensor, move: RowMove, rank: int) -> None:
@@ -102,32 +131,6 @@ def _count(stats: Dict, key: str, x: torch.Tensor, move: RowMove, rank: int) -> 
     sent, received = move.moved_rows(rank)
     stats[key + "_sent"] = stats.get(key + "_sent", 0) + sent * row
     stats[key + "_received"] = stats.get(key + "_received", 0) + received * row
-
-
-# ---------------------------------------------------------------------------
-# Autograd Function
-# ---------------------------------------------------------------------------
-
-
-class _MoveRows(torch.autograd.Function):
-    """Forward: the rows of every tensor from one layout to the other (``there``), all moves in flight at
-    once. Backward: their gradients back (``back``), likewise."""
-
-    @staticmethod
-    def forward(ctx, there: RowMove, back: RowMove, group, rank: int, stats: Dict, *xs):
-        ctx.back, ctx.group, ctx.rank, ctx.stats = back, group, rank, stats
-        for x in xs:
-            _count(stats, "relayout_bytes", x, there, rank)
-        return _move_rows(xs, there, group)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        def move(picked):
-            for grad in picked:
-                _count(ctx.stats, "backward_relayout_bytes", grad, ctx.back, ctx.rank)
-            return _move_rows(picked, ctx.back, ctx.group)
-
-        return (None,) * 5 + needed_gradients(grads, ctx.needs_input_grad[5:], move)
 
 
 # ---------------------------------------------------------------------------
@@ -164,12 +167,12 @@ def relaid_attention(q, k, v, softmax_offset, state, backend: str, scale: float,
     stats = state.comm_stats
     for key in [key for key in stats if key.startswith("relayout_")]:
         del stats[key]  # this call's figures only (a model's layers share the state)
-    q_t, k_t, v_t = _MoveRows.apply(there, back, state.group, state.rank, stats, q, k, v)
     inner = relaid.state
     inner.kv_row_bytes = state.kv_row_bytes
-    out_t = streamed_attention(q_t, k_t, v_t, softmax_offset, inner, backend, scale, dropout_p, window)
-    out, = _MoveRows.apply(back, there, state.group, state.rank, stats, out_t)
-    return out
+    # The target's attention exchanges K / V per call: each group moves its own K / V heads
+    groups = head_groups(q.shape[2], k.shape[2], kv_whole_allowed=False, most=MAX_HEAD_GROUPS_EXCHANGING)
+    route = RowMoves(there, back, state.group, state.rank, stats)
+    return head_group_attention(route, groups, inner, q, k, v, softmax_offset, backend, scale, dropout_p, window)
 
 
-__all__ = ["RowMove", "Relaid", "relaid_attention"]
+__all__ = ["RowMove", "RowMoves", "Relaid", "relaid_attention"]

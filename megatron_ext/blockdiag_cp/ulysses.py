@@ -8,9 +8,11 @@
         rank 0 holds a d, heads 0-3      -->  rank 0 holds a b c d, heads 0 1
         rank 1 holds b c, heads 0-3      -->  rank 1 holds a b c d, heads 2 3
 
-Two all-to-alls replace the K/V exchange: q, k and v go from sequence shards to head shards (the
-three in flight at once), the output comes back the same way. In between each rank runs the
-engine's single-rank op over the padded pack in global order: one plan of every document of every
+All-to-alls replace the K/V exchange: q, k and v go from sequence shards to head shards, the output
+comes back the same way, a group of the rank's heads at a time (``head_groups``: the next group's
+move travels while one is attended, its output goes home while the next is; K / V heads fewer than
+the groups move whole first). In between each rank runs the engine's single-rank op over the padded
+pack in global order: one plan of every document of every
 row (windows as bottom-right windows, sinks as the rank's share of ``softmax_offset``), so the
 kernel path (te -> flash -> dense), dropout replay and kernel-failure handling are the engine's own. No
 merge, no plan of needed keys, every rank does the same work whatever the documents; the
@@ -34,88 +36,65 @@ refused with the numbers otherwise). K/V heads split when ``Hkv % u == 0``; othe
 head is repeated ``r = u / gcd(Hkv, u)`` times first, so each rank's query heads keep their own
 K/V heads; the repeat's gradient sums back through autograd.
 
-Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the all-to-all primitives, one
-autograd Function for the all-to-alls (either direction; backward is the other), and
-``ulysses_attention``.
+Three tiers, as megatron-core's ``tensor_parallel/mappings.py``: the all-to-all route (``HeadShards``),
+the autograd Function that pipelines the head groups (``head_groups``), and ``ulysses_attention``.
 """
 
 from math import gcd
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .agreement import BlockDiagCPError
-from .exchange import all_to_alls, needed_gradients
-from .streamed import streamed_attention
+from .head_groups import MAX_HEAD_GROUPS, MAX_HEAD_GROUPS_EXCHANGING, Posted, head_group_attention, head_groups
 
 # ---------------------------------------------------------------------------
 # Primitives
 # ---------------------------------------------------------------------------
 
 
-def _sequence_to_heads(xs: Sequence[torch.Tensor], group, cp: int, order: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """Each [L, b, H, D] this rank's positions, every head -> [cp * L, b, H / cp, D] every rank's positions,
-    this rank's heads, rows in ``order`` (of the source-rank-major rows)."""
-    def heads(i, received):
-        L, b, H, D = xs[i].shape
-        return received.reshape(cp * L, b, H // cp, D).index_select(0, order)
+class HeadShards:
+    """The ``head_groups`` route of the Ulysses group: one group of heads at a time, every rank's sequence
+    shard <-> this rank's head shard, one ``all_to_all_single`` each way.
 
-    # [cp, L, b, H / cp, D] block j: the heads of rank j
-    return all_to_alls((x.reshape(x.shape[0], x.shape[1], cp, x.shape[2] // cp, x.shape[3]).permute(2, 0, 1, 3, 4)
-                        for x in xs), group, heads)
-
-
-def _heads_to_sequence(ys: Sequence[torch.Tensor], group, cp: int, order: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """Each [cp * L, b, h, D] every rank's positions, this rank's heads, taken in ``order`` to source-rank-major
-    rows -> [L, b, cp * h, D] this rank's positions, every head: the inverse of ``_sequence_to_heads``."""
-    def sequence(i, received):  # [cp, L, b, h, D] block i: heads of rank i
-        P, b, h, D = ys[i].shape
-        return received.permute(1, 2, 0, 3, 4).reshape(P // cp, b, cp * h, D)
-
-    return all_to_alls((y.index_select(0, order).reshape(cp, y.shape[0] // cp, *y.shape[1:]) for y in ys),
-                       group, sequence)
-
-
-# ---------------------------------------------------------------------------
-# Autograd Functions
-# ---------------------------------------------------------------------------
-
-
-class _AllToAllHeads(torch.autograd.Function):
-    """Forward: sequence shards -> head shards (``to_heads``) or back, every tensor's all-to-all in flight
-    at once. Backward: their gradients the other direction, likewise.
-
-    ``to_local`` orders the head shards' source-rank-major rows as the heads state's local ones, and
+    ``to_local`` orders the head shard's source-rank-major rows as the heads state's local ones, and
     ``to_ranks`` back (two inverse permutations): the all-to-all's rows and the state's are one gather
-    apart, each way."""
+    apart, each way. Rank j's block of a tensor's H heads is [j * H / cp, (j + 1) * H / cp); group g of
+    ``groups`` is the g-th slice of every block."""
 
-    @staticmethod
-    def forward(ctx, group, cp: int, stats: dict, to_heads: bool, to_local, to_ranks, *xs):
-        ctx.group, ctx.cp, ctx.stats, ctx.to_heads = group, cp, stats, to_heads
-        ctx.to_local, ctx.to_ranks = to_local, to_ranks
-        for x in xs:
-            _count(stats, "", x, cp)
-        if to_heads:
-            return _sequence_to_heads(xs, group, cp, to_local)
-        return _heads_to_sequence(xs, group, cp, to_ranks)
+    def __init__(self, group, cp: int, to_local: torch.Tensor, to_ranks: torch.Tensor, stats: dict):
+        self.group, self.cp, self.to_local, self.to_ranks, self.stats = group, cp, to_local, to_ranks, stats
 
-    @staticmethod
-    def backward(ctx, *grads):
-        def move(picked):
-            for grad in picked:
-                _count(ctx.stats, "backward_", grad, ctx.cp)
-            if ctx.to_heads:
-                return _heads_to_sequence(picked, ctx.group, ctx.cp, ctx.to_ranks)
-            return _sequence_to_heads(picked, ctx.group, ctx.cp, ctx.to_local)
+    def to(self, x: torch.Tensor, groups: int, g: int, backward: bool = False) -> Posted:
+        """x [L, b, H, D] this rank's positions, every head -> (posted) [cp * L, b, H / cp / groups, D] every
+        rank's positions of group g's heads of this rank, rows in ``to_local`` order."""
+        L, b, H, D = x.shape
+        h = H // self.cp // groups
+        sent = x.reshape(L, b, self.cp, groups, h, D)[:, :, :, g].permute(2, 0, 1, 3, 4).contiguous()  # [cp, L, b, h, D]
+        return self._post(sent, backward, lambda received: received.view(self.cp * L, b, h, D).index_select(
+            0, self.to_local))
 
-        return (None,) * 6 + needed_gradients(grads, ctx.needs_input_grad[6:], move)
+    def back(self, y: torch.Tensor, into: torch.Tensor, groups: int, g: int, backward: bool = False) -> Posted:
+        """y [P, b, h, D] every rank's positions of this rank's group g heads, in ``to_local`` order -> (posted)
+        into ``into`` [L, b, cp * groups * h, D], this rank's positions, group g's heads of every rank."""
+        P, b, h, D = y.shape
+        L = P // self.cp
+        sent = y.index_select(0, self.to_ranks).view(self.cp, L, b, h, D)  # block j: rank j's positions
 
+        def place(received):  # [cp, L, b, h, D] block i: rank i's heads of group g
+            into.view(L, b, self.cp, groups, h, D)[:, :, :, g].copy_(received.permute(1, 2, 0, 3, 4))
 
-def _count(stats: dict, prefix: str, x: torch.Tensor, cp: int) -> None:
-    """Bytes this rank sends (and receives: the all-to-all is symmetric) for ``x``: all but its own block."""
-    moved = x.numel() * x.element_size() * (cp - 1) // cp
-    for key in ("bytes_sent", "bytes_received"):
-        stats[prefix + key] = stats.get(prefix + key, 0) + moved
+        return self._post(sent, backward, place)
+
+    def _post(self, sent, backward: bool, finish) -> Posted:
+        prefix = "backward_" if backward else ""
+        moved = sent.numel() * sent.element_size() * (self.cp - 1) // self.cp  # all but its own block, each way
+        for key in ("bytes_sent", "bytes_received"):
+            self.stats[prefix + key] = self.stats.get(prefix + key, 0) + moved
+        received = torch.empty_like(sent)
+        work = dist.all_to_all_single(received, sent, group=self.group, async_op=True)
+        return Posted(work, sent, received, finish, self.stats, prefix + "wait_seconds")
 
 
 # ---------------------------------------------------------------------------
@@ -153,17 +132,18 @@ def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, ba
     stats = state.comm_stats
     for key in [key for key in stats if not key.startswith("backward_")]:
         del stats[key]  # this call's figures only (a model's layers share the state)
-    # [n, b, H / cp, D] in the heads state's local order: global order in one dimension, the ring layout's in two
-    q_h, k_h, v_h = _AllToAllHeads.apply(group, cp, stats, True, to_local, to_ranks, q, k, v)
-    if two_dim:
-        heads_state.kv_row_bytes = k_h[0].numel() * k_h.element_size() + v_h[0].numel() * v_h.element_size()
+    hq, hkv = q.shape[2] // cp, k.shape[2] // cp  # this rank's heads
+    if two_dim:  # the ring level's K / V rows: this rank's heads of one position
+        heads_state.kv_row_bytes = (k.shape[1] * hkv * (k.shape[3] + v.shape[3])) * k.element_size()
     sink = None
     if softmax_offset is not None:
-        share, place = q.shape[2] // cp, state.rank % cp  # place in the Ulysses group
-        sink = softmax_offset[place * share:(place + 1) * share]  # [Hq / cp]: this rank's heads
-    out_h = streamed_attention(q_h, k_h, v_h, sink, heads_state, backend, scale, dropout_p, window)  # [n, b, Hq / cp, Dv]
-    out, = _AllToAllHeads.apply(group, cp, stats, False, to_local, to_ranks, out_h)
-    return out
+        place = state.rank % cp  # place in the Ulysses group
+        sink = softmax_offset[place * hq:(place + 1) * hq]  # [Hq / cp]: this rank's heads
+    # A ring level exchanges K / V per call: K / V moved whole would cross it once per group
+    groups = head_groups(hq, hkv, kv_whole_allowed=not two_dim,
+                         most=MAX_HEAD_GROUPS_EXCHANGING if two_dim else MAX_HEAD_GROUPS)
+    route = HeadShards(group, cp, to_local, to_ranks, stats)
+    return head_group_attention(route, groups, heads_state, q, k, v, sink, backend, scale, dropout_p, window)
 
 
 __all__ = ["ulysses_attention", "kv_head_repeats"]

@@ -340,8 +340,9 @@ def test_layer_call_counts_are_pinned(pool2, pool4, exchange):
 
 
 # Per rank, (forward, backward) of a steady call moved to balanced: (kernel calls, launching ops, transfers,
-# syncs); every document whole, so one kernel call and no K/V exchange, 4 all-to-alls of 3 peers each way.
-RELAID_PINNED = [[(1, 8, 24, 0), (1, 8, 24, 0)]] * 4
+# syncs); every document whole, so per group of heads (2: ``head_groups``) one kernel call and no K/V
+# exchange, 4 all-to-alls of 3 peers each way.
+RELAID_PINNED = [[(2, 16, 48, 0), (2, 16, 48, 0)]] * 4
 THD_PINNED = [[(7, 18, 15, 0), (7, 42, 30, 0)], [(6, 15, 15, 0), (6, 37, 30, 0)],  # the same documents in thd
               [(5, 9, 15, 0), (5, 30, 30, 0)], [(4, 3, 15, 0), (4, 23, 30, 0)]]
 
@@ -360,9 +361,9 @@ def relaid_counts(relayout):
 @pytest.mark.timeout(120)
 def test_relayout_attends_short_thd_documents_in_fewer_calls(pool4):
     """thd cuts each short document over all 4 ranks: a call per source rank, each merging into every row
-    (a write, an open, merges and a close: one op each). Moved to balanced, the documents are whole: the
-    local keys' calls and the rows of the one document cut, q / k / v / out each one all-to-all (3 peers:
-    6 messages), no sync after the first call."""
+    (a write, an open, merges and a close: one op each). Moved to balanced, the documents are whole: one
+    call per group of heads, q / k / v / out each one all-to-all per group (3 peers: 6 messages), no sync
+    after the first call."""
     kept = pool4.run(relaid_counts, None)
     moved = pool4.run(relaid_counts, "balanced")
     for rank, ((thd, thd_syncs), (relaid, relaid_syncs)) in enumerate(zip(kept, moved)):

@@ -15,7 +15,7 @@ from megatron_ext.testing import WorkerPool, catch, pool_fixture, pool_per_cp_fi
 from megatron_ext.testing.cases import CASES, make_doc_ids
 from test_engine_dist import dropout_checks
 from test_two_dim import planned_step
-from test_ulysses import errors_against_reference, posts_against_reference
+from test_ulysses import errors_against_reference, pipelined_order, posts_against_reference
 from test_variants import _thd_padded
 
 LAYOUTS = ("contiguous", "zigzag", "thd")
@@ -160,20 +160,22 @@ def relaid_posts(needs_grad):
 
 
 @pytest.mark.timeout(120)
-def test_moves_of_q_k_v_and_their_gradients_are_in_flight_together(pool):
-    """Forward posts the all-to-alls of q, k and v before it waits for the first (the next tensor's rows
-    are gathered while the last one's move); backward moves dq, dK and dV back the same way, only those
-    an input needs (here: every one, or q's alone), and the gradients match the reference."""
+def test_head_groups_are_pipelined_one_ahead(pool):
+    """6 query heads over 2 K / V heads go in 2 groups, K / V split alike (the balanced layout's attention
+    exchanges K / V per call, so they move with their group): each group's q, k and v move while the group
+    before it is attended, its output goes home as soon as attended; backward does the same with the
+    output's gradient and dq, dK and dV home (only those an input needs: here every one, or q's alone).
+    The gradients match the reference, and the bytes moved are every group's."""
     if pool.world != 2:
         pytest.skip("one cp is enough")
     hq, hkv, dk, dv = HEADS
     for needs_grad, back in (((True, True, True), 3), ((True, False, False), 1)):
         for (forward, backward), errors, report, sent, received in pool.run(relaid_posts, needs_grad):
             assert max(errors) < TOL and len(errors) == 1 + back, (needs_grad, errors)
-            posts = [n for kind, n in forward if kind == "post"][:3]
-            assert forward[:6] == [("post", n) for n in posts] + [("wait", n) for n in posts], forward
-            posts = [n for kind, n in backward if kind == "post"][-back:]
-            assert backward[-2 * back:] == [("post", n) for n in posts] + [("wait", n) for n in posts], backward
+            firsts = [min(n for kind, n in order if kind == "post") for order in (forward, backward)]
+            want_forward, want_backward = pipelined_order(2, False, needs_grad, firsts)
+            assert forward == want_forward, forward
+            assert backward == want_backward, backward
             # back: the output's gradient there, and the inputs' gradients asked for home
             grads = 8 * (hq * dk + (hkv * (dk + dv) if back == 3 else 0))
             assert report["backward_relayout_bytes_sent"] == sent * 8 * hq * dv + received * grads, report

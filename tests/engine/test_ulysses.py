@@ -140,15 +140,15 @@ def test_dropout_gradients_and_replayed_masks(pool):
         assert r["other_seed"] != r["same_seed"] and r["clean"] != r["out"], r
 
 
-def posts_against_reference(heads, needs_grad, build, seed, gathers=False):
+def posts_against_reference(heads, needs_grad, build, seed):
     """zigzag, short documents over this group, float64; ``needs_grad``: which of q, k, v require a
-    gradient; the state ``build(doc_ids)``. This rank's (forward, backward) posts and first waits as
-    ("post" | "wait", number of the post), with ``gathers`` also each row gather as ("gather", None), the
-    errors of out and of the gradients asked for against the reference, and the state."""
+    gradient; the state ``build(doc_ids)``. This rank's (forward, backward) posts, first waits and kernel
+    calls as ("post" | "wait", number of the post) and ("kernel", None) (one for calls in a row), the errors
+    of out and of the gradients asked for against the reference, and the state."""
     import torch.distributed as dist
 
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.testing.op_counter import OpCounter, OpEvent, PostEvent, WaitEvent
+    from megatron_ext.testing.op_counter import KernelEvent, OpCounter, PostEvent, WaitEvent
 
     doc_ids = make_doc_ids("short", 96, dist.get_world_size())
     hq, hkv, dk, dv = heads
@@ -168,50 +168,108 @@ def posts_against_reference(heads, needs_grad, build, seed, gathers=False):
             (out * state.shard(w)).sum().backward()
     errors = [_rel(out, state.shard(want))] + [_rel(t.grad, state.shard(f.grad))
                                                for t, f in zip(mine, full) if f.requires_grad]
+
     def entry(e):
         if isinstance(e, PostEvent):
             return ("post", e.post)
         if isinstance(e, WaitEvent):
             return ("wait", e.post)
-        return ("gather", None) if gathers and isinstance(e, OpEvent) and e.name == "index_select" else None
+        return ("kernel", None) if isinstance(e, KernelEvent) else None
 
-    orders = tuple([x for x in map(entry, counter.counts[phase].events) if x is not None]
-                   for phase in ("forward", "backward"))
-    return orders, errors, state
+    orders = []
+    for phase in ("forward", "backward"):
+        order = []
+        for x in map(entry, counter.counts[phase].events):
+            if x is not None and not (x == ("kernel", None) and order and order[-1] == x):
+                order.append(x)
+        orders.append(order)
+    return tuple(orders), errors, state
+
+
+def pipelined_order(count, kv_whole, needs_grad, first_posts=(1, 1)):
+    """The (forward, backward) order ``head_groups`` documents, as ``posts_against_reference`` records it,
+    posts numbered from ``first_post`` as they are made: forward posts group 0's moves in (K / V whole
+    first), then per group the next group's moves, waits for its own, attends it and posts its output
+    home; it waits for the outputs last. Backward likewise with the output's gradient, posting home per
+    group the gradients ``needs_grad`` asks for (K / V whole: after the last group). ``first_posts``: the
+    number of each phase's first post."""
+
+    def pipeline(first, ins_per_group, before, home_per_group, after):
+        posts = iter(range(first, first + 10 ** 6))
+        order, moves_in, home = [], {}, []
+        ahead = [next(posts) for _ in range(before)]
+        order += [("post", n) for n in ahead]
+        moves_in[0] = [next(posts) for _ in range(ins_per_group)]
+        order += [("post", n) for n in moves_in[0]] + [("wait", n) for n in ahead]
+        for g in range(count):
+            if g + 1 < count:
+                moves_in[g + 1] = [next(posts) for _ in range(ins_per_group)]
+                order += [("post", n) for n in moves_in[g + 1]]
+            order += [("wait", n) for n in moves_in[g]] + [("kernel", None)]
+            mine = [next(posts) for _ in range(home_per_group)]
+            order += [("post", n) for n in mine]
+            home += mine
+        last = [next(posts) for _ in range(after)]
+        return order + [("post", n) for n in last] + [("wait", n) for n in home + last]
+
+    need_q, need_k, need_v = needs_grad
+    forward = pipeline(first_posts[0], 1 if kv_whole else 3, 2 if kv_whole else 0, 1, 0)
+    kv_home = int(need_k) + int(need_v)
+    backward = pipeline(first_posts[1], 1, 0, int(need_q) + (0 if kv_whole else kv_home), kv_home if kv_whole else 0)
+    return forward, backward
 
 
 def ulysses_posts(needs_grad):
-    """``posts_against_reference`` of the ulysses exchange, with its row gathers: (orders, errors)."""
+    """``posts_against_reference`` of the ulysses exchange: (orders, errors, this rank's head groups)."""
     import megatron_ext.blockdiag_cp as bdcp
+    from megatron_ext.blockdiag_cp.head_groups import head_groups
 
-    orders, errors, _ = posts_against_reference(HEADS[0], needs_grad, lambda ids: bdcp.BlockDiagCPState.build(
-        ids, layout="zigzag", kv_exchange="ulysses", attn_backend="dense"), seed=9, gathers=True)
-    return orders, errors
+    orders, errors, state = posts_against_reference(HEADS[0], needs_grad, lambda ids: bdcp.BlockDiagCPState.build(
+        ids, layout="zigzag", kv_exchange="ulysses", attn_backend="dense"), seed=9)
+    cp, (hq, hkv) = state.cp, HEADS[0][:2]
+    return orders, errors, head_groups(hq // cp, hkv * (cp // math.gcd(hkv, cp)) // cp, kv_whole_allowed=True)
 
 
 @pytest.mark.timeout(120)
-def test_moves_of_q_k_v_and_their_gradients_are_in_flight_together(pool):
-    """Forward posts the all-to-alls of q, k and v before it waits for the first (the next tensor's blocks
-    are laid out while the last one's move), then the output's; backward the output's gradient, then dq,
-    dK and dV's the same way, only those an input needs (here: every one, or q's alone): each gradient's
-    rows are gathered after the last one's all-to-all was posted. The results match the reference."""
+def test_head_groups_are_pipelined_one_ahead(pool):
+    """The rank's 6 query heads over one K / V head at cp 2 go in 2 groups, K / V moved whole first: each
+    group's q moves while the group before it is attended, its output goes home as soon as attended, and
+    backward does the same with the output's gradient and dq, dK and dV home (only those an input needs:
+    here every one, or q's alone). The results match the reference."""
     if pool.world != 2:
         pytest.skip("one cp is enough")
-    gather = ("gather", None)
     for needs_grad, back in (((True, True, True), 3), ((True, False, False), 1)):
-        for (forward, backward), errors in pool.run(ulysses_posts, needs_grad):
+        for (forward, backward), errors, groups in pool.run(ulysses_posts, needs_grad):
             assert max(errors) < TOL and len(errors) == 1 + back, (needs_grad, errors)
-            gathered = backward
-            forward, backward = ([x for x in order if x != gather] for order in (forward, backward))
-            posts = [n for kind, n in forward if kind == "post"]
-            assert len(posts) == 4 and forward == [("post", n) for n in posts[:3]] + [
-                ("wait", n) for n in posts[:3]] + [("post", posts[3]), ("wait", posts[3])], forward
-            posts = [n for kind, n in backward if kind == "post"]
-            assert len(posts) == 1 + back and backward == [("post", posts[0]), ("wait", posts[0])] + [
-                ("post", n) for n in posts[1:]] + [("wait", n) for n in posts[1:]], backward
-            first = gathered.index(("post", posts[1]))
-            assert gathered[first - 1:] == [x for n in posts[1:] for x in (gather, ("post", n))] + [
-                ("wait", n) for n in posts[1:]], gathered
+            assert (groups.count, groups.kv_whole) == (2, True), groups
+            firsts = [min(n for kind, n in order if kind == "post") for order in (forward, backward)]
+            want_forward, want_backward = pipelined_order(2, True, needs_grad, firsts)
+            assert forward == want_forward, forward
+            assert backward == want_backward, backward
+
+
+@pytest.mark.parametrize("heads, kv_whole_allowed, want", [
+    ((6, 1), True, (2, 3, 1, True)),   # fewer K / V heads than groups: moved whole, two groups a head
+    ((6, 1), False, (1, 6, 1, False)),  # a ring level (or a re-laid call) exchanges them: one group
+    ((8, 8), False, (4, 2, 2, False)),  # K / V split alike, at most MAX_HEAD_GROUPS
+    ((32, 8), False, (4, 8, 2, False)),
+    ((4, 2), True, (4, 1, 2, True)),
+    ((8, 1), True, (2, 4, 1, True)),   # not 4: four groups on one K / V head would sum its gradient in float32
+    ((6, 3), True, (3, 2, 1, False)),
+    ((5, 5), True, (1, 5, 5, False)),  # 5 does not split into 2 to 4 groups
+])
+def test_head_groups_split_the_heads_evenly(heads, kv_whole_allowed, want):
+    from megatron_ext.blockdiag_cp.head_groups import head_groups
+
+    groups = head_groups(*heads, kv_whole_allowed=kv_whole_allowed)
+    assert (groups.count, groups.q_heads, groups.kv_heads, groups.kv_whole) == want, groups
+    # every group's query heads sit on the K / V heads it reads (GQA: query head i reads K / V head i // ratio)
+    ratio = heads[0] // heads[1]
+    for g in range(groups.count):
+        kv = groups.kv_of(g)
+        assert kv.stop - kv.start == (1 if groups.kv_whole else groups.kv_heads)
+        for i in range(g * groups.q_heads, (g + 1) * groups.q_heads):
+            assert kv.start <= i // ratio < kv.stop, (g, i, kv)
 
 
 @pytest.mark.timeout(120)
