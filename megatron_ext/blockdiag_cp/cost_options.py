@@ -38,6 +38,12 @@ over 3.3e12 B/s forward, backward 1.5x that: the elementwise time the gpu_model 
 thd and one-document packs (128k / cp 8), within 10%. Ulysses (r = 1) attends whole sequences: none.
 This is what separates a THD pack of short documents (every document on every rank) from the same
 documents relaid, whose K/V bytes can price alike.
+
+``overlap_seconds`` streams what the engine streams: the needed-only and all-gather exchanges behind
+compute (``CostModel.overlapped``), and the all-to-alls of ulysses, of 2-D's inner level and of the
+relaid rows a group of heads at a time (``head_groups``): hidden behind the attention but for the
+first group's move in and the last one's move home (``pipelined_seconds``). ``modeled_seconds``, which
+the per-step choice compares, overlaps nothing.
 """
 
 from dataclasses import dataclass, replace
@@ -71,7 +77,7 @@ class ExchangeOption:
     inter_node_bytes_max: int = 0  # of them, across nodes
     modeled_seconds: float = 0.0  # forward + backward, not overlapped
     ideal_seconds: float = 0.0  # total pairs / cp x seconds per pair
-    overlap_seconds: Optional[float] = None  # the outer exchange streamed behind compute (inner a2a exposed)
+    overlap_seconds: Optional[float] = None  # exchanges streamed behind compute, all-to-alls by head groups
     refused: str = ""
     relayout: str = "none"  # "balanced": the rows moved there for the attention (``relayout``)
     merge_seconds: float = 0.0  # of modeled_seconds: the busiest rank's merges of partial outputs
@@ -136,6 +142,23 @@ def ulysses_seconds(cost: CostModel, pairs: float, cp: int, bytes_intra: float, 
     comm = float(cost.comm_seconds(Traffic(intra, intra, inter, inter, zero, zero))[0])
     ideal = pairs / cp * cost.seconds_per_pair
     return ideal + comm, ideal, comm
+
+
+def pipelined_seconds(compute: float, moves: float, groups) -> float:
+    """Attention of ``compute`` seconds between all-to-alls of ``moves`` seconds (q, k, v in, the output home,
+    and backward the same), pipelined over head groups (``head_groups.HeadGroups``): the share no group
+    can hide is exposed, the rest as far as the attention lasts."""
+    hidden = min((1.0 - groups.exposed_share()) * moves, compute)
+    return compute + moves - hidden
+
+
+def head_groups_for(hq: int, kv_heads: int, exchanging: bool):
+    """The groups the engine takes for these per-rank heads (``head_groups.head_groups``): a call that
+    exchanges K / V itself (a ring level, a re-laid call) splits K / V with the groups, at most two."""
+    from .head_groups import MAX_HEAD_GROUPS, MAX_HEAD_GROUPS_EXCHANGING, head_groups
+
+    return head_groups(hq, kv_heads, kv_whole_allowed=not exchanging,
+                       most=MAX_HEAD_GROUPS_EXCHANGING if exchanging else MAX_HEAD_GROUPS)
 
 
 # -- merges: a row's partial outputs, one per rank its keys come from ------------
@@ -275,7 +298,8 @@ def price_option(doc_ids, cp: int, layout: str, exchange: str, u: int = 1,
     if r == 1:
         return replace(base, bytes_max=inner, inter_node_bytes_max=round(inner_inter),
                        modeled_seconds=ideal + inner_seconds, ideal_seconds=ideal,
-                       overlap_seconds=ideal + inner_seconds)
+                       overlap_seconds=pipelined_seconds(ideal, inner_seconds,
+                                                         head_groups_for(hq // u, hkv * repeats // u, False)))
     # Outer: the layout at r on Hq / u query heads and Hkv * rep / u K/V heads.
     kv_per_rank = hkv * repeats // u
     outer_dims = (hq // u, kv_per_rank, d, nbytes)
@@ -301,7 +325,9 @@ def price_option(doc_ids, cp: int, layout: str, exchange: str, u: int = 1,
     return replace(base, layout=s["layout"], bytes_max=inner + int(both.max()) * row_bytes,
                    inter_node_bytes_max=round(inner_inter) + int(inter.max()) * row_bytes,
                    modeled_seconds=outer_modeled + inner_seconds + merges, ideal_seconds=ideal,
-                   overlap_seconds=outer_overlap + inner_seconds + merges, merge_seconds=merges)
+                   overlap_seconds=pipelined_seconds(outer_overlap, inner_seconds,
+                                                     head_groups_for(hq // u, kv_per_rank, True)) + merges,
+                   merge_seconds=merges)
 
 
 # -- relayout: the rows moved to the balanced layout ----------------------------
@@ -369,7 +395,8 @@ def price_relaid(ids: torch.Tensor, cp: int, layout: str, exchange: str,
     return replace(base, bytes_max=moved_bytes + int(both.max()) * kv_row,
                    inter_node_bytes_max=inter_bytes + int(torch.maximum(traffic.inter_in, traffic.inter_out).max())
                    * kv_row, modeled_seconds=s["modeled_seconds"] + moves + merges, ideal_seconds=ideal,
-                   overlap_seconds=s["overlap_seconds"] + moves + merges, merge_seconds=merges)
+                   overlap_seconds=pipelined_seconds(s["overlap_seconds"], moves, head_groups_for(hq, hkv, True)) + merges,
+                   merge_seconds=merges)
 
 
 def default_options(cp: int, gpus_per_node: Optional[int] = None) -> List[Tuple[str, int]]:

@@ -22,8 +22,9 @@ model's modeled time of one layer forward + backward (``megatron_ext/blockdiag_c
 
       modeled = pairs / cp * seconds_per_pair + 2 * (B_nvlink / 400e9 + B_ib / 50e9)
 
-  (``CostModel.comm_seconds`` on those bytes in K/V-row units), with nothing overlapped: the
-  attention needs the first all-to-all, the second needs the attention.
+  (``CostModel.comm_seconds`` on those bytes in K/V-row units), with nothing overlapped; streamed, as
+  the engine moves them, a group of heads at a time (``cost_options.pipelined_seconds``): all but the
+  first group's move in and the last one's move home hidden behind the attention, as far as it lasts.
 - ``2d`` (two-dimensional CP, ``cost_options.price_option``): ulysses over u consecutive ranks inside
   a node, then a2a or hierarchical between the r = cp / u groups, for every u dividing cp and the 8
   GPUs per node with 1 < u < cp (128k / cp 8: u 2, 4; 1M / cp 64: u 2, 4, 8; hierarchical where a
@@ -50,7 +51,7 @@ import torch
 
 # The ulysses pricing is the library's (one place for the bench, the planner and a per-step chooser).
 from megatron_ext.blockdiag_cp.cost_options import (  # noqa: F401 - re-exported for the bench's tests
-    price_option, ulysses_forward_bytes, ulysses_link_bytes, ulysses_seconds)
+    head_groups_for, pipelined_seconds, price_option, ulysses_forward_bytes, ulysses_link_bytes, ulysses_seconds)
 
 GPUS_PER_NODE = 8
 # model -> (Hq, Hkv, head dim, dtype bytes)
@@ -143,7 +144,8 @@ def run(points=POINTS, mixes=MIXES, log=print) -> List[Dict]:
                     intra, inter = ulysses_link_bytes(local_len, hq, hkv, d, nbytes, cp, repeats,
                                                       GPUS_PER_NODE if link == "2lvl" else 0)
                     modeled, ideal, comm = ulysses_seconds(cost, pairs, cp, intra, inter, row_bytes)
-                    rows.append(_row(base, "ulysses", "any", cost, (0, 0, 0), row_bytes, modeled, modeled, ideal,
+                    streamed = pipelined_seconds(ideal, comm, head_groups_for(hq // cp, hkv * repeats // cp, False))
+                    rows.append(_row(base, "ulysses", "any", cost, (0, 0, 0), row_bytes, modeled, streamed, ideal,
                                      bytes_max=moved, bytes_received_max=moved, inter_node_bytes_max=round(inter),
                                      kv_head_repeats=repeats, comm_seconds=comm, work_max_over_mean=1.0))
                     rows += two_d_rows(base, ids, cp, dims, link)

@@ -924,8 +924,9 @@ def _choice_note(records):
             "model's time of forward + backward (`cost.py`: H200 bf16 attention at 500e12 FLOP/s, NVLink 400e9 B/s "
             "per GPU, IB 50e9 B/s per GPU; 128k / cp 8 on one NVLink node, 1M / cp 64 on 8 nodes of 8). `ms`: no "
             "overlap; `streamed`: the needed-only and all-gather exchanges streamed behind compute "
-            "(`CostModel.overlapped`, backward refetching), ulysses as without overlap (its attention needs the "
-            "first all-to-all and the second needs the attention). a2a / hierarchical: the better of the balanced "
+            "(`CostModel.overlapped`, backward refetching), ulysses' all-to-alls a group of heads at a time as the "
+            "engine moves them (`cost_options.pipelined_seconds`: all but the first group's move in and the last "
+            "one's move home hidden behind the attention, as far as it lasts). a2a / hierarchical: the better of the balanced "
             "and zigzag layouts (every row in the next table); all-gather: zigzag. Ulysses: (cp - 1) / cp of the "
             "local q, k and v (K/V heads repeated to split over cp) and out, its compute the ideal (total pairs / "
             "cp), the all-to-alls priced on NVLink inside a node and IB for the (cp - 8) / cp of each tensor that "
@@ -933,7 +934,7 @@ def _choice_note(records):
             "r = cp / u groups (`cost_options.price_option`: (u - 1) / u of the local q, k, v and out on NVLink, "
             "plus the layout at r priced with Hq / u and Hkv * repeats / u heads per rank over the outer level's "
             "links), the best over u (every u dividing cp and 8, 1 < u < cp), outer a2a or hierarchical and the "
-            "two layouts; `2d option` names it (streamed: the outer exchange streamed, the all-to-alls exposed). "
+            "two layouts; `2d option` names it (streamed: the outer exchange streamed, the all-to-alls by head groups). "
             "`least`: the exchange of least time (others within 1% named with it)."
             + (f" Ulysses is refused for {', '.join(refused)}: cp must divide the query heads." if refused else "")
             + " `scripts/bench/exchange_choice.py`.")
@@ -992,8 +993,8 @@ def _gm_measured_kernel(rows):
 
 
 def _gm_host_under_gpu(rows):
-    # The ulysses rows (model "gqa_heads") run the model's 32 query heads on the CPU, 8x the elements
-    # of the other rows' run dims, so their host time holds that much more CPU arithmetic: left out.
+    # The ulysses and relaid rows (model "gqa_heads") run the model's 32 query heads on the CPU, 8x the
+    # elements of the other rows' run dims, so their host time holds that much more CPU arithmetic: left out.
     return [Check(f"{_gm_label(r)}/{phase}", r[f"host_s_{phase}"] <= r[f"modeled_s_{phase}"],
                   r[f"host_s_{phase}"] / r[f"modeled_s_{phase}"])
             for r in _gpu_model_rows(rows) if r["ideal_fwd_s"] >= 1e-3 and r["model_key"] != "gqa_heads"
@@ -1004,7 +1005,7 @@ def _gm_dispatch_under_gpu(rows):
     # What a GPU's host spends issuing the call: the meta run's thread time (the op's Python, torch's
     # dispatch and shape functions, no CPU arithmetic) plus the model's launch term (7.5 µs a launching op,
     # kernel call and posted batch), which counts each op's dispatch a second time. Every row with the
-    # figure (hierarchical has none), the ulysses rows included: on meta their 32 heads cost nothing.
+    # figure (hierarchical has none), the ulysses and relaid rows included: on meta their 32 heads cost nothing.
     return [Check(f"{_gm_label(r)}/{phase}", value <= 1.0, value)
             for r in _gpu_model_rows(rows) if r["ideal_fwd_s"] >= 1e-3 and r.get("host_dispatch_s_fwd") is not None
             for phase in ("fwd", "bwd")
@@ -1062,12 +1063,12 @@ GPU_MODEL = Suite(
                _gm_worst, unit="case phases"),
         Target("gpu_model: host time with a null kernel <= modeled GPU time where the ideal is >= 1 ms "
                "(the slowest rank, each rank alone on the CPU; hierarchical: every rank at once on the shared "
-               "cores; the ulysses rows apart: their CPU runs the model's 32 heads)",
+               "cores; the ulysses and relaid rows apart: their CPU runs the model's 32 heads)",
                _gm_host_under_gpu, _gm_worst, unit="case phases"),
         Target("gpu_model: host time as a GPU's host spends it <= modeled GPU time where the ideal is >= 1 ms: "
                "the steady call on meta tensors (the op's Python and torch's dispatch, no CPU arithmetic; the "
                "slowest rank, each rank alone) plus the model's 7.5 µs a launching op, kernel call and posted "
-               "batch (hierarchical has no meta figure; the ulysses rows are in)",
+               "batch (hierarchical has no meta figure; the ulysses and relaid rows are in)",
                _gm_dispatch_under_gpu, _gm_worst, unit="case phases"),
     ),
     tables=(

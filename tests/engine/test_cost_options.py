@@ -88,6 +88,14 @@ def test_u_equal_to_cp_is_ulysses(cp, G):
     assert uly.modeled_seconds == pytest.approx(modeled, rel=1e-12)
     assert uly.ideal_seconds == pytest.approx(ideal, rel=1e-12)
     assert uly.merge_seconds == 0  # every head shard attends the whole sequence in one call
+    # Streamed, as the engine moves them: per rank 32 / cp query heads over one K/V head (8 * repeats / cp),
+    # two groups with K/V moved whole: K, V and group 0's q in and group 1's output home stay exposed, the
+    # rest hides behind the ideal as far as it lasts.
+    hq, hkv = 32 // cp, 8 * repeats // cp
+    assert hkv == 1
+    exposed = (2 * hkv + hq // 2 + hq // 2) / (2 * hq + 2 * hkv)
+    comm = modeled - ideal
+    assert uly.overlap_seconds == pytest.approx(ideal + comm - min((1 - exposed) * comm, ideal), rel=1e-12)
 
 
 @pytest.mark.parametrize("exchange", ["a2a", "allgather", "hierarchical"])
@@ -130,6 +138,22 @@ def test_2d_bytes_and_seconds_by_hand():
     assert opt.merge_seconds == pytest.approx(merges, rel=1e-12)
     assert opt.modeled_seconds == pytest.approx(100 * pair + 8 * position + a2a + merges, rel=1e-12)
     assert opt.ideal_seconds == pytest.approx(136 / 4 * 14 * 4 * 8 / 500e12, rel=1e-12)
+
+
+@pytest.mark.parametrize("heads, kv_whole_allowed, share", [
+    ((4, 1, True), True, (2 + 2 + 2) / 10),  # Llama-3-8B ulysses at cp 8: K/V whole, 2 groups of 2 q heads
+    ((32, 8, False), False, 0.5),  # relaid, 2 groups: 1 / 2 of every move
+    ((8, 8, True), True, 0.25),  # K/V split in 4 groups: 1 / 4
+    ((3, 1, True), True, 1.0),  # 3 query heads do not split in two: one group, all exposed
+])
+def test_pipelined_seconds_expose_the_first_move_in_and_the_last_home(heads, kv_whole_allowed, share):
+    from megatron_ext.blockdiag_cp.cost_options import head_groups_for, pipelined_seconds
+
+    groups = head_groups_for(heads[0], heads[1], exchanging=not kv_whole_allowed)
+    assert groups.exposed_share() == pytest.approx(share, rel=1e-12)
+    assert pipelined_seconds(10.0, 4.0, groups) == pytest.approx(10.0 + 4.0 * share, rel=1e-12)  # compute hides it
+    # link-bound: the moves, and what of the attention the hideable moves do not cover
+    assert pipelined_seconds(1.0, 4.0, groups) == pytest.approx(4.0 + max(0.0, 1.0 - (1 - share) * 4.0), rel=1e-12)
 
 
 def test_2d_across_nodes_prices_the_outer_level_on_ib():
@@ -201,6 +225,11 @@ def test_relaid_is_the_balanced_price_plus_the_moves_by_hand(layout):
     moves = 2 * max(max(a, b) for a, b in zip(sent, received)) * row / 400e9
     assert relaid.merge_seconds == pytest.approx(_busiest_merge_seconds(ids, s, 32), rel=1e-12)
     assert relaid.modeled_seconds == pytest.approx(s["modeled_seconds"] + moves + relaid.merge_seconds, rel=1e-9)
+    # Streamed: two head groups of 16 query and 4 K/V heads; group 0's q, k, v in (16 + 8 of 80 head rows) and
+    # group 1's output home (16) stay exposed, the rest hides behind the balanced layout's streamed time.
+    streamed = s["overlap_seconds"]
+    assert relaid.overlap_seconds == pytest.approx(
+        streamed + moves - min((1 - 40 / 80) * moves, streamed) + relaid.merge_seconds, rel=1e-9)
     assert max(sent) > 0
     assert "balanced already" in price_option(ids, cp, "balanced", "relaid a2a", dims=DIMS).refused
     assert "span several nodes" in price_option(ids, cp, layout, "relaid hierarchical", dims=DIMS).refused
