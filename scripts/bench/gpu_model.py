@@ -117,8 +117,9 @@ class Dims:
 
 MODELS = {"gqa": Dims("llama3_8b", 32, 8, 128), "mha": Dims("mha_32", 32, 32, 128),
           "gqa_heads": Dims("llama3_8b", 32, 8, 128)}
-# Same Hq / Hkv as the model. ``gqa_heads``: the model's own head counts (head dim 8), for ulysses,
-# whose split of the heads over cp (and K/V repeats) must be the model's.
+# Same Hq / Hkv as the model. ``gqa_heads``: the model's own head counts (head dim 8), for ulysses and
+# relayout, whose head groups (``head_groups``; and ulysses' split of the heads over cp, its K/V repeats)
+# must be the model's.
 RUN_DIMS = {"gqa": Dims("run_gqa", 4, 1, 8), "mha": Dims("run_mha", 2, 2, 8),
             "gqa_heads": Dims("run_gqa_heads", 32, 8, 8)}
 
@@ -767,9 +768,9 @@ FULL_POINTS = (
     (131072, 8, MIXES, ("balanced",), ("a2a",), (4096,), ("gqa",)),
     (131072, 8, ("single",), ("zigzag",), ("a2a",), (None,), ("mha",)),
     # relayout "balanced" (an 8th field): the layouts a batch arrives in, attended balanced; beside them
-    # ulysses (the model's own heads: its all-to-alls move the same kind of bytes).
-    (32768, 2, MIXES, ("zigzag", "thd"), ("a2a",), (None,), ("gqa",), "balanced"),
-    (131072, 8, MIXES, ("zigzag", "thd"), ("a2a", "hierarchical"), (None,), ("gqa",), "balanced"),
+    # ulysses (its all-to-alls move the same kind of bytes). Both with the model's own heads.
+    (32768, 2, MIXES, ("zigzag", "thd"), ("a2a",), (None,), ("gqa_heads",), "balanced"),
+    (131072, 8, MIXES, ("zigzag", "thd"), ("a2a", "hierarchical"), (None,), ("gqa_heads",), "balanced"),
     (131072, 8, MIXES, ("zigzag", "thd"), ("ulysses",), (None,), ("gqa_heads",)),
     # kv_backward "auto" (a 9th field; suite gpu_model_kv): what the knob's default resolves to, beside the
     # refetch rows above (at cp 2 it keeps the received K/V: backward fetches nothing)
