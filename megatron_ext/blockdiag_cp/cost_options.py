@@ -52,6 +52,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .cost import CostModel, DEFAULT_DIMS, LINK_BYTES_PER_SECOND, Traffic, normalize_link
+from .head_groups import head_groups_for
 
 ONE_D = ("allgather", "a2a", "halo", "hierarchical", "ulysses")
 HBM_BYTES_PER_SECOND = 3.3e12  # H200
@@ -150,15 +151,6 @@ def pipelined_seconds(compute: float, moves: float, groups) -> float:
     can hide is exposed, the rest as far as the attention lasts."""
     hidden = min((1.0 - groups.exposed_share()) * moves, compute)
     return compute + moves - hidden
-
-
-def head_groups_for(hq: int, kv_heads: int, exchanging: bool):
-    """The groups the engine takes for these per-rank heads (``head_groups.head_groups``): a call that
-    exchanges K / V itself (a ring level, a re-laid call) splits K / V with the groups, at most two."""
-    from .head_groups import MAX_HEAD_GROUPS, MAX_HEAD_GROUPS_EXCHANGING, head_groups
-
-    return head_groups(hq, kv_heads, kv_whole_allowed=not exchanging,
-                       most=MAX_HEAD_GROUPS_EXCHANGING if exchanging else MAX_HEAD_GROUPS)
 
 
 # -- merges: a row's partial outputs, one per rank its keys come from ------------

@@ -53,7 +53,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -190,40 +190,6 @@ def post_all_to_all(sent: torch.Tensor, send_counts: List[int], received: torch.
     stats[byte_key + "_sent"] = stats.get(byte_key + "_sent", 0) + _nbytes(sent)
     stats[byte_key + "_received"] = stats.get(byte_key + "_received", 0) + _nbytes(received)
     return Transfer([work], received, like.device, stats, wait_key)
-
-
-def all_to_alls(sends: Iterable[torch.Tensor], group, finish: Callable, send_counts: Optional[List[int]] = None,
-                recv_counts: Optional[List[int]] = None) -> Tuple[torch.Tensor, ...]:
-    """Each [n, ...] of ``sends`` through one ``all_to_all_single`` (rows per rank ``send_counts`` out and
-    ``recv_counts`` in, or equal blocks; n rows come back), then ``finish(i, received)``, in order.
-
-    Every all-to-all is posted before the first is waited for: where ``sends`` is a generator that makes
-    each tensor (a gather), the next one is made while the last one moves, and each received one is
-    finished while the next ones arrive. A send buffer is released once its all-to-all finished."""
-    posted = []
-    for x in sends:
-        x = x.contiguous()
-        received = torch.empty_like(x)
-        posted.append((dist.all_to_all_single(received, x, recv_counts, send_counts, group=group, async_op=True),
-                       received, x))
-    out = []
-    for i in range(len(posted)):
-        work, received, sent = posted[i]
-        posted[i] = None
-        work.wait()
-        del sent
-        out.append(finish(i, received))
-    return tuple(out)
-
-
-def needed_gradients(grads: Sequence[Optional[torch.Tensor]], needs_input_grad: Sequence[bool],
-                     move: Callable) -> Tuple[Optional[torch.Tensor], ...]:
-    """An autograd backward's gradients, those some input needs (``needs_input_grad``, one flag per
-    gradient) moved together by ``move`` (a tuple of them in, the moved ones out), None for the others.
-    Every rank's inputs need the same ones (one model), so every rank moves the same tensors."""
-    wanted = [i for i, need in enumerate(needs_input_grad) if need]
-    moved = dict(zip(wanted, move(tuple(grads[i].contiguous() for i in wanted))))
-    return tuple(moved.get(i) for i in range(len(grads)))
 
 
 def fused_width(k: torch.Tensor, v: torch.Tensor) -> int:
@@ -876,5 +842,4 @@ def return_gradient(grad_chunk, round_index: int, incoming_rows: int, rank: int,
 
 
 __all__ = ["RingTransport", "RingGradients", "RingReach", "NeededTransport", "WholeNeededTransport", "WholeDelivery", "GroupMessages", "HierarchicalTransport", "Transfer", "post", "post_into", "post_all_to_all", "receive_buffer", "return_gradient", "fused_rows", "fused_width", "planar_rows",
-           "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV", "all_to_alls",
-           "needed_gradients"]
+           "exposed_wait", "resolve_waits", "Pieces", "stage_collectives_on_cpu", "STAGE_COLLECTIVES_ENV"]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .exchange import exposed_wait
 from .streamed import HeldCall, streamed_backward, streamed_forward
@@ -87,6 +88,14 @@ def head_groups(q_heads: int, kv_heads: int, kv_whole_allowed: bool, most: int =
     return HeadGroups(1, q_heads, kv_heads, False)
 
 
+def head_groups_for(q_heads: int, kv_heads: int, exchanging: bool) -> HeadGroups:
+    """The groups a call takes for the rank's heads: one that exchanges K / V itself (a ring level, a re-laid
+    call) splits K / V with at most ``MAX_HEAD_GROUPS_EXCHANGING`` groups; the single-rank call takes up to
+    ``MAX_HEAD_GROUPS``, K / V moved whole where it has fewer K / V heads than that."""
+    return head_groups(q_heads, kv_heads, kv_whole_allowed=not exchanging,
+                       most=MAX_HEAD_GROUPS_EXCHANGING if exchanging else MAX_HEAD_GROUPS)
+
+
 class Posted:
     """A posted move: ``wait`` waits for it (the wait timed into ``stats[key]``, ``exchange.exposed_wait``) and
     returns ``finish`` of the received buffer (the rows placed). The send buffer lives until then."""
@@ -94,6 +103,15 @@ class Posted:
     def __init__(self, work, sent: torch.Tensor, received: torch.Tensor, finish: Callable, stats: Dict, key: str):
         self._work, self._sent, self._received, self._finish = work, sent, received, finish
         self._stats, self._key = stats, key
+
+    @classmethod
+    def all_to_all(cls, sent: torch.Tensor, group, finish: Callable, stats: Dict, key: str,
+                   send_counts: Optional[List[int]] = None, recv_counts: Optional[List[int]] = None) -> "Posted":
+        """``sent``'s rows to every rank of ``group`` by one ``all_to_all_single`` (``send_counts`` rows each,
+        ``recv_counts`` in, or equal blocks), as many rows coming back."""
+        received = torch.empty_like(sent)
+        work = dist.all_to_all_single(received, sent, recv_counts, send_counts, group=group, async_op=True)
+        return cls(work, sent, received, finish, stats, key)
 
     def wait(self):
         with exposed_wait(self._stats, self._key, self._received.device):
@@ -160,13 +178,13 @@ class _HeadGroupPipeline(torch.autograd.Function):
         for call in held:
             call.saved_tensors = ()  # kept by ctx from here: freed with its graph
         ctx.held = held
-        ctx.shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, None if sink is None else sink.dtype)
+        ctx.shapes = (q.shape, k.shape, v.shape, k.dtype, None if sink is None else sink.dtype)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         route, groups, inner, held = ctx.route, ctx.groups, ctx.inner, ctx.held
-        q_shape, k_shape, v_shape, q_dtype, k_dtype, sink_dtype = ctx.shapes
+        q_shape, k_shape, v_shape, k_dtype, sink_dtype = ctx.shapes
         saved, at = ctx.saved_tensors, 0
         for call, size in zip(held, ctx.sizes):
             call.saved_tensors, at = saved[at:at + size], at + size
@@ -228,5 +246,5 @@ def head_group_attention(route, groups: HeadGroups, inner, q, k, v, sink: Option
     return _HeadGroupPipeline.apply(route, groups, inner, backend, scale, dropout_p, window, q, k, v, sink)
 
 
-__all__ = ["HeadGroups", "head_groups", "head_group_attention", "Posted", "MAX_HEAD_GROUPS",
+__all__ = ["HeadGroups", "head_groups", "head_groups_for", "head_group_attention", "Posted", "MAX_HEAD_GROUPS",
            "MAX_HEAD_GROUPS_EXCHANGING"]

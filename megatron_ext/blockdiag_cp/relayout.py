@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .head_groups import MAX_HEAD_GROUPS_EXCHANGING, Posted, head_group_attention, head_groups
+from .head_groups import Posted, head_group_attention, head_groups_for
 from .layouts import Layout
 
 # ---------------------------------------------------------------------------
@@ -120,10 +119,9 @@ class RowMoves:
     def _post(self, sent: torch.Tensor, move: RowMove, backward: bool, finish) -> Posted:
         prefix = "backward_" if backward else ""
         _count(self.stats, prefix + "relayout_bytes", sent, move, self.rank)
-        received = torch.empty_like(sent)  # every rank holds L rows in either layout
-        work = dist.all_to_all_single(received, sent, move.recv_counts, move.send_counts, group=self.group,
-                                      async_op=True)
-        return Posted(work, sent, received, finish, self.stats, prefix + "relayout_wait_seconds")
+        # every rank holds L rows in either layout: as many come back as go
+        return Posted.all_to_all(sent, self.group, finish, self.stats, prefix + "relayout_wait_seconds",
+                                 move.send_counts, move.recv_counts)
 
 
 def _count(stats: Dict, key: str, x: torch.Tensor, move: RowMove, rank: int) -> None:
@@ -170,7 +168,7 @@ def relaid_attention(q, k, v, softmax_offset, state, backend: str, scale: float,
     inner = relaid.state
     inner.kv_row_bytes = state.kv_row_bytes
     # The target's attention exchanges K / V per call: each group moves its own K / V heads
-    groups = head_groups(q.shape[2], k.shape[2], kv_whole_allowed=False, most=MAX_HEAD_GROUPS_EXCHANGING)
+    groups = head_groups_for(q.shape[2], k.shape[2], exchanging=True)
     route = RowMoves(there, back, state.group, state.rank, stats)
     return head_group_attention(route, groups, inner, q, k, v, softmax_offset, backend, scale, dropout_p, window)
 

@@ -44,10 +44,9 @@ from math import gcd
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .agreement import BlockDiagCPError
-from .head_groups import MAX_HEAD_GROUPS, MAX_HEAD_GROUPS_EXCHANGING, Posted, head_group_attention, head_groups
+from .head_groups import Posted, head_group_attention, head_groups_for
 
 # ---------------------------------------------------------------------------
 # Primitives
@@ -92,9 +91,7 @@ class HeadShards:
         moved = sent.numel() * sent.element_size() * (self.cp - 1) // self.cp  # all but its own block, each way
         for key in ("bytes_sent", "bytes_received"):
             self.stats[prefix + key] = self.stats.get(prefix + key, 0) + moved
-        received = torch.empty_like(sent)
-        work = dist.all_to_all_single(received, sent, group=self.group, async_op=True)
-        return Posted(work, sent, received, finish, self.stats, prefix + "wait_seconds")
+        return Posted.all_to_all(sent, self.group, finish, self.stats, prefix + "wait_seconds")
 
 
 # ---------------------------------------------------------------------------
@@ -140,8 +137,7 @@ def ulysses_attention(q, k, v, softmax_offset: Optional[torch.Tensor], state, ba
         place = state.rank % cp  # place in the Ulysses group
         sink = softmax_offset[place * hq:(place + 1) * hq]  # [Hq / cp]: this rank's heads
     # A ring level exchanges K / V per call: K / V moved whole would cross it once per group
-    groups = head_groups(hq, hkv, kv_whole_allowed=not two_dim,
-                         most=MAX_HEAD_GROUPS_EXCHANGING if two_dim else MAX_HEAD_GROUPS)
+    groups = head_groups_for(hq, hkv, exchanging=two_dim)
     route = HeadShards(group, cp, to_local, to_ranks, stats)
     return head_group_attention(route, groups, heads_state, q, k, v, sink, backend, scale, dropout_p, window)
 

@@ -222,12 +222,12 @@ def pipelined_order(count, kv_whole, needs_grad, first_posts=(1, 1)):
 def ulysses_posts(needs_grad):
     """``posts_against_reference`` of the ulysses exchange: (orders, errors, this rank's head groups)."""
     import megatron_ext.blockdiag_cp as bdcp
-    from megatron_ext.blockdiag_cp.head_groups import head_groups
+    from megatron_ext.blockdiag_cp.head_groups import head_groups_for
 
     orders, errors, state = posts_against_reference(HEADS[0], needs_grad, lambda ids: bdcp.BlockDiagCPState.build(
         ids, layout="zigzag", kv_exchange="ulysses", attn_backend="dense"), seed=9)
     cp, (hq, hkv) = state.cp, HEADS[0][:2]
-    return orders, errors, head_groups(hq // cp, hkv * (cp // math.gcd(hkv, cp)) // cp, kv_whole_allowed=True)
+    return orders, errors, head_groups_for(hq // cp, hkv * (cp // math.gcd(hkv, cp)) // cp, exchanging=False)
 
 
 @pytest.mark.timeout(120)
