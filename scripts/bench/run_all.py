@@ -18,7 +18,7 @@ window (plan only: K/V bytes and work with and without a sliding window, 32k-128
 exchange_choice (plan only: bytes and modeled time of allgather, a2a, hierarchical and ulysses on the
 scale mixes at 128k / cp 8 and 1M / cp 64),
 gpu_model (the op's recorded op sequence with a null kernel, replayed on a modeled H200 roofline:
-32k / cp 2 every case, 128k / cp 8 a subset; scripts/bench/gpu_model.py; and, as suite
+every case at 32k / cp 2 and 128k / cp 8; scripts/bench/gpu_model.py; and, as suite
 gpu_model_loopback, the gpu_check loopback's ranks modeled beside what an H200 measured for them, and as
 gpu_model_kv, cases replayed with kv_backward "auto" beside their refetch rows),
 gpu_check (not in the default set; --dry-run runs it on CPU), dropin (not in the default set:
