@@ -768,6 +768,8 @@ FULL_POINTS = (
     # ulysses (its all-to-alls move the same kind of bytes). Both with the model's own heads.
     (32768, 2, MIXES, ("zigzag", "thd"), ("a2a",), (None,), ("gqa_heads",), "balanced"),
     (131072, 8, MIXES, ("zigzag", "thd"), ("a2a", "hierarchical"), (None,), ("gqa_heads",), "balanced"),
+    # with a 4k window, which turns thd's band mode off in place (a2a, one node)
+    (131072, 8, MIXES, ("zigzag", "thd"), ("a2a",), (4096,), ("gqa_heads",), "balanced"),
     (131072, 8, MIXES, ("zigzag", "thd"), ("ulysses",), (None,), ("gqa_heads",)),
     # kv_backward "auto" (a 9th field; suite gpu_model_kv): what the knob's default resolves to, beside the
     # refetch rows above (at cp 2 it keeps the received K/V: backward fetches nothing)
